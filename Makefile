@@ -1,0 +1,26 @@
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+export OMP_NUM_THREADS ?= 1
+
+.PHONY: demo test bench clean
+
+$(STAMP): setup.cfg pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[dev]'
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(PY) -m partitioner compile examples/gpt.py --out build/gpt --stages 2 --schedule 1f1b
+	$(PY) -m partitioner show build/gpt
+	$(PY) -m partitioner run build/gpt --nproc 2 --steps 5
+
+test: $(STAMP)
+	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+bench: $(STAMP)
+	$(PY) -m benchmarks
+
+clean:
+	rm -rf build $(VENV)

@@ -1,0 +1,1 @@
+"""Emit: Plan + graph -> stage source files and manifest.json."""

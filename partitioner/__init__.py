@@ -1,0 +1,1 @@
+"""Trace, cost and solve: the planning half of the compiler."""

@@ -1,0 +1,41 @@
+"""The one error hierarchy of the compiler.
+
+Every error a user can fix is a `PartitionerError`; the command line turns it into exit
+status 2 and a single paragraph on stderr, never a traceback.  A message names the thing
+that is wrong, what was expected, and the fix.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "PartitionerError",
+    "ModelFileError",
+    "TraceError",
+    "PlanError",
+    "InfeasiblePlanError",
+    "PackageError",
+]
+
+
+class PartitionerError(Exception):
+    """A problem with the user's input; the CLI reports it and exits with status 2."""
+
+
+class ModelFileError(PartitionerError):
+    """The model file is missing, does not import, or breaks the model-file convention."""
+
+
+class TraceError(PartitionerError):
+    """No tracer could turn the model into a graph."""
+
+
+class PlanError(PartitionerError):
+    """The options ask for a plan that cannot exist (bad stage count, schedule...)."""
+
+
+class InfeasiblePlanError(PlanError):
+    """No assignment of the graph to stages fits the memory limit."""
+
+
+class PackageError(PartitionerError):
+    """A generated package is missing, corrupt, or does not match this run."""

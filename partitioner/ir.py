@@ -1,0 +1,216 @@
+"""The plain-data IR that every package shares.
+
+This module imports nothing of ours (and nothing but the standard library), so the
+runtime can read a plan on a rank that has neither OR-Tools nor the solver installed.
+A `Plan` names graph nodes by their fx names and holds no `fx.Node`: it round-trips
+through JSON (`Plan.to_json` / `Plan.from_json`).
+
+[Note: stage boundaries]
+    Stages are numbered 0..S-1 in pipeline order.  Data only flows forward: for every
+    graph edge u -> v, stage(u) <= stage(v).  A value that crosses from stage a to a
+    later stage b is sent directly from a to b (never relayed through the stages in
+    between), and its gradient is sent back from b to a.  Model inputs are never sent:
+    every rank holds the whole batch and each stage reads the inputs it consumes
+    itself.  The graph's output node always lies in the last stage, so the last stage
+    returns the model's whole output, on which the loss is computed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = [
+    "BlockCost",
+    "Edge",
+    "NodeCost",
+    "Plan",
+    "PartitionProblem",
+    "SolverReport",
+    "StagePlan",
+    "SCHEDULES",
+    "optimizer_state_factor",
+]
+
+#: The pipeline schedules the runtime can interpret.
+SCHEDULES = ("gpipe", "1f1b", "interleaved")
+
+
+def optimizer_state_factor(optimizer: str) -> int:
+    """Bytes of optimizer state per byte of parameter (Adam keeps m and v; SGD none)."""
+    factors = {"adam": 2, "adamw": 2, "sgd": 0, "momentum": 1}
+    return factors[optimizer]
+
+
+@dataclass(frozen=True)
+class NodeCost:
+    """What one fx node costs, for one microbatch, on the machine it was measured on.
+
+    Times are seconds; memory is bytes.  `activation_bytes` counts the tensors autograd
+    saves for backward that are not parameters (measured with saved_tensors_hooks or,
+    analytically, estimated from the op); `output_bytes` is the size of the node's result,
+    which is what a stage boundary after this node would send.
+    """
+
+    name: str
+    forward_s: float = 0.0
+    backward_s: float = 0.0
+    flops: int = 0
+    param_bytes: int = 0
+    activation_bytes: int = 0
+    output_bytes: int = 0
+
+    @property
+    def time_s(self) -> float:
+        return self.forward_s + self.backward_s
+
+
+@dataclass(frozen=True)
+class BlockCost:
+    """A block of the coarsened graph: a contiguous run of nodes in topological order.
+
+    `param_bytes` counts each parameter once per block, even if several of the block's
+    nodes read it (tied parameters are charged to every block that reads them; a plan
+    that puts two such blocks on one stage charges them once: see `PartitionProblem`).
+    """
+
+    name: str
+    nodes: tuple[str, ...]
+    time_s: float
+    param_bytes: int
+    activation_bytes: int
+    flops: int = 0
+    params: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class Edge:
+    """A value produced by block `src` and read by block `dst` (src < dst)."""
+
+    src: int
+    dst: int
+    value: str
+    bytes: int
+
+
+@dataclass(frozen=True)
+class PartitionProblem:
+    """The stage-assignment problem as arrays: the solver's whole input.
+
+    Blocks are numbered in a topological order.  A solution assigns each block a stage
+    in [0, stages) with stage(src) <= stage(dst) for every edge.
+
+    Stage time (what is minimised, the slowest stage's):
+        sum of block times
+        + comm_alpha_s * (messages) + comm_beta_s_per_byte * (bytes)
+    where the stage's traffic is every distinct value it receives from an earlier stage
+    plus every value it sends to a later stage, counted once per receiving stage.
+    Forward activations and backward gradients both travel, so traffic counts twice.
+
+    Stage memory (must not exceed `memory_limit_bytes`):
+        param_bytes * (1 + 1 + optimizer_factor)   weights, gradients, optimizer state
+        + activation_bytes * inflight(stage)       microbatches whose activations are kept
+    with inflight(k) = microbatches for GPipe and min(stages - k, microbatches) for 1F1B.
+    """
+
+    block_time_s: tuple[float, ...]
+    block_param_bytes: tuple[int, ...]
+    block_activation_bytes: tuple[int, ...]
+    edges: tuple[Edge, ...]
+    stages: int
+    microbatches: int
+    schedule: str = "1f1b"
+    memory_limit_bytes: int | None = None
+    optimizer_factor: int = 2
+    comm_alpha_s: float = 0.0
+    comm_beta_s_per_byte: float = 0.0
+    block_names: tuple[str, ...] = ()
+    #: parameter names read by each block, to charge a tied parameter once per stage
+    block_params: tuple[tuple[str, ...], ...] = ()
+    param_bytes_by_name: tuple[tuple[str, int], ...] = ()
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.block_time_s)
+
+    def inflight(self, stage: int) -> int:
+        """Microbatches whose activations stage `stage` holds at its peak."""
+        if self.schedule == "gpipe":
+            return self.microbatches
+        return min(self.stages - stage, self.microbatches)
+
+
+@dataclass(frozen=True)
+class SolverReport:
+    """How the plan was found: method, objective, the bound CP-SAT proved, and timing."""
+
+    method: str
+    objective_s: float
+    lower_bound_s: float
+    wall_s: float
+    status: str = ""
+    blocks: int = 0
+    nodes: int = 0
+
+    @property
+    def gap(self) -> float:
+        if self.objective_s <= 0:
+            return 0.0
+        return max(0.0, (self.objective_s - self.lower_bound_s) / self.objective_s)
+
+
+@dataclass(frozen=True)
+class StagePlan:
+    """One pipeline stage of a plan: its nodes by fx name and its predicted cost."""
+
+    index: int
+    nodes: tuple[str, ...]
+    time_s: float = 0.0
+    compute_s: float = 0.0
+    comm_s: float = 0.0
+    memory_bytes: int = 0
+    param_bytes: int = 0
+    activation_bytes: int = 0
+    send_bytes: int = 0
+    recv_bytes: int = 0
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A whole plan: stages, mesh, schedule and what the solver said about it."""
+
+    stages: tuple[StagePlan, ...]
+    schedule: str
+    microbatches: int
+    pp: int
+    tp: int = 1
+    dp: int = 1
+    virtual_stages: int = 1
+    report: SolverReport | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.stages)
+
+    def stage_of(self) -> dict[str, int]:
+        """fx node name -> stage index."""
+        return {n: s.index for s in self.stages for n in s.nodes}
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), indent=1, sort_keys=True)
+
+    @staticmethod
+    def from_json(text: str) -> "Plan":
+        raw = json.loads(text)
+        stages = tuple(
+            StagePlan(**{**s, "nodes": tuple(s["nodes"])}) for s in raw.pop("stages")
+        )
+        report = raw.pop("report")
+        return Plan(
+            stages=stages,
+            report=SolverReport(**report) if report else None,
+            **raw,
+        )
