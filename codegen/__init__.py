@@ -1,1 +1,6 @@
-"""Emit: Plan + graph -> stage source files and manifest.json."""
+"""Emit: Plan + fx graph -> stage source files, manifest.json, plan.txt (writes files, runs nothing)."""
+
+from .package import FORMAT_VERSION, PackageInfo, emit
+from .report import format_plan
+
+__all__ = ["FORMAT_VERSION", "PackageInfo", "emit", "format_plan"]

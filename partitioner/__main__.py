@@ -1,2 +1,152 @@
-def main() -> int:
+"""The command line: `python -m partitioner compile | show | run` (CONTRACT.md section 2).
+
+Exit status: 0 done; 2 the user's input is wrong (one paragraph on stderr naming the thing
+and the fix, no traceback); 1 an internal error (with its traceback, for a bug report).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+import textwrap
+import traceback
+from pathlib import Path
+from typing import Any, Sequence
+
+from .errors import PackageError, PartitionerError, PlanError
+
+__all__ = ["main", "parse_size"]
+
+_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
+          "t": 10**12, "tb": 10**12, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
+
+
+def parse_size(text: str) -> int:
+    """'16GiB' -> 17179869184; also GB, MiB, plain bytes and 1e9."""
+    match = re.fullmatch(r"\s*([0-9.]+(?:e[0-9]+)?)\s*([a-zA-Z]*)\s*", text)
+    unit = match.group(2).lower() if match else ""
+    if not match or unit not in _UNITS:
+        raise PlanError(f"--memory {text!r} is not a size: write e.g. 16GiB, 512MiB, 80GB or a number of bytes.")
+    size = int(float(match.group(1)) * _UNITS[unit])
+    if size <= 0:
+        raise PlanError(f"--memory {text!r} must be more than zero bytes.")
+    return size
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="partitioner", description="An automatic model-parallelism compiler for PyTorch.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    c = sub.add_parser("compile", help="compile MODEL.py into a pipeline package DIR")
+    c.add_argument("model", help="the model file (build_model, example_inputs, ...)")
+    c.add_argument("--out", required=True, help="the package directory to write")
+    c.add_argument("--stages", type=int, help="pipeline stages (default: searched with --devices, else 2)")
+    c.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (default 1)")
+    c.add_argument("--dp", type=int, default=1, help="data-parallel replicas (default 1)")
+    c.add_argument("--devices", type=int, help="total devices: stages x tp x dp")
+    c.add_argument("--microbatches", type=int, help="default: 2 x stages")
+    c.add_argument("--schedule", default="1f1b", help="gpipe | 1f1b | interleaved (default 1f1b)")
+    c.add_argument("--virtual-stages", type=int, default=2, help="stages per rank for interleaved (default 2)")
+    c.add_argument("--memory", help="memory per device, e.g. 16GiB (default: the device's own)")
+    c.add_argument("--hardware", help="cpu | a100 | h100 | h200 | a JSON profile (default: this machine)")
+    c.add_argument("--analytic", action="store_true", help="costs from FLOPs and bytes (roofline), deterministic")
+    c.add_argument("--tracer", default="auto", help="auto | fx | export (default auto)")
+    c.add_argument("--time-limit", type=float, default=30.0, help="solver time limit in seconds (default 30)")
+    c.add_argument("--seed", type=int, default=0)
+    c.add_argument("--entry", default="build_model", help="the function that builds the model")
+    c.add_argument("--optimizer", default="adam", help="adam | sgd | momentum: optimizer state in memory")
+    c.add_argument("--reprofile", action="store_true", help="measure node costs again, ignoring the cache")
+    c.add_argument("--quiet", action="store_true")
+    s = sub.add_parser("show", help="print a package's plan")
+    s.add_argument("dir")
+    r = sub.add_parser("run", help="train a package for a few steps under torchrun")
+    r.add_argument("dir")
+    r.add_argument("--nproc", type=int, required=True)
+    r.add_argument("--steps", type=int, default=5)
+    r.add_argument("--lr", type=float, default=0.01)
+    r.add_argument("--trace", help="write a Chrome/Perfetto trace of the steps to this file")
+    return parser
+
+
+def _compile(ns: argparse.Namespace) -> int:
+    from .compiler import CompileOptions, compile_model
+
+    out = Path(ns.out)
+    if out.exists() and not out.is_dir():
+        raise PlanError(f"--out {ns.out} is a file, not a directory: give a new or existing directory.")
+    opts = CompileOptions(
+        model=ns.model, out=ns.out, stages=ns.stages, tp=ns.tp, dp=ns.dp, devices=ns.devices,
+        microbatches=ns.microbatches, schedule=ns.schedule, virtual_stages=ns.virtual_stages,
+        memory=parse_size(ns.memory) if ns.memory else None, hardware=ns.hardware, analytic=ns.analytic,
+        tracer=ns.tracer, time_limit=ns.time_limit, seed=ns.seed, entry=ns.entry, optimizer=ns.optimizer,
+        reprofile=ns.reprofile, quiet=ns.quiet,
+    )
+    compiled = compile_model(opts)
+    if not ns.quiet:
+        print((out / "plan.txt").read_text(), end="")
+    _ = compiled
     return 0
+
+
+def read_manifest(directory: str) -> dict[str, Any]:
+    """The manifest of package `directory`, with a clear error when it is not one."""
+    path = Path(directory)
+    if not path.is_dir():
+        raise PackageError(f"{directory} is not a package directory: compile one with "
+                           f"`python -m partitioner compile MODEL.py --out {directory}`.")
+    try:
+        manifest = json.loads((path / "manifest.json").read_text())
+        _ = manifest["stages"], manifest["mesh"], manifest["source"]
+        return manifest  # type: ignore[no-any-return]
+    except FileNotFoundError:
+        raise PackageError(f"{directory} has no manifest.json, so it is not a compiled package: compile it again.") from None
+    except (ValueError, KeyError, TypeError) as exc:
+        raise PackageError(f"{directory}/manifest.json is corrupt ({type(exc).__name__}: {exc}): compile the model again.") from None
+
+
+def _show(ns: argparse.Namespace) -> int:
+    from codegen import format_plan
+
+    manifest = read_manifest(ns.dir)
+    try:
+        print(format_plan(manifest), end="")
+    except (KeyError, TypeError, IndexError) as exc:
+        raise PackageError(f"{ns.dir}/manifest.json is missing fields ({exc}): compile the model again.") from None
+    return 0
+
+
+def _run(ns: argparse.Namespace) -> int:
+    read_manifest(ns.dir)
+    from runtime import launch
+
+    argv = [ns.dir, "--nproc", str(ns.nproc), "--steps", str(ns.steps), "--lr", str(ns.lr)]
+    if ns.trace:
+        argv += ["--trace", ns.trace]
+    return launch.main(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ns = _parser().parse_args(argv)
+    try:
+        return {"compile": _compile, "show": _show, "run": _run}[ns.command](ns)
+    except PartitionerError as exc:
+        _fail(str(exc))
+        return 2
+    except Exception as exc:
+        if type(exc).__name__ == "PipelineError" or any(c.__name__ == "PipelineError" for c in type(exc).__mro__):
+            _fail(str(exc))
+            return 2
+        traceback.print_exc()
+        print(f"partitioner: internal error ({type(exc).__name__}); please report it with the traceback above.",
+              file=sys.stderr)
+        return 1
+
+
+def _fail(message: str) -> None:
+    print(textwrap.fill(f"partitioner: error: {message}", width=100, break_long_words=False,
+                        break_on_hyphens=False), file=sys.stderr)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

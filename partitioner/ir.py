@@ -25,6 +25,7 @@ from typing import Any
 __all__ = [
     "BlockCost",
     "Edge",
+    "GraphNode",
     "NodeCost",
     "Plan",
     "PartitionProblem",
@@ -68,6 +69,26 @@ class NodeCost:
 
 
 @dataclass(frozen=True)
+class GraphNode:
+    """One compute node of the traced graph, as the coarsener sees it (topological order).
+
+    Graph inputs and get_attr (parameter) nodes are not GraphNodes: `inputs` names other
+    GraphNodes only, and `params` the original names of the parameters the node reads.
+    A node whose value is not a tensor (`tensor_output=False`, e.g. the tuple of
+    torch.split) stays in one block with all its consumers; the node with
+    `is_output=True` feeds the graph's output and lies in the last stage.
+    """
+
+    name: str
+    inputs: tuple[str, ...]
+    cost: NodeCost
+    module: str
+    params: tuple[str, ...]
+    tensor_output: bool = True
+    is_output: bool = False
+
+
+@dataclass(frozen=True)
 class BlockCost:
     """A block of the coarsened graph: a contiguous run of nodes in topological order.
 
@@ -106,8 +127,10 @@ class PartitionProblem:
         sum of block times
         + comm_alpha_s * (messages) + comm_beta_s_per_byte * (bytes)
     where the stage's traffic is every distinct value it receives from an earlier stage
-    plus every value it sends to a later stage, counted once per receiving stage.
-    Forward activations and backward gradients both travel, so traffic counts twice.
+    plus every value it produces that a later stage reads (counted once, however many
+    later stages read it: an approximation that is exact for chains).  Forward
+    activations and backward gradients both travel, so bytes count twice and messages
+    twice.
 
     Stage memory (must not exceed `memory_limit_bytes`):
         param_bytes * (1 + 1 + optimizer_factor)   weights, gradients, optimizer state

@@ -1,0 +1,55 @@
+"""What every benchmark script shares: a markdown table, a JSON result, the README block."""
+
+from __future__ import annotations
+
+import json
+import platform
+import re
+import time
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results"
+
+
+def table(rows: Sequence[dict[str, Any]], columns: Sequence[str]) -> str:
+    """A markdown table of `rows` over `columns` (floats to 3 significant digits)."""
+
+    def cell(v: Any) -> str:
+        if isinstance(v, float):
+            return f"{v:.3g}" if abs(v) < 1e4 else f"{v:,.0f}"
+        return str(v)
+
+    lines = ["| " + " | ".join(columns) + " |", "|" + "|".join("---" for _ in columns) + "|"]
+    lines += ["| " + " | ".join(cell(r.get(c, "")) for c in columns) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def save(name: str, rows: Sequence[dict[str, Any]], **extra: Any) -> Path:
+    """Write benchmarks/results/<name>.json with the machine it ran on."""
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    path = RESULTS / f"{name}.json"
+    record = {
+        "benchmark": name,
+        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "machine": {"platform": platform.platform(), "processor": platform.processor(),
+                    "torch": torch.__version__, "threads": torch.get_num_threads()},
+        "rows": list(rows),
+        **extra,
+    }
+    path.write_text(json.dumps(record, indent=1) + "\n")
+    return path
+
+
+def update_readme(block: str, text: str) -> None:
+    """Replace the README between `<!-- bench:block -->` and `<!-- /bench:block -->`."""
+    readme = ROOT / "README.md"
+    content = readme.read_text()
+    start, end = f"<!-- bench:{block} -->", f"<!-- /bench:{block} -->"
+    if start not in content:
+        return
+    pattern = re.compile(re.escape(start) + ".*?" + re.escape(end), re.S)
+    readme.write_text(pattern.sub(lambda _m: f"{start}\n{text}\n{end}", content))

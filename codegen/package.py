@@ -1,0 +1,332 @@
+"""Emit the generated package DIR: stage sources, manifest.json, plan.txt, __init__.py.
+
+The package is written into a temporary folder beside DIR and renamed into place, so a
+failure never leaves half a package (and an old package is replaced whole).  Output is
+deterministic: the same graph, plan and info give the same bytes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.fx
+import torch.utils._pytree as pytree
+
+from partitioner.ir import Plan
+
+from .layout import StageLayout, lay_out
+from .report import format_plan
+from .source import StageSource, attr_name, shape_comment
+
+__all__ = ["PackageInfo", "emit", "FORMAT_VERSION"]
+
+FORMAT_VERSION = 1
+GENERATOR = "partitioner 0.1.0"
+
+
+@dataclass
+class PackageInfo:
+    """What the package records about its origin, beside the graph and the plan."""
+
+    source_path: str
+    source_sha256: str
+    entry: str
+    seed: int
+    tracer: str
+    batch_size: int
+    inputs: list[dict[str, Any]]  # name, key, batch_dim, shape, dtype (per microbatch)
+    out_spec: pytree.TreeSpec
+    output_leaves: list[Any]
+    persistent: set[str]  # original state_dict keys (buffers there are persistent)
+    aliases: dict[str, str] = field(default_factory=dict)  # extra key -> canonical name
+    unused: dict[str, torch.Tensor] = field(default_factory=dict)  # original tensors no node reads
+    unused_params: set[str] = field(default_factory=set)
+    predicted: dict[str, Any] = field(default_factory=dict)
+    options: dict[str, Any] = field(default_factory=dict)
+
+
+def emit(out: str | Path, gm: torch.fx.GraphModule, plan: Plan, info: PackageInfo) -> dict[str, Any]:
+    """Write the package for `plan` into `out`; return the manifest."""
+    layouts = lay_out(gm.graph, plan.stage_of(), plan.num_stages)
+    tensors = _attr_tensors(gm, info)
+    files: dict[str, bytes] = {}
+    stages = []
+    for layout in layouts:
+        entry, source = _stage(layout, gm, plan, info, tensors)
+        stages.append(entry)
+        files[f"{entry['module']}.py"] = source.encode()
+    constants = {
+        b["source_name"]: tensors[b["source_name"]] for s in stages for b in s["buffers"]
+    }
+    if constants:
+        files["constants.pt"] = _save(dict(sorted(constants.items())))
+    manifest = _manifest(plan, info, stages)
+    manifest["hash"] = _hash(manifest, files)
+    files["manifest.json"] = (json.dumps(manifest, indent=1) + "\n").encode()
+    files["plan.txt"] = format_plan(manifest).encode()
+    files["__init__.py"] = _INIT.format(source=info.source_path).encode()
+    _write_atomically(Path(out), files)
+    return manifest
+
+
+# -- one stage ---------------------------------------------------------------------------
+
+
+def _stage(
+    layout: StageLayout, gm: torch.fx.GraphModule, plan: Plan, info: PackageInfo, tensors: dict[str, torch.Tensor]
+) -> tuple[dict[str, Any], str]:
+    k, last = layout.index, layout.index == plan.num_stages - 1
+    params = {name for name, _ in gm.named_parameters(remove_duplicate=False)}
+    held = [str(a.target) for a in layout.attrs]
+    if k == 0:
+        held += sorted(info.unused)
+    param_entries = [_param(n, tensors[n]) for n in held if n in params or n in info.unused_params]
+    buffer_entries = [
+        _buffer(n, tensors[n], n in info.persistent) for n in held if not (n in params or n in info.unused_params)
+    ]
+    names: dict[torch.fx.Node, str] = {n: n.name for n in layout.inputs + layout.nodes}
+    names.update({a: f"self.{attr_name(str(a.target))}" for a in layout.attrs})
+    writer = StageSource(imports=set())
+    body = [f"        {writer.statement(n, names)}{shape_comment(n)}" for n in layout.nodes]
+    if last:
+        body.append(f"        return {writer.build_output(info.out_spec, info.output_leaves, names)}")
+    else:
+        outs = ", ".join(names[n] for n in layout.outputs)
+        body.append(f"        return ({outs},)" if len(layout.outputs) == 1 else f"        return ({outs})")
+    entry = {
+        "index": k,
+        "module": f"stage_{k}",
+        "class": f"Stage{k}",
+        "ranks": _ranks(k, plan),
+        "inputs": [_boundary_in(n, plan) for n in layout.inputs],
+        "outputs": [{"name": "output", "shape": None, "dtype": None, "to": "output", "requires_grad": True}]
+        if last
+        else [_boundary_out(n, layout.consumers[n]) for n in layout.outputs],
+        "parameters": param_entries,
+        "buffers": buffer_entries,
+        "nodes": len(layout.nodes),
+        "modules": _modules(layout.nodes),
+    }
+    return entry, _render(entry, layout, plan, info, writer, body)
+
+
+def _render(entry: dict[str, Any], layout: StageLayout, plan: Plan, info: PackageInfo, writer: StageSource, body: list[str]) -> str:
+    k, S = layout.index, plan.num_stages
+    stage_plan = plan.stages[k]
+    rows = info.batch_size // (plan.microbatches * plan.dp)
+    header = [
+        f"# Generated by {GENERATOR}; do not edit: recompile the model file instead.",
+        f"# model: {info.source_path} (sha256 {info.source_sha256[:16]}), {info.entry}(), seed {info.seed}, traced with {info.tracer}",
+        f"# plan:  stage {k} of {S} (pp={plan.pp} tp={plan.tp} dp={plan.dp}), {plan.schedule}, "
+        f"{plan.microbatches} microbatches of {rows} rows",
+        f"# stage: {entry['nodes']} nodes ({', '.join(entry['modules']) or 'no modules'}); predicted "
+        f"{stage_plan.time_s * 1e3:.3f} ms forward+backward per microbatch",
+    ]
+    imports = ["import torch"]
+    imports += sorted(i for i in writer.imports if i.startswith("import ") and i != "import torch")
+    if "F" in writer.imports:
+        imports.append("import torch.nn.functional as F")
+    if entry["buffers"]:
+        imports.insert(0, "import os\n")
+    lines = header + ["", "from __future__ import annotations", ""] + imports + [""]
+    if "aten" in writer.imports:
+        lines += ["aten = torch.ops.aten", ""]
+    lines += ["", f"class Stage{k}(torch.nn.Module):", f'    """Stage {k} of {S}: {_summary(entry)}."""', ""]
+    lines += ["    def __init__(self) -> None:", "        super().__init__()"]
+    for p in entry["parameters"]:
+        lines.append(f"        self.{p['name']} = torch.nn.Parameter({_zeros(p)}{_grad(p)})  # {p['source_name']}")
+    if entry["buffers"]:
+        lines.append("        constants = _constants()")
+    for b in entry["buffers"]:
+        flag = "" if b["persistent"] else ", persistent=False"
+        lines.append(f"        self.register_buffer({b['name']!r}, constants[{b['source_name']!r}]{flag})")
+    args = "".join(f", {names}: torch.Tensor" for names in (n.name for n in layout.inputs))
+    returns = "Any" if k == S - 1 else "tuple[torch.Tensor, ...]"
+    lines += ["", f"    def forward(self{args}) -> {returns}:"] + body
+    if entry["buffers"]:
+        lines += ["", "", "def _constants() -> dict[str, torch.Tensor]:",
+                  '    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "constants.pt")',
+                  "    return torch.load(path, weights_only=True)"]
+    if returns == "Any":
+        lines.insert(lines.index("from __future__ import annotations") + 1, "\nfrom typing import Any")
+    return "\n".join(lines) + "\n"
+
+
+# -- manifest entries --------------------------------------------------------------------
+
+
+def _manifest(plan: Plan, info: PackageInfo, stages: list[dict[str, Any]]) -> dict[str, Any]:
+    tied: dict[str, list[int]] = {}
+    for s in stages:
+        for p in s["parameters"]:
+            tied.setdefault(p["source_name"], []).append(s["index"])
+    return {
+        "format_version": FORMAT_VERSION,
+        "generator": GENERATOR,
+        "source": {"path": info.source_path, "sha256": info.source_sha256, "entry": info.entry, "seed": info.seed},
+        "tracer": info.tracer,
+        "options": info.options,
+        "mesh": {"pp": plan.pp, "tp": plan.tp, "dp": plan.dp},
+        "schedule": plan.schedule,
+        "microbatches": plan.microbatches,
+        "virtual_stages": plan.virtual_stages,
+        "batch_size": info.batch_size,
+        "inputs": info.inputs,
+        "stages": stages,
+        "tied_parameters": [{"source_name": n, "stages": s} for n, s in tied.items() if len(s) > 1],
+        "state_dict_aliases": dict(sorted(info.aliases.items())),
+        "predicted": info.predicted,
+    }
+
+
+def _ranks(stage: int, plan: Plan) -> list[int]:
+    """Global rank = replica * pp + pipeline position; stage s sits at position s % pp."""
+    return [r * plan.pp + stage % plan.pp for r in range(plan.dp)]
+
+
+def _meta(node: torch.fx.Node) -> tuple[list[int], str, bool]:
+    meta = node.meta["tensor_meta"]
+    return [int(d) for d in meta.shape], str(meta.dtype).replace("torch.", ""), bool(meta.requires_grad)
+
+
+def _boundary_in(node: torch.fx.Node, plan: Plan) -> dict[str, Any]:
+    shape, dtype, grad = _meta(node)
+    source: Any = "input" if node.op == "placeholder" else plan.stage_of()[node.name]
+    return {"name": node.name, "shape": shape, "dtype": dtype, "from": source, "requires_grad": grad and source != "input"}
+
+
+def _boundary_out(node: torch.fx.Node, readers: list[int]) -> dict[str, Any]:
+    shape, dtype, grad = _meta(node)
+    return {"name": node.name, "shape": shape, "dtype": dtype, "to": readers, "requires_grad": grad}
+
+
+def _param(name: str, t: torch.Tensor) -> dict[str, Any]:
+    return {
+        "name": attr_name(name), "source_name": name, "shape": list(t.shape),
+        "dtype": str(t.dtype).replace("torch.", ""), "requires_grad": bool(t.requires_grad),
+        "shard": {"dim": None, "index": 0, "count": 1},
+    }
+
+
+def _buffer(name: str, t: torch.Tensor, persistent: bool) -> dict[str, Any]:
+    return {"name": attr_name(name), "source_name": name, "shape": list(t.shape),
+            "dtype": str(t.dtype).replace("torch.", ""), "persistent": persistent}
+
+
+def _attr_tensors(gm: torch.fx.GraphModule, info: PackageInfo) -> dict[str, torch.Tensor]:
+    out: dict[str, torch.Tensor] = dict(info.unused)
+    for node in gm.graph.nodes:
+        if node.op == "get_attr":
+            value: Any = gm
+            for part in str(node.target).split("."):
+                value = getattr(value, part)
+            out[str(node.target)] = value
+    return out
+
+
+def _modules(nodes: list[torch.fx.Node]) -> list[str]:
+    """The modules a stage's nodes come from, down to the layer index (`transformer.h.3`)."""
+    from partitioner.passes import node_module
+
+    seen: list[str] = []
+    for n in nodes:
+        parts = node_module(n).split(".")
+        layer = next((i for i, p in enumerate(parts) if p.isdigit()), None)
+        name = ".".join(parts[: layer + 1] if layer is not None else parts[:2])
+        if name and name not in seen:
+            seen.append(name)
+    return seen
+
+
+def _summary(entry: dict[str, Any]) -> str:
+    mods = entry["modules"]
+    shown = ", ".join(mods[:6]) + (f" and {len(mods) - 6} more" if len(mods) > 6 else "")
+    return f"{shown or 'top-level ops'} ({entry['nodes']} nodes)"
+
+
+def _zeros(p: dict[str, Any]) -> str:
+    dims = ", ".join(str(d) for d in p["shape"])
+    dtype = "" if p["dtype"] == "float32" else f", dtype=torch.{p['dtype']}"
+    return f"torch.zeros({dims}{dtype})" if dims else f"torch.zeros((){dtype})"
+
+
+def _grad(p: dict[str, Any]) -> str:
+    return "" if p["requires_grad"] else ", requires_grad=False"
+
+
+# -- files -------------------------------------------------------------------------------
+
+
+def _save(tensors: dict[str, torch.Tensor]) -> bytes:
+    buffer = io.BytesIO()
+    torch.save({k: v.detach().clone().contiguous() for k, v in tensors.items()}, buffer)
+    return buffer.getvalue()
+
+
+def _hash(manifest: dict[str, Any], files: dict[str, bytes]) -> str:
+    digest = hashlib.sha256(json.dumps(manifest, sort_keys=True).encode())
+    for name in sorted(files):
+        digest.update(name.encode() + files[name])
+    return digest.hexdigest()
+
+
+def _write_atomically(out: Path, files: dict[str, bytes]) -> None:
+    out = out.resolve()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        for name, data in files.items():
+            (tmp / name).write_bytes(data)
+        if out.exists():
+            old = out.with_name(f".{out.name}.old")
+            shutil.rmtree(old, ignore_errors=True)
+            os.replace(out, old)
+            os.replace(tmp, out)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+_INIT = '''"""A pipeline package generated by partitioner from {source}.
+
+    import runtime
+    pipe = runtime.LocalPipeline(<this folder>)     # or runtime.DistributedPipeline
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+from typing import Any
+
+import torch
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+
+with open(os.path.join(_HERE, "manifest.json")) as _f:
+    MANIFEST: dict[str, Any] = json.load(_f)
+
+
+def load_stage(index: int) -> torch.nn.Module:
+    """A fresh instance of Stage<index> (parameters zero until load_state_dict)."""
+    stage = MANIFEST["stages"][index]
+    path = os.path.join(_HERE, stage["module"] + ".py")
+    spec = importlib.util.spec_from_file_location(f"{{__name__}}.{{stage['module']}}", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return getattr(module, stage["class"])()
+'''

@@ -1,0 +1,58 @@
+"""The plan as a text table: what `plan.txt` holds and `partitioner show` prints.
+
+A pure function of the manifest, so `show` on any package prints what compile wrote.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["format_plan", "format_bytes"]
+
+
+def format_bytes(n: float) -> str:
+    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if abs(n) >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{int(n)} B"
+
+
+def format_plan(manifest: dict[str, Any]) -> str:
+    """Header lines, then one row per stage."""
+    mesh, predicted = manifest["mesh"], manifest.get("predicted", {})
+    per_stage = predicted.get("stages", [])
+    solver = predicted.get("solver", {})
+    rows = [("stage", "ranks", "nodes", "modules", "time/mb", "memory", "params", "send/mb", "recv/mb")]
+    for s in manifest["stages"]:
+        p = per_stage[s["index"]] if s["index"] < len(per_stage) else {}
+        mods = s.get("modules", [])
+        shown = ",".join(mods[:3]) + ("..." if len(mods) > 3 else "")
+        rows.append((
+            str(s["index"]),
+            ",".join(str(r) for r in s["ranks"]),
+            str(s["nodes"]),
+            shown or "-",
+            f"{p.get('time_s', 0.0) * 1e3:.3f} ms",
+            format_bytes(p.get("memory_bytes", 0)),
+            format_bytes(p.get("param_bytes", 0)),
+            format_bytes(p.get("send_bytes", 0)),
+            format_bytes(p.get("recv_bytes", 0)),
+        ))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    table = ["  ".join(c.ljust(w) if i == 3 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))) for r in rows]
+    table.insert(1, "  ".join("-" * w for w in widths))
+    source = manifest["source"]
+    lines = [
+        f"model      {source['path']} (sha256 {source['sha256'][:16]}), traced with {manifest['tracer']}",
+        f"mesh       pp={mesh['pp']} tp={mesh['tp']} dp={mesh['dp']}, schedule {manifest['schedule']}, "
+        f"{manifest['microbatches']} microbatches, batch {manifest['batch_size']}",
+        f"predicted  step {predicted.get('step_time_s', 0.0) * 1e3:.3f} ms, MFU {predicted.get('mfu', 0.0) * 100:.2f}%, "
+        f"costs {predicted.get('cost_source', '?')} on {predicted.get('hardware', '?')}",
+    ]
+    if solver:
+        lines.append(
+            f"solver     {solver.get('method', '?')}: slowest stage {solver.get('objective_s', 0.0) * 1e3:.3f} ms, "
+            f"proved bound {solver.get('lower_bound_s', 0.0) * 1e3:.3f} ms (gap {solver.get('gap', 0.0) * 100:.1f}%), "
+            f"{solver.get('blocks', 0)} blocks from {solver.get('nodes', 0)} nodes"
+        )
+    return "\n".join(lines + [""] + table) + "\n"

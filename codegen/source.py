@@ -1,0 +1,168 @@
+"""Write one stage's Python source: readable, one statement per line, shape comments.
+
+The emitter walks the stage's fx nodes in order and prints each as the call a person
+would write: `F.linear(x, self.fc1_weight, self.fc1_bias)`, `a + b`, `x[:, -1]`,
+`x.transpose(1, 2)`, `aten.addmm.default(...)` for torch.export's aten ops.  Values keep
+their fx names; parameters become attributes named after their original modules.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+import torch.fx
+import torch.nn.functional as F
+import torch.utils._pytree as pytree
+
+__all__ = ["StageSource", "format_value", "attr_name"]
+
+_BINARY = {
+    operator.add: "+", operator.sub: "-", operator.mul: "*", operator.truediv: "/",
+    operator.floordiv: "//", operator.mod: "%", operator.pow: "**", operator.matmul: "@",
+    operator.and_: "&", operator.or_: "|", operator.xor: "^", operator.lshift: "<<",
+    operator.rshift: ">>", operator.eq: "==", operator.ne: "!=", operator.lt: "<",
+    operator.le: "<=", operator.gt: ">", operator.ge: ">=",
+}
+_UNARY = {operator.neg: "-", operator.pos: "+", operator.invert: "~"}
+
+
+class EmitError(Exception):
+    """A node the code generator cannot write as Python source."""
+
+
+def attr_name(source_name: str) -> str:
+    """`h.0.attn.c_attn.weight` -> `h_0_attn_c_attn_weight`."""
+    name = source_name.replace(".", "_").lstrip("_") or "attr"
+    return f"p_{name}" if name[0].isdigit() else name
+
+
+def format_value(value: Any, names: dict[torch.fx.Node, str]) -> str:
+    """A node argument as Python source."""
+    if isinstance(value, torch.fx.Node):
+        return names[value]
+    if isinstance(value, tuple):
+        items = [format_value(v, names) for v in value]
+        return f"({items[0]},)" if len(items) == 1 else f"({', '.join(items)})"
+    if isinstance(value, list):
+        return f"[{', '.join(format_value(v, names) for v in value)}]"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{k!r}: {format_value(v, names)}" for k, v in value.items()) + "}"
+    if isinstance(value, float):
+        if math.isinf(value):
+            return "float('inf')" if value > 0 else "float('-inf')"
+        return "float('nan')" if math.isnan(value) else repr(value)
+    if isinstance(value, torch.device):
+        return f"torch.device({str(value)!r})"
+    if isinstance(value, (torch.dtype, torch.memory_format, torch.layout)):
+        return str(value)
+    if value is Ellipsis:
+        return "..."
+    if isinstance(value, slice):
+        return f"slice({format_value(value.start, names)}, {format_value(value.stop, names)}, {format_value(value.step, names)})"
+    if isinstance(value, (int, bool, str, type(None))):
+        return repr(value)
+    raise EmitError(f"cannot write a constant of type {type(value).__name__}: {value!r}")
+
+
+def _format_index(index: Any, names: dict[torch.fx.Node, str]) -> str:
+    """The inside of `x[...]`, with slices written as `a:b`."""
+    if isinstance(index, tuple):
+        return ", ".join(_format_index(i, names) for i in index) if index else "()"
+    if isinstance(index, slice):
+        parts = ["" if p is None else format_value(p, names) for p in (index.start, index.stop)]
+        text = ":".join(parts)
+        return text + (f":{format_value(index.step, names)}" if index.step is not None else "")
+    return format_value(index, names)
+
+
+@dataclass
+class StageSource:
+    """Collects the imports a stage needs while its statements are written."""
+
+    imports: set[str]
+
+    def callee(self, target: Callable[..., Any]) -> str:
+        """The shortest importable name for a call target."""
+        if isinstance(target, torch._ops.OpOverload):
+            self.imports.add("aten")
+            return f"aten.{target.__name__}"
+        if isinstance(target, torch._ops.OpOverloadPacket):
+            self.imports.add("aten")
+            return f"aten.{target.__name__}"
+        name = getattr(target, "__name__", "")
+        if name and getattr(F, name, None) is target:
+            self.imports.add("F")
+            return f"F.{name}"
+        if name and getattr(torch, name, None) is target:
+            return f"torch.{name}"
+        if getattr(target, "__module__", None) == "builtins":
+            return name
+        qualified = torch.fx.node._get_qualified_name(target)
+        module = qualified.rsplit(".", 1)[0]
+        if "<" in qualified or module.startswith("_partitioner_model"):
+            raise EmitError(
+                f"{qualified} is defined in the model file; the generated stages cannot import "
+                f"it. Move it into an importable module."
+            )
+        self.imports.add(f"import {module}")
+        return qualified
+
+    def statement(self, node: torch.fx.Node, names: dict[torch.fx.Node, str]) -> str:
+        """`<name> = <expression>` for one call node."""
+        args, kwargs = node.args, node.kwargs
+        fmt = lambda v: format_value(v, names)  # noqa: E731
+        target = node.target
+        if node.op == "call_function" and target in _BINARY and len(args) == 2 and not kwargs:
+            expr = f"{fmt(args[0])} {_BINARY[target]} {fmt(args[1])}"  # type: ignore[index]
+        elif node.op == "call_function" and target in _UNARY and len(args) == 1:
+            expr = f"{_UNARY[target]}{fmt(args[0])}"  # type: ignore[index]
+        elif node.op == "call_function" and target is operator.getitem:
+            expr = f"{fmt(args[0])}[{_format_index(args[1], names)}]"
+        elif node.op == "call_function" and target is getattr:
+            expr = f"{fmt(args[0])}.{args[1]}"
+        elif node.op == "call_method":
+            call = ", ".join([fmt(a) for a in args[1:]] + [f"{k}={fmt(v)}" for k, v in kwargs.items()])
+            expr = f"{fmt(args[0])}.{target}({call})"
+        elif node.op == "call_function":
+            call = ", ".join([fmt(a) for a in args] + [f"{k}={fmt(v)}" for k, v in kwargs.items()])
+            expr = f"{self.callee(target)}({call})"  # type: ignore[arg-type]
+        else:
+            raise EmitError(f"cannot write node {node.format_node()}: op {node.op!r} is not traced through")
+        return f"{names[node]} = {expr}"
+
+    def build_output(self, spec: pytree.TreeSpec, leaves: list[Any], names: dict[torch.fx.Node, str]) -> str:
+        """Source that rebuilds the model's output structure from its leaves."""
+        it = iter(leaves)
+        return self._build(spec, it, names)
+
+    def _build(self, spec: pytree.TreeSpec, leaves: Any, names: dict[torch.fx.Node, str]) -> str:
+        if spec.is_leaf():
+            return format_value(next(leaves), names)
+        children = [self._build(c, leaves, names) for c in spec.children()]
+        kind = spec.type
+        if kind is tuple:
+            return f"({children[0]},)" if len(children) == 1 else f"({', '.join(children)})"
+        if kind is list:
+            return f"[{', '.join(children)}]"
+        if kind is dict:
+            return "{" + ", ".join(f"{k!r}: {v}" for k, v in zip(spec.context, children)) + "}"
+        cls = f"{kind.__module__}.{kind.__qualname__}"
+        self.imports.add(f"import {kind.__module__}")
+        if isinstance(spec.context, (list, tuple)) and all(isinstance(k, str) for k in spec.context):
+            return f"{cls}(" + ", ".join(f"{k}={v}" for k, v in zip(spec.context, children)) + ")"
+        return f"{cls}({', '.join(children)})"
+
+
+def shape_comment(node: torch.fx.Node) -> str:
+    """`  # (B, T, C)` for a tensor node, with the dtype when it is not float32."""
+    meta = node.meta.get("tensor_meta")
+    if meta is None or not hasattr(meta, "shape"):
+        return ""
+    dims = ", ".join(str(d) for d in meta.shape)
+    shape = f"({dims},)" if len(meta.shape) == 1 else f"({dims})"
+    dtype = "" if meta.dtype == torch.float32 else f" {str(meta.dtype).replace('torch.', '')}"
+    return f"  # {shape}{dtype}"

@@ -1,0 +1,424 @@
+"""The compile driver: model file -> trace -> cost -> solve -> emit.
+
+Each phase is one function call on plain data; this module only sequences them, checks
+the options, and reports progress on stderr.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterable
+
+import torch
+import torch.fx
+
+from . import cache, model_file
+from .coarsen import coarsen
+from .cost import annotate, compute_nodes, param_names
+from .errors import PlanError
+from .hardware import Hardware, load_hardware
+from .ir import (SCHEDULES, GraphNode, NodeCost, PartitionProblem, Plan, SolverReport, StagePlan,
+                 optimizer_state_factor)
+from .passes import is_tensor_node, node_module, propagate, specialize
+from .roofline import BACKWARD_FLOP_FACTOR, mfu
+from .simulate import step_time_s
+from .solve import evaluate, solve
+from .trace import Traced, trace
+
+__all__ = ["CompileOptions", "Compiled", "Prepared", "assign_nodes", "compile_model", "finish", "prepare", "split_batch"]
+
+MAX_BLOCKS = 160
+
+
+@dataclass
+class CompileOptions:
+    """The command line's options (CONTRACT.md section 2)."""
+
+    model: str
+    out: str
+    stages: int | None = None
+    tp: int = 1
+    dp: int = 1
+    devices: int | None = None
+    microbatches: int | None = None
+    schedule: str = "1f1b"
+    virtual_stages: int = 2  # per rank, for the interleaved schedule
+    memory: int | None = None
+    hardware: str | None = None
+    analytic: bool = False
+    tracer: str = "auto"
+    time_limit: float = 30.0
+    seed: int = 0
+    entry: str = "build_model"
+    optimizer: str = "adam"
+    reprofile: bool = False
+    repeats: int = 5
+    quiet: bool = False
+
+
+@dataclass
+class Compiled:
+    """What a compile produced, for the CLI and for tests."""
+
+    manifest: dict[str, Any]
+    plan: Plan
+    traced: Traced
+    costs: dict[str, NodeCost]
+    timings: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class Prepared:
+    """A model traced, costed and posed as a partition problem: everything before solving."""
+
+    opts: CompileOptions
+    mf: model_file.ModelFile
+    model: torch.nn.Module
+    traced: Traced
+    costs: dict[str, NodeCost]
+    hardware: Hardware
+    problem: PartitionProblem
+    blocks: list[Any]
+    batch: int
+    rows: int
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    pp: int
+    virtual: int
+    microbatches: int
+    timings: dict[str, float] = field(default_factory=dict)
+
+
+def compile_model(opts: CompileOptions, log: Callable[[str], None] | None = None) -> Compiled:
+    """Compile `opts.model` into the package `opts.out`."""
+    say = log or (lambda msg: None if opts.quiet else print(msg, file=sys.stderr))
+    prepared = prepare(opts, say)
+    start = time.perf_counter()
+    say(f"solving: {len(compute_nodes(prepared.traced.gm))} nodes in {prepared.problem.num_blocks} blocks "
+        f"into {prepared.problem.stages} stages")
+    assignment, report = solve(prepared.problem, time_limit_s=opts.time_limit)
+    prepared.timings["solve"] = time.perf_counter() - start
+    compiled = finish(prepared, assignment, report)
+    say(f"wrote {opts.out}: {prepared.problem.stages} stages; {report.method}, gap {report.gap * 100:.1f}%, "
+        f"solver {report.wall_s:.2f} s, total {sum(compiled.timings.values()):.2f} s")
+    return compiled
+
+
+def prepare(opts: CompileOptions, say: Callable[[str], None] = lambda _m: None) -> Prepared:
+    """Load, trace, specialise and cost the model; pose the partition problem."""
+    timings: dict[str, float] = {}
+    clock = time.perf_counter()
+
+    def phase(name: str) -> None:
+        nonlocal clock
+        now = time.perf_counter()
+        timings[name] = now - clock
+        clock = now
+
+    pp, virtual, microbatches = _check_options(opts)
+    # 1. The model file and one microbatch of its example batch.
+    mf = model_file.load(opts.model, opts.entry)
+    model = mf.build(opts.seed)
+    args, kwargs = mf.example_inputs()
+    batch = _batch_size(mf, args, kwargs)
+    rows = _rows_per_microbatch(batch, microbatches, opts.dp)
+    margs, mkwargs = split_batch(args, kwargs, mf.batch_dims, rows)
+    phase("load")
+    # 2. Trace and specialise to the microbatch shape.
+    say(f"tracing {opts.model} ({type(model).__name__}, microbatch of {rows} rows)")
+    traced = trace(model, margs, mkwargs, opts.tracer, opts.model)
+    by_key = {**dict(enumerate(margs)), **mkwargs}
+    values = propagate(traced.gm, [by_key[key] for _name, key in traced.input_keys], opts.model)
+    specialize(traced.gm, values)
+    phase("trace")
+    # 3. Cost every node, measured (cached) or analytic.
+    hardware = load_hardware(opts.hardware)
+    costs = _costs(traced.gm, values, hardware, opts, say)
+    phase("cost")
+    # 4. Coarsen into blocks and pose the problem.
+    problem, blocks = _problem(traced, costs, pp * virtual, microbatches, hardware, opts)
+    phase("coarsen")
+    return Prepared(opts, mf, model, traced, costs, hardware, problem, blocks, batch, rows, args, kwargs,
+                    pp, virtual, microbatches, timings)
+
+
+def finish(prepared: Prepared, assignment: tuple[int, ...], report: SolverReport | None = None) -> Compiled:
+    """Turn a stage per block into a Plan and emit the package."""
+    p = prepared
+    return _emit(p, _plan(p.problem, p.blocks, assignment, report, p.opts, p.pp, p.virtual, p.microbatches))
+
+
+def _emit(p: Prepared, plan: Plan) -> Compiled:
+    from codegen import emit
+
+    start = time.perf_counter()
+    info = _package_info(p.opts, p.mf, p.model, p.traced, p.batch, p.args, p.kwargs, p.rows, plan, p.costs, p.hardware)
+    manifest = emit(p.opts.out, p.traced.gm, plan, info)
+    p.timings["emit"] = time.perf_counter() - start
+    return Compiled(manifest, plan, p.traced, p.costs, dict(p.timings))
+
+
+def assign_nodes(prepared: Prepared, stage_of: dict[str, int]) -> Compiled:
+    """Emit the package for a given stage per compute node (baselines, experiments).
+
+    Predicted stage times are the sums of the nodes' compute times (no traffic).
+    """
+    p = prepared
+    order = [n.name for n in compute_nodes(p.traced.gm)]
+    missing = [n for n in order if n not in stage_of]
+    if missing:
+        raise PlanError(f"assign_nodes: no stage for {len(missing)} nodes, e.g. {missing[:3]}")
+    stages = []
+    count = max(stage_of.values()) + 1
+    for k in range(count):
+        nodes = tuple(n for n in order if stage_of[n] == k)
+        t = sum(p.costs[n].time_s for n in nodes)
+        stages.append(StagePlan(index=k, nodes=nodes, time_s=t, compute_s=t))
+    plan = Plan(stages=tuple(stages), schedule=p.opts.schedule, microbatches=p.microbatches,
+                pp=count // p.virtual, tp=p.opts.tp, dp=p.opts.dp, virtual_stages=p.virtual)
+    return _emit(p, plan)
+
+
+# -- options and batches -----------------------------------------------------------------
+
+
+def _check_options(opts: CompileOptions) -> tuple[int, int, int]:
+    if opts.schedule not in SCHEDULES:
+        raise PlanError(f"unknown --schedule {opts.schedule!r}: choose one of {', '.join(SCHEDULES)}.")
+    if opts.tp != 1:
+        raise PlanError(f"--tp {opts.tp}: tensor parallelism is not implemented yet; use --tp 1.")
+    pp = opts.stages if opts.stages is not None else 2
+    if opts.devices is not None:
+        if opts.devices % (opts.tp * opts.dp):
+            raise PlanError(f"--devices {opts.devices} is not a multiple of tp x dp = {opts.tp * opts.dp}.")
+        pp = opts.stages if opts.stages is not None else opts.devices // (opts.tp * opts.dp)
+        if pp * opts.tp * opts.dp != opts.devices:
+            raise PlanError(f"--stages {pp} x --tp {opts.tp} x --dp {opts.dp} != --devices {opts.devices}.")
+    if pp < 1:
+        raise PlanError(f"--stages {pp}: a pipeline needs at least 1 stage; use --stages 2 or more.")
+    if opts.dp < 1:
+        raise PlanError(f"--dp {opts.dp}: needs at least 1 replica.")
+    virtual = opts.virtual_stages if opts.schedule == "interleaved" else 1
+    microbatches = opts.microbatches if opts.microbatches is not None else 2 * pp
+    if microbatches < 1:
+        raise PlanError(f"--microbatches {microbatches}: needs at least 1.")
+    if opts.schedule == "interleaved" and microbatches % pp:
+        raise PlanError(
+            f"the interleaved schedule needs --microbatches to be a multiple of --stages "
+            f"({microbatches} is not a multiple of {pp}): use --microbatches {2 * pp}."
+        )
+    if opts.optimizer not in ("adam", "adamw", "sgd", "momentum"):
+        raise PlanError(f"unknown --optimizer {opts.optimizer!r}: choose adam, sgd or momentum.")
+    return pp, virtual, microbatches
+
+
+def _batch_size(mf: model_file.ModelFile, args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
+    sizes = set()
+    dims = mf.batch_dims
+    for key, value in [*enumerate(args), *kwargs.items()]:
+        if isinstance(value, torch.Tensor):
+            dim = dims.get(key, 0)
+            if value.dim() <= dim:
+                raise model_file.ModelFileError(
+                    f"{mf.path}: input {key!r} has shape {tuple(value.shape)} and no batch dimension {dim}; "
+                    f"set BATCH_DIMS = {{{key!r}: <dim>}} in the model file."
+                )
+            sizes.add(value.shape[dim])
+    if len(sizes) != 1:
+        raise model_file.ModelFileError(
+            f"{mf.path}: example_inputs() tensors disagree on the batch size ({sorted(sizes)}); "
+            f"dimension 0 is the batch unless BATCH_DIMS says otherwise."
+        )
+    return sizes.pop()
+
+
+def _rows_per_microbatch(batch: int, microbatches: int, dp: int) -> int:
+    if batch % (microbatches * dp):
+        fits = [m for m in range(1, batch + 1) if batch % (m * dp) == 0]
+        raise PlanError(
+            f"the example batch of {batch} rows does not split into {microbatches} microbatches x "
+            f"{dp} replicas: use --microbatches {max(m for m in fits if m <= max(microbatches, 1)) if fits else 1} "
+            f"(any of {fits}) or change the batch size."
+        )
+    return batch // (microbatches * dp)
+
+
+def split_batch(
+    args: tuple[Any, ...], kwargs: dict[str, Any], dims: dict[Any, int], rows: int, index: int = 0
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """Microbatch `index` of `rows` rows: each tensor sliced along its batch dimension."""
+
+    def cut(key: Any, value: Any) -> Any:
+        if not isinstance(value, torch.Tensor):
+            return value
+        return value.narrow(dims.get(key, 0), index * rows, rows)
+
+    return tuple(cut(i, a) for i, a in enumerate(args)), {k: cut(k, v) for k, v in kwargs.items()}
+
+
+# -- cost --------------------------------------------------------------------------------
+
+
+def _costs(gm: torch.fx.GraphModule, values: dict[torch.fx.Node, Any], hardware: Hardware,
+           opts: CompileOptions, say: Callable[[str], None]) -> dict[str, NodeCost]:
+    measure = not opts.analytic
+    key = "profile-" + hashlib.sha256(
+        json.dumps([gm.code, [str(n.meta.get("tensor_meta")) for n in gm.graph.nodes],
+                    hardware.name, measure, opts.repeats, torch.__version__, torch.get_num_threads()]).encode()
+    ).hexdigest()[:32]
+    cached = None if (opts.reprofile or not measure) else cache.get(key)
+    nodes = compute_nodes(gm)
+    if cached is not None and set(cached) == {n.name for n in nodes}:
+        costs = {name: NodeCost(**c) for name, c in cached.items()}
+        for n in nodes:
+            n.meta["cost"] = costs[n.name]
+        say(f"costs: {len(costs)} nodes from the profile cache (--reprofile to measure again)")
+        return costs
+    say(f"costs: {'profiling' if measure else 'estimating'} {len(nodes)} nodes on {hardware.name}")
+    costs = annotate(gm, values, hardware, measure, opts.repeats, _progress(opts, len(nodes)))
+    if measure:
+        cache.put(key, {name: asdict(c) for name, c in costs.items()})
+    return costs
+
+
+def _progress(opts: CompileOptions, total: int) -> Callable[[Iterable[torch.fx.Node]], Iterable[torch.fx.Node]]:
+    if opts.quiet or not sys.stderr.isatty():
+        return iter
+    from tqdm import tqdm
+
+    return lambda items: tqdm(items, total=total, desc="profiling", unit="node", leave=False)
+
+
+# -- problem and plan --------------------------------------------------------------------
+
+
+def _problem(traced: Traced, costs: dict[str, NodeCost], stages: int, microbatches: int,
+             hardware: Hardware, opts: CompileOptions) -> tuple[PartitionProblem, list[Any]]:
+    gm = traced.gm
+    params = {name for name, _ in gm.named_parameters(remove_duplicate=False)}
+    param_bytes = {name: p.numel() * p.element_size() for name, p in gm.named_parameters(remove_duplicate=False)}
+    compute = set(compute_nodes(gm))
+    output = next(n for n in gm.graph.nodes if n.op == "output")
+    nodes = [
+        GraphNode(
+            name=n.name,
+            inputs=tuple(a.name for a in n.all_input_nodes if a in compute),
+            cost=costs[n.name],
+            module=node_module(n),
+            params=param_names(n, params),
+            tensor_output=is_tensor_node(n),
+        )
+        for n in gm.graph.nodes if n in compute
+    ]
+    # The graph's output, as a free node that the solver keeps in the last stage.
+    nodes.append(GraphNode(name=output.name, inputs=tuple(a.name for a in output.all_input_nodes if a in compute),
+                           cost=NodeCost(output.name), module="", params=(), is_output=True))
+    blocks, edges = coarsen(nodes, max_blocks=MAX_BLOCKS)
+    problem = PartitionProblem(
+        block_time_s=tuple(b.time_s for b in blocks),
+        block_param_bytes=tuple(b.param_bytes for b in blocks),
+        block_activation_bytes=tuple(b.activation_bytes for b in blocks),
+        edges=tuple(edges),
+        stages=stages,
+        microbatches=microbatches,
+        schedule="1f1b" if opts.schedule == "interleaved" else opts.schedule,
+        memory_limit_bytes=opts.memory if opts.memory is not None else hardware.memory_bytes // max(1, stages * opts.dp),
+        optimizer_factor=optimizer_state_factor(opts.optimizer),
+        comm_alpha_s=hardware.p2p_alpha_s,
+        comm_beta_s_per_byte=hardware.p2p_beta_s_per_byte,
+        block_names=tuple(b.name for b in blocks),
+        block_params=tuple(b.params for b in blocks),
+        param_bytes_by_name=tuple(sorted(param_bytes.items())),
+    )
+    return problem, blocks
+
+
+def _plan(problem: PartitionProblem, blocks: list[Any], assignment: tuple[int, ...], report: Any,
+          opts: CompileOptions, pp: int, virtual: int, microbatches: int) -> Plan:
+    times, memories = evaluate(problem, assignment)
+    stage_nodes: list[list[str]] = [[] for _ in range(problem.stages)]
+    for block, stage in zip(blocks, assignment):
+        stage_nodes[stage].extend(n for n in block.nodes if n != "output")
+    sent = [0] * problem.stages
+    received = [0] * problem.stages
+    for e in problem.edges:
+        a, b = assignment[e.src], assignment[e.dst]
+        if a != b:
+            sent[a] += e.bytes
+            received[b] += e.bytes
+    compute = [0.0] * problem.stages
+    params = [0] * problem.stages
+    for i, stage in enumerate(assignment):
+        compute[stage] += problem.block_time_s[i]
+        params[stage] += problem.block_param_bytes[i]
+    stage_plans = tuple(
+        StagePlan(index=k, nodes=tuple(stage_nodes[k]), time_s=times[k], compute_s=compute[k],
+                  comm_s=times[k] - compute[k], memory_bytes=int(memories[k]), param_bytes=params[k],
+                  send_bytes=sent[k], recv_bytes=received[k])
+        for k in range(problem.stages)
+    )
+    return Plan(stages=stage_plans, schedule=opts.schedule, microbatches=microbatches, pp=pp,
+                tp=opts.tp, dp=opts.dp, virtual_stages=virtual, report=report)
+
+
+def _package_info(opts: CompileOptions, mf: model_file.ModelFile, model: torch.nn.Module, traced: Traced,
+                  batch: int, args: tuple[Any, ...], kwargs: dict[str, Any], rows: int, plan: Plan,
+                  costs: dict[str, NodeCost], hardware: Hardware) -> Any:
+    from codegen import PackageInfo
+
+    gm = traced.gm
+    by_key = {**dict(enumerate(args)), **kwargs}
+    inputs = []
+    for node in (n for n in gm.graph.nodes if n.op == "placeholder"):
+        key = dict(traced.input_keys)[node.name]
+        value = by_key[key]
+        meta = node.meta.get("tensor_meta")
+        inputs.append({
+            "name": node.name, "key": key, "batch_dim": mf.batch_dims.get(key, 0),
+            "shape": [int(d) for d in meta.shape] if meta is not None else None,
+            "dtype": str(value.dtype).replace("torch.", "") if isinstance(value, torch.Tensor) else None,
+        })
+    graph_tensors = {}
+    for node in gm.graph.nodes:
+        if node.op == "get_attr":
+            value: Any = gm
+            for part in str(node.target).split("."):
+                value = getattr(value, part)
+            graph_tensors[str(node.target)] = value
+    canonical = {t.data_ptr(): name for name, t in graph_tensors.items() if isinstance(t, torch.Tensor)}
+    original = model.state_dict(keep_vars=True)
+    aliases = {k: canonical[t.data_ptr()] for k, t in original.items()
+               if t.data_ptr() in canonical and canonical[t.data_ptr()] != k}
+    unused = {k: t for k, t in original.items() if t.data_ptr() not in canonical and k not in aliases}
+    step = step_time_s([s.time_s for s in plan.stages], plan.microbatches, plan.schedule, plan.pp, plan.virtual_stages)
+    flops = sum(c.flops for c in costs.values()) * (1 + BACKWARD_FLOP_FACTOR) * plan.microbatches * plan.dp
+    report = plan.report
+    predicted = {
+        "step_time_s": step,
+        "mfu": mfu(flops, step, plan.pp * plan.tp * plan.dp, hardware.peak_flops),
+        "cost_source": "analytic" if opts.analytic else "measured",
+        "hardware": hardware.name,
+        "stages": [{"time_s": s.time_s, "compute_s": s.compute_s, "memory_bytes": s.memory_bytes,
+                    "param_bytes": s.param_bytes, "send_bytes": s.send_bytes, "recv_bytes": s.recv_bytes}
+                   for s in plan.stages],
+        "solver": {} if report is None else {
+            "method": report.method, "objective_s": report.objective_s, "lower_bound_s": report.lower_bound_s,
+            "gap": report.gap, "status": report.status, "blocks": report.blocks, "nodes": report.nodes},
+    }
+    options = {"stages": plan.pp, "microbatches": plan.microbatches, "schedule": plan.schedule,
+               "memory": opts.memory, "hardware": hardware.name, "analytic": opts.analytic,
+               "optimizer": opts.optimizer}
+    return PackageInfo(
+        source_path=opts.model, source_sha256=mf.sha256, entry=opts.entry, seed=opts.seed, tracer=traced.tracer,
+        batch_size=batch, inputs=inputs, out_spec=traced.out_spec, output_leaves=traced.output_leaves,
+        persistent=set(original), aliases=aliases, unused={k: t.detach() for k, t in unused.items()},
+        unused_params={k for k, t in unused.items() if isinstance(t, torch.nn.Parameter)},
+        predicted=predicted, options=options,
+    )
+
+

@@ -1,0 +1,175 @@
+"""Annotate: every compute node gets a `NodeCost` in `node.meta["cost"]`.
+
+Two sources, one result type:
+
+- `profile`: measured on this machine.  Each node is re-run in isolation on its real
+  microbatch inputs: forward and backward timed `repeats` times (median), FLOPs from
+  `torch.utils.flop_counter.FlopCounterMode`, and activation bytes from the tensors autograd
+  saves for backward (`torch.autograd.graph.saved_tensors_hooks`), parameters excluded.
+- `estimate`: analytic, from the same FLOP count and the bytes the op reads and writes,
+  through the roofline of a hardware profile (`roofline.py`).  Deterministic, so golden
+  tests and CI use it.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Any, Callable, Iterable
+
+import torch
+import torch.fx
+from torch.utils.flop_counter import FlopCounterMode
+
+from .hardware import Hardware
+from .ir import NodeCost
+from .roofline import BACKWARD_FLOP_FACTOR, roofline_s
+
+__all__ = ["annotate", "compute_nodes", "param_names"]
+
+
+def compute_nodes(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
+    return [n for n in gm.graph.nodes if n.op in ("call_function", "call_method", "call_module")]
+
+
+def param_names(node: torch.fx.Node, params: set[str]) -> tuple[str, ...]:
+    """Original names of the parameters `node` reads directly."""
+    return tuple(sorted({str(a.target) for a in node.all_input_nodes if a.op == "get_attr" and a.target in params}))
+
+
+def annotate(
+    gm: torch.fx.GraphModule,
+    values: dict[torch.fx.Node, Any],
+    hardware: Hardware,
+    measure: bool,
+    repeats: int = 5,
+    progress: Callable[[Iterable[torch.fx.Node]], Iterable[torch.fx.Node]] = iter,
+) -> dict[str, NodeCost]:
+    """Write `node.meta["cost"]` on every compute node; return the costs by node name."""
+    params = {name: p for name, p in gm.named_parameters(remove_duplicate=False)}
+    param_ptrs = {p.data_ptr() for p in params.values()}
+    costs: dict[str, NodeCost] = {}
+    overhead = _backward_overhead(repeats) if measure else 0.0
+    for node in progress(compute_nodes(gm)):
+        fn, args, kwargs = _bind(node, values)
+        flops, activation = _flops_and_saved(fn, args, kwargs, param_ptrs)
+        moved = _bytes(args) + _bytes(kwargs) + _bytes(values.get(node))
+        if measure:
+            fwd, bwd = _time(fn, args, kwargs, repeats)
+            bwd = max(0.0, bwd - overhead) if bwd else 0.0
+        else:
+            fwd = roofline_s(flops, moved, hardware.peak_flops, hardware.memory_bandwidth, hardware.efficiency)
+            bwd = BACKWARD_FLOP_FACTOR * fwd if _needs_grad(values.get(node)) else 0.0
+        cost = NodeCost(
+            name=node.name,
+            forward_s=fwd,
+            backward_s=bwd,
+            flops=flops,
+            param_bytes=sum(_nbytes(params[p]) for p in param_names(node, set(params))),
+            activation_bytes=activation,
+            output_bytes=_bytes(values.get(node)),
+        )
+        node.meta["cost"] = cost
+        costs[node.name] = cost
+    return costs
+
+
+# -- running one node --------------------------------------------------------------------
+
+
+def _bind(node: torch.fx.Node, values: dict[torch.fx.Node, Any]) -> tuple[Callable[..., Any], tuple[Any, ...], dict[str, Any]]:
+    """The node as a plain call on fresh autograd leaves that share the real storage."""
+
+    def leaf(n: torch.fx.Node) -> Any:
+        v = values[n]
+        if isinstance(v, torch.Tensor):
+            return v.detach().requires_grad_(v.requires_grad)
+        return v
+
+    args = torch.fx.node.map_arg(node.args, leaf)
+    kwargs = torch.fx.node.map_arg(node.kwargs, leaf)
+    if node.op == "call_method":
+        name = str(node.target)
+        return (lambda self, *a, **k: getattr(self, name)(*a, **k)), tuple(args), dict(kwargs)
+    return node.target, tuple(args), dict(kwargs)  # type: ignore[return-value]
+
+
+def _flops_and_saved(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], param_ptrs: set[int]) -> tuple[int, int]:
+    """Forward FLOPs of one call, and the bytes of activations autograd saves for backward."""
+    saved: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in param_ptrs:
+            saved[ptr] = max(saved.get(ptr, 0), t.numel() * t.element_size())
+        return t
+
+    counter = FlopCounterMode(display=False)
+    with counter, torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        _ = fn(*args, **kwargs)
+    return int(counter.get_total_flops()), sum(saved.values())
+
+
+def _time(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], repeats: int) -> tuple[float, float]:
+    """Median forward and backward seconds of one call."""
+    with torch.no_grad():
+        fn(*args, **kwargs)  # warm-up
+        forward = _median(lambda: fn(*args, **kwargs), repeats)
+    leaves = [a for a in _tensors((args, kwargs)) if a.requires_grad]
+    if not leaves:
+        return forward, 0.0
+    try:
+        with torch.enable_grad():
+            out = [t for t in _tensors(fn(*args, **kwargs)) if t.requires_grad]
+            if not out:
+                return forward, 0.0
+            grads = [torch.ones_like(t) for t in out]
+
+            def backward() -> None:
+                torch.autograd.grad(out, leaves, grads, retain_graph=True, allow_unused=True)
+
+            backward()  # warm-up
+            return forward, _median(backward, repeats)
+    except RuntimeError:  # in-place ops on leaves and the like: use the usual 2x
+        return forward, BACKWARD_FLOP_FACTOR * forward
+
+
+def _backward_overhead(repeats: int) -> float:
+    """The fixed cost of starting one autograd.grad call, which a stage pays once per
+    backward rather than once per node: measured on a one-element op and subtracted."""
+    x = torch.ones(1, requires_grad=True)
+    y = x * 1.0
+    g = torch.ones(1)
+    run = lambda: torch.autograd.grad([y], [x], [g], retain_graph=True)  # noqa: E731
+    run()
+    return _median(run, max(repeats, 9)) * 0.9
+
+
+def _median(call: Callable[[], Any], repeats: int) -> float:
+    samples = []
+    for _ in range(max(1, repeats)):
+        start = time.perf_counter()
+        call()
+        samples.append(time.perf_counter() - start)
+    return statistics.median(samples)
+
+
+# -- sizes -------------------------------------------------------------------------------
+
+
+def _tensors(value: Any) -> list[torch.Tensor]:
+    out: list[torch.Tensor] = []
+    torch.fx.node.map_aggregate(value, lambda v: out.append(v) if isinstance(v, torch.Tensor) else None)
+    return out
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _bytes(value: Any) -> int:
+    return sum(_nbytes(t) for t in _tensors(value))
+
+
+def _needs_grad(value: Any) -> bool:
+    return any(t.requires_grad for t in _tensors(value))

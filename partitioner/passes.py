@@ -1,0 +1,123 @@
+"""Graph passes over plain fx GraphModules: shape propagation and specialisation.
+
+Like fx's own passes, each takes a GraphModule and writes `node.meta`:
+
+- `propagate` runs the graph on one microbatch and records every node's real value
+  (returned) and `node.meta["tensor_meta"]` (fx's `TensorMetadata`).
+- `specialize` folds every non-tensor value (sizes, Python numbers) into a constant for that
+  microbatch shape and drops assertions, so only tensors are left to cross stage
+  boundaries.  The package is then fixed to the microbatch shape, which the manifest records.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.fx
+from torch.fx.passes.shape_prop import TensorMetadata, _extract_tensor_metadata
+
+from .errors import TraceError
+
+__all__ = ["propagate", "specialize", "is_tensor_node", "node_module"]
+
+_ASSERTS = {
+    "_assert_tensor_metadata",
+    "_assert_scalar",
+    "sym_constrain_range_for_size",
+    "_assert",
+    "_assert_async",
+}
+
+
+def propagate(gm: torch.fx.GraphModule, flat_inputs: list[Any], model_path: str = "") -> dict[torch.fx.Node, Any]:
+    """Run `gm` on `flat_inputs` with autograd on; return each node's value."""
+    values: dict[torch.fx.Node, Any] = {}
+
+    class _Recorder(torch.fx.Interpreter):
+        def run_node(self, n: torch.fx.Node) -> Any:
+            try:
+                result = super().run_node(n)
+            except Exception as exc:
+                where = n.meta.get("stack_trace", "") or ""
+                raise TraceError(
+                    f"running the traced graph failed at node {n.format_node()} "
+                    f"({type(exc).__name__}: {exc}). Model source: {_last_user_line(where, model_path)}"
+                ) from exc
+            values[n] = result
+            if isinstance(result, torch.Tensor):
+                n.meta["tensor_meta"] = _extract_tensor_metadata(result)
+            return result
+
+    with torch.enable_grad():
+        _Recorder(gm).run(*flat_inputs)
+    return values
+
+
+def specialize(gm: torch.fx.GraphModule, values: dict[torch.fx.Node, Any]) -> None:
+    """Fold non-tensor nodes into constants and remove assertions and dead code."""
+    graph = gm.graph
+    for node in list(graph.nodes):
+        if node.op in ("placeholder", "output", "get_attr"):
+            continue
+        if _is_assert(node):
+            if not node.users:
+                graph.erase_node(node)
+            continue
+        value = values.get(node)
+        if _foldable(value):
+            node.replace_all_uses_with(_constant(value), propagate_meta=False)  # type: ignore[arg-type]
+            graph.erase_node(node)
+    graph.eliminate_dead_code()
+    graph.lint()
+    gm.recompile()
+
+
+def is_tensor_node(node: torch.fx.Node) -> bool:
+    return isinstance(node.meta.get("tensor_meta"), TensorMetadata)
+
+
+def node_module(node: torch.fx.Node) -> str:
+    """Dotted path of the innermost nn.Module that created `node` ("" at top level)."""
+    stack = node.meta.get("nn_module_stack") or {}
+    if not stack:
+        return ""
+    path = list(stack.values())[-1][0]
+    return str(path).replace("L['self'].", "").replace("L__self___", "")
+
+
+# -- helpers -----------------------------------------------------------------------------
+
+
+def _is_assert(node: torch.fx.Node) -> bool:
+    name = getattr(node.target, "__name__", "") or str(node.target)
+    return any(a in name for a in _ASSERTS) and node.op == "call_function"
+
+
+def _foldable(value: Any) -> bool:
+    """A value with no tensor inside it is specialised to a constant."""
+    if isinstance(value, torch.Tensor):
+        return False
+    if isinstance(value, (tuple, list)):
+        return all(_foldable(v) for v in value)
+    return isinstance(value, (int, float, bool, type(None), str, torch.Size, torch.dtype, torch.device))
+
+
+def _constant(value: Any) -> Any:
+    if isinstance(value, torch.Size):
+        return tuple(int(v) for v in value)
+    if isinstance(value, list):
+        return [_constant(v) for v in value]
+    if isinstance(value, tuple):
+        return tuple(_constant(v) for v in value)
+    return value
+
+
+def _last_user_line(stack_trace: str, model_path: str) -> str:
+    lines = [ln.strip() for ln in stack_trace.strip().splitlines() if ln.strip()]
+    if model_path:
+        for i in range(len(lines) - 1, -1, -1):
+            if model_path.split("/")[-1] in lines[i] and lines[i].startswith("File"):
+                return " ".join(lines[i : i + 2])
+    return " ".join(lines[-2:]) if lines else "unknown"
+

@@ -1,0 +1,48 @@
+"""Pure cost formulas: the roofline, backward-pass factors and memory per stage.
+
+- Roofline (Williams, Waterman & Patterson, "Roofline: an insightful visual performance
+  model", CACM 2009): an op takes max(FLOPs / achievable FLOP/s, bytes moved / bandwidth).
+- Backward costs about twice the forward in FLOPs for matmul-dominated layers (one matmul
+  for the input gradient, one for the weight gradient): the `6N` FLOPs per token of
+  Kaplan et al. 2020, appendix, used by nanoGPT's `estimate_mfu` and Megatron's MFU.
+- The alpha-beta model of a message (Hockney 1994): time = alpha + bytes * beta.
+- MFU as in PaLM (Chowdhery et al. 2022, appendix B): model FLOPs of a step over
+  step time x devices x peak FLOP/s.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "BACKWARD_FLOP_FACTOR",
+    "roofline_s",
+    "message_s",
+    "stage_memory_bytes",
+    "mfu",
+]
+
+#: backward FLOPs per forward FLOP for layers with weights (Kaplan et al. 2020)
+BACKWARD_FLOP_FACTOR = 2.0
+
+
+def roofline_s(flops: float, bytes_moved: float, peak_flops: float, bandwidth: float, efficiency: float = 1.0) -> float:
+    """Seconds for an op: compute-bound or memory-bound, whichever is slower."""
+    compute = flops / (peak_flops * efficiency) if peak_flops > 0 else 0.0
+    memory = bytes_moved / bandwidth if bandwidth > 0 else 0.0
+    return max(compute, memory)
+
+
+def message_s(nbytes: float, alpha_s: float, beta_s_per_byte: float) -> float:
+    """Seconds to send one message of `nbytes` (zero bytes: no message, no latency)."""
+    return alpha_s + nbytes * beta_s_per_byte if nbytes > 0 else 0.0
+
+
+def stage_memory_bytes(param_bytes: int, activation_bytes: int, inflight: int, optimizer_factor: int) -> int:
+    """Peak bytes of a stage: weights + gradients + optimizer state + activations in flight."""
+    return param_bytes * (2 + optimizer_factor) + activation_bytes * inflight
+
+
+def mfu(model_flops_per_step: float, step_time_s: float, devices: int, peak_flops: float) -> float:
+    """Model FLOPs utilisation (PaLM, appendix B)."""
+    if step_time_s <= 0 or devices <= 0 or peak_flops <= 0:
+        return 0.0
+    return model_flops_per_step / (step_time_s * devices * peak_flops)

@@ -1,0 +1,178 @@
+"""Trace: the user's unmodified model -> one `torch.fx.GraphModule`.
+
+Two tracers give the same form of graph, which the rest of the compiler consumes unchanged:
+
+- `fx`: `torch.fx` symbolic tracing that goes *through* every module (no leaf modules), so
+  parameters are `get_attr` nodes named by their original fully-qualified names and all
+  compute is `call_function` / `call_method`.
+- `export`: `torch.export.export(strict=False)`, then `ExportedProgram.module()`, which
+  un-lifts parameters back into `get_attr` nodes.  Hugging Face models need this one.
+
+`auto` tries fx, then export.  When every tracer fails, the `TraceError` names the line of
+the user's model file that broke tracing.
+
+The graph is traced for ONE MICROBATCH (export specialises shapes) and its output is
+described by a pytree `TreeSpec` over the output leaves, so codegen can rebuild the very
+structure the model returns (a tensor, a tuple, a dict, a Hugging Face ModelOutput).
+"""
+
+from __future__ import annotations
+
+import inspect
+import warnings
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.fx
+import torch.utils._pytree as pytree
+
+from .errors import TraceError
+from .model_file import user_frame
+
+__all__ = ["Traced", "trace", "TRACERS"]
+
+TRACERS = ("auto", "fx", "export")
+
+
+@dataclass
+class Traced:
+    """A traced model: its graph, which tracer made it, and how inputs/outputs map."""
+
+    gm: torch.fx.GraphModule
+    tracer: str
+    #: for each placeholder, in graph order: its name and the user's key
+    #: (an int for a positional argument, a str for a keyword argument)
+    input_keys: list[tuple[str, int | str]]
+    #: the structure of the model's output over `output_leaves`
+    out_spec: pytree.TreeSpec
+    output_leaves: list[Any]
+
+
+class _ThroughTracer(torch.fx.Tracer):
+    """An fx tracer with no leaf modules: every nn.Module is traced into."""
+
+    def is_leaf_module(self, m: torch.nn.Module, module_qualified_name: str) -> bool:
+        return False
+
+
+def trace(
+    model: torch.nn.Module,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    tracer: str = "auto",
+    model_path: str = "",
+) -> Traced:
+    """Trace `model` called as `model(*args, **kwargs)` into an fx graph."""
+    if tracer not in TRACERS:
+        raise TraceError(f"unknown --tracer {tracer!r}: choose one of {', '.join(TRACERS)}.")
+    order = ["fx", "export"] if tracer == "auto" else [tracer]
+    failures: list[tuple[str, BaseException]] = []
+    for name in order:
+        try:
+            traced = _trace_fx(model, args, kwargs) if name == "fx" else _trace_export(model, args, kwargs)
+            _check_runs(traced, model, args, kwargs)
+            return traced
+        except Exception as exc:  # every tracer failure is reported together below
+            failures.append((name, exc))
+    raise TraceError(_failure_message(failures, model_path))
+
+
+# -- fx ----------------------------------------------------------------------------------
+
+
+def _trace_fx(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Traced:
+    params = list(inspect.signature(model.forward).parameters.values())
+    given = {p.name for p in params[: len(args)]} | set(kwargs)
+    # Arguments the example batch leaves out are fixed to their defaults, so `if mask is
+    # None:` takes the branch the user's call takes rather than a proxy's.
+    concrete = {
+        p.name: p.default
+        for p in params
+        if p.name not in given
+        and p.default is not inspect.Parameter.empty
+        and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
+    }
+    graph = _ThroughTracer().trace(model, concrete_args=concrete or None)
+    gm = torch.fx.GraphModule(model, graph)
+    # Placeholders for concrete args are consumed by fx's own guards; drop their checks.
+    keys: list[tuple[str, int | str]] = []
+    positional = [p.name for p in params[: len(args)]]
+    for node in gm.graph.nodes:
+        if node.op != "placeholder":
+            continue
+        if node.target in concrete:
+            continue
+        key: int | str = positional.index(node.target) if node.target in positional else str(node.target)
+        keys.append((node.name, key))
+    out = next(n for n in gm.graph.nodes if n.op == "output")
+    leaves, spec = pytree.tree_flatten(out.args[0])
+    return Traced(gm, "fx", keys, spec, leaves)
+
+
+# -- export ------------------------------------------------------------------------------
+
+
+def _trace_export(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Traced:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ep = torch.export.export(model, args, kwargs, strict=False)
+    gm = ep.module()
+    assert isinstance(gm, torch.fx.GraphModule)
+    flat, _ = pytree.tree_flatten_with_path((args, kwargs))
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    if len(flat) != len(placeholders):
+        raise TraceError(
+            f"export flattened the inputs into {len(placeholders)} tensors but the example "
+            f"batch has {len(flat)} leaves; pass each input as one tensor argument."
+        )
+    keys: list[tuple[str, int | str]] = []
+    for node, (path, _value) in zip(placeholders, flat):
+        if len(path) != 2:
+            raise TraceError(
+                f"input {pytree.keystr(path)} is nested inside a container; the partitioner "
+                f"needs every input to be a tensor argument of forward()."
+            )
+        key = path[1]
+        keys.append((node.name, key.idx if hasattr(key, "idx") else str(key.key)))
+    out = next(n for n in gm.graph.nodes if n.op == "output")
+    leaves = list(out.args[0])
+    spec = ep.call_spec.out_spec
+    assert spec is not None
+    return Traced(gm, "export", keys, spec, leaves)
+
+
+# -- checks and messages -----------------------------------------------------------------
+
+
+def _check_runs(traced: Traced, model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    """The graph must run on the example inputs (it is run again, timed, later)."""
+    by_key = {**{i: a for i, a in enumerate(args)}, **kwargs}
+    flat = [by_key[key] for _name, key in traced.input_keys]
+    with torch.no_grad():
+        traced.gm.graph.lint()
+        _ = torch.fx.Interpreter(traced.gm).run(*flat)
+
+
+def _failure_message(failures: list[tuple[str, BaseException]], model_path: str) -> str:
+    parts = []
+    line = ""
+    for name, exc in failures:
+        where = user_frame(exc, model_path) if model_path else ""
+        line = line or where
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        parts.append(f"{name}: {type(exc).__name__}: {first[:300]}")
+    data_dependent = any(
+        "control flow" in str(e) or "data-dependent" in str(e).lower() or "GuardOnDataDependent" in type(e).__name__
+        for _, e in failures
+    )
+    advice = (
+        "The model's Python control flow depends on tensor values; rewrite the branch with "
+        "tensor ops (torch.where, masking) or move it out of forward()."
+        if data_dependent
+        else "Make forward() traceable (no Python branching on tensor values, no unsupported "
+        "calls), or force the other tracer with --tracer."
+    )
+    return (
+        f"could not trace the model{line or ''}. Tried {'; '.join(parts)}. {advice}"
+    )

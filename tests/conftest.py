@@ -1,0 +1,49 @@
+"""Shared fixtures: a private profile cache, the repo root as cwd, golden-file switch."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Iterator
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--update-golden", action="store_true", help="rewrite tests/golden/ from the current code")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _private_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    old = os.environ.get("PARTITIONER_CACHE")
+    os.environ["PARTITIONER_CACHE"] = str(tmp_path_factory.mktemp("cache"))
+    yield
+    if old is None:
+        os.environ.pop("PARTITIONER_CACHE", None)
+    else:
+        os.environ["PARTITIONER_CACHE"] = old
+
+
+@pytest.fixture(autouse=True)
+def _seed_and_cwd(monkeypatch: pytest.MonkeyPatch) -> None:
+    torch.manual_seed(0)
+    monkeypatch.chdir(ROOT)
+
+
+@pytest.fixture
+def update_golden(request: pytest.FixtureRequest) -> bool:
+    return bool(request.config.getoption("--update-golden"))
+
+
+def compile_example(path: str, out: Path, **options: Any) -> Any:
+    """Compile a model file quietly with deterministic (analytic) costs unless told."""
+    from partitioner.compiler import CompileOptions, compile_model
+
+    options.setdefault("analytic", True)
+    options.setdefault("hardware", "a100")
+    options.setdefault("quiet", True)
+    options.setdefault("time_limit", 5.0)
+    return compile_model(CompileOptions(model=path, out=str(out), **options))

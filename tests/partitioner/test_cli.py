@@ -1,0 +1,124 @@
+"""The command line: exit status 2 with one clear paragraph for every bad input."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from partitioner.__main__ import main, parse_size
+
+BAD = "tests/model_files"
+GOOD = f"{BAD}/good_tiny.py"
+
+
+def _run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str]:
+    code = main(list(argv))
+    err = capsys.readouterr().err
+    return code, err
+
+
+@pytest.mark.parametrize(
+    "model, pattern",
+    [
+        ("tests/model_files/does_not_exist.py", r"cannot be read \(no such file\)"),
+        (f"{BAD}/syntax_error.py", r"line \d+: syntax error"),
+        (f"{BAD}/import_error.py", r"importing it raised ModuleNotFoundError"),
+        (f"{BAD}/no_build_model.py", r"defines no `build_model\(\)`"),
+        (f"{BAD}/build_returns_int.py", r"build_model\(\) returned int, not a torch.nn.Module"),
+        (f"{BAD}/build_raises.py", r"build_model\(\) raised ValueError: boom"),
+        (f"{BAD}/no_example_inputs.py", r"defines no `example_inputs\(\)`"),
+        (f"{BAD}/wrong_shape.py", r"could not trace the model.*wrong_shape.py, line \d+"),
+        (f"{BAD}/data_dependent.py", r"could not trace the model at .*data_dependent.py, line \d+.*control flow"),
+    ],
+)
+def test_bad_model_files(model: str, pattern: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code, err = _run(capsys, "compile", model, "--out", str(tmp_path / "pkg"), "--quiet")
+    assert code == 2
+    assert "Traceback" not in err
+    assert err.startswith("partitioner: error: ")
+    assert "\n\n" not in err.strip(), "one paragraph"
+    import re
+
+    assert re.search(pattern, " ".join(err.split())), err
+    assert not (tmp_path / "pkg").exists(), "nothing is written on failure"
+
+
+@pytest.mark.parametrize(
+    "options, pattern",
+    [
+        (["--stages", "0"], r"--stages 0: a pipeline needs at least 1 stage"),
+        (["--stages", "500", "--microbatches", "1"], r"more stages|stages than"),
+        (["--schedule", "zigzag"], r"unknown --schedule 'zigzag'"),
+        (["--memory", "1KiB"], r"--memory|memory"),
+        (["--memory", "lots"], r"is not a size"),
+        (["--microbatches", "3"], r"does not split into 3 microbatches"),
+        (["--tracer", "magic"], r"unknown --tracer 'magic'"),
+        (["--hardware", "tpu9"], r"unknown --hardware 'tpu9'"),
+    ],
+)
+def test_bad_options(options: list[str], pattern: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    import re
+
+    code, err = _run(capsys, "compile", GOOD, "--out", str(tmp_path / "pkg"), "--quiet", "--analytic", *options)
+    assert code == 2, err
+    assert "Traceback" not in err
+    assert re.search(pattern, " ".join(err.split())), err
+
+
+def test_out_is_a_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "file"
+    out.write_text("x")
+    code, err = _run(capsys, "compile", GOOD, "--out", str(out), "--quiet")
+    assert code == 2 and "is a file, not a directory" in err
+
+
+def test_show(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["compile", GOOD, "--out", str(tmp_path / "pkg"), "--quiet", "--analytic"]) == 0
+    capsys.readouterr()
+    assert main(["show", str(tmp_path / "pkg")]) == 0
+    out = capsys.readouterr().out
+    assert out == (tmp_path / "pkg" / "plan.txt").read_text()
+    assert "stage" in out and "ranks" in out
+
+
+def test_show_missing_and_corrupt(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code, err = _run(capsys, "show", str(tmp_path / "nothing"))
+    assert code == 2 and "is not a package directory" in err
+    (tmp_path / "bad").mkdir()
+    code, err = _run(capsys, "show", str(tmp_path / "bad"))
+    assert code == 2 and "has no manifest.json" in err
+    (tmp_path / "bad" / "manifest.json").write_text("{not json")
+    code, err = _run(capsys, "show", str(tmp_path / "bad"))
+    assert code == 2 and "is corrupt" in err
+    (tmp_path / "bad" / "manifest.json").write_text(json.dumps({"stages": []}))
+    code, err = _run(capsys, "show", str(tmp_path / "bad"))
+    assert code == 2 and "corrupt" in err
+
+
+def test_recompile_is_byte_identical(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Measured costs too: the profile cache makes the second compile agree."""
+    for out in ("a", "b"):
+        assert main(["compile", GOOD, "--out", str(tmp_path / out), "--quiet"]) == 0
+    files = sorted(p.name for p in (tmp_path / "a").iterdir())
+    assert files == sorted(p.name for p in (tmp_path / "b").iterdir())
+    for name in files:
+        assert (tmp_path / "a" / name).read_bytes() == (tmp_path / "b" / name).read_bytes(), name
+
+
+def test_subprocess_exit_status(tmp_path: Path) -> None:
+    """The real entry point: exit 2, a paragraph, no traceback."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "partitioner", "compile", f"{BAD}/no_build_model.py", "--out", str(tmp_path / "p")],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 2
+    assert "Traceback" not in proc.stderr and "build_model" in proc.stderr
+
+
+@pytest.mark.parametrize("text, size", [("16GiB", 16 << 30), ("512MiB", 512 << 20), ("80GB", 80 * 10**9), ("1000", 1000)])
+def test_parse_size(text: str, size: int) -> None:
+    assert parse_size(text) == size
