@@ -11,6 +11,7 @@ Like fx's own passes, each takes a GraphModule and writes `node.meta`:
 
 from __future__ import annotations
 
+import operator
 from typing import Any
 
 import torch
@@ -19,7 +20,7 @@ from torch.fx.passes.shape_prop import TensorMetadata, _extract_tensor_metadata
 
 from .errors import TraceError
 
-__all__ = ["propagate", "specialize", "is_tensor_node", "node_module"]
+__all__ = ["inline_higher_order", "propagate", "specialize", "is_tensor_node", "node_module"]
 
 _ASSERTS = {
     "_assert_tensor_metadata",
@@ -71,6 +72,61 @@ def specialize(gm: torch.fx.GraphModule, values: dict[torch.fx.Node, Any]) -> No
     graph.eliminate_dead_code()
     graph.lint()
     gm.recompile()
+
+
+def inline_higher_order(gm: torch.fx.GraphModule) -> None:
+    """Inline torch.export's grad-mode and autocast wrappers into the graph.
+
+    `wrap_with_set_grad_enabled(False, submod, *args)` (e.g. Llama's rotary embedding under
+    `torch.no_grad()`) becomes the submodule's nodes followed by `aten.detach` on each
+    output, which stops gradients exactly as no_grad did.  Autocast regions are inlined
+    as they are (on float32 CPU/GPU graphs with autocast disabled they are no-ops).
+    Export's `_guards_fn` module, which only re-checks input shapes, is dropped.
+    """
+    graph = gm.graph
+    for node in list(graph.nodes):
+        if node.op == "call_module" and str(node.target) == "_guards_fn" and not node.users:
+            graph.erase_node(node)
+            continue
+        name = getattr(node.target, "__name__", "")
+        if node.op != "call_function" or name not in ("wrap_with_set_grad_enabled", "wrap_with_autocast"):
+            continue
+        if name == "wrap_with_set_grad_enabled":
+            enabled, sub_node, *operands = node.args
+        else:  # wrap_with_autocast(device, dtype, enabled, cache_enabled, submod, *args)
+            *_, sub_node, operands = *node.args[:4], node.args[4], list(node.args[5:])
+            enabled = True
+        sub = getattr(gm, str(sub_node.target))  # type: ignore[union-attr]
+        outputs = _inline(graph, node, sub, operands, detach=not enabled)
+        for user in list(node.users):
+            assert user.target is operator.getitem, user.format_node()
+            user.replace_all_uses_with(outputs[user.args[1]])
+            graph.erase_node(user)
+        graph.erase_node(node)
+    graph.eliminate_dead_code()
+    graph.lint()
+    gm.delete_all_unused_submodules()
+    gm.recompile()
+
+
+def _inline(graph: torch.fx.Graph, at: torch.fx.Node, sub: torch.fx.GraphModule, operands: list[Any],
+            detach: bool) -> list[torch.fx.Node]:
+    env: dict[torch.fx.Node, Any] = {}
+    inputs = iter(operands)
+    outputs: list[torch.fx.Node] = []
+    with graph.inserting_before(at):
+        for n in sub.graph.nodes:
+            if n.op == "placeholder":
+                env[n] = next(inputs)
+            elif n.op == "output":
+                for value in n.args[0]:
+                    v = env[value]
+                    outputs.append(graph.call_function(torch.ops.aten.detach.default, (v,)) if detach else v)
+            elif n.op == "get_attr":
+                raise TraceError(f"cannot inline {at.format_node()}: its body reads attribute {n.target}")
+            else:
+                env[n] = graph.node_copy(n, lambda a: env[a])
+    return outputs
 
 
 def is_tensor_node(node: torch.fx.Node) -> bool:

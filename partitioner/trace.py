@@ -29,6 +29,7 @@ import torch.utils._pytree as pytree
 
 from .errors import TraceError
 from .model_file import user_frame
+from .passes import inline_higher_order
 
 __all__ = ["Traced", "trace", "TRACERS"]
 
@@ -95,19 +96,36 @@ def _trace_fx(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, A
     }
     graph = _ThroughTracer().trace(model, concrete_args=concrete or None)
     gm = torch.fx.GraphModule(model, graph)
-    # Placeholders for concrete args are consumed by fx's own guards; drop their checks.
+    # fx makes a placeholder for every parameter of forward(), in signature order; those
+    # fixed to their defaults are replaced by the default and their guards dropped.
+    named = [p for p in params if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     keys: list[tuple[str, int | str]] = []
-    positional = [p.name for p in params[: len(args)]]
-    for node in gm.graph.nodes:
-        if node.op != "placeholder":
-            continue
-        if node.target in concrete:
-            continue
-        key: int | str = positional.index(node.target) if node.target in positional else str(node.target)
-        keys.append((node.name, key))
+    for node, param in zip(placeholders, named):
+        if param.name in concrete:
+            for user in list(node.users):
+                if "_assert_is_none" in getattr(user.target, "__name__", ""):
+                    gm.graph.erase_node(user)
+            node.replace_all_uses_with(concrete[param.name])  # type: ignore[arg-type]
+            gm.graph.erase_node(node)
+        else:
+            index = named.index(param)
+            keys.append((node.name, index if index < len(args) else param.name))
+    gm.recompile()
     out = next(n for n in gm.graph.nodes if n.op == "output")
-    leaves, spec = pytree.tree_flatten(out.args[0])
+    leaves, spec = pytree.tree_flatten(_plain(out.args[0]))
     return Traced(gm, "fx", keys, spec, leaves)
+
+
+def _plain(value: Any) -> Any:
+    """fx's immutable_dict / immutable_list as the dict / list the model returned."""
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_plain(v) for v in value]
+    if type(value) is tuple:
+        return tuple(_plain(v) for v in value)
+    return value
 
 
 # -- export ------------------------------------------------------------------------------
@@ -119,6 +137,7 @@ def _trace_export(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[st
         ep = torch.export.export(model, args, kwargs, strict=False)
     gm = ep.module()
     assert isinstance(gm, torch.fx.GraphModule)
+    inline_higher_order(gm)
     flat, _ = pytree.tree_flatten_with_path((args, kwargs))
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     if len(flat) != len(placeholders):
