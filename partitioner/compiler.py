@@ -6,6 +6,7 @@ the options, and reports progress on stderr.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import sys
@@ -26,7 +27,7 @@ from .ir import (SCHEDULES, GraphNode, NodeCost, PartitionProblem, Plan, SolverR
                  optimizer_state_factor)
 from .passes import is_tensor_node, node_module, propagate, specialize
 from .roofline import BACKWARD_FLOP_FACTOR, mfu
-from .simulate import step_time_s
+from .simulate import Simulation, simulate
 from .solve import evaluate, solve
 from .trace import Traced, trace
 
@@ -102,6 +103,7 @@ def compile_model(opts: CompileOptions, log: Callable[[str], None] | None = None
     say(f"solving: {len(compute_nodes(prepared.traced.gm))} nodes in {prepared.problem.num_blocks} blocks "
         f"into {prepared.problem.stages} stages")
     assignment, report = solve(prepared.problem, time_limit_s=opts.time_limit)
+    report = dataclasses.replace(report, nodes=len(compute_nodes(prepared.traced.gm)), blocks=prepared.problem.num_blocks)
     prepared.timings["solve"] = time.perf_counter() - start
     compiled = finish(prepared, assignment, report)
     say(f"wrote {opts.out}: {prepared.problem.stages} stages; {report.method}, gap {report.gap * 100:.1f}%, "
@@ -395,7 +397,8 @@ def _package_info(opts: CompileOptions, mf: model_file.ModelFile, model: torch.n
     aliases = {k: canonical[t.data_ptr()] for k, t in original.items()
                if t.data_ptr() in canonical and canonical[t.data_ptr()] != k}
     unused = {k: t for k, t in original.items() if t.data_ptr() not in canonical and k not in aliases}
-    step = step_time_s([s.time_s for s in plan.stages], plan.microbatches, plan.schedule, plan.pp, plan.virtual_stages)
+    sim = _simulate(gm, plan, costs, hardware)
+    step = sim.step_time_s
     flops = sum(c.flops for c in costs.values()) * (1 + BACKWARD_FLOP_FACTOR) * plan.microbatches * plan.dp
     report = plan.report
     predicted = {
@@ -404,7 +407,8 @@ def _package_info(opts: CompileOptions, mf: model_file.ModelFile, model: torch.n
         "cost_source": "analytic" if opts.analytic else "measured",
         "hardware": hardware.name,
         "stages": [{"time_s": s.time_s, "compute_s": s.compute_s, "memory_bytes": s.memory_bytes,
-                    "param_bytes": s.param_bytes, "send_bytes": s.send_bytes, "recv_bytes": s.recv_bytes}
+                    "param_bytes": s.param_bytes, "send_bytes": s.send_bytes, "recv_bytes": s.recv_bytes,
+                    "peak_inflight": sim.peak_inflight[s.index]}
                    for s in plan.stages],
         "solver": {} if report is None else {
             "method": report.method, "objective_s": report.objective_s, "lower_bound_s": report.lower_bound_s,
@@ -422,3 +426,19 @@ def _package_info(opts: CompileOptions, mf: model_file.ModelFile, model: torch.n
     )
 
 
+
+
+def _simulate(gm: torch.fx.GraphModule, plan: Plan, costs: dict[str, NodeCost], hardware: Hardware) -> Simulation:
+    """The step as the schedule will run it: stage compute, and one message per stage pair."""
+    stage_of = plan.stage_of()
+    forward = [sum(costs[n].forward_s for n in s.nodes) for s in plan.stages]
+    backward = [sum(costs[n].backward_s for n in s.nodes) for s in plan.stages]
+    traffic: dict[tuple[int, int], int] = {}
+    last = plan.num_stages - 1
+    for node in compute_nodes(gm):
+        a = stage_of[node.name]
+        readers = {last if u.op == "output" else stage_of.get(u.name, a) for u in node.users}
+        for b in sorted(readers - {a}):
+            traffic[(a, b)] = traffic.get((a, b), 0) + costs[node.name].output_bytes
+    links = {pair: hardware.p2p_alpha_s + nbytes * hardware.p2p_beta_s_per_byte for pair, nbytes in traffic.items()}
+    return simulate(forward, backward, links, plan.schedule, plan.pp, plan.microbatches, plan.virtual_stages)

@@ -19,6 +19,7 @@ structure the model returns (a tensor, a tuple, a dict, a Hugging Face ModelOutp
 from __future__ import annotations
 
 import inspect
+import logging
 import warnings
 from dataclasses import dataclass
 from typing import Any
@@ -132,9 +133,15 @@ def _plain(value: Any) -> Any:
 
 
 def _trace_export(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Traced:
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        ep = torch.export.export(model, args, kwargs, strict=False)
+    # export logs its own failures (tracebacks included) on stderr; the TraceError we
+    # raise says what matters, so its logging is silenced while it runs.
+    logging.disable(logging.CRITICAL)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            ep = torch.export.export(model, args, kwargs, strict=False)
+    finally:
+        logging.disable(logging.NOTSET)
     gm = ep.module()
     assert isinstance(gm, torch.fx.GraphModule)
     inline_higher_order(gm)

@@ -1,0 +1,274 @@
+"""Coarsen the compute nodes of a graph into blocks: the solver's unit of assignment.
+
+A block is a contiguous run of the nodes' topological order, so the graph of blocks
+stays acyclic with blocks numbered in a topological order.  In four steps:
+
+    1. order:  the output node, and anything that reads it, go last, so the last block
+               holds the graph's output (the solver puts it in the last stage).
+    2. atoms:  the runs no block boundary may split: a non-tensor value (the tuple of
+               torch.split) stays with all its consumers, and the output tail stays whole.
+    3. fuse:   an atom of negligible time joins a neighbour (of its own module if it
+               can, else across the boundary that sends more bytes).
+    4. merge:  neighbours merge innermost module first, so the blocks are the modules of
+               the deepest depth that gives at most `max_blocks` (a transformer's `h.0`,
+               `h.1`, ...), with the heaviest of them still split where room is left.
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass
+from typing import Mapping, Sequence
+
+from .ir import BlockCost, Edge, GraphNode, PartitionProblem
+
+__all__ = ["build_problem", "coarsen", "param_sizes"]
+
+_FINEST = 1 << 30  # the depth of a group that is a single atom
+
+
+@dataclass(frozen=True)
+class _Run:
+    """Nodes [start, end) of the order, of module path `path`, grouped at `depth`."""
+
+    start: int
+    end: int
+    path: tuple[str, ...]
+    time_s: float
+    depth: int = 0
+
+
+def coarsen(nodes: Sequence[GraphNode], max_blocks: int, *, param_bytes: Mapping[str, int] | None = None,
+            cheap_fraction: float = 0.05) -> tuple[list[BlockCost], list[Edge]]:
+    """Blocks (in topological order) and the values that cross between them.
+
+    A group whose time is under `cheap_fraction` of an even share (total / max_blocks)
+    is fused into a neighbour.  `param_bytes` gives each parameter's size; without it the
+    sizes are inferred from the nodes' `cost.param_bytes` (see `param_sizes`).
+    """
+    if max_blocks < 1:
+        raise ValueError(f"max_blocks must be at least 1, got {max_blocks}")
+    order = _order(nodes)
+    cheap_s = cheap_fraction * sum(n.cost.time_s for n in order) / max_blocks
+    runs = _Merger(_atoms(order), _crossing_bytes(order), cheap_s).run(max_blocks)
+    return _blocks(order, runs, param_sizes(order, param_bytes)), _edges(order, runs)
+
+
+def build_problem(blocks: Sequence[BlockCost], edges: Sequence[Edge], stages: int, microbatches: int, *,
+                  schedule: str = "1f1b", memory_limit_bytes: int | None = None, optimizer_factor: int = 2,
+                  comm_alpha_s: float = 0.0, comm_beta_s_per_byte: float = 0.0,
+                  param_bytes: Mapping[str, int] | None = None) -> PartitionProblem:
+    """The `PartitionProblem` of coarsened blocks; `param_bytes` lets a stage that holds
+    several blocks reading one (tied) parameter hold it once."""
+    used = {name for b in blocks for name in b.params}
+    return PartitionProblem(
+        block_time_s=tuple(b.time_s for b in blocks),
+        block_param_bytes=tuple(b.param_bytes for b in blocks),
+        block_activation_bytes=tuple(b.activation_bytes for b in blocks),
+        edges=tuple(edges),
+        stages=stages,
+        microbatches=microbatches,
+        schedule=schedule,
+        memory_limit_bytes=memory_limit_bytes,
+        optimizer_factor=optimizer_factor,
+        comm_alpha_s=comm_alpha_s,
+        comm_beta_s_per_byte=comm_beta_s_per_byte,
+        block_names=tuple(b.name for b in blocks),
+        block_params=tuple(b.params for b in blocks),
+        param_bytes_by_name=tuple(sorted((k, v) for k, v in (param_bytes or {}).items() if k in used)),
+    )
+
+
+def param_sizes(nodes: Sequence[GraphNode], known: Mapping[str, int] | None = None) -> dict[str, int]:
+    """Each parameter's bytes: `known`, else solved from the nodes' `cost.param_bytes`
+    (the sum of the parameters a node reads) one unknown at a time, else split evenly."""
+    sizes = dict(known or {})
+    progress = True
+    while progress:
+        progress = False
+        for node in nodes:
+            unknown = sorted(set(node.params) - sizes.keys())
+            if len(unknown) == 1:
+                sizes[unknown[0]] = max(0, node.cost.param_bytes - sum(sizes[p] for p in set(node.params) - {unknown[0]}))
+                progress = True
+    for node in nodes:
+        unknown = sorted(set(node.params) - sizes.keys())
+        rest = max(0, node.cost.param_bytes - sum(sizes[p] for p in set(node.params) & sizes.keys()))
+        for i, name in enumerate(unknown):
+            sizes[name] = rest // len(unknown) + (rest % len(unknown) if i == len(unknown) - 1 else 0)
+    return sizes
+
+
+# -- 1. order and 2. atoms ---------------------------------------------------------------
+
+
+def _order(nodes: Sequence[GraphNode]) -> list[GraphNode]:
+    """The nodes with the output and its readers moved, in order, to the end."""
+    seen: set[str] = set()
+    tail: set[str] = set()
+    for node in nodes:
+        missing = [i for i in node.inputs if i not in seen]
+        if node.name in seen or missing:
+            raise ValueError(f"coarsen: node {node.name!r} is repeated or reads {missing} before they are "
+                             "computed; nodes must be unique and in topological order")
+        seen.add(node.name)
+        if node.is_output or any(i in tail for i in node.inputs):
+            tail.add(node.name)
+    return [n for n in nodes if n.name not in tail] + [n for n in nodes if n.name in tail]
+
+
+def _atoms(order: Sequence[GraphNode]) -> list[_Run]:
+    """Maximal runs that no block boundary may split."""
+    pos = {n.name: i for i, n in enumerate(order)}
+    last_reader = list(range(len(order)))
+    for i, node in enumerate(order):
+        for name in node.inputs:
+            last_reader[pos[name]] = max(last_reader[pos[name]], i)
+    reach = -1  # no boundary before position `reach` (inclusive)
+    starts = []
+    tail = next((i for i, n in enumerate(order) if n.is_output), len(order))
+    for i, node in enumerate(order):
+        if reach < i <= tail:
+            starts.append(i)
+        if not node.tensor_output:
+            reach = max(reach, last_reader[i])
+    bounds = starts + [len(order)]
+    return [_run(order, a, b) for a, b in zip(bounds, bounds[1:])]
+
+
+def _run(order: Sequence[GraphNode], start: int, end: int) -> _Run:
+    paths = [tuple(n.module.split(".")) if n.module else () for n in order[start:end]]
+    common = paths[0]
+    for p in paths[1:]:
+        common = common[:_shared(common, p)]
+    return _Run(start, end, common, sum(n.cost.time_s for n in order[start:end]))
+
+
+# -- 3. fuse and 4. merge -------------------------------------------------------------------
+
+
+def _shared(a: tuple[str, ...], b: tuple[str, ...]) -> int:
+    """How many leading module names `a` and `b` share."""
+    k = 0
+    while k < min(len(a), len(b)) and a[k] == b[k]:
+        k += 1
+    return k
+
+
+class _Merger:
+    """Neighbouring runs of atoms, merged pair by pair, best pair first.
+
+    A pair's key: a pair with a cheap member first (fusing it), then pairs inside the
+    deepest module (so every module of depth d is whole before two of depth d merge:
+    the deepest depth that fits), then the pair of least combined time (so what is left
+    split at the last depth is the heaviest).  A cheap pair prefers its own module, then
+    the boundary that cuts more bytes.
+    """
+
+    def __init__(self, atoms: Sequence[_Run], crossing: Sequence[int], cheap_s: float) -> None:
+        self.runs: list[_Run | None] = list(atoms)
+        self.next = list(range(1, len(atoms))) + [-1]
+        self.prev = list(range(-1, len(atoms) - 1))
+        self.crossing, self.cheap_s = crossing, cheap_s
+        self.heap: list[tuple[tuple[float, ...], int, int, int]] = []
+        self.version = [0] * len(atoms)
+        for g in range(len(atoms) - 1):
+            self._push(g)
+
+    def _push(self, g: int) -> None:
+        a, b = self.runs[g], self.runs[self.next[g]]
+        assert a is not None and b is not None
+        cheap = min(a.time_s, b.time_s) < self.cheap_s
+        key = ((0.0, -_shared(a.path, b.path), -self.crossing[b.start]) if cheap
+               else (1.0, -_shared(a.path, b.path), a.time_s + b.time_s))
+        heapq.heappush(self.heap, (key, a.start, g, self.version[g]))
+
+    def run(self, max_blocks: int) -> list[_Run]:
+        """Merge until at most `max_blocks` runs remain and none is cheap."""
+        count = len(self.runs)
+        while self.heap:
+            key, _, g, version = heapq.heappop(self.heap)
+            if version != self.version[g] or self.runs[g] is None or self.next[g] < 0:
+                continue
+            if key[0] > 0 and count <= max_blocks:
+                break
+            self._merge(g)
+            count -= 1
+        return [r for r in self.runs if r is not None]
+
+    def _merge(self, g: int) -> None:
+        h = self.next[g]
+        a, b = self.runs[g], self.runs[h]
+        assert a is not None and b is not None
+        if min(a.time_s, b.time_s) < self.cheap_s:  # the cheap one joins the other's module
+            path = b.path if b.time_s > a.time_s else a.path
+        else:
+            path = a.path[:_shared(a.path, b.path)]
+        self.runs[g] = _Run(a.start, b.end, path, a.time_s + b.time_s)
+        self.runs[h] = None
+        self.next[g] = self.next[h]
+        if self.next[g] >= 0:
+            self.prev[self.next[g]] = g
+        for pair in (self.prev[g], g):
+            if pair >= 0 and self.next[pair] >= 0:
+                self.version[pair] += 1
+                self._push(pair)
+
+
+def _crossing_bytes(order: Sequence[GraphNode]) -> list[int]:
+    """Bytes of the values that a boundary before position c would cut, for each c."""
+    pos = {n.name: i for i, n in enumerate(order)}
+    last = {}
+    for i, node in enumerate(order):
+        for name in node.inputs:
+            last[pos[name]] = i
+    diff = [0] * (len(order) + 2)
+    for p, q in last.items():
+        diff[p + 1] += order[p].cost.output_bytes
+        diff[q + 1] -= order[p].cost.output_bytes
+    out, acc = [], 0
+    for d in diff:
+        acc += d
+        out.append(acc)
+    return out
+
+
+def _blocks(order: Sequence[GraphNode], runs: Sequence[_Run], sizes: Mapping[str, int]) -> list[BlockCost]:
+    blocks, taken = [], set()
+    for run in runs:
+        nodes = order[run.start:run.end]
+        name = base = _label(run, nodes)
+        while name in taken:
+            name = f"{base}#{len([t for t in taken if t.split('#')[0] == base]) + 1}"
+        taken.add(name)
+        params = tuple(sorted({p for n in nodes for p in n.params}))
+        blocks.append(BlockCost(
+            name=name, nodes=tuple(n.name for n in nodes), time_s=sum(n.cost.time_s for n in nodes),
+            param_bytes=sum(sizes.get(p, 0) for p in params),
+            activation_bytes=sum(n.cost.activation_bytes for n in nodes),
+            flops=sum(n.cost.flops for n in nodes), params=params))
+    return blocks
+
+
+def _label(run: _Run, nodes: Sequence[GraphNode]) -> str:
+    """The block's module path, else its first and last nodes' modules (or names)."""
+    if run.path:
+        return ".".join(run.path)
+    first, last = (nodes[0].module or nodes[0].name), (nodes[-1].module or nodes[-1].name)
+    return first if first == last else f"{first}..{last}"
+
+
+def _edges(order: Sequence[GraphNode], runs: Sequence[_Run]) -> list[Edge]:
+    block = {}
+    for b, run in enumerate(runs):
+        for node in order[run.start:run.end]:
+            block[node.name] = b
+    by_name = {n.name: n for n in order}
+    pos = {n.name: i for i, n in enumerate(order)}
+    found: dict[tuple[int, int, str], Edge] = {}
+    for node in order:
+        for name in node.inputs:
+            src, dst = block[name], block[node.name]
+            if src != dst:
+                found.setdefault((src, dst, name), Edge(src, dst, name, by_name[name].cost.output_bytes))
+    return sorted(found.values(), key=lambda e: (e.src, e.dst, pos[e.value]))
