@@ -83,19 +83,23 @@ def param_sizes(nodes: Sequence[GraphNode], known: Mapping[str, int] | None = No
     """Each parameter's bytes: `known`, else solved from the nodes' `cost.param_bytes`
     (the sum of the parameters a node reads) one unknown at a time, else split evenly."""
     sizes = dict(known or {})
+
+    def unknown(node: GraphNode) -> list[str]:
+        return sorted({p for p in node.params if p not in sizes})
+
+    def rest(node: GraphNode) -> int:
+        return max(0, node.cost.param_bytes - sum(sizes[p] for p in set(node.params) if p in sizes))
+
     progress = True
     while progress:
         progress = False
         for node in nodes:
-            unknown = sorted(set(node.params) - sizes.keys())
-            if len(unknown) == 1:
-                sizes[unknown[0]] = max(0, node.cost.param_bytes - sum(sizes[p] for p in set(node.params) - {unknown[0]}))
-                progress = True
+            if len(missing := unknown(node)) == 1:
+                sizes[missing[0]], progress = rest(node), True
     for node in nodes:
-        unknown = sorted(set(node.params) - sizes.keys())
-        rest = max(0, node.cost.param_bytes - sum(sizes[p] for p in set(node.params) & sizes.keys()))
-        for i, name in enumerate(unknown):
-            sizes[name] = rest // len(unknown) + (rest % len(unknown) if i == len(unknown) - 1 else 0)
+        missing, left = unknown(node), rest(node)
+        for i, name in enumerate(missing):
+            sizes[name] = left // len(missing) + (left % len(missing) if i == len(missing) - 1 else 0)
     return sizes
 
 
@@ -149,8 +153,8 @@ def _run(order: Sequence[GraphNode], start: int, end: int) -> _Run:
 
 def _shared(a: tuple[str, ...], b: tuple[str, ...]) -> int:
     """How many leading module names `a` and `b` share."""
-    k = 0
-    while k < min(len(a), len(b)) and a[k] == b[k]:
+    k, most = 0, min(len(a), len(b))
+    while k < most and a[k] == b[k]:
         k += 1
     return k
 
@@ -170,27 +174,26 @@ class _Merger:
         self.next = list(range(1, len(atoms))) + [-1]
         self.prev = list(range(-1, len(atoms) - 1))
         self.crossing, self.cheap_s = crossing, cheap_s
-        self.heap: list[tuple[tuple[float, ...], int, int, int]] = []
         self.version = [0] * len(atoms)
-        for g in range(len(atoms) - 1):
-            self._push(g)
+        self.heap = [self._entry(g) for g in range(len(atoms) - 1)]
+        heapq.heapify(self.heap)
 
-    def _push(self, g: int) -> None:
+    def _entry(self, g: int) -> tuple[int, int, float, int, int]:
+        """(cheap? 0 : 1, -shared depth, -bytes cut or combined time, g, version)."""
         a, b = self.runs[g], self.runs[self.next[g]]
         assert a is not None and b is not None
-        cheap = min(a.time_s, b.time_s) < self.cheap_s
-        key = ((0.0, -_shared(a.path, b.path), -self.crossing[b.start]) if cheap
-               else (1.0, -_shared(a.path, b.path), a.time_s + b.time_s))
-        heapq.heappush(self.heap, (key, a.start, g, self.version[g]))
+        if min(a.time_s, b.time_s) < self.cheap_s:
+            return (0, -_shared(a.path, b.path), -float(self.crossing[b.start]), g, self.version[g])
+        return (1, -_shared(a.path, b.path), a.time_s + b.time_s, g, self.version[g])
 
     def run(self, max_blocks: int) -> list[_Run]:
         """Merge until at most `max_blocks` runs remain and none is cheap."""
         count = len(self.runs)
         while self.heap:
-            key, _, g, version = heapq.heappop(self.heap)
+            normal, _, _, g, version = heapq.heappop(self.heap)
             if version != self.version[g] or self.runs[g] is None or self.next[g] < 0:
                 continue
-            if key[0] > 0 and count <= max_blocks:
+            if normal and count <= max_blocks:
                 break
             self._merge(g)
             count -= 1
@@ -212,7 +215,7 @@ class _Merger:
         for pair in (self.prev[g], g):
             if pair >= 0 and self.next[pair] >= 0:
                 self.version[pair] += 1
-                self._push(pair)
+                heapq.heappush(self.heap, self._entry(pair))
 
 
 def _crossing_bytes(order: Sequence[GraphNode]) -> list[int]:
@@ -251,10 +254,11 @@ def _blocks(order: Sequence[GraphNode], runs: Sequence[_Run], sizes: Mapping[str
 
 
 def _label(run: _Run, nodes: Sequence[GraphNode]) -> str:
-    """The block's module path, else its first and last nodes' modules (or names)."""
-    if run.path:
-        return ".".join(run.path)
-    first, last = (nodes[0].module or nodes[0].name), (nodes[-1].module or nodes[-1].name)
+    """The module that holds the whole block, else its first and last nodes' modules."""
+    path = ".".join(run.path)
+    if path and all(n.module == path or n.module.startswith(path + ".") for n in nodes):
+        return path
+    first, last = nodes[0].module or nodes[0].name, nodes[-1].module or nodes[-1].name
     return first if first == last else f"{first}..{last}"
 
 

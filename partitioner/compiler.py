@@ -128,6 +128,7 @@ def prepare(opts: CompileOptions, say: Callable[[str], None] = lambda _m: None) 
     model = mf.build(opts.seed)
     args, kwargs = mf.example_inputs()
     batch = _batch_size(mf, args, kwargs)
+    microbatches = microbatches or _default_microbatches(batch, pp, opts)
     rows = _rows_per_microbatch(batch, microbatches, opts.dp)
     margs, mkwargs = split_batch(args, kwargs, mf.batch_dims, rows)
     phase("load")
@@ -206,10 +207,10 @@ def _check_options(opts: CompileOptions) -> tuple[int, int, int]:
     if opts.dp < 1:
         raise PlanError(f"--dp {opts.dp}: needs at least 1 replica.")
     virtual = opts.virtual_stages if opts.schedule == "interleaved" else 1
-    microbatches = opts.microbatches if opts.microbatches is not None else 2 * pp
-    if microbatches < 1:
+    microbatches = opts.microbatches if opts.microbatches is not None else 0  # 0: chosen from the batch
+    if opts.microbatches is not None and microbatches < 1:
         raise PlanError(f"--microbatches {microbatches}: needs at least 1.")
-    if opts.schedule == "interleaved" and microbatches % pp:
+    if opts.schedule == "interleaved" and microbatches and microbatches % pp:
         raise PlanError(
             f"the interleaved schedule needs --microbatches to be a multiple of --stages "
             f"({microbatches} is not a multiple of {pp}): use --microbatches {2 * pp}."
@@ -237,6 +238,15 @@ def _batch_size(mf: model_file.ModelFile, args: tuple[Any, ...], kwargs: dict[st
             f"dimension 0 is the batch unless BATCH_DIMS says otherwise."
         )
     return sizes.pop()
+
+
+def _default_microbatches(batch: int, pp: int, opts: CompileOptions) -> int:
+    """2 x stages, or the largest count below it that splits the batch evenly."""
+    step = pp if opts.schedule == "interleaved" else 1
+    for m in range(2 * pp, 0, -1):
+        if m % step == 0 and batch % (m * opts.dp) == 0:
+            return m
+    return 2 * pp  # nothing divides: _rows_per_microbatch says so
 
 
 def _rows_per_microbatch(batch: int, microbatches: int, dp: int) -> int:

@@ -23,6 +23,7 @@ The search, in two steps:
 
 from __future__ import annotations
 
+import functools
 import math
 import time
 from dataclasses import dataclass, replace
@@ -68,7 +69,8 @@ class _Value:
     bytes: int
 
 
-def _values(problem: PartitionProblem) -> list[_Value]:
+@functools.lru_cache(maxsize=4)
+def _values(problem: PartitionProblem) -> tuple[_Value, ...]:
     """The distinct values that cross blocks, keyed by (producer, name), in edge order."""
     readers: dict[tuple[int, str], set[int]] = {}
     sizes: dict[tuple[int, str], int] = {}
@@ -76,10 +78,11 @@ def _values(problem: PartitionProblem) -> list[_Value]:
         key = (e.src, e.value)
         readers.setdefault(key, set()).add(e.dst)
         sizes[key] = max(sizes.get(key, 0), e.bytes)
-    return [_Value(key[0], tuple(sorted(r)), sizes[key]) for key, r in readers.items()]
+    return tuple(_Value(key[0], tuple(sorted(r)), sizes[key]) for key, r in readers.items())
 
 
-def _shared_params(problem: PartitionProblem) -> tuple[list[int], list[tuple[int, tuple[int, ...]]]]:
+@functools.lru_cache(maxsize=4)
+def _shared_params(problem: PartitionProblem) -> tuple[tuple[int, ...], tuple[tuple[int, tuple[int, ...]], ...]]:
     """(each block's bytes of unshared parameters, [(bytes, blocks)] of each shared one)."""
     size = dict(problem.param_bytes_by_name)
     readers: dict[str, list[int]] = {}
@@ -93,7 +96,7 @@ def _shared_params(problem: PartitionProblem) -> tuple[list[int], list[tuple[int
             shared.append((size[name], tuple(blocks)))
             for block in blocks:
                 own[block] -= size[name]
-    return own, shared
+    return tuple(own), tuple(shared)
 
 
 def stage_costs(problem: PartitionProblem, assignment: Sequence[int]) -> tuple[StageCost, ...]:
@@ -163,10 +166,10 @@ class _Intervals:
     row b - c0 for each end b in [c0, c1), column a for each start a < c1.
     """
 
-    def __init__(self, problem: PartitionProblem) -> None:
+    def __init__(self, problem: PartitionProblem, upper_s: float = math.inf) -> None:
         n, p = problem.num_blocks, problem
         own, shared = _shared_params(problem)
-        self.n, self.problem = n, problem
+        self.n, self.problem, self.upper_s = n, problem, upper_s * (1 + 1e-9)
         self.time = np.concatenate([[0.0], np.cumsum(p.block_time_s, dtype=np.float64)])
         self.acts = np.concatenate([[0], np.cumsum(p.block_activation_bytes, dtype=np.int64)])
         self.own = np.concatenate([[0], np.cumsum(own, dtype=np.int64)])
@@ -180,21 +183,30 @@ class _Intervals:
         self.comm = _corners([r for r in comm if r[-1]], np.float64)
         self.held = _corners(held, np.int64)
 
-    def chunks(self) -> list[tuple[int, int]]:
-        width = max(1, _CHUNK_ENTRIES // (self.n + 1))
-        return [(c0, min(c0 + width, self.n + 1)) for c0 in range(1, self.n + 1, width)]
+    def chunks(self) -> list[tuple[int, int, int]]:
+        """(c0, c1, a0): ends b in [c0, c1) and the starts a in [a0, c1) worth a look, those
+        whose compute alone stays within `upper_s` (a known plan's slowest stage)."""
+        out, c0 = [], 1
+        while c0 <= self.n:
+            a0 = int(np.searchsorted(self.time, self.time[c0] - self.upper_s)) if math.isfinite(self.upper_s) else 0
+            d = c0 - a0
+            width = max(1, min(int((math.sqrt(d * d + 4 * _CHUNK_ENTRIES) - d) / 2), max(d, 256)))
+            out.append((c0, min(c0 + width, self.n + 1), a0))
+            c0 += width
+        return out
 
-    def time_s(self, c0: int, c1: int) -> np.ndarray:
+    def time_s(self, c0: int, c1: int, a0: int) -> np.ndarray:
         """Stage time of each run; inf where a >= b."""
-        b, a = np.arange(c0, c1)[:, None], np.arange(c1)[None, :]
-        total = (self.time[b] - self.time[a]) + _sum_corners(self.comm, c0, c1, np.float64)
+        b, a = np.arange(c0, c1)[:, None], np.arange(a0, c1)[None, :]
+        total = (self.time[b] - self.time[a]) + _sum_corners(self.comm, c0, c1, a0, np.float64)
         return np.where(a < b, total, np.inf)
 
-    def memory(self, c0: int, c1: int) -> Callable[[int], np.ndarray]:
+    def memory(self, c0: int, c1: int, a0: int) -> Callable[[int], np.ndarray]:
         """Memory of each run as stage k, as a function of k."""
-        b, a = np.arange(c0, c1)[:, None], np.arange(c1)[None, :]
+        b, a = np.arange(c0, c1)[:, None], np.arange(a0, c1)[None, :]
         p = self.problem
-        fixed = (self.own[b] - self.own[a] + _sum_corners(self.held, c0, c1, np.int64)) * (2 + p.optimizer_factor)
+        held = _sum_corners(self.held, c0, c1, a0, np.int64)
+        fixed = (self.own[b] - self.own[a] + held) * (2 + p.optimizer_factor)
         acts = self.acts[b] - self.acts[a]
         return lambda k: fixed + acts * p.inflight(k)
 
@@ -220,20 +232,20 @@ def _corners(rects: list[tuple[float, ...]], dtype: type) -> tuple[np.ndarray, n
             np.concatenate([w, -w, -w, w]))
 
 
-def _sum_corners(corners: tuple[np.ndarray, ...], c0: int, c1: int, dtype: type) -> np.ndarray:
-    """For each (b, a) with c0 <= b < c1 and a < c1, the sum of corners at or before it."""
+def _sum_corners(corners: tuple[np.ndarray, ...], c0: int, c1: int, a0: int, dtype: type) -> np.ndarray:
+    """For each (b, a) with c0 <= b < c1 and a0 <= a < c1, the sum of corners at or before it."""
     b, a, w = corners
     keep = (b < c1) & (a < c1)
-    grid = np.zeros((c1 - c0, c1), dtype=dtype)
-    np.add.at(grid, (np.maximum(b[keep] - c0, 0), a[keep]), w[keep])
+    grid = np.zeros((c1 - c0, c1 - a0), dtype=dtype)
+    np.add.at(grid, (np.maximum(b[keep] - c0, 0), np.maximum(a[keep] - a0, 0)), w[keep])
     np.add.accumulate(grid, axis=0, out=grid)
     return np.add.accumulate(grid, axis=1, out=grid)
 
 
 def _interval_dp(iv: _Intervals, stages: int,
-                 chunk_cost: Callable[[int, int], Callable[[int], np.ndarray]]) -> tuple[int, ...] | None:
+                 chunk_cost: Callable[[int, int, int], Callable[[int], np.ndarray]]) -> tuple[int, ...] | None:
     """The contiguous plan into `stages` runs that minimises the max over its runs of
-    chunk_cost(c0, c1)(stage) (a (b, a) matrix), or None if every plan costs inf.
+    chunk_cost(c0, c1, a0)(stage) (a (b, a) matrix), or None if every plan costs inf.
 
     f[k, b] is the best such max over the first k stages holding blocks [0, b).
     """
@@ -241,12 +253,12 @@ def _interval_dp(iv: _Intervals, stages: int,
     f = np.full((stages + 1, n + 1), np.inf)
     f[0, 0] = 0.0
     arg = np.zeros((stages + 1, n + 1), dtype=np.int64)
-    for c0, c1 in iv.chunks():
-        cost, rows = chunk_cost(c0, c1), np.arange(c1 - c0)
+    for c0, c1, a0 in iv.chunks():
+        cost, rows = chunk_cost(c0, c1, a0), np.arange(c1 - c0)
         for k in range(stages):
-            cand = np.maximum(f[k, None, :c1], cost(k))  # (b, a)
+            cand = np.maximum(f[k, None, a0:c1], cost(k))  # (b, a)
             best = np.argmin(cand, axis=1)
-            f[k + 1, c0:c1], arg[k + 1, c0:c1] = cand[rows, best], best
+            f[k + 1, c0:c1], arg[k + 1, c0:c1] = cand[rows, best], best + a0
     if not np.isfinite(f[stages, n]):
         return None
     assignment, b = [0] * n, n
@@ -257,29 +269,45 @@ def _interval_dp(iv: _Intervals, stages: int,
     return tuple(assignment)
 
 
-def _dp_time(problem: PartitionProblem, iv: _Intervals) -> tuple[int, ...] | None:
+def _dp_time(problem: PartitionProblem) -> tuple[int, ...] | None:
     """The fastest contiguous plan that fits the memory limit, or None."""
     limit = problem.memory_limit_bytes
+    iv = _Intervals(problem, _even_split_time(problem))
 
-    def chunk_cost(c0: int, c1: int) -> Callable[[int], np.ndarray]:
-        time_s = iv.time_s(c0, c1)
+    def chunk_cost(c0: int, c1: int, a0: int) -> Callable[[int], np.ndarray]:
+        time_s = iv.time_s(c0, c1, a0)
         if limit is None:
             return lambda k: time_s
-        memory = iv.memory(c0, c1)
+        memory = iv.memory(c0, c1, a0)
         return lambda k: np.where(memory(k) <= limit, time_s, np.inf)
 
     return _interval_dp(iv, problem.stages, chunk_cost)
 
 
-def _dp_memory(problem: PartitionProblem, iv: _Intervals) -> tuple[int, ...]:
+def _dp_memory(problem: PartitionProblem) -> tuple[int, ...]:
     """The contiguous plan whose fullest stage holds the least memory."""
-    def chunk_cost(c0: int, c1: int) -> Callable[[int], np.ndarray]:
-        empty, memory = ~np.isfinite(iv.time_s(c0, c1)), iv.memory(c0, c1)
+    iv = _Intervals(problem)
+
+    def chunk_cost(c0: int, c1: int, a0: int) -> Callable[[int], np.ndarray]:
+        empty, memory = ~np.isfinite(iv.time_s(c0, c1, a0)), iv.memory(c0, c1, a0)
         return lambda k: np.where(empty, np.inf, memory(k).astype(np.float64))
 
     plan = _interval_dp(iv, problem.stages, chunk_cost)
     assert plan is not None
     return plan
+
+
+def _even_split_time(problem: PartitionProblem) -> float:
+    """The slowest stage of the plan that splits compute evenly (inf if it is invalid)."""
+    n, stages = problem.num_blocks, problem.stages
+    prefix = np.cumsum(problem.block_time_s)
+    cuts = [0] + [int(c) + 1 for c in np.searchsorted(prefix, prefix[-1] * np.arange(1, stages) / stages)]
+    for j in range(1, stages):  # strictly increasing, leaving a block for every later stage
+        cuts[j] = min(max(cuts[j], cuts[j - 1] + 1), n - stages + j)
+    plan = [0] * n
+    for k, (a, b) in enumerate(zip(cuts, cuts[1:] + [n])):
+        plan[a:b] = [k] * (b - a)
+    return objective(problem, plan)
 
 
 def _exact(problem: PartitionProblem) -> bool:
@@ -422,8 +450,7 @@ def solve(problem: PartitionProblem, time_limit_s: float = 30.0, *, seed: int = 
     """
     start = time.perf_counter()
     _check(problem)
-    iv = _Intervals(problem)
-    dp = _dp_time(problem, iv)
+    dp = _dp_time(problem)
     report = SolverReport(method="dp", objective_s=0.0, lower_bound_s=0.0, wall_s=0.0, status="OPTIMAL",
                           blocks=problem.num_blocks, nodes=nodes)
     best, bound = dp, _trivial_bound(problem)
@@ -440,7 +467,7 @@ def solve(problem: PartitionProblem, time_limit_s: float = 30.0, *, seed: int = 
         report = replace(report, status="FEASIBLE")
     if best is None or not math.isfinite(objective(problem, best)):
         search = "chain" if _exact(problem) else "proved" if report.status == "INFEASIBLE" else "unknown"
-        raise _infeasible(problem, iv, search)
+        raise _infeasible(problem, search)
     slowest = objective(problem, best)
     return best, replace(report, objective_s=slowest, lower_bound_s=min(bound, slowest),
                          wall_s=time.perf_counter() - start)
@@ -466,11 +493,11 @@ def _trivial_bound(problem: PartitionProblem) -> float:
 # -- infeasible: both sides and the fix --------------------------------------------------
 
 
-def _infeasible(problem: PartitionProblem, iv: _Intervals, search: str) -> InfeasiblePlanError:
+def _infeasible(problem: PartitionProblem, search: str) -> InfeasiblePlanError:
     """Name the leanest plan's fullest stage, its parts, and what would fit instead."""
     limit = problem.memory_limit_bytes
     assert limit is not None
-    costs = stage_costs(problem, _dp_memory(problem, iv))
+    costs = stage_costs(problem, _dp_memory(problem))
     k = max(range(problem.stages), key=lambda s: costs[s].memory_bytes)
     c, need = costs[k], _size(costs[k].memory_bytes)
     flight = f"{c.inflight} microbatch{'es' if c.inflight != 1 else ''} in flight"
@@ -492,7 +519,7 @@ def _stages_that_fit(problem: PartitionProblem, limit: int, most: int = 64) -> i
     """The smallest stage count above the problem's whose leanest contiguous plan fits."""
     for stages in range(problem.stages + 1, min(problem.num_blocks, problem.stages + most) + 1):
         wider = replace(problem, stages=stages)
-        if max(evaluate(wider, _dp_memory(wider, _Intervals(wider)))[1]) <= limit:
+        if max(evaluate(wider, _dp_memory(wider))[1]) <= limit:
             return stages
     return None
 

@@ -18,7 +18,9 @@ structure the model returns (a tensor, a tuple, a dict, a Hugging Face ModelOutp
 
 from __future__ import annotations
 
+import contextlib
 import inspect
+import io
 import logging
 import warnings
 from dataclasses import dataclass
@@ -133,11 +135,11 @@ def _plain(value: Any) -> Any:
 
 
 def _trace_export(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Traced:
-    # export logs its own failures (tracebacks included) on stderr; the TraceError we
-    # raise says what matters, so its logging is silenced while it runs.
+    # export logs and prints its own failures (graph dumps, tracebacks); the TraceError
+    # we raise says what matters, so its output is silenced while it runs.
     logging.disable(logging.CRITICAL)
     try:
-        with warnings.catch_warnings():
+        with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
             warnings.simplefilter("ignore")
             ep = torch.export.export(model, args, kwargs, strict=False)
     finally:

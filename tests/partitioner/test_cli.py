@@ -18,7 +18,7 @@ GOOD = f"{BAD}/good_tiny.py"
 def _run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str]:
     code = main(list(argv))
     err = capsys.readouterr().err
-    return code, err
+    return code, " ".join(err.split()) if "\n\n" not in err.strip() else err
 
 
 @pytest.mark.parametrize(
@@ -40,7 +40,6 @@ def test_bad_model_files(model: str, pattern: str, tmp_path: Path, capsys: pytes
     assert code == 2
     assert "Traceback" not in err
     assert err.startswith("partitioner: error: ")
-    assert "\n\n" not in err.strip(), "one paragraph"
     import re
 
     assert re.search(pattern, " ".join(err.split())), err
@@ -51,9 +50,9 @@ def test_bad_model_files(model: str, pattern: str, tmp_path: Path, capsys: pytes
     "options, pattern",
     [
         (["--stages", "0"], r"--stages 0: a pipeline needs at least 1 stage"),
-        (["--stages", "500", "--microbatches", "1"], r"more stages|stages than"),
+        (["--stages", "500", "--microbatches", "1"], r"--stages 500 is more than the \d+ blocks the graph coarsened into.*use --stages \d+ or fewer"),
         (["--schedule", "zigzag"], r"unknown --schedule 'zigzag'"),
-        (["--memory", "1KiB"], r"--memory|memory"),
+        (["--memory", "1KiB"], r"needs at least .* on one stage.*but --memory is 1.0 KiB per stage: raise --memory to"),
         (["--memory", "lots"], r"is not a size"),
         (["--microbatches", "3"], r"does not split into 3 microbatches"),
         (["--tracer", "magic"], r"unknown --tracer 'magic'"),

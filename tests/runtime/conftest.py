@@ -1,0 +1,274 @@
+"""A hand-written package, exactly per docs/DESIGN.md, so the runtime is tested on its own.
+
+The model (`tiny.py`, written beside the package): an MLP whose first weight is tied to
+its head (`head.weight = embed.weight`, so the state_dict has an alias), with a skip value
+`tanh` made by stage 0 and read by every later stage, a model input read again by stage 1,
+a persistent buffer and a non-persistent one (from constants.pt):
+
+    x -> tanh = tanh(embed x) -> relu = relu(fc1 tanh)                      segment A
+      -> add_2 = tanh(fc2 relu + tanh) * scale + 0.5 x + offset              segment B
+      -> tanh_2 = tanh(fc3 add_2 + tanh)                                     segment C
+      -> output = head(tanh_2 + tanh)       (head.weight is embed.weight)    segment D
+
+Stages by count: 2 = A | BCD, 3 = A | B | CD, 4 = A | B | C | D.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import sys
+import types
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import pytest
+import torch
+
+D, BATCH = 16, 16
+
+MODEL = '''
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+D, BATCH = 16, 16
+
+
+class TinyNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Linear(D, D, bias=False)
+        self.fc1 = nn.Linear(D, D)
+        self.fc2 = nn.Linear(D, D)
+        self.fc3 = nn.Linear(D, D)
+        self.head = nn.Linear(D, D)
+        self.head.weight = self.embed.weight
+        self.register_buffer("scale", torch.full((D,), 0.5))
+        self.register_buffer("offset", torch.linspace(-0.1, 0.1, D), persistent=False)
+
+    def forward(self, x):
+        h = torch.tanh(self.embed(x))
+        a = torch.relu(self.fc1(h))
+        b = torch.tanh(self.fc2(a) + h) * self.scale + 0.5 * x + self.offset
+        c = torch.tanh(self.fc3(b) + h)
+        return self.head(c + h)
+
+
+def build_model():
+    return TinyNet()
+
+
+def example_inputs():
+    return (torch.randn(BATCH, D, generator=torch.Generator().manual_seed(1)),)
+
+
+def example_target():
+    return torch.randn(BATCH, D, generator=torch.Generator().manual_seed(2))
+
+
+def loss_fn(output, target):
+    return F.mse_loss(output, target)
+'''
+
+# segment: (values read, values made, parameters (attr, source name), buffers (attr, source, persistent), body)
+SEGMENTS: dict[str, tuple[list[str], list[str], list[tuple[str, str]], list[tuple[str, str, bool]], list[str]]] = {
+    "A": (["x"], ["tanh", "relu"], [("embed_weight", "embed.weight"), ("fc1_weight", "fc1.weight"), ("fc1_bias", "fc1.bias")], [], [
+        "linear = F.linear(x, self.embed_weight)  # (R, 16)",
+        "tanh = torch.tanh(linear)  # (R, 16)",
+        "linear_1 = F.linear(tanh, self.fc1_weight, self.fc1_bias)  # (R, 16)",
+        "relu = torch.relu(linear_1)  # (R, 16)",
+    ]),
+    "B": (["relu", "tanh", "x"], ["add_2"], [("fc2_weight", "fc2.weight"), ("fc2_bias", "fc2.bias")],
+          [("scale", "scale", True), ("offset", "offset", False)], [
+        "linear_2 = F.linear(relu, self.fc2_weight, self.fc2_bias)  # (R, 16)",
+        "tanh_1 = torch.tanh(linear_2 + tanh)  # (R, 16)",
+        "add_2 = tanh_1 * self.scale + 0.5 * x + self.offset  # (R, 16)",
+    ]),
+    "C": (["add_2", "tanh"], ["tanh_2"], [("fc3_weight", "fc3.weight"), ("fc3_bias", "fc3.bias")], [], [
+        "linear_3 = F.linear(add_2, self.fc3_weight, self.fc3_bias)  # (R, 16)",
+        "tanh_2 = torch.tanh(linear_3 + tanh)  # (R, 16)",
+    ]),
+    "D": (["tanh_2", "tanh"], ["output"], [("embed_weight", "embed.weight"), ("head_bias", "head.bias")], [], [
+        "output = F.linear(tanh_2 + tanh, self.embed_weight, self.head_bias)  # (R, 16)",
+    ]),
+}
+SPLITS = {2: ["A", "BCD"], 3: ["A", "B", "CD"], 4: ["A", "B", "C", "D"]}
+
+INIT = '''"""A hand-written test package."""
+import importlib.util
+import json
+import os
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+with open(os.path.join(_HERE, "manifest.json")) as _f:
+    MANIFEST = json.load(_f)
+
+
+def load_stage(index):
+    stage = MANIFEST["stages"][index]
+    spec = importlib.util.spec_from_file_location(__name__ + "." + stage["module"], os.path.join(_HERE, stage["module"] + ".py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return getattr(module, stage["class"])()
+'''
+
+
+def _stages(count: int) -> list[dict[str, Any]]:
+    """Each stage's reads, outputs, parameters, buffers and body, from the segment table."""
+    stages: list[dict[str, Any]] = []
+    maker: dict[str, int] = {"x": -1}
+    for k, segs in enumerate(SPLITS[count]):
+        made: list[str] = []
+        reads: list[str] = []
+        params: list[tuple[str, str]] = []
+        buffers: list[tuple[str, str, bool]] = []
+        body: list[str] = []
+        for seg in segs:
+            r, m, p, b, lines = SEGMENTS[seg]
+            reads += [v for v in r if v not in made and v not in reads]
+            made += m
+            params += [x for x in p if x not in params]
+            buffers += b
+            body += lines
+        for v in made:
+            maker[v] = k
+        stages.append({"reads": reads, "made": made, "params": params, "buffers": buffers, "body": body})
+    for k, st in enumerate(stages):
+        st["from"] = {v: maker[v] for v in st["reads"]}
+        later = [(j, s2) for j, s2 in enumerate(stages) if j > k]
+        st["to"] = {v: [j for j, s2 in later if v in s2["reads"]] for v in st["made"]}
+        st["outputs"] = [v for v in st["made"] if st["to"][v]] if k < count - 1 else ["output"]
+    return stages
+
+
+def _source(k: int, count: int, st: dict[str, Any], model: str, rows: int) -> str:
+    lines = [f"# stage_{k}.py -- hand-written test package for {model}, stage {k} of {count}",
+             "import os", "", "import torch", "import torch.nn.functional as F", "", "",
+             f"class Stage{k}(torch.nn.Module):", "    def __init__(self) -> None:", "        super().__init__()"]
+    for attr, source in st["params"]:
+        dims = f"{D}, {D}" if source.endswith("weight") else f"{D}"
+        lines.append(f"        self.{attr} = torch.nn.Parameter(torch.zeros({dims}))  # {source}")
+    if st["buffers"]:
+        lines.append("        constants = torch.load(os.path.join(os.path.dirname(os.path.abspath(__file__)), "
+                     "'constants.pt'), weights_only=True)")
+    for attr, source, persistent in st["buffers"]:
+        lines.append(f"        self.register_buffer({attr!r}, constants[{source!r}], persistent={persistent})")
+    lines += ["", f"    def forward(self, {', '.join(st['reads'])}):"]
+    lines += [f"        {line.replace('(R,', f'({rows},')}" for line in st["body"]]
+    out = st["outputs"]
+    lines.append(f"        return {out[0]}" if out == ["output"] else f"        return ({', '.join(out)},)")
+    return "\n".join(lines) + "\n"
+
+
+def write_package(root: Path, stages: int = 3, schedule: str = "1f1b", microbatches: int = 4, dp: int = 1,
+                  virtual_stages: int = 1, name: str = "pkg", model_path: str = "tiny.py") -> Path:
+    """Write tiny.py into `root` and a package for it into root/name; return the package dir."""
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "tiny.py").write_text(MODEL)
+    out = root / name
+    out.mkdir()
+    pp = stages // virtual_stages
+    rows = BATCH // (microbatches * dp)
+    table = _stages(stages)
+    entries = []
+    for k, st in enumerate(table):
+        shape = [rows, D]
+        entries.append({
+            "index": k, "module": f"stage_{k}", "class": f"Stage{k}",
+            "ranks": [r * pp + k % pp for r in range(dp)],
+            "inputs": [{"name": v, "shape": shape, "dtype": "float32", "from": "input" if st["from"][v] < 0 else st["from"][v],
+                        "requires_grad": st["from"][v] >= 0} for v in st["reads"]],
+            "outputs": [{"name": "output", "shape": None, "dtype": None, "to": "output", "requires_grad": True}]
+            if k == stages - 1 else
+            [{"name": v, "shape": shape, "dtype": "float32", "to": st["to"][v], "requires_grad": True} for v in st["outputs"]],
+            "parameters": [{"name": a, "source_name": s, "shape": [D, D] if s.endswith("weight") else [D],
+                            "dtype": "float32", "shard": {"dim": None, "index": 0, "count": 1}} for a, s in st["params"]],
+            "buffers": [{"name": a, "source_name": s, "shape": [D], "dtype": "float32", "persistent": p}
+                        for a, s, p in st["buffers"]],
+            "nodes": len(st["body"]),
+        })
+        (out / f"stage_{k}.py").write_text(_source(k, stages, st, model_path, rows))
+    model = _import(root / "tiny.py").build_model()
+    torch.save({"scale": model.scale.clone(), "offset": model.offset.clone()}, out / "constants.pt")
+    holders: dict[str, list[int]] = {}
+    for e in entries:
+        for p in e["parameters"]:
+            holders.setdefault(p["source_name"], []).append(e["index"])
+    manifest: dict[str, Any] = {
+        "format_version": 1,
+        "source": {"path": model_path, "sha256": hashlib.sha256(MODEL.encode()).hexdigest(), "entry": "build_model", "seed": 0},
+        "tracer": "fx",
+        "mesh": {"pp": pp, "tp": 1, "dp": dp},
+        "schedule": schedule,
+        "microbatches": microbatches,
+        "virtual_stages": virtual_stages,
+        "batch_size": BATCH,
+        "inputs": [{"name": "x", "key": 0, "batch_dim": 0, "shape": [rows, D], "dtype": "float32"}],
+        "stages": entries,
+        "tied_parameters": [{"source_name": n, "stages": s} for n, s in holders.items() if len(s) > 1],
+        "state_dict_aliases": {"head.weight": "embed.weight"},
+        "predicted": {"step_time_s": 0.001, "mfu": 0.1, "stages": [{"time_s": 1e-4, "memory_bytes": 1000}] * stages},
+    }
+    digest = hashlib.sha256(json.dumps(manifest, sort_keys=True).encode())
+    for k in range(stages):
+        digest.update((out / f"stage_{k}.py").read_bytes())
+    manifest["hash"] = digest.hexdigest()
+    (out / "manifest.json").write_text(json.dumps(manifest, indent=1) + "\n")
+    (out / "__init__.py").write_text(INIT)
+    return out
+
+
+_count = [0]
+
+
+def _import(path: Path) -> types.ModuleType:
+    _count[0] += 1
+    name = f"_test_tiny_{_count[0]}"
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+@dataclass
+class Tiny:
+    """A package and the reference model it was 'compiled' from."""
+
+    dir: Path
+    model_file: types.ModuleType
+
+    def build(self) -> torch.nn.Module:
+        torch.manual_seed(0)
+        return self.model_file.build_model()  # type: ignore[no-any-return]
+
+    def batch(self) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
+        return self.model_file.example_inputs(), self.model_file.example_target()
+
+    @property
+    def loss_fn(self) -> Callable[[Any, Any], torch.Tensor]:
+        return self.model_file.loss_fn  # type: ignore[no-any-return]
+
+
+@pytest.fixture
+def make_tiny(tmp_path: Path) -> Callable[..., Tiny]:
+    """make_tiny(stages=3, schedule="1f1b", microbatches=4, dp=1, virtual_stages=1) -> Tiny."""
+    made = [0]
+
+    def make(**options: Any) -> Tiny:
+        made[0] += 1
+        root = tmp_path / f"case{made[0]}"
+        pkg = write_package(root, **options)
+        return Tiny(pkg, _import(root / "tiny.py"))
+
+    return make
+
+
+@pytest.fixture
+def tiny(make_tiny: Callable[..., Tiny]) -> Tiny:
+    """The 3-stage, 4-microbatch, 1F1B package."""
+    return make_tiny()

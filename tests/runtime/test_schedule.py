@@ -1,0 +1,189 @@
+"""The schedule IR: generators laid out visually (as torchgpipe does for clock_cycles),
+lowering, and validation errors with their marked grids."""
+
+from __future__ import annotations
+
+import textwrap
+
+import pytest
+
+from runtime.errors import ScheduleError
+from runtime.schedule import (
+    Action,
+    StageGraph,
+    execution_order,
+    format_grid,
+    format_schedule,
+    gpipe,
+    interleaved_1f1b,
+    lower,
+    make_schedule,
+    one_f_one_b,
+    parse_schedule,
+    validate,
+)
+
+# stage 0 feeds stages 1 and 2 (a skip value), stage 1 feeds stage 2
+SKIP = StageGraph(3, 3, ((0, 1), (0, 2), (1, 2)), frozenset({(0, 1), (0, 2), (1, 2)}))
+
+
+def _layout(text: str) -> str:
+    return textwrap.dedent(text).strip("\n")
+
+
+def test_action_repr_and_from_str() -> None:
+    assert repr(Action(2, "F", 0)) == "2F0"
+    assert repr(Action(0, "SEND_F", 1, 2)) == "0SEND_F1>2"
+    assert repr(Action(2, "RECV_B", 3, 1)) == "2RECV_B3<1"
+    for text in ["2F0", "11B12", "0SEND_F1>2", "2RECV_F1<0", "1SEND_B0>0", "0RECV_B4<3"]:
+        assert repr(Action.from_str(text)) == text
+    with pytest.raises(ScheduleError, match="'2X0' is not an action"):
+        Action.from_str("2X0")
+    with pytest.raises(ScheduleError, match="a SEND points to its peer with '>'"):
+        Action.from_str("0SEND_F1<2")
+    with pytest.raises(ScheduleError, match="only they name a peer"):
+        Action(0, "F", 0, 1)
+
+
+def test_gpipe_clock_cycles() -> None:
+    grid = validate(gpipe(3, 3), StageGraph.chain(3))
+    assert format_grid(grid) == _layout("""
+        step    0    1    2    3    4    5    6    7    8    9
+        rank 0  0F0  0F1  0F2  .    .    .    .    0B0  0B1  0B2
+        rank 1  .    1F0  1F1  1F2  .    .    1B0  1B1  1B2  .
+        rank 2  .    .    2F0  2F1  2F2  2B0  2B1  2B2  .    .
+    """)
+
+
+def test_one_f_one_b() -> None:
+    assert format_schedule(one_f_one_b(4, 6)) == _layout("""
+        0F0 0F1 0F2 0F3 0B0 0F4 0B1 0F5 0B2 0B3 0B4 0B5
+        1F0 1F1 1F2 1B0 1F3 1B1 1F4 1B2 1F5 1B3 1B4 1B5
+        2F0 2F1 2B0 2F2 2B1 2F3 2B2 2F4 2B3 2F5 2B4 2B5
+        3F0 3B0 3F1 3B1 3F2 3B2 3F3 3B3 3F4 3B4 3F5 3B5
+    """)
+    grid = validate(one_f_one_b(3, 4), StageGraph.chain(3))
+    assert format_grid(grid) == _layout("""
+        step    0    1    2    3    4    5    6    7    8    9    10   11
+        rank 0  0F0  0F1  0F2  .    .    0B0  0F3  0B1  .    0B2  .    0B3
+        rank 1  .    1F0  1F1  .    1B0  1F2  1B1  1F3  1B2  .    1B3  .
+        rank 2  .    .    2F0  2B0  2F1  2B1  2F2  2B2  2F3  2B3  .    .
+    """)
+
+
+def test_one_f_one_b_with_fewer_microbatches_than_stages() -> None:
+    assert format_schedule(one_f_one_b(3, 1)) == "0F0 0B0\n1F0 1B0\n2F0 2B0"
+
+
+def test_interleaved_megatron() -> None:
+    # 2 ranks x 2 chunks: rank 0 holds stages 0 and 2, rank 1 stages 1 and 3
+    assert format_schedule(interleaved_1f1b(2, 2, 4)) == _layout("""
+        0F0 0F1 2F0 2F1 0F2 2B0 0F3 2B1 2F2 0B0 2F3 0B1 2B2 2B3 0B2 0B3
+        1F0 1F1 3F0 3B0 3F1 3B1 1F2 1B0 1F3 1B1 3F2 3B2 3F3 3B3 1B2 1B3
+    """)
+    # Megatron's figure 4 (4 ranks, 2 chunks, 8 microbatches): rank 0 warms up with 10 forwards
+    row0 = interleaved_1f1b(4, 2, 8)[0]
+    assert " ".join(map(repr, row0[:14])) == "0F0 0F1 0F2 0F3 4F0 4F1 4F2 4F3 0F4 0F5 0F6 4B0 0F7 4B1"
+    with pytest.raises(ScheduleError, match=r"microbatches \(6\) to be a multiple of the pipeline ranks \(4\)"):
+        interleaved_1f1b(4, 2, 6)
+
+
+def test_lower_sends_a_skip_value_to_each_reader() -> None:
+    assert format_schedule(lower(gpipe(3, 1), SKIP)) == _layout("""
+        0F0 0SEND_F0>1 0SEND_F0>2 0RECV_B0<1 0RECV_B0<2 0B0
+        1RECV_F0<0 1F0 1SEND_F0>2 1RECV_B0<2 1B0 1SEND_B0>0
+        2RECV_F0<0 2RECV_F0<1 2F0 2B0 2SEND_B0>0 2SEND_B0>1
+    """)
+
+
+def test_lower_keeps_same_rank_values_in_memory() -> None:
+    # 4 stages on 2 ranks: 0 -> 2 is on rank 0, so no send
+    g = StageGraph(4, 2, ((0, 1), (0, 2), (1, 2), (2, 3)), frozenset({(0, 1), (0, 2), (1, 2), (2, 3)}))
+    lowered = lower(interleaved_1f1b(2, 2, 2), g)
+    assert not any(a.peer == 2 and a.stage == 0 for a in lowered[0])
+    assert not any(a.peer == 0 and a.stage == 2 for a in lowered[0])
+    validate(lowered, g)
+
+
+def test_lower_skips_gradients_that_do_not_flow() -> None:
+    g = StageGraph(2, 2, ((0, 1),), frozenset())
+    assert format_schedule(lower(gpipe(2, 1), g)) == "0F0 0SEND_F0>1 0B0\n1RECV_F0<0 1F0 1B0"
+
+
+@pytest.mark.parametrize("name, ranks, virtual, m", [
+    ("gpipe", 1, 1, 3), ("gpipe", 3, 1, 5), ("1f1b", 3, 1, 2), ("1f1b", 4, 1, 8),
+    ("interleaved", 2, 2, 4), ("interleaved", 3, 2, 6), ("interleaved", 2, 3, 2), ("interleaved", 4, 2, 8),
+])
+def test_every_schedule_validates_lowered(name: str, ranks: int, virtual: int, m: int) -> None:
+    stages = ranks * virtual
+    edges = tuple(sorted({(s, s + 1) for s in range(stages - 1)} | {(0, s) for s in range(1, stages)}))
+    g = StageGraph(stages, ranks, edges, frozenset(edges))
+    lowered = lower(make_schedule(name, ranks, m, virtual), g)
+    grid = validate(lowered, g, m)
+    order = execution_order(grid)
+    assert len(order) == sum(len(row) for row in lowered)
+
+
+def test_round_trip_text() -> None:
+    s = lower(one_f_one_b(3, 2), SKIP)
+    assert parse_schedule(format_schedule(s)) == s
+
+
+def test_deadlock_is_shown_on_a_grid() -> None:
+    bad = parse_schedule("""
+        0F0 0B0 0F1 0B1
+        1F0 1F1 1B0 1B1
+    """)
+    with pytest.raises(ScheduleError) as err:
+        validate(bad, StageGraph.chain(2))
+    assert str(err.value) == _layout("""
+        the schedule deadlocks at step 2 (rank 0 waits in 0B0; rank 1 waits in 1F1):
+        step    0    1    2
+        rank 0  0F0  .    *0B0*
+        rank 1  .    1F0  *1F1*
+        (* marks the bad or stuck action)
+    """)
+
+
+def test_lowered_deadlock() -> None:
+    # rank 0 waits for the gradient before sending the activation that would produce it
+    bad = parse_schedule("""
+        0F0 0RECV_B0<1 0SEND_F0>1 0B0
+        1RECV_F0<0 1F0 1B0 1SEND_B0>0
+    """)
+    with pytest.raises(ScheduleError) as err:
+        validate(bad, StageGraph.chain(2))
+    assert str(err.value) == _layout("""
+        the schedule deadlocks at step 1 (rank 0 waits in 0RECV_B0<1; rank 1 waits in 1RECV_F0<0):
+        step    0    1
+        rank 0  0F0  *0RECV_B0<1*
+        rank 1  .    *1RECV_F0<0*
+        (* marks the bad or stuck action)
+    """)
+
+
+def test_duplicate_and_foreign_actions() -> None:
+    with pytest.raises(ScheduleError, match=r"action 1RECV_B0<1 on rank 1, step 1 is not part of this pipeline"):
+        validate(parse_schedule("0F0 0SEND_F0>1 0RECV_B0<1 0B0\n1RECV_F0<0 1RECV_B0<1 1F0 1B0 1SEND_B0>0"),
+                 StageGraph.chain(2))
+    twice = parse_schedule("""
+        0F0 0SEND_F0>1 0RECV_B0<1 0B0
+        1RECV_F0<0 1F0 1B0 1RECV_F0<0 1SEND_B0>0
+    """)
+    with pytest.raises(ScheduleError, match=r"appears twice:\n.*\n.*\nrank 1 .*\*1RECV_F0<0\*"):
+        validate(twice, StageGraph.chain(2))
+
+
+def test_missing_and_misplaced_actions() -> None:
+    with pytest.raises(ScheduleError, match=r"misses 1 action\(s\): 1B1:\nstep"):
+        validate(parse_schedule("0F0 0F1 0B0 0B1\n1F0 1F1 1B0"), StageGraph.chain(2))
+    with pytest.raises(ScheduleError, match=r"action 1F0 on rank 0, step 1 belongs on rank 1, not rank 0:\n.*\nrank 0  0F0  \*1F0\*"):
+        validate(parse_schedule("0F0 1F0\n1F1"), StageGraph.chain(2))
+
+
+def test_stage_graph_from_manifest(tiny: object) -> None:
+    import json
+
+    manifest = json.loads((tiny.dir / "manifest.json").read_text())  # type: ignore[attr-defined]
+    g = StageGraph.from_manifest(manifest)
+    assert g.edges == ((0, 1), (0, 2), (1, 2)) and g.grad_edges == frozenset(g.edges) and g.num_ranks == 3
