@@ -184,6 +184,7 @@ def _manifest(plan: Plan, info: PackageInfo, stages: list[dict[str, Any]]) -> di
         "stages": stages,
         "tied_parameters": [{"source_name": n, "stages": s} for n, s in tied.items() if len(s) > 1],
         "state_dict_aliases": dict(sorted(info.aliases.items())),
+        "meta_constants": sorted(b["source_name"] for s in stages for b in s["buffers"] if b.get("meta")),
         "predicted": info.predicted,
     }
 
@@ -218,8 +219,11 @@ def _param(name: str, t: torch.Tensor) -> dict[str, Any]:
 
 
 def _buffer(name: str, t: torch.Tensor, persistent: bool) -> dict[str, Any]:
-    return {"name": attr_name(name), "source_name": name, "shape": list(t.shape),
-            "dtype": str(t.dtype).replace("torch.", ""), "persistent": persistent}
+    entry = {"name": attr_name(name), "source_name": name, "shape": list(t.shape),
+             "dtype": str(t.dtype).replace("torch.", ""), "persistent": persistent}
+    if t.is_meta:
+        entry["meta"] = True
+    return entry
 
 
 def _attr_tensors(gm: torch.fx.GraphModule, info: PackageInfo) -> dict[str, torch.Tensor]:
@@ -267,8 +271,12 @@ def _grad(p: dict[str, Any]) -> str:
 
 
 def _save(tensors: dict[str, torch.Tensor]) -> bytes:
+    """constants.pt; tensors built on the meta device have no values and are saved as zeros
+    (persistent buffers are loaded from the state_dict anyway; the manifest says which)."""
     buffer = io.BytesIO()
-    torch.save({k: v.detach().clone().contiguous() for k, v in tensors.items()}, buffer)
+    real = {k: torch.zeros(v.shape, dtype=v.dtype) if v.is_meta else v.detach().clone().contiguous()
+            for k, v in tensors.items()}
+    torch.save(real, buffer)
     return buffer.getvalue()
 
 

@@ -57,6 +57,8 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--entry", default="build_model", help="the function that builds the model")
     c.add_argument("--optimizer", default="adam", help="adam | sgd | momentum: optimizer state in memory")
     c.add_argument("--reprofile", action="store_true", help="measure node costs again, ignoring the cache")
+    c.add_argument("--meta", action="store_true", default=None,
+                   help="build the model on the meta device (implied by --analytic for models too big for this machine)")
     c.add_argument("--quiet", action="store_true")
     s = sub.add_parser("show", help="print a package's plan")
     s.add_argument("dir")
@@ -80,7 +82,7 @@ def _compile(ns: argparse.Namespace) -> int:
         microbatches=ns.microbatches, schedule=ns.schedule, virtual_stages=ns.virtual_stages,
         memory=parse_size(ns.memory) if ns.memory else None, hardware=ns.hardware, analytic=ns.analytic,
         tracer=ns.tracer, time_limit=ns.time_limit, seed=ns.seed, entry=ns.entry, optimizer=ns.optimizer,
-        reprofile=ns.reprofile, quiet=ns.quiet,
+        reprofile=ns.reprofile, quiet=ns.quiet, meta=ns.meta,
     )
     compiled = compile_model(opts)
     if not ns.quiet:

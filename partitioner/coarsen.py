@@ -8,14 +8,15 @@ stays acyclic with blocks numbered in a topological order.  In four steps:
     2. atoms:  the runs no block boundary may split: a non-tensor value (the tuple of
                torch.split) stays with all its consumers, and the output tail stays whole.
     3. fuse:   an atom of negligible time joins a neighbour (of its own module if it
-               can, else across the boundary that sends more bytes).
-    4. merge:  neighbours merge innermost module first, so the blocks are the modules of
-               the deepest depth that gives at most `max_blocks` (a transformer's `h.0`,
-               `h.1`, ...), with the heaviest of them still split where room is left.
+               can, else across the boundary that cuts more bytes).
+    4. merge:  the modules of the deepest depth that gives at most `max_blocks` become
+               the blocks (a transformer's `h.0`, `h.1`, ...); what room is left splits
+               the heaviest of them into pieces of about equal time at their submodules.
 """
 
 from __future__ import annotations
 
+import bisect
 import heapq
 from dataclasses import dataclass
 from typing import Mapping, Sequence
@@ -24,18 +25,14 @@ from .ir import BlockCost, Edge, GraphNode, PartitionProblem
 
 __all__ = ["build_problem", "coarsen", "param_sizes"]
 
-_FINEST = 1 << 30  # the depth of a group that is a single atom
-
-
 @dataclass(frozen=True)
 class _Run:
-    """Nodes [start, end) of the order, of module path `path`, grouped at `depth`."""
+    """Nodes [start, end) of the order, of module path `path`."""
 
     start: int
     end: int
     path: tuple[str, ...]
     time_s: float
-    depth: int = 0
 
 
 def coarsen(nodes: Sequence[GraphNode], max_blocks: int, *, param_bytes: Mapping[str, int] | None = None,
@@ -50,7 +47,7 @@ def coarsen(nodes: Sequence[GraphNode], max_blocks: int, *, param_bytes: Mapping
         raise ValueError(f"max_blocks must be at least 1, got {max_blocks}")
     order = _order(nodes)
     cheap_s = cheap_fraction * sum(n.cost.time_s for n in order) / max_blocks
-    runs = _Merger(_atoms(order), _crossing_bytes(order), cheap_s).run(max_blocks)
+    runs = _merge_levels(_Fuser(_atoms(order), _crossing_bytes(order), cheap_s).run(), max_blocks)
     return _blocks(order, runs, param_sizes(order, param_bytes)), _edges(order, runs)
 
 
@@ -159,14 +156,11 @@ def _shared(a: tuple[str, ...], b: tuple[str, ...]) -> int:
     return k
 
 
-class _Merger:
-    """Neighbouring runs of atoms, merged pair by pair, best pair first.
+class _Fuser:
+    """Neighbouring runs, each cheap one (under `cheap_s`) fused into a neighbour.
 
-    A pair's key: a pair with a cheap member first (fusing it), then pairs inside the
-    deepest module (so every module of depth d is whole before two of depth d merge:
-    the deepest depth that fits), then the pair of least combined time (so what is left
-    split at the last depth is the heaviest).  A cheap pair prefers its own module, then
-    the boundary that cuts more bytes.
+    Pairs go through a heap, the one with the deepest shared module first, then the one
+    whose boundary cuts more bytes; the fused run keeps its dearer member's module.
     """
 
     def __init__(self, atoms: Sequence[_Run], crossing: Sequence[int], cheap_s: float) -> None:
@@ -175,47 +169,103 @@ class _Merger:
         self.prev = list(range(-1, len(atoms) - 1))
         self.crossing, self.cheap_s = crossing, cheap_s
         self.version = [0] * len(atoms)
-        self.heap = [self._entry(g) for g in range(len(atoms) - 1)]
+        self.heap = [e for e in map(self._entry, range(len(atoms) - 1)) if e is not None]
         heapq.heapify(self.heap)
 
-    def _entry(self, g: int) -> tuple[int, int, float, int, int]:
-        """(cheap? 0 : 1, -shared depth, -bytes cut or combined time, g, version)."""
+    def _entry(self, g: int) -> tuple[int, float, int, int] | None:
+        """(-shared depth, -bytes cut, g, version) of the pair (g, next), if one is cheap."""
         a, b = self.runs[g], self.runs[self.next[g]]
         assert a is not None and b is not None
-        if min(a.time_s, b.time_s) < self.cheap_s:
-            return (0, -_shared(a.path, b.path), -float(self.crossing[b.start]), g, self.version[g])
-        return (1, -_shared(a.path, b.path), a.time_s + b.time_s, g, self.version[g])
+        if min(a.time_s, b.time_s) >= self.cheap_s:
+            return None
+        return (-_shared(a.path, b.path), -float(self.crossing[b.start]), g, self.version[g])
 
-    def run(self, max_blocks: int) -> list[_Run]:
-        """Merge until at most `max_blocks` runs remain and none is cheap."""
-        count = len(self.runs)
+    def run(self) -> list[_Run]:
         while self.heap:
-            normal, _, _, g, version = heapq.heappop(self.heap)
-            if version != self.version[g] or self.runs[g] is None or self.next[g] < 0:
-                continue
-            if normal and count <= max_blocks:
-                break
-            self._merge(g)
-            count -= 1
+            _, _, g, version = heapq.heappop(self.heap)
+            if version == self.version[g] and self.runs[g] is not None and self.next[g] >= 0:
+                self._fuse(g)
         return [r for r in self.runs if r is not None]
 
-    def _merge(self, g: int) -> None:
+    def _fuse(self, g: int) -> None:
         h = self.next[g]
         a, b = self.runs[g], self.runs[h]
         assert a is not None and b is not None
-        if min(a.time_s, b.time_s) < self.cheap_s:  # the cheap one joins the other's module
-            path = b.path if b.time_s > a.time_s else a.path
-        else:
-            path = a.path[:_shared(a.path, b.path)]
-        self.runs[g] = _Run(a.start, b.end, path, a.time_s + b.time_s)
-        self.runs[h] = None
-        self.next[g] = self.next[h]
+        self.runs[g] = _Run(a.start, b.end, b.path if b.time_s > a.time_s else a.path, a.time_s + b.time_s)
+        self.runs[h], self.next[g] = None, self.next[h]
         if self.next[g] >= 0:
             self.prev[self.next[g]] = g
         for pair in (self.prev[g], g):
             if pair >= 0 and self.next[pair] >= 0:
                 self.version[pair] += 1
-                heapq.heappush(self.heap, self._entry(pair))
+                entry = self._entry(pair)
+                if entry is not None:
+                    heapq.heappush(self.heap, entry)
+
+
+def _merge_levels(runs: list[_Run], max_blocks: int) -> list[_Run]:
+    """Merge each module into one run, innermost first, while that leaves more than
+    `max_blocks`; then split the modules of the last depth back, heaviest first."""
+    for depth in range(max((len(r.path) for r in runs), default=0), -1, -1):
+        if len(runs) <= max_blocks:
+            return runs
+        groups = _by_module(runs, depth)
+        if len(groups) <= max_blocks:
+            return _split_heaviest(groups, max_blocks)
+        runs = [_join(g) for g in groups]
+    return runs
+
+
+def _by_module(runs: Sequence[_Run], depth: int) -> list[list[_Run]]:
+    """Consecutive runs whose module paths agree to `depth` names."""
+    groups: list[list[_Run]] = []
+    for r in runs:
+        if groups and groups[-1][0].path[:depth] == r.path[:depth]:
+            groups[-1].append(r)
+        else:
+            groups.append([r])
+    return groups
+
+
+def _join(runs: Sequence[_Run]) -> _Run:
+    path = runs[0].path
+    for r in runs[1:]:
+        path = path[:_shared(path, r.path)]
+    return _Run(runs[0].start, runs[-1].end, path, sum(r.time_s for r in runs))
+
+
+def _split_heaviest(groups: Sequence[Sequence[_Run]], max_blocks: int) -> list[_Run]:
+    """Each group into pieces of about equal time, one more piece at a time to the group
+    whose largest piece is largest, until there are `max_blocks`."""
+    pieces = [1] * len(groups)
+    heap = [(-_join(g).time_s, i) for i, g in enumerate(groups)]
+    heapq.heapify(heap)
+    spare = max_blocks - len(groups)
+    while spare > 0 and heap:
+        _, i = heapq.heappop(heap)
+        if pieces[i] < len(groups[i]):
+            pieces[i] += 1
+            spare -= 1
+            largest = max(p.time_s for p in _pieces(groups[i], pieces[i]))
+            heapq.heappush(heap, (-largest, i))
+    return [p for g, k in zip(groups, pieces) for p in _pieces(g, k)]
+
+
+def _pieces(runs: Sequence[_Run], parts: int) -> list[_Run]:
+    """`runs` cut into `parts` contiguous pieces at the cuts nearest to equal time."""
+    prefix = [0.0]
+    for r in runs:
+        prefix.append(prefix[-1] + r.time_s)
+    cuts = [0]
+    for k in range(1, parts):
+        target = prefix[-1] * k / parts
+        lo, hi = cuts[-1] + 1, len(runs) - (parts - k)
+        c = min(max(bisect.bisect_left(prefix, target), lo), hi)
+        if c > lo and target - prefix[c - 1] <= prefix[c] - target:
+            c -= 1
+        cuts.append(c)
+    cuts.append(len(runs))
+    return [_join(runs[a:b]) for a, b in zip(cuts, cuts[1:])]
 
 
 def _crossing_bytes(order: Sequence[GraphNode]) -> list[int]:
@@ -238,11 +288,12 @@ def _crossing_bytes(order: Sequence[GraphNode]) -> list[int]:
 
 def _blocks(order: Sequence[GraphNode], runs: Sequence[_Run], sizes: Mapping[str, int]) -> list[BlockCost]:
     blocks, taken = [], set()
+    spans = _module_spans(order)
     for run in runs:
         nodes = order[run.start:run.end]
-        name = base = _label(run, nodes)
+        name = base = _label(run, nodes, spans)
         while name in taken:
-            name = f"{base}#{len([t for t in taken if t.split('#')[0] == base]) + 1}"
+            name = f"{base}#{sum(t.split('#')[0] == base for t in taken) + 1}"
         taken.add(name)
         params = tuple(sorted({p for n in nodes for p in n.params}))
         blocks.append(BlockCost(
@@ -253,13 +304,28 @@ def _blocks(order: Sequence[GraphNode], runs: Sequence[_Run], sizes: Mapping[str
     return blocks
 
 
-def _label(run: _Run, nodes: Sequence[GraphNode]) -> str:
-    """The module that holds the whole block, else its first and last nodes' modules."""
-    path = ".".join(run.path)
-    if path and all(n.module == path or n.module.startswith(path + ".") for n in nodes):
-        return path
-    first, last = nodes[0].module or nodes[0].name, nodes[-1].module or nodes[-1].name
-    return first if first == last else f"{first}..{last}"
+def _module_spans(order: Sequence[GraphNode]) -> dict[tuple[str, ...], tuple[int, int]]:
+    """First and last position of the nodes inside each module."""
+    spans: dict[tuple[str, ...], tuple[int, int]] = {}
+    for i, n in enumerate(order):
+        parts = tuple(n.module.split(".")) if n.module else ()
+        for d in range(1, len(parts) + 1):
+            spans[parts[:d]] = (spans.get(parts[:d], (i, i))[0], i)
+    return spans
+
+
+def _label(run: _Run, nodes: Sequence[GraphNode], spans: Mapping[tuple[str, ...], tuple[int, int]]) -> str:
+    """The module the block holds whole, else its first and last submodules ('h.3..h.5')."""
+    first, last = spans.get(run.path, (-1, -1))
+    if run.path and run.start <= first and last < run.end:
+        return ".".join(run.path)
+    depth = len(run.path) + 1
+
+    def part(n: GraphNode) -> str:
+        return ".".join(n.module.split(".")[:depth]) if n.module else n.name
+
+    a, b = part(nodes[0]), part(nodes[-1])
+    return a if a == b else f"{a}..{b}"
 
 
 def _edges(order: Sequence[GraphNode], runs: Sequence[_Run]) -> list[Edge]:

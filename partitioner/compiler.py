@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import os
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -17,10 +18,11 @@ from typing import Any, Callable, Iterable
 
 import torch
 import torch.fx
+import torch.utils._pytree as pytree
 
 from . import cache, model_file
 from .coarsen import coarsen
-from .cost import annotate, compute_nodes, param_names
+from .cost import annotate, compute_nodes, param_names, storage_key
 from .errors import PlanError
 from .hardware import Hardware, load_hardware
 from .ir import (SCHEDULES, GraphNode, NodeCost, PartitionProblem, Plan, SolverReport, StagePlan,
@@ -60,6 +62,7 @@ class CompileOptions:
     reprofile: bool = False
     repeats: int = 5
     quiet: bool = False
+    meta: bool | None = None  # build on the meta device; None: when --analytic and too big to build
 
 
 @dataclass
@@ -125,8 +128,10 @@ def prepare(opts: CompileOptions, say: Callable[[str], None] = lambda _m: None) 
     pp, virtual, microbatches = _check_options(opts)
     # 1. The model file and one microbatch of its example batch.
     mf = model_file.load(opts.model, opts.entry)
-    model = mf.build(opts.seed)
+    model = _build(mf, opts, say)
     args, kwargs = mf.example_inputs()
+    if _is_meta(model):
+        args, kwargs = pytree.tree_map_only(torch.Tensor, lambda t: t.to("meta"), (args, kwargs))
     batch = _batch_size(mf, args, kwargs)
     microbatches = microbatches or _default_microbatches(batch, pp, opts)
     rows = _rows_per_microbatch(batch, microbatches, opts.dp)
@@ -185,6 +190,25 @@ def assign_nodes(prepared: Prepared, stage_of: dict[str, int]) -> Compiled:
     plan = Plan(stages=tuple(stages), schedule=p.opts.schedule, microbatches=p.microbatches,
                 pp=count // p.virtual, tp=p.opts.tp, dp=p.opts.dp, virtual_stages=p.virtual)
     return _emit(p, plan)
+
+
+def _build(mf: model_file.ModelFile, opts: CompileOptions, say: Callable[[str], None]) -> torch.nn.Module:
+    """The model, on the meta device when asked or when --analytic meets a model too big
+    to build here (over a quarter of this machine's memory)."""
+    if opts.meta is False or not (opts.analytic or opts.meta):
+        return mf.build(opts.seed)
+    with torch.device("meta"):
+        probe = mf.build(opts.seed)
+    size = sum(t.numel() * t.element_size() for t in probe.state_dict().values())
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if opts.meta or size > ram // 4:
+        say(f"building on the meta device ({size / 2**30:.1f} GiB of weights): nothing is executed")
+        return probe
+    return mf.build(opts.seed)
+
+
+def _is_meta(model: torch.nn.Module) -> bool:
+    return any(t.is_meta for t in model.state_dict().values())
 
 
 # -- options and batches -----------------------------------------------------------------
@@ -402,11 +426,11 @@ def _package_info(opts: CompileOptions, mf: model_file.ModelFile, model: torch.n
             for part in str(node.target).split("."):
                 value = getattr(value, part)
             graph_tensors[str(node.target)] = value
-    canonical = {t.data_ptr(): name for name, t in graph_tensors.items() if isinstance(t, torch.Tensor)}
+    canonical = {storage_key(t): name for name, t in graph_tensors.items() if isinstance(t, torch.Tensor)}
     original = model.state_dict(keep_vars=True)
-    aliases = {k: canonical[t.data_ptr()] for k, t in original.items()
-               if t.data_ptr() in canonical and canonical[t.data_ptr()] != k}
-    unused = {k: t for k, t in original.items() if t.data_ptr() not in canonical and k not in aliases}
+    aliases = {k: canonical[storage_key(t)] for k, t in original.items()
+               if storage_key(t) in canonical and canonical[storage_key(t)] != k}
+    unused = {k: t for k, t in original.items() if storage_key(t) not in canonical and k not in aliases}
     sim = _simulate(gm, plan, costs, hardware)
     step = sim.step_time_s
     flops = sum(c.flops for c in costs.values()) * (1 + BACKWARD_FLOP_FACTOR) * plan.microbatches * plan.dp

@@ -25,7 +25,7 @@ from .hardware import Hardware
 from .ir import NodeCost
 from .roofline import BACKWARD_FLOP_FACTOR, roofline_s
 
-__all__ = ["annotate", "compute_nodes", "param_names"]
+__all__ = ["annotate", "compute_nodes", "param_names", "storage_key"]
 
 
 def compute_nodes(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
@@ -47,12 +47,12 @@ def annotate(
 ) -> dict[str, NodeCost]:
     """Write `node.meta["cost"]` on every compute node; return the costs by node name."""
     params = {name: p for name, p in gm.named_parameters(remove_duplicate=False)}
-    param_ptrs = {p.data_ptr() for p in params.values()}
+    param_storages = {storage_key(p) for p in params.values()}
     costs: dict[str, NodeCost] = {}
     overhead = _backward_overhead(repeats) if measure else 0.0
     for node in progress(compute_nodes(gm)):
         fn, args, kwargs = _bind(node, values)
-        flops, activation = _flops_and_saved(fn, args, kwargs, param_ptrs)
+        flops, activation = _flops_and_saved(fn, args, kwargs, param_storages)
         moved = _bytes(args) + _bytes(kwargs) + _bytes(values.get(node))
         if measure:
             fwd, bwd = _time(fn, args, kwargs, repeats)
@@ -94,14 +94,19 @@ def _bind(node: torch.fx.Node, values: dict[torch.fx.Node, Any]) -> tuple[Callab
     return node.target, tuple(args), dict(kwargs)  # type: ignore[return-value]
 
 
-def _flops_and_saved(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], param_ptrs: set[int]) -> tuple[int, int]:
+def storage_key(t: torch.Tensor) -> int:
+    """Identifies a tensor's storage, shared by its views; meta tensors included."""
+    return int(t.untyped_storage()._cdata)
+
+
+def _flops_and_saved(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], param_storages: set[int]) -> tuple[int, int]:
     """Forward FLOPs of one call, and the bytes of activations autograd saves for backward."""
     saved: dict[int, int] = {}
 
     def pack(t: torch.Tensor) -> torch.Tensor:
-        ptr = t.untyped_storage().data_ptr()
-        if ptr not in param_ptrs:
-            saved[ptr] = max(saved.get(ptr, 0), t.numel() * t.element_size())
+        key = storage_key(t)
+        if key not in param_storages:
+            saved[key] = max(saved.get(key, 0), t.numel() * t.element_size())
         return t
 
     counter = FlopCounterMode(display=False)

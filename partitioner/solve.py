@@ -1,24 +1,21 @@
 """Assign the blocks of a `PartitionProblem` to pipeline stages (the only ortools import).
 
 [Note: the cost model]
-    `stage_costs` is the one definition of the model in the `PartitionProblem` docstring;
-    `evaluate`, `violations`, the interval DP (through `_Intervals`), the CP-SAT model and
-    the tests all follow it.  A value is a (producer block, value name) pair; a stage
-    receives each value that one of its blocks reads from an earlier stage once, and
-    sends each value it produces that some later stage reads once.  Both count twice
-    (forward activation and backward gradient).  A parameter that several blocks read
-    (a tied parameter) is held once by a stage that holds any of them.  The last block
-    holds the graph's output (`coarsen` puts it there) and lies in the last stage.
+    `stage_costs` is the one definition of the model of the `PartitionProblem` docstring;
+    `evaluate`, `objective`, the interval DP, the CP-SAT model and the tests follow it.
+    A value is a (producer block, name) pair: a stage receives once each value that its
+    blocks read from earlier stages, and sends once each value it makes that a later
+    stage reads; both count twice (activation forward, gradient backward).  A parameter
+    that several blocks read (tied) is held once per stage.  The last block holds the
+    graph's output (`coarsen` puts it there) and lies in the last stage.
 
-The search, in two steps:
-    1. An exact DP over contiguous runs of the block order: min over cuts of the slowest
-       stage (torchgpipe's `blockpartition` and PipeDream solve this form).  Every such
-       plan is valid, and when consecutive blocks are all joined by an edge (a chain)
-       every valid plan is contiguous, so the DP is then the optimum.
-    2. Otherwise CP-SAT over the general DAG, warm-started with the DP plan; its plan is
-       kept only if strictly better, and its proved bound is reported.  Deterministic:
-       a deterministic time limit, a fixed seed, and (with several workers) the
-       interleaved search.
+Two steps (torchgpipe's `blockpartition` and PipeDream solve the first alone):
+    1. An exact DP over contiguous runs of the block order.  Every such plan is valid;
+       when each block feeds the next (a chain) every valid plan is one, and the DP is
+       the optimum.
+    2. Otherwise CP-SAT on the general DAG, warm-started with the DP plan, which it
+       replaces only if strictly better; its proved bound is reported.  Deterministic:
+       deterministic time limit, fixed seed, interleaved search.
 """
 
 from __future__ import annotations
@@ -202,12 +199,12 @@ class _Intervals:
         return np.where(a < b, total, np.inf)
 
     def memory(self, c0: int, c1: int, a0: int) -> Callable[[int], np.ndarray]:
-        """Memory of each run as stage k, as a function of k."""
+        """Memory of each run as stage k, as a function of k; inf where a >= b."""
         b, a = np.arange(c0, c1)[:, None], np.arange(a0, c1)[None, :]
         p = self.problem
         held = _sum_corners(self.held, c0, c1, a0, np.int64)
-        fixed = (self.own[b] - self.own[a] + held) * (2 + p.optimizer_factor)
-        acts = self.acts[b] - self.acts[a]
+        fixed = np.where(a < b, (self.own[b] - self.own[a] + held) * (2 + p.optimizer_factor), np.inf)
+        acts = (self.acts[b] - self.acts[a]).astype(np.float64)
         return lambda k: fixed + acts * p.inflight(k)
 
 
@@ -269,32 +266,20 @@ def _interval_dp(iv: _Intervals, stages: int,
     return tuple(assignment)
 
 
-def _dp_time(problem: PartitionProblem) -> tuple[int, ...] | None:
-    """The fastest contiguous plan that fits the memory limit, or None."""
-    limit = problem.memory_limit_bytes
-    iv = _Intervals(problem, _even_split_time(problem))
+def _dp(problem: PartitionProblem, by: str = "time") -> tuple[int, ...] | None:
+    """The contiguous plan with the fastest slowest stage that fits the memory limit
+    (by="time", None if none fits) or with the least memory on its fullest stage."""
+    limit = problem.memory_limit_bytes if by == "time" else None
+    iv = _Intervals(problem, _even_split_time(problem) if by == "time" else math.inf)
 
     def chunk_cost(c0: int, c1: int, a0: int) -> Callable[[int], np.ndarray]:
-        time_s = iv.time_s(c0, c1, a0)
-        if limit is None:
-            return lambda k: time_s
         memory = iv.memory(c0, c1, a0)
-        return lambda k: np.where(memory(k) <= limit, time_s, np.inf)
+        if by == "memory":
+            return memory
+        time_s = iv.time_s(c0, c1, a0)
+        return (lambda k: time_s) if limit is None else (lambda k: np.where(memory(k) <= limit, time_s, np.inf))
 
     return _interval_dp(iv, problem.stages, chunk_cost)
-
-
-def _dp_memory(problem: PartitionProblem) -> tuple[int, ...]:
-    """The contiguous plan whose fullest stage holds the least memory."""
-    iv = _Intervals(problem)
-
-    def chunk_cost(c0: int, c1: int, a0: int) -> Callable[[int], np.ndarray]:
-        empty, memory = ~np.isfinite(iv.time_s(c0, c1, a0)), iv.memory(c0, c1, a0)
-        return lambda k: np.where(empty, np.inf, memory(k).astype(np.float64))
-
-    plan = _interval_dp(iv, problem.stages, chunk_cost)
-    assert plan is not None
-    return plan
 
 
 def _even_split_time(problem: PartitionProblem) -> float:
@@ -340,39 +325,47 @@ class _CpModel:
     """
 
     def __init__(self, problem: PartitionProblem, scale: float, upper_units: int) -> None:
-        self.problem, self.scale = problem, scale
-        m = self.model = cp_model.CpModel()
-        n, S = problem.num_blocks, problem.stages
+        self.problem, self.scale, self.model = problem, scale, cp_model.CpModel()
+        self.values, (self.own, self.shared) = _values(problem), _shared_params(problem)
+        self._add_placement()
+        self._add_indicators()
+        units = [self._units(t) for t in problem.block_time_s]  # no stage is faster than these
+        least = max(max(units), -(-sum(units) // problem.stages))
+        self.slowest = self.model.new_int_var(min(least, upper_units), upper_units, "slowest")
+        for k in range(problem.stages):
+            self.model.add(self.slowest >= self._time(k))
+            if problem.memory_limit_bytes is not None:
+                self.model.add(self._memory(k) <= problem.memory_limit_bytes)
+        self.model.minimize(self.slowest)
+
+    def _add_placement(self) -> None:
+        """ge/at, edges forward, the output block last, no stage empty."""
+        m, n, S = self.model, self.problem.num_blocks, self.problem.stages
         self.ge = [[True] + [m.new_bool_var(f"ge{i}_{k}") for k in range(1, S)] + [False] for i in range(n)]
         self.at = [[m.new_bool_var(f"at{i}_{k}") for k in range(S)] for i in range(n)]
-        for i in range(n):
-            for k in range(S):
-                m.add(self.at[i][k] == self.ge[i][k] - self.ge[i][k + 1])
-                m.add_implication(self.ge[i][k + 1], self.ge[i][k])
-        for src, dst in sorted({(e.src, e.dst) for e in problem.edges}):
+        for i, k in ((i, k) for i in range(n) for k in range(S)):
+            m.add(self.at[i][k] == self.ge[i][k] - self.ge[i][k + 1])
+            m.add_implication(self.ge[i][k + 1], self.ge[i][k])
+        for src, dst in sorted({(e.src, e.dst) for e in self.problem.edges}):
             for k in range(1, S):
                 m.add_implication(self.ge[src][k], self.ge[dst][k])
         m.add_bool_or([self.at[n - 1][S - 1]])
         for k in range(S):
             m.add_bool_or([self.at[i][k] for i in range(n)])
-        self.values = _values(problem)
+
+    def _add_indicators(self) -> None:
+        """recv/sent of each value and held of each shared parameter, per stage."""
+        m, S = self.model, self.problem.stages
         self.recv = [[m.new_bool_var(f"r{j}_{k}") for k in range(S)] for j in range(len(self.values))]
         self.sent = [[m.new_bool_var(f"s{j}_{k}") for k in range(S)] for j in range(len(self.values))]
         for j, v in enumerate(self.values):
             for k, r in ((k, r) for k in range(S) for r in v.readers):
                 m.add_bool_or([~self.at[r][k], self.ge[v.producer][k], self.recv[j][k]])
                 m.add_bool_or([~self.at[v.producer][k], ~self.ge[r][k + 1], self.sent[j][k]])
-        self.own, self.shared = _shared_params(problem)
         self.held = [[m.new_bool_var(f"q{j}_{k}") for k in range(S)] for j in range(len(self.shared))]
         for j, (_, blocks) in enumerate(self.shared):
             for k, b in ((k, b) for k in range(S) for b in blocks):
                 m.add_implication(self.at[b][k], self.held[j][k])
-        self.slowest = m.new_int_var(0, upper_units, "slowest")
-        for k in range(S):
-            m.add(self.slowest >= self._time(k))
-            if problem.memory_limit_bytes is not None:
-                m.add(self._memory(k) <= problem.memory_limit_bytes)
-        m.minimize(self.slowest)
 
     def _units(self, seconds: float) -> int:
         return int(math.floor(seconds * self.scale))
@@ -424,7 +417,7 @@ def solve_cpsat(problem: PartitionProblem, time_limit_s: float, *, hint: Sequenc
     params.max_deterministic_time = time_limit_s
     params.random_seed = seed
     params.num_workers = workers
-    params.interleave_search = workers > 1
+    params.interleave_search = True  # deterministic whatever the workers (and faster here)
     status = solver.status_name(solver.solve(cp.model))
     found = status in ("OPTIMAL", "FEASIBLE")
     bound = solver.best_objective_bound / scale if status != "INFEASIBLE" else math.inf
@@ -450,7 +443,7 @@ def solve(problem: PartitionProblem, time_limit_s: float = 30.0, *, seed: int = 
     """
     start = time.perf_counter()
     _check(problem)
-    dp = _dp_time(problem)
+    dp = _dp(problem)
     report = SolverReport(method="dp", objective_s=0.0, lower_bound_s=0.0, wall_s=0.0, status="OPTIMAL",
                           blocks=problem.num_blocks, nodes=nodes)
     best, bound = dp, _trivial_bound(problem)
@@ -497,7 +490,9 @@ def _infeasible(problem: PartitionProblem, search: str) -> InfeasiblePlanError:
     """Name the leanest plan's fullest stage, its parts, and what would fit instead."""
     limit = problem.memory_limit_bytes
     assert limit is not None
-    costs = stage_costs(problem, _dp_memory(problem))
+    lean = _dp(problem, by="memory")
+    assert lean is not None
+    costs = stage_costs(problem, lean)
     k = max(range(problem.stages), key=lambda s: costs[s].memory_bytes)
     c, need = costs[k], _size(costs[k].memory_bytes)
     flight = f"{c.inflight} microbatch{'es' if c.inflight != 1 else ''} in flight"
@@ -506,8 +501,8 @@ def _infeasible(problem: PartitionProblem, search: str) -> InfeasiblePlanError:
              f" for {flight}")
     into = f"into {problem.stages} stage{'s' if problem.stages != 1 else ''}"
     head = {"chain": f"every plan {into} needs at least {need} on one stage",
-            "proved": f"CP-SAT proved that no plan {into} fits", "unknown": f"CP-SAT found no plan {into} "
-            "that fits within --time-limit"}[search]
+            "proved": f"CP-SAT proved that no plan {into} fits",
+            "unknown": f"no plan {into} that fits was found within --time-limit"}[search]
     fits = _stages_that_fit(problem, limit)
     fix = (f"use --stages {fits} (fits) or raise --memory to {need}" if fits else f"raise --memory to {need}")
     more = " (or raise --time-limit)" if search == "unknown" else ""
@@ -519,7 +514,8 @@ def _stages_that_fit(problem: PartitionProblem, limit: int, most: int = 64) -> i
     """The smallest stage count above the problem's whose leanest contiguous plan fits."""
     for stages in range(problem.stages + 1, min(problem.num_blocks, problem.stages + most) + 1):
         wider = replace(problem, stages=stages)
-        if max(evaluate(wider, _dp_memory(wider))[1]) <= limit:
+        lean = _dp(wider, by="memory")
+        if lean is not None and max(evaluate(wider, lean)[1]) <= limit:
             return stages
     return None
 
