@@ -1,20 +1,32 @@
-"""One rank of a multi-process test: `python dist_worker.py MODE PKG MODEL_FILE`.
+"""Ranks of a multi-process test, forked from one process that imported torch once:
+`python dist_worker.py N MODE OUTDIR MODEL_FILE PKG [PKG ...]` (rank r runs PKG[r % len]).
+
+Forking right after `import torch` (nothing computed yet) saves each rank the seconds
+of importing it.  Rank r writes OUTDIR/rank<r>.out and .err; the parent prints one line
+`rank r: exit code` per rank and exits 0.
 
 MODE check: train_step, forward and 3 SGD steps compared with the reference model run
 in this same process; prints "RANK ok" and exits 0, or a traceback and exits 1.
 MODE fault: trains (PIPELINE_FAULT stops one rank); a PipelineError prints its message
-and exits 3.
+and exits 3.  Once a rank fails, the others are killed after GRACE_S (as torchrun does).
 """
 
 from __future__ import annotations
 
 import importlib.util
 import os
+import signal
 import sys
+import time
 import traceback
 from pathlib import Path
 
 import torch
+import torch.distributed  # noqa: F401
+import torch.fx.experimental.symbolic_shapes  # noqa: F401  (autograd imports it lazily: ~1 s per rank)
+import torch.nested._internal.nested_tensor  # noqa: F401
+import torch._dynamo  # noqa: F401  (the optimizer's first step imports it: ~2 s per rank)
+import torch.distributed.tensor  # noqa: F401
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
@@ -23,6 +35,7 @@ import runtime  # noqa: E402
 from runtime.errors import PipelineError  # noqa: E402
 
 RTOL, ATOL = 1e-5, 1e-6
+GRACE_S = 2.0  # after the first failed rank, the others get this long to stop by themselves
 
 
 def _model_file(path: str):  # type: ignore[no-untyped-def]
@@ -77,19 +90,49 @@ def _fault(pkg: str, model_path: str) -> None:
         pipe.train_step(mf.example_inputs(), mf.example_target())
 
 
-def main() -> int:
-    mode, pkg, model_path = sys.argv[1:4]
+def _rank(r: int, mode: str, pkg: str, model_path: str, outdir: Path) -> int:
+    os.environ["RANK"] = os.environ["LOCAL_RANK"] = str(r)
+    out = os.open(outdir / f"rank{r}.out", os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    err = os.open(outdir / f"rank{r}.err", os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    os.dup2(out, 1)
+    os.dup2(err, 2)
     try:
         {"check": _check, "fault": _fault}[mode](pkg, model_path)
     except PipelineError as exc:
         print(f"PipelineError: {exc}", file=sys.stderr, flush=True)
-        os._exit(3)
+        return 3
     except BaseException:
         traceback.print_exc()
         sys.stderr.flush()
-        os._exit(1)
+        return 1
     sys.stdout.flush()
-    os._exit(0)  # skip interpreter teardown: nothing left to wait for
+    return 0
+
+
+def main() -> int:
+    n, mode, outdir, model_path, *pkgs = sys.argv[1:]
+    children = {}
+    for r in range(int(n)):
+        pid = os.fork()
+        if pid == 0:
+            os._exit(_rank(r, mode, pkgs[r % len(pkgs)], model_path, Path(outdir)))  # skip teardown
+        children[pid] = r
+    codes: dict[int, int] = {}
+    failed_at = None
+    while children:  # like torchrun: once a rank fails, stop the others after a grace period
+        pid, status = os.waitpid(-1, os.WNOHANG)
+        if pid == 0:
+            if failed_at is not None and time.monotonic() - failed_at > GRACE_S:
+                for child in children:
+                    os.kill(child, signal.SIGKILL)
+            time.sleep(0.05)
+            continue
+        codes[children.pop(pid)] = os.waitstatus_to_exitcode(status)
+        if any(codes.values()) and failed_at is None:
+            failed_at = time.monotonic()
+    for r in sorted(codes):
+        print(f"rank {r}: {codes[r]}", flush=True)
+    return 0
 
 
 if __name__ == "__main__":

@@ -7,6 +7,8 @@ output and the weights after 3 SGD steps with the reference model in that proces
 from __future__ import annotations
 
 import os
+import re
+import signal
 import socket
 import subprocess
 import sys
@@ -17,10 +19,13 @@ from typing import Callable
 
 import pytest
 
+import runtime
+from runtime.errors import MeshError
+
 from .conftest import Tiny
 
 WORKER = Path(__file__).with_name("dist_worker.py")
-pytestmark = pytest.mark.multiproc
+multiproc = pytest.mark.multiproc
 
 
 @dataclass
@@ -28,7 +33,7 @@ class Rank:
     rc: int | None  # None: killed at the deadline
     out: str
     err: str
-    seconds: float
+    seconds: float  # the whole launch
 
 
 def _free_port() -> int:
@@ -39,26 +44,32 @@ def _free_port() -> int:
 
 def launch(n: int, mode: str, pkgs: list[Path], model: Path, deadline_s: float = 60.0,
            env: dict[str, str] | None = None) -> list[Rank]:
-    """Start n ranks of dist_worker.py (rank r on pkgs[r % len(pkgs)]); kill whatever is
-    left at the deadline so nothing can hang the test run."""
-    base = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "WORLD_SIZE": str(n),
+    """Run n ranks of dist_worker.py (rank r on pkgs[r % len(pkgs)]); kill the whole
+    process group at the deadline so nothing can hang the test run."""
+    outdir = model.parent / f"ranks-{mode}-{n}-{time.monotonic_ns()}"
+    outdir.mkdir()
+    full = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "WORLD_SIZE": str(n),
             "OMP_NUM_THREADS": "1", "PIPELINE_TIMEOUT_S": "20", **(env or {})}
     start = time.monotonic()
-    procs = [subprocess.Popen([sys.executable, str(WORKER), mode, str(pkgs[r % len(pkgs)]), str(model)],
-                              env={**base, "RANK": str(r), "LOCAL_RANK": str(r)},
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(n)]
+    proc = subprocess.Popen([sys.executable, str(WORKER), str(n), mode, str(outdir), str(model), *map(str, pkgs)],
+                            env=full, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        summary, _ = proc.communicate(timeout=deadline_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        summary, _ = proc.communicate()
+    seconds = time.monotonic() - start
+    codes = dict(line.split(": ") for line in summary.splitlines() if line.startswith("rank "))
     ranks = []
-    for p in procs:
-        left = max(0.1, deadline_s - (time.monotonic() - start))
-        try:
-            out, err = p.communicate(timeout=left)
-            rc: int | None = p.returncode
-        except subprocess.TimeoutExpired:
-            p.kill()
-            out, err = p.communicate()
-            rc = None
-        ranks.append(Rank(rc, out, err, time.monotonic() - start))
+    for r in range(n):
+        code = codes.get(f"rank {r}")
+        ranks.append(Rank(None if code is None else int(code), _read(outdir / f"rank{r}.out"),
+                          _read(outdir / f"rank{r}.err") + ("" if code is not None else summary), seconds))
     return ranks
+
+
+def _read(path: Path) -> str:
+    return path.read_text() if path.exists() else ""
 
 
 def _ok(ranks: list[Rank]) -> None:
@@ -66,18 +77,21 @@ def _ok(ranks: list[Rank]) -> None:
         assert rank.rc == 0 and f"{r} ok" in rank.out, f"rank {r} exited {rank.rc}:\n{rank.err[-3000:]}"
 
 
+@multiproc
 @pytest.mark.timeout(120)
 def test_two_stages(make_tiny: Callable[..., Tiny]) -> None:
     t = make_tiny(stages=2, schedule="1f1b", microbatches=4)
     _ok(launch(2, "check", [t.dir], t.dir.parent / "tiny.py"))
 
 
+@multiproc
 @pytest.mark.timeout(120)
 def test_two_stages_two_replicas(make_tiny: Callable[..., Tiny]) -> None:
     t = make_tiny(stages=2, schedule="gpipe", microbatches=2, dp=2)
     _ok(launch(4, "check", [t.dir], t.dir.parent / "tiny.py"))
 
 
+@multiproc
 @pytest.mark.timeout(120)
 def test_interleaved_two_virtual_stages_per_rank(make_tiny: Callable[..., Tiny]) -> None:
     # stages 0, 2 on rank 0 and 1, 3 on rank 1: a skip value stays in memory (0 -> 2),
@@ -86,6 +100,7 @@ def test_interleaved_two_virtual_stages_per_rank(make_tiny: Callable[..., Tiny])
     _ok(launch(2, "check", [t.dir], t.dir.parent / "tiny.py"))
 
 
+@multiproc
 @pytest.mark.timeout(120)
 def test_a_killed_rank_is_named_by_the_others(make_tiny: Callable[..., Tiny]) -> None:
     t = make_tiny(stages=2, schedule="1f1b", microbatches=4)
@@ -93,14 +108,35 @@ def test_a_killed_rank_is_named_by_the_others(make_tiny: Callable[..., Tiny]) ->
     assert ranks[1].rc == 13, ranks[1].err[-2000:]
     assert ranks[0].rc == 3, f"rank 0 exited {ranks[0].rc}:\n{ranks[0].err[-2000:]}"
     assert ranks[0].seconds < 50
-    assert "rank 0 (stage 0) failed in RECV_B from stage 1, microbatch 1: rank 1 stopped or failed" in ranks[0].err
+    # rank 0 is posting the send of microbatch 2 or waiting for the gradient of microbatch 1
+    assert re.search(r"rank 0 \(stage 0\) failed in (SEND_F to|RECV_B from) stage 1, microbatch [12]: "
+                     r"rank 1 stopped or failed \(.+\)\. Look at rank 1's own error", ranks[0].err), ranks[0].err
 
 
+@multiproc
 @pytest.mark.timeout(120)
 def test_mismatched_packages_fail_at_start(make_tiny: Callable[..., Tiny]) -> None:
     a, b = make_tiny(stages=2, microbatches=4), make_tiny(stages=2, microbatches=2)
     ranks = launch(2, "fault", [a.dir, b.dir], a.dir.parent / "tiny.py")
     for rank in ranks:
         assert rank.rc == 3 and "the ranks run different packages" in rank.err, rank.err[-2000:]
-    one = launch(1, "fault", [a.dir], a.dir.parent / "tiny.py")[0]
-    assert one.rc == 3 and "planned for pp=2 x tp=1 x dp=1 = 2 ranks but WORLD_SIZE is 1" in one.err, one.err[-2000:]
+
+
+def test_world_size_must_match_the_mesh(make_tiny: Callable[..., Tiny], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Checked before joining the process group (so this runs in-process, joining nothing)."""
+    t = make_tiny(stages=2)
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    with pytest.raises(MeshError, match=r"planned for pp=2 x tp=1 x dp=1 = 2 ranks but WORLD_SIZE is 3: launch 2 "
+                                        r"processes \(--nproc 2\)"):
+        runtime.DistributedPipeline(t.dir)
+
+
+@multiproc
+@pytest.mark.timeout(120)
+def test_a_silent_rank_times_out(make_tiny: Callable[..., Tiny]) -> None:
+    t = make_tiny(stages=2, schedule="gpipe", microbatches=2)
+    ranks = launch(2, "fault", [t.dir], t.dir.parent / "tiny.py",
+                   env={"PIPELINE_FAULT": "1:1B0:hang", "PIPELINE_TIMEOUT_S": "2"})
+    assert ranks[0].rc == 3 and ranks[1].rc == -9, ranks[0].err[-2000:]
+    assert re.search(r"rank 0 \(stage 0\) timed out in RECV_B from stage 1, microbatch 0: rank 1 stopped or failed "
+                     r"\(.+\)\. .*raise PIPELINE_TIMEOUT_S \(now 2 s\)", ranks[0].err), ranks[0].err

@@ -174,3 +174,31 @@ def test_batch_errors(tiny: Tiny) -> None:
         pipe.train_step(inputs, target[:12])
     with pytest.raises(BatchError, match=r"reads input 0 \(x\) but the batch has 'y'"):
         pipe({"y": inputs[0]})
+
+
+def test_device_placement_on_cpu(tiny: Tiny) -> None:
+    """device= takes one device, one per stage or one per rank; CUDA paths are not taken on CPU."""
+    _, want = _reference_grads(tiny)
+    for device in ("cpu", ["cpu"] * 3, [torch.device("cpu")] * 3):
+        pipe = _pipe(tiny, device=device)
+        pipe.train_step(*tiny.batch())
+        _assert_grads(pipe, want)
+    with pytest.raises(runtime.PipelineError, match="device= lists 2 devices but the package has 3 stages on 3 ranks"):
+        runtime.LocalPipeline(tiny.dir, device=["cpu", "cpu"])
+    if not torch.cuda.is_available():
+        with pytest.raises(runtime.PipelineError, match="CUDA is not available"):
+            runtime.LocalPipeline(tiny.dir, device="cuda:0")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_stages_on_gpus(tiny: Tiny) -> None:
+    """Stage k on cuda:k (wrapping around the GPUs there are): same loss and gradients."""
+    want_loss, want = _reference_grads(tiny)
+    devices = [f"cuda:{k % torch.cuda.device_count()}" for k in range(3)]
+    pipe = _pipe(tiny, device=devices)
+    loss = pipe.train_step(*tiny.batch())
+    torch.testing.assert_close(loss.cpu(), want_loss, rtol=RTOL, atol=ATOL)
+    for name, p in pipe.named_parameters():
+        torch.testing.assert_close(p.grad.cpu(), want[name], rtol=1e-4, atol=1e-5, msg=lambda m: f"{name}: {m}")
+    torch.testing.assert_close(pipe(tiny.batch()[0]).cpu(), tiny.build()(*tiny.batch()[0]), rtol=1e-4, atol=1e-5)

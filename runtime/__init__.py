@@ -1,0 +1,43 @@
+"""The pipeline runtime: reads a generated package DIR (manifest.json + stage_<k>.py) and
+trains it, in one process (`LocalPipeline`) or one process per rank (`DistributedPipeline`).
+
+It needs torch alone: it never imports the compiler (`partitioner`) or OR-Tools.
+"""
+
+from __future__ import annotations
+
+from .distributed import DistributedPipeline
+from .errors import PipelineError
+from .local import LocalPipeline
+from .schedule import (
+    Action,
+    StageGraph,
+    execution_order,
+    format_grid,
+    format_schedule,
+    gpipe,
+    interleaved_1f1b,
+    lower,
+    make_schedule,
+    one_f_one_b,
+    parse_schedule,
+    validate,
+)
+
+__all__ = [
+    "LocalPipeline",
+    "DistributedPipeline",
+    "PipelineError",
+    "Action",
+    "StageGraph",
+    "gpipe",
+    "one_f_one_b",
+    "interleaved_1f1b",
+    "make_schedule",
+    "lower",
+    "validate",
+    "execution_order",
+    "format_schedule",
+    "parse_schedule",
+    "format_grid",
+]

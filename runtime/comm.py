@@ -1,0 +1,200 @@
+"""torch.distributed plumbing for `DistributedPipeline`: start-up, process groups, waits
+with timeouts, data-parallel gradient buckets, tied-parameter gradient sums.
+
+[Note: process groups]
+    Every rank creates every group, in the same order (dist.new_group is collective):
+      1. one group per stage edge (p, c) across ranks, per replica: activations of p go to
+         c and gradients come back on it, in microbatch order, so it is first-in
+         first-out as NCCL needs (see [Note: schedule semantics] in schedule.py);
+      2. one data-parallel group per pipeline position (the dp replicas of its stages);
+      3. one group per tied parameter whose copies sit on several positions (every rank
+         holding a copy, all replicas).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+import re
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any, Callable, Iterator
+
+import torch
+import torch.distributed as dist
+
+from .errors import MeshError, PeerError, PipelineError
+
+__all__ = ["init_from_env", "timeout_from_env", "guard", "wait", "GradBuckets", "TiedGrads", "BUCKET_BYTES"]
+
+BUCKET_BYTES = 25 * 1024 * 1024
+DEFAULT_TIMEOUT_S = 60.0
+
+
+def timeout_from_env(timeout_s: float | None = None) -> float:
+    """`timeout_s`, else env PIPELINE_TIMEOUT_S, else 60 seconds."""
+    if timeout_s is not None:
+        return float(timeout_s)
+    text = os.environ.get("PIPELINE_TIMEOUT_S", "")
+    try:
+        return float(text) if text else DEFAULT_TIMEOUT_S
+    except ValueError:
+        raise MeshError(f"PIPELINE_TIMEOUT_S={text!r} is not a number of seconds: set it to e.g. 60.") from None
+
+
+def init_from_env(timeout_s: float) -> torch.device:
+    """Start torch.distributed from torchrun's environment unless someone already has
+    (gloo on CPU, nccl with CUDA); return this rank's device."""
+    cuda = torch.cuda.is_available()
+    if cuda:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
+    if not dist.is_initialized():
+        missing = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
+        if missing:
+            raise MeshError(f"DistributedPipeline needs torch.distributed, but {', '.join(missing)} is not set: launch "
+                            f"one process per rank with torchrun (`python -m partitioner run DIR --nproc N`).")
+        try:
+            dist.init_process_group("nccl" if cuda else "gloo", timeout=timedelta(seconds=timeout_s))
+        except Exception as exc:
+            raise MeshError(f"rank {os.environ['RANK']} could not join the process group within {timeout_s:g} s "
+                            f"({type(exc).__name__}: {_short(exc)}): start every rank, or raise PIPELINE_TIMEOUT_S.") from None
+    backend = dist.get_backend()
+    return torch.device("cuda", torch.cuda.current_device()) if cuda and backend == "nccl" else torch.device("cpu")
+
+
+def _short(exc: BaseException) -> str:
+    """The first sentence of an error, without gloo's `[file.cc:123] ` prefix."""
+    lines = str(exc).strip().splitlines()
+    text = re.sub(r"^\[[^\]]*\]\s*", "", lines[0]) if lines else type(exc).__name__
+    return text.split(". ")[0][:200]
+
+
+@contextlib.contextmanager
+def guard(doing: Callable[[bool, str], str]) -> Iterator[None]:
+    """Turn a failure to post a send, receive or collective into PeerError(doing(...))."""
+    try:
+        yield
+    except PipelineError:
+        raise
+    except Exception as exc:
+        reason = _short(exc)
+        raise PeerError(doing("timed out" in reason.lower(), reason)) from None
+
+
+def wait(work: Any, timeout_s: float, doing: Callable[[bool, str], str]) -> None:
+    """Wait for `work`, at most `timeout_s`; on failure raise PeerError(doing(timed_out, reason))."""
+    try:
+        ok = work.wait(timeout=timedelta(seconds=timeout_s))
+    except Exception as exc:
+        reason = _short(exc)
+        raise PeerError(doing("timed out" in reason.lower() or "timeout" in reason.lower(), reason)) from None
+    if ok is False:
+        raise PeerError(doing(True, f"no answer in {timeout_s:g} s"))
+
+
+@dataclass
+class _Bucket:
+    params: list[torch.nn.Parameter]
+    ready: set[int] = field(default_factory=set)
+    work: Any = None
+    flat: torch.Tensor | None = None
+    sent: list[torch.nn.Parameter] = field(default_factory=list)
+
+
+class GradBuckets:
+    """Average gradients over a data-parallel group in ~25 MB buckets, each all-reduced
+    asynchronously as soon as its last gradient is final (overlapping the backward).
+
+    `arm(params)` right before the last backward that touches them this step: their
+    post-accumulate-grad hooks then mark them final.  `finish()` launches what is left,
+    waits, and writes the averages back into `.grad`.  Launch order is the autograd order,
+    identical on every replica, so the collectives match.
+    """
+
+    def __init__(self, params: list[torch.nn.Parameter], group: Any, replicas: int, timeout_s: float,
+                 describe: Callable[[bool, str], str], bucket_bytes: int = BUCKET_BYTES) -> None:
+        self.group, self.replicas, self.timeout_s, self.describe = group, replicas, timeout_s, describe
+        self.buckets: list[_Bucket] = []
+        self._of: dict[int, _Bucket] = {}
+        self._armed: set[int] = set()
+        size = 0
+        for p in reversed(params):  # roughly the order backward produces them
+            last = self.buckets[-1] if self.buckets else None
+            if last is None or size >= bucket_bytes or last.params[0].dtype != p.dtype or last.params[0].device != p.device:
+                last, size = _Bucket([]), 0
+                self.buckets.append(last)
+            last.params.append(p)
+            size += p.numel() * p.element_size()
+            self._of[id(p)] = last
+            p.register_post_accumulate_grad_hook(self._hook)
+
+    def reset(self) -> None:
+        """Forget a step that failed half-way (nothing armed, nothing in flight)."""
+        self._armed.clear()
+        for bucket in self.buckets:
+            bucket.ready.clear()
+            bucket.work, bucket.flat, bucket.sent = None, None, []
+
+    def arm(self, params: list[torch.nn.Parameter]) -> None:
+        self._armed.update(id(p) for p in params if id(p) in self._of)
+
+    def _hook(self, p: torch.Tensor) -> None:
+        if id(p) not in self._armed:
+            return
+        self._armed.discard(id(p))
+        bucket = self._of[id(p)]
+        bucket.ready.add(id(p))
+        if len(bucket.ready) == len(bucket.params):
+            self._launch(bucket)
+
+    def _launch(self, bucket: _Bucket) -> None:
+        bucket.sent = [p for p in bucket.params if p.grad is not None]
+        if bucket.sent:
+            bucket.flat = torch.cat([p.grad.detach().reshape(-1) for p in bucket.sent])  # type: ignore[union-attr]
+            with guard(self.describe):
+                bucket.work = dist.all_reduce(bucket.flat, group=self.group, async_op=True)
+
+    def finish(self) -> None:
+        """Launch the buckets not yet launched, wait for all, write the averages back."""
+        for bucket in self.buckets:
+            if bucket.work is None:
+                self._launch(bucket)
+        for bucket in self.buckets:
+            if bucket.work is not None:
+                wait(bucket.work, self.timeout_s, self.describe)
+                assert bucket.flat is not None
+                bucket.flat.div_(self.replicas)
+                offset = 0
+                for p in bucket.sent:
+                    n = p.numel()
+                    p.grad.copy_(bucket.flat[offset:offset + n].view_as(p))  # type: ignore[union-attr]
+                    offset += n
+        self.reset()
+
+
+class TiedGrads:
+    """Copies of a tied parameter on several ranks end each step with the same grad:
+    old + (sum over copies and replicas of this step's contribution) / replicas."""
+
+    def __init__(self, entries: list[tuple[torch.nn.Parameter, Any, str]], replicas: int, timeout_s: float,
+                 describe: Callable[[str, bool, str], str]) -> None:
+        self.entries, self.replicas, self.timeout_s, self.describe = entries, replicas, timeout_s, describe
+
+    def snapshot(self) -> list[torch.Tensor | None]:
+        return [None if p.grad is None else p.grad.detach().clone() for p, _, _ in self.entries]
+
+    def reduce(self, snapshot: list[torch.Tensor | None]) -> None:
+        works = []
+        for (p, group, name), old in zip(self.entries, snapshot):
+            if p.grad is None:
+                delta = torch.zeros_like(p)
+            else:
+                delta = p.grad.detach() - old if old is not None else p.grad.detach().clone()
+            doing = functools.partial(self.describe, name)
+            with guard(doing):
+                works.append((dist.all_reduce(delta, group=group, async_op=True), delta, p, old, doing))
+        for work, delta, p, old, doing in works:
+            wait(work, self.timeout_s, doing)
+            delta.div_(self.replicas)
+            p.grad = delta if old is None else old + delta

@@ -1,0 +1,389 @@
+"""`DistributedPipeline`: one process per rank under torchrun (CONTRACT.md section 4).
+
+Global rank = replica * pp + position; stage s sits at position s % pp, so with the
+interleaved schedule a rank holds several (virtual) stages.  Each rank imports only its
+own stage files and interprets its own row of the lowered schedule:
+
+    train_step on one rank:
+      1. take replica r's rows of the global batch, split into M microbatches
+      2. for each action of this rank's row (schedule.lower + validate):
+           F / B            as in LocalPipeline (stage.py); the last stage adds the loss
+           SEND_F / SEND_B  isend each value (shape, dtype from the manifest), wait at 7
+           RECV_F / RECV_B  irecv into fresh buffers and wait, with the timeout
+           before the last B of each stage: arm its dp gradient buckets (comm.py)
+      3. wait for the dp buckets: gradients averaged over the replicas
+      4. tied parameters across ranks: sum the copies' contributions (comm.TiedGrads)
+      5. the loss: all_reduce of the last stages' sums over the world, / dp
+      6. the trace, when asked for, is gathered on rank 0
+      7. (sends are waited on before 3)
+
+Faults: every wait has a timeout (PIPELINE_TIMEOUT_S, default 60 s) and a failed or
+silent peer becomes a `PeerError` naming this rank, its stage, the action, the
+microbatch and the peer.  Test hook: PIPELINE_FAULT="RANK:ACTION[:exit|raise|hang]"
+(e.g. "1:1B0") makes rank RANK exit, raise or hang right before ACTION.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+import torch
+import torch.distributed as dist
+import torch.utils._pytree as pytree
+
+from . import package
+from .comm import GradBuckets, TiedGrads, guard, init_from_env, timeout_from_env, wait
+from .errors import ManifestError, MeshError, PipelineError
+from .faults import parse_fault
+from .groups import make_groups
+from .local import concat_outputs
+from .schedule import Action, Schedule, StageGraph, lower, make_schedule, validate
+from .stage import StageRunner, as_leaf
+from .tracing import Tracer
+
+__all__ = ["DistributedPipeline"]
+
+LossFn = Callable[[Any, Any], torch.Tensor]
+
+
+@dataclass
+class _Step:
+    """What one step keeps between actions on this rank."""
+
+    train: bool
+    outputs: dict[tuple[int, int], dict[str, torch.Tensor]] = field(default_factory=dict)
+    received: dict[tuple[int, int], dict[str, torch.Tensor]] = field(default_factory=dict)
+    in_grads: dict[tuple[int, int], dict[str, torch.Tensor | None]] = field(default_factory=dict)
+    out_grads: dict[tuple[int, int], dict[str, torch.Tensor]] = field(default_factory=dict)
+    sends: list[tuple[Any, Action, torch.Tensor]] = field(default_factory=list)
+    loss: torch.Tensor | None = None
+    results: list[Any] = field(default_factory=list)
+
+
+class DistributedPipeline:
+    """Run this rank's stages of package DIR; every rank calls every method (collectively)."""
+
+    def __init__(self, directory: str | Path, *, schedule: str | Schedule | None = None,
+                 timeout_s: float | None = None, trace: str | Path | None = None) -> None:
+        # 1. the manifest and the process group
+        self.directory = Path(directory)
+        self.manifest = m = package.load_manifest(directory)
+        if m["mesh"]["tp"] != 1:
+            raise PipelineError(f"{directory} was compiled with tp={m['mesh']['tp']}; this runtime runs tp=1 packages "
+                                f"only: compile with --tp 1.")
+        self.timeout_s = timeout_from_env(timeout_s)
+        self.pp, self.dp = int(m["mesh"]["pp"]), int(m["mesh"]["dp"])
+        given = os.environ.get("WORLD_SIZE", "")
+        if not dist.is_initialized() and given.isdigit():
+            self._check_world(int(given))  # before joining: a clear error, not a hang
+        self.device = init_from_env(self.timeout_s)
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self._check_world(self.world)
+        self._check_same_package()
+        # 2. this rank's stages (tied copies within the rank are one shared Parameter)
+        self.graph = g = StageGraph.from_manifest(m)
+        self.position, self.replica = self.rank % self.pp, self.rank // self.pp
+        _check_ranks(m, self.pp, self.dp)
+        self.stages = [s for s in range(g.num_stages) if g.rank_of(s) == self.position]
+        self.runners = {s: StageRunner(package.import_stage(directory, m, s).to(self.device), m["stages"][s])
+                        for s in self.stages}
+        self._share_tied()
+        # 3. the schedule: every rank lowers and validates the whole one, then keeps its row
+        compute = schedule if isinstance(schedule, list) else make_schedule(
+            schedule or m["schedule"], self.pp, m["microbatches"], m["virtual_stages"])
+        fwd = [[a for a in row if a.kind == "F"] for row in compute]
+        self._train_actions = _row(lower(compute, g), g, m["microbatches"], self.position)
+        self._forward_actions = _row(lower(fwd, g), g, m["microbatches"], self.position)
+        # 4. process groups, gradient buckets, tied gradients: [Note: process groups] in comm.py
+        self._setup_grads()
+        self.tracer = Tracer(trace or os.environ.get("PIPELINE_TRACE") or None, self.rank, self.stages)
+        self._fault = parse_fault(os.environ.get("PIPELINE_FAULT", ""))
+        self._loss_fn: LossFn | None = None
+
+    # -- the contract ------------------------------------------------------------------------
+
+    def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True) -> None:
+        """Take this rank's tensors from the ORIGINAL model's state_dict (not collective)."""
+        if strict:
+            package.check_state_dict(state_dict, self.manifest)
+        for r in self.runners.values():
+            package.load_stage_state(package.stage_tensors(r.module, r.entry), state_dict, self.manifest)
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """The full original state_dict on every rank, on CPU (collective)."""
+        mine = [(spec, t.detach().cpu()) for r in self.runners.values() for spec, t in package.stage_tensors(r.module, r.entry)]
+        gathered: list[Any] = [None] * self.world
+        dist.all_gather_object(gathered, mine if self.replica == 0 else [])
+        return package.assemble_state_dict([p for pieces in gathered for p in pieces], self.manifest)
+
+    def parameters(self) -> list[torch.nn.Parameter]:
+        """This rank's parameters, each once, for its optimizer."""
+        return [p for _, p in self.named_parameters()]
+
+    def named_parameters(self) -> list[tuple[str, torch.nn.Parameter]]:
+        """(original name, parameter) for this rank's parameters, each once."""
+        seen: dict[int, tuple[str, torch.nn.Parameter]] = {}
+        for s in self.stages:
+            r = self.runners[s]
+            for spec in r.entry["parameters"]:
+                p = getattr(r.module, spec["name"])
+                seen.setdefault(id(p), (spec["source_name"], p))
+        return list(seen.values())
+
+    def train_step(self, inputs: Any, target: Any, loss_fn: LossFn | None = None) -> torch.Tensor:
+        """One step on the global batch (collective); returns the whole-batch loss on every rank."""
+        m = self.manifest
+        holds_last = self.graph.num_stages - 1 in self.runners
+        fn = loss_fn or (self._default_loss_fn() if holds_last else None)  # only the last stage needs it
+        mb_inputs = package.split_inputs(inputs, m, self.replica)
+        targets = package.split_target(target, m["microbatches"], self.replica, self.dp, m.get("batch_size"))
+        snapshot = self._ties.snapshot()
+        if self._buckets is not None:
+            self._buckets.reset()
+        step = _Step(train=True)
+        try:
+            for t, a in enumerate(self._train_actions):
+                if t in self._arm_at and self._buckets is not None:
+                    self._buckets.arm(self._arm_at[t])
+                self._execute(a, step, mb_inputs, targets, fn)
+            self._wait_sends(step)
+            if self._buckets is not None:
+                self._buckets.finish()
+            self._ties.reduce(snapshot)
+            loss = step.loss if step.loss is not None else torch.zeros((), device=self.device)
+            doing = self._describe("the loss all_reduce", range(self.world))
+            with guard(doing):
+                work = dist.all_reduce(loss, async_op=True)
+            wait(work, self.timeout_s, doing)
+        finally:
+            for r in self.runners.values():
+                r.clear()
+        self.tracer.flush()
+        return loss / self.dp
+
+    def __call__(self, inputs: Any) -> Any:
+        """Forward only: the whole global batch's output on every rank, on CPU (collective)."""
+        mb_inputs = package.split_inputs(inputs, self.manifest, self.replica)
+        step = _Step(train=False)
+        with torch.no_grad():
+            for a in self._forward_actions:
+                self._execute(a, step, mb_inputs, None, None)
+            self._wait_sends(step)
+        last = self.graph.rank_of(self.graph.num_stages - 1)
+        mine = [_to_cpu(o) for o in step.results] if self.position == last else None
+        gathered: list[Any] = [None] * self.world
+        dist.all_gather_object(gathered, mine)
+        return concat_outputs([o for r in range(self.dp) for o in gathered[r * self.pp + last]])
+
+    # -- the interpreter ---------------------------------------------------------------------
+
+    def _execute(self, a: Action, step: _Step, mb_inputs: list[dict[str, Any]], targets: list[Any] | None,
+                 loss_fn: LossFn | None) -> None:
+        if self._fault is not None:
+            self._fault.check(self.rank, a)
+        s, i = a.stage, a.microbatch
+        with self.tracer.span(repr(a), s, a.kind, i, **({"peer": a.peer} if a.peer is not None else {})):
+            if a.kind == "F":
+                self._forward(s, i, step, mb_inputs, targets, loss_fn)
+            elif a.kind == "B":
+                self._backward(s, i, step)
+            elif a.kind in ("SEND_F", "SEND_B"):
+                self._send(a, step)
+            else:
+                self._recv(a, step)
+
+    def _forward(self, s: int, i: int, step: _Step, mb_inputs: list[dict[str, Any]], targets: list[Any] | None,
+                 loss_fn: LossFn | None) -> None:
+        runner, args = self.runners[s], []
+        for spec in runner.entry["inputs"]:
+            src = spec["from"]
+            if src == "input":
+                value = mb_inputs[i][spec["name"]]
+                args.append(value.to(self.device) if isinstance(value, torch.Tensor) else value)
+            elif self.graph.rank_of(int(src)) == self.position:  # a stage on this rank: in memory
+                value = step.outputs[(int(src), i)][spec["name"]]
+                args.append(as_leaf(value, value.requires_grad))
+            else:
+                args.append(step.received[(s, i)].pop(spec["name"]))
+        out = runner.forward(i, args, step.train)
+        if not runner.is_last:
+            step.outputs[(s, i)] = dict(zip(runner.output_names, out))
+        elif step.train:
+            assert targets is not None and loss_fn is not None
+            loss = runner.loss(i, out, _to(targets[i], self.device), loss_fn, float(self.manifest["microbatches"]))
+            step.loss = loss if step.loss is None else step.loss + loss
+        else:
+            step.results.append(out)
+
+    def _backward(self, s: int, i: int, step: _Step) -> None:
+        runner = self.runners[s]
+        grads: list[torch.Tensor | None] | None = None
+        if not runner.is_last:
+            remote = step.out_grads.pop((s, i), {})
+            grads = []
+            for out in runner.entry["outputs"]:
+                total = remote.get(out["name"])
+                for c in out["to"]:
+                    if self.graph.rank_of(c) == self.position:
+                        g = step.in_grads.get((c, i), {}).pop(out["name"], None)
+                        if g is not None:
+                            total = g if total is None else total + g
+                grads.append(total)
+        got = runner.backward(i, grads)
+        step.in_grads[(s, i)] = {spec["name"]: g for spec, g in zip(runner.entry["inputs"], got) if spec["from"] != "input"}
+        step.outputs.pop((s, i), None)
+
+    def _send(self, a: Action, step: _Step) -> None:
+        assert a.peer is not None
+        forward = a.kind == "SEND_F"
+        specs = package.edge_values(self.manifest, a.stage, a.peer) if forward else package.edge_grads(self.manifest, a.peer, a.stage)
+        group, dst = self.groups.edges[(a.stage, a.peer) if forward else (a.peer, a.stage)], self._rank_of(a.peer)
+        for j, spec in enumerate(specs):
+            if forward:
+                tensor = step.outputs[(a.stage, a.microbatch)][spec["name"]].detach()
+            else:
+                g = step.in_grads.get((a.stage, a.microbatch), {}).pop(spec["name"], None)
+                tensor = g if g is not None else torch.zeros(spec["shape"], dtype=package.dtype_of(spec), device=self.device)
+            if list(tensor.shape) != list(spec["shape"]) or tensor.dtype != package.dtype_of(spec):
+                raise PipelineError(f"stage {a.stage} sends {spec['name']!r} of microbatch {a.microbatch} with shape "
+                                    f"{list(tensor.shape)} {tensor.dtype} but the manifest says {spec['shape']} "
+                                    f"{spec['dtype']}: compile the model again (the runtime sends no shapes).")
+            tensor = tensor.contiguous()
+            with guard(self._doing(a)):
+                work = dist.isend(tensor, dst=dst, group=group, tag=self._tag(a.microbatch, forward, j))
+            step.sends.append((work, a, tensor))
+
+    def _recv(self, a: Action, step: _Step) -> None:
+        assert a.peer is not None
+        forward = a.kind == "RECV_F"
+        specs = package.edge_values(self.manifest, a.peer, a.stage) if forward else package.edge_grads(self.manifest, a.stage, a.peer)
+        group, src = self.groups.edges[(a.peer, a.stage) if forward else (a.stage, a.peer)], self._rank_of(a.peer)
+        posted = []
+        for j, spec in enumerate(specs):
+            buf = torch.empty(spec["shape"], dtype=package.dtype_of(spec), device=self.device)
+            with guard(self._doing(a)):
+                posted.append((dist.irecv(buf, src=src, group=group, tag=self._tag(a.microbatch, forward, j)), spec, buf))
+        key = (a.stage, a.microbatch)
+        for work, spec, buf in posted:
+            wait(work, self.timeout_s, self._doing(a))
+            if forward:
+                step.received.setdefault(key, {})[spec["name"]] = as_leaf(buf, bool(spec.get("requires_grad")))
+            else:
+                have = step.out_grads.setdefault(key, {})
+                have[spec["name"]] = buf if spec["name"] not in have else have[spec["name"]] + buf
+
+    def _wait_sends(self, step: _Step) -> None:
+        for work, a, _ in step.sends:
+            wait(work, self.timeout_s, self._doing(a))
+        step.sends.clear()
+
+    # -- set-up ------------------------------------------------------------------------------
+
+    def _check_world(self, world: int) -> None:
+        need = self.pp * self.dp
+        if world != need:
+            raise MeshError(f"{self.directory} is planned for pp={self.pp} x tp=1 x dp={self.dp} = {need} ranks but "
+                            f"WORLD_SIZE is {world}: launch {need} processes (--nproc {need}), or compile the model "
+                            f"for {world} devices.")
+
+    def _check_same_package(self) -> None:
+        mine = (self.manifest.get("hash", ""), str(self.directory))
+        every: list[Any] = [None] * self.world
+        try:
+            dist.all_gather_object(every, mine)
+        except Exception as exc:
+            raise MeshError(f"rank {self.rank} failed comparing package hashes at start-up ({exc}): another rank "
+                            f"stopped or failed; look at its own error.") from None
+        odd = [r for r, (h, _) in enumerate(every) if h != every[0][0]]
+        if odd:
+            lines = "; ".join(f"rank {r}: {d} (hash {h[:12] or 'none'})" for r, (h, d) in enumerate(every))
+            raise MeshError(f"the ranks run different packages ({lines}): give every rank the same package DIR.")
+
+    def _share_tied(self) -> None:
+        shared: dict[str, torch.nn.Parameter] = {}
+        for s in self.stages:
+            r = self.runners[s]
+            for spec in r.entry["parameters"]:
+                p = getattr(r.module, spec["name"])
+                first = shared.setdefault(spec["source_name"], p)
+                if first is not p:
+                    setattr(r.module, spec["name"], first)
+
+    def _setup_grads(self) -> None:
+        """Process groups, data-parallel buckets, tied gradients, and when to arm the buckets."""
+        self.groups = groups = make_groups(self.manifest, self.graph, self.rank)
+        mine = dict(self.named_parameters())
+        tied = [(mine[n], group, n) for n, (group, _) in groups.ties.items() if n in mine and mine[n].requires_grad]
+        self._ties = TiedGrads(tied, self.dp, self.timeout_s, lambda name, t, why: self._describe(
+            f"the gradient sum of tied parameter {name}", groups.ties[name][1])(t, why))
+        plain = [p for n, p in mine.items() if p.requires_grad and n not in groups.ties]
+        self._buckets = (GradBuckets(plain, groups.dp, self.dp, self.timeout_s,
+                                     self._describe("the data-parallel gradient all_reduce", groups.dp_ranks))
+                         if self.dp > 1 and plain else None)
+        # arm each parameter right before the last B (of any stage holding it) on this rank
+        last_b: dict[int, int] = {}
+        for t, a in enumerate(self._train_actions):
+            if a.kind == "B":
+                for spec in self.runners[a.stage].entry["parameters"]:
+                    last_b[id(getattr(self.runners[a.stage].module, spec["name"]))] = t
+        self._arm_at: dict[int, list[torch.nn.Parameter]] = {}
+        for p in plain:
+            if id(p) in last_b:
+                self._arm_at.setdefault(last_b[id(p)], []).append(p)
+
+    # -- helpers -----------------------------------------------------------------------------
+
+    def _rank_of(self, stage: int) -> int:
+        return self.replica * self.pp + self.graph.rank_of(stage)
+
+    def _tag(self, microbatch: int, forward: bool, j: int) -> int:
+        return (microbatch * 2 + (0 if forward else 1)) * 256 + j
+
+    def _doing(self, a: Action) -> Callable[[bool, str], str]:
+        peer = self._rank_of(a.peer) if a.peer is not None else -1
+        direction = "from" if a.kind.startswith("RECV") else "to"
+
+        def say(timed_out: bool, reason: str) -> str:
+            return (f"rank {self.rank} (stage {a.stage}) {'timed out' if timed_out else 'failed'} in {a.kind} "
+                    f"{direction} stage {a.peer}, microbatch {a.microbatch}: rank {peer} stopped or failed "
+                    f"({reason}). Look at rank {peer}'s own error; if it is only slow, raise PIPELINE_TIMEOUT_S "
+                    f"(now {self.timeout_s:g} s).")
+        return say
+
+    def _describe(self, what: str, ranks: Any) -> Callable[[bool, str], str]:
+        others = [r for r in ranks if r != self.rank]
+
+        def say(timed_out: bool, reason: str) -> str:
+            who = f"one of ranks {others}" if others else "another rank"
+            return (f"rank {self.rank} (stage {', '.join(map(str, self.stages))}) {'timed out' if timed_out else 'failed'} "
+                    f"in {what}: {who} stopped or failed ({reason}). Look at that rank's own error.")
+        return say
+
+    def _default_loss_fn(self) -> LossFn:
+        if self._loss_fn is None:
+            self._loss_fn = package.load_loss_fn(self.manifest, self.directory)
+        return self._loss_fn
+
+
+def _row(lowered: Schedule, g: StageGraph, microbatches: int, position: int) -> list[Action]:
+    validate(lowered, g, microbatches)
+    return lowered[position]
+
+
+def _check_ranks(m: dict[str, Any], pp: int, dp: int) -> None:
+    for stage in m["stages"]:
+        want = [r * pp + stage["index"] % pp for r in range(dp)]
+        if list(stage["ranks"]) != want:
+            raise ManifestError(f"stage {stage['index']} lists ranks {stage['ranks']} but this runtime places it on "
+                                f"{want} (replica * pp + stage % pp): compile the model again.")
+
+
+def _to(value: Any, device: torch.device) -> Any:
+    return pytree.tree_map(lambda x: x.to(device) if isinstance(x, torch.Tensor) else x, value)
+
+
+def _to_cpu(value: Any) -> Any:
+    return _to(value, torch.device("cpu"))

@@ -1,0 +1,46 @@
+"""The runtime's error hierarchy, rooted at one `PipelineError`.
+
+Every error a user can fix is a `PipelineError`: the command line turns it into exit
+status 2 and one paragraph (it matches the class by name, so the runtime never imports
+the compiler's own hierarchy).  A message names the thing that is wrong and the fix.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "PipelineError",
+    "ManifestError",
+    "ScheduleError",
+    "StateDictError",
+    "BatchError",
+    "MeshError",
+    "PeerError",
+]
+
+
+class PipelineError(Exception):
+    """A problem a user can fix: a package, a batch, a launch, a failed peer."""
+
+
+class ManifestError(PipelineError):
+    """A package directory, its manifest.json or a stage file is missing or corrupt."""
+
+
+class ScheduleError(PipelineError):
+    """A schedule is malformed, misses or repeats an action, or deadlocks."""
+
+
+class StateDictError(PipelineError):
+    """A state_dict does not match the package: missing or unexpected keys, bad shapes."""
+
+
+class BatchError(PipelineError):
+    """A batch does not split into the package's microbatches, or has the wrong shape."""
+
+
+class MeshError(PipelineError):
+    """The process group does not match the package's mesh, or ranks run different packages."""
+
+
+class PeerError(PipelineError):
+    """Another rank stopped, failed or timed out while this rank waited on it."""

@@ -1,0 +1,78 @@
+"""`partitioner run DIR --nproc N [--steps K] [--lr LR] [--trace FILE]`: train a package for
+a few steps, one process per rank, through torchrun (CONTRACT.md section 2).
+
+The lead's command line calls `main(argv)` with the arguments after `run`; it turns a
+`PipelineError` into exit status 2 and one paragraph.  `python -m runtime.launch ...`
+does the same on its own.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from . import package
+from .errors import ManifestError, MeshError, PipelineError
+
+__all__ = ["main", "torchrun_command"]
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="partitioner run", description="train a package under torchrun")
+    parser.add_argument("dir", help="the compiled package directory")
+    parser.add_argument("--nproc", type=int, required=True, help="processes (ranks): pp x tp x dp of the plan")
+    parser.add_argument("--steps", type=int, default=5, help="training steps (default 5)")
+    parser.add_argument("--lr", type=float, default=0.01, help="SGD learning rate (default 0.01)")
+    parser.add_argument("--trace", help="write a Chrome/Perfetto trace of the steps to this file")
+    return parser
+
+
+def torchrun_command(directory: str, nproc: int, steps: int, lr: float, trace: str | None) -> list[str]:
+    """The torchrun command line that runs `_worker.py` on every rank."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+           "-m", "runtime._worker", directory, "--steps", str(steps), "--lr", repr(lr)]
+    return cmd + (["--trace", trace] if trace else [])
+
+
+def main(argv: list[str]) -> int:
+    """Check the request against the package, then run torchrun; its exit status (0 or 1).
+
+    Raises `PipelineError` when the request is wrong (bad package, --nproc off the mesh,
+    a model file without what training needs)."""
+    ns = _parser().parse_args(argv)
+    manifest = package.load_manifest(ns.dir)
+    mesh = manifest["mesh"]
+    need = mesh["pp"] * mesh["tp"] * mesh["dp"]
+    if ns.nproc != need:
+        raise MeshError(f"{ns.dir} is planned for pp={mesh['pp']} x tp={mesh['tp']} x dp={mesh['dp']} = {need} ranks "
+                        f"but --nproc is {ns.nproc}: run it with --nproc {need}, or compile the model for "
+                        f"{ns.nproc} devices (--devices {ns.nproc}).")
+    if ns.steps < 1 or not ns.lr > 0:
+        raise PipelineError(f"--steps {ns.steps} --lr {ns.lr}: give at least one step and a positive learning rate.")
+    _check_model_file(manifest, ns.dir)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    root = str(Path(__file__).resolve().parents[1])  # so that every rank imports this runtime
+    env["PYTHONPATH"] = os.pathsep.join([root] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+    trace = str(Path(ns.trace).resolve()) if ns.trace else None
+    rc = subprocess.call(torchrun_command(str(Path(ns.dir).resolve()), ns.nproc, ns.steps, ns.lr, trace), env=env)
+    return 0 if rc == 0 else 1
+
+
+def _check_model_file(manifest: dict, directory: str) -> None:  # type: ignore[type-arg]
+    module = package.load_model_file(manifest, directory)
+    entry = manifest["source"].get("entry", "build_model")
+    for name in (entry, "example_inputs", "example_target", "loss_fn"):
+        if not callable(getattr(module, name, None)):
+            raise ManifestError(f"model file {manifest['source']['path']} defines no {name}(), which "
+                                f"`partitioner run` needs to train (see CONTRACT.md, section 1).")
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(main(sys.argv[1:]))
+    except PipelineError as exc:
+        print(f"partitioner run: error: {exc}", file=sys.stderr)
+        sys.exit(2)

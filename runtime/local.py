@@ -1,0 +1,250 @@
+"""`LocalPipeline`: every stage of a package in this one process (CONTRACT.md section 4).
+
+For tests, debugging and one machine: it interprets the same schedule IR as the
+distributed runtime, in the serial order `schedule.validate` simulates, so the
+microbatch order, the gradient sums and the loss scaling are exactly those of a real
+run.  SEND/RECV actions are no-ops here: values stay in memory (moved between devices
+when stages sit on different GPUs).
+
+    train_step, per replica r of mesh.dp (run one after the other here):
+      1. split the batch: replica r's rows, then M microbatches     (package.split_inputs)
+      2. for each (rank, action) of the simulated grid:
+           F  stage s, microbatch i: read inputs from the batch or earlier stages'
+              outputs as fresh leaves; the last stage adds loss_fn(out, t_i) / (M*dp)
+           B  stage s, microbatch i: output grads = SUM of the readers' input grads;
+              autograd.backward; keep this stage's input grads for its producers
+      3. the loss returned is the sum of the scaled microbatch losses
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Callable, Mapping, Sequence
+
+import torch
+import torch.utils._pytree as pytree
+
+from . import package
+from .devices import DeviceLike, StageStreams, resolve_devices
+from .errors import PipelineError
+from .schedule import Action, Schedule, StageGraph, execution_order, lower, make_schedule, validate
+from .stage import StageRunner, as_leaf
+
+__all__ = ["LocalPipeline", "concat_outputs"]
+
+LossFn = Callable[[Any, Any], torch.Tensor]
+
+
+class LocalPipeline:
+    """Run a compiled package DIR in this process.
+
+    `schedule` overrides the manifest's (a name or a compute-only per-rank schedule);
+    `device` places the stages (one device, one per stage, or one per rank; default CPU).
+    """
+
+    def __init__(self, directory: str | Path, *, device: DeviceLike | Sequence[DeviceLike] | None = None,
+                 schedule: str | Schedule | None = None) -> None:
+        self.directory = Path(directory)
+        self.manifest = package.load_manifest(directory)
+        m = self.manifest
+        if m["mesh"]["tp"] != 1:
+            raise PipelineError(f"{directory} was compiled with tp={m['mesh']['tp']}; this runtime runs tp=1 packages "
+                                f"only: compile with --tp 1.")
+        self.graph = StageGraph.from_manifest(m)
+        pp, n = m["mesh"]["pp"], len(m["stages"])
+        self.devices = resolve_devices(device, n, pp)
+        self.streams = StageStreams(self.devices)
+        modules = [package.import_stage(directory, m, k).to(self.devices[k]) for k in range(n)]
+        self._tied = _share_tied(modules, m, self.devices)
+        self.runners = [StageRunner(mod, m["stages"][k]) for k, mod in enumerate(modules)]
+        compute = schedule if isinstance(schedule, list) else make_schedule(
+            schedule or m["schedule"], pp, m["microbatches"], m["virtual_stages"])
+        forward_only = [[a for a in row if a.kind == "F"] for row in compute]
+        self._train = execution_order(validate(lower(compute, self.graph), self.graph, m["microbatches"]))
+        self._forward = execution_order(validate(lower(forward_only, self.graph), self.graph, m["microbatches"]))
+        self._loss_fn: LossFn | None = None
+
+    # -- the contract ------------------------------------------------------------------------
+
+    def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True) -> None:
+        """Take each stage's tensors from the ORIGINAL model's state_dict."""
+        if strict:
+            package.check_state_dict(state_dict, self.manifest)
+        for r in self.runners:
+            package.load_stage_state(package.stage_tensors(r.module, r.entry), state_dict, self.manifest)
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """The full original state_dict (original names and alias keys), reassembled."""
+        pieces = [p for r in self.runners for p in package.stage_tensors(r.module, r.entry)]
+        return package.assemble_state_dict(pieces, self.manifest)
+
+    def parameters(self) -> list[torch.nn.Parameter]:
+        """Every parameter once (a tied parameter is one shared object)."""
+        return [p for _, p in self.named_parameters()]
+
+    def named_parameters(self) -> list[tuple[str, torch.nn.Parameter]]:
+        """(original name, parameter) pairs, each parameter once."""
+        seen: set[int] = set()
+        out = []
+        for r in self.runners:
+            for spec in r.entry["parameters"]:
+                p = getattr(r.module, spec["name"])
+                if id(p) not in seen:
+                    seen.add(id(p))
+                    out.append((spec["source_name"], p))
+        return out
+
+    def train_step(self, inputs: Any, target: Any, loss_fn: LossFn | None = None) -> torch.Tensor:
+        """One step over the whole batch: leaves .grad as loss.backward() on the whole-batch
+        mean loss would (accumulating; grads are not zeroed); returns that loss, detached."""
+        fn = loss_fn or self._default_loss_fn()
+        m, dp = self.manifest["microbatches"], self.manifest["mesh"]["dp"]
+        snapshot = self._tied.snapshot()
+        total: torch.Tensor | None = None
+        try:
+            for replica in range(dp):
+                mb_inputs = package.split_inputs(inputs, self.manifest, replica)
+                targets = package.split_target(target, m, replica, dp, self.manifest.get("batch_size"))
+                loss = self._run(self._train, mb_inputs, targets, fn, float(m * dp))
+                total = loss if total is None else total + loss
+        except BaseException:
+            for r in self.runners:
+                r.clear()
+            raise
+        self.streams.synchronize()
+        self._tied.reduce(snapshot)
+        assert total is not None
+        return total
+
+    def __call__(self, inputs: Any) -> Any:
+        """Forward only: the whole batch's output (microbatch outputs concatenated on dim 0)."""
+        outs: list[Any] = []
+        with torch.no_grad():
+            for replica in range(self.manifest["mesh"]["dp"]):
+                mb_inputs = package.split_inputs(inputs, self.manifest, replica)
+                outs += self._run(self._forward, mb_inputs, None, None, 1.0)
+        self.streams.synchronize()
+        return concat_outputs(outs)
+
+    # -- the interpreter ---------------------------------------------------------------------
+
+    def _run(self, order: list[tuple[int, Action]], mb_inputs: list[dict[str, Any]], targets: list[Any] | None,
+             loss_fn: LossFn | None, scale: float) -> Any:
+        """Interpret one replica's actions; returns the summed loss (training) or the list of
+        microbatch outputs (forward only)."""
+        outputs: dict[tuple[int, int], dict[str, Any]] = {}
+        in_grads: dict[tuple[int, int], dict[str, torch.Tensor | None]] = {}
+        results: list[Any] = []
+        self.streams.begin()
+        with self.streams.on(len(self.runners) - 1):
+            total = torch.zeros((), device=self.devices[-1])
+        train = targets is not None
+        for _, a in order:
+            s, i, runner = a.stage, a.microbatch, self.runners[a.stage]
+            if a.kind == "F":
+                args = [self._arg(spec, s, i, mb_inputs, outputs) for spec in runner.entry["inputs"]]
+                with self.streams.on(s):
+                    out = runner.forward(i, args, train)
+                    if not runner.is_last:
+                        outputs[(s, i)] = dict(zip(runner.output_names, out))
+                    elif train:
+                        assert loss_fn is not None and targets is not None
+                        target = pytree.tree_map(lambda x: self.streams.move(x, None, s), targets[i])
+                        total = total + runner.loss(i, out, target, loss_fn, scale)
+                    else:
+                        results.append(out)
+            elif a.kind == "B":
+                grads = None if runner.is_last else [self._grad(o, s, i, in_grads) for o in runner.entry["outputs"]]
+                with self.streams.on(s):
+                    got = runner.backward(i, grads)
+                in_grads[(s, i)] = {spec["name"]: g for spec, g in zip(runner.entry["inputs"], got) if spec["from"] != "input"}
+                outputs.pop((s, i), None)
+        return total if train else results
+
+    def _arg(self, spec: dict[str, Any], stage: int, mb: int, mb_inputs: list[dict[str, Any]],
+             outputs: dict[tuple[int, int], dict[str, Any]]) -> Any:
+        if spec["from"] == "input":
+            return self.streams.move(mb_inputs[mb][spec["name"]], None, stage)
+        value = outputs[(int(spec["from"]), mb)][spec["name"]]
+        moved = self.streams.move(value, int(spec["from"]), stage)
+        return as_leaf(moved, isinstance(value, torch.Tensor) and value.requires_grad)
+
+    def _grad(self, out: dict[str, Any], stage: int, mb: int,
+              in_grads: dict[tuple[int, int], dict[str, torch.Tensor | None]]) -> torch.Tensor | None:
+        """The gradient of one output: the sum over every later stage that read it."""
+        total: torch.Tensor | None = None
+        for c in out["to"]:
+            g = in_grads.get((c, mb), {}).pop(out["name"], None)
+            if g is not None:
+                g = self.streams.move(g, c, stage)
+                total = g if total is None else total + g
+        return total
+
+    def _default_loss_fn(self) -> LossFn:
+        if self._loss_fn is None:
+            self._loss_fn = package.load_loss_fn(self.manifest, self.directory)
+        return self._loss_fn
+
+
+def concat_outputs(outputs: list[Any]) -> Any:
+    """Microbatch outputs joined leaf by leaf: tensors concatenated along dim 0, scalar
+    tensors averaged (mean-reduced values), other leaves taken from the first."""
+    if not outputs:
+        raise PipelineError("no microbatch produced an output.")
+    flat = [pytree.tree_flatten(o)[0] for o in outputs]
+    spec = pytree.tree_flatten(outputs[0])[1]
+    leaves = []
+    for column in zip(*flat):
+        first = column[0]
+        if isinstance(first, torch.Tensor) and first.dim() > 0:
+            leaves.append(torch.cat([c.to(first.device) for c in column], dim=0))
+        elif isinstance(first, torch.Tensor):
+            leaves.append(torch.stack([c.to(first.device) for c in column]).mean())
+        else:
+            leaves.append(first)
+    return pytree.tree_unflatten(leaves, spec)
+
+
+class _Tied:
+    """Tied parameters whose copies sit on different devices: their grads are summed after
+    each step (new total = old grad + the sum of every copy's contribution)."""
+
+    def __init__(self, groups: list[list[torch.nn.Parameter]]) -> None:
+        self.groups = groups
+
+    def snapshot(self) -> list[list[torch.Tensor | None]]:
+        return [[None if p.grad is None else p.grad.detach().clone() for p in g] for g in self.groups]
+
+    def reduce(self, snapshot: list[list[torch.Tensor | None]]) -> None:
+        for group, old in zip(self.groups, snapshot):
+            base = old[0]
+            total = None if base is None else base.clone()
+            for p, o in zip(group, old):
+                if p.grad is not None:
+                    delta = (p.grad - o if o is not None else p.grad).to(group[0].device)
+                    total = delta if total is None else total + delta
+            if total is not None:
+                for p in group:
+                    p.grad = total.to(p.device).clone()
+
+
+def _share_tied(modules: list[torch.nn.Module], manifest: dict[str, Any], devices: list[torch.device]) -> _Tied:
+    """Make the copies of each tied parameter one shared nn.Parameter where they share a
+    device (gradients then sum by themselves); return the groups that cannot share."""
+    holders: dict[str, list[tuple[int, str]]] = {}
+    for k, stage in enumerate(manifest["stages"]):
+        for spec in stage["parameters"]:
+            holders.setdefault(spec["source_name"], []).append((k, spec["name"]))
+    apart: list[list[torch.nn.Parameter]] = []
+    for copies in holders.values():
+        if len(copies) < 2:
+            continue
+        by_device: dict[torch.device, torch.nn.Parameter] = {}
+        for k, name in copies:
+            param = getattr(modules[k], name)
+            shared = by_device.setdefault(devices[k], param)
+            if shared is not param:
+                setattr(modules[k], name, shared)
+        if len(by_device) > 1:
+            apart.append(list(by_device.values()))
+    return _Tied(apart)

@@ -1,0 +1,345 @@
+"""Read a generated package DIR: manifest, stage modules, weights, microbatches, the loss.
+
+Everything here follows docs/DESIGN.md ("The generated package", format_version 1) and
+reads only `manifest.json`, the stage files and the model file: a rank needs torch alone.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import itertools
+import json
+import sys
+import types
+from pathlib import Path
+from typing import Any, Callable, Iterable, Mapping
+
+import torch
+import torch.utils._pytree as pytree
+
+from .errors import BatchError, ManifestError, StateDictError
+
+__all__ = [
+    "FORMAT_VERSION",
+    "load_manifest",
+    "import_stage",
+    "load_model_file",
+    "load_loss_fn",
+    "stage_tensors",
+    "check_state_dict",
+    "load_stage_state",
+    "assemble_state_dict",
+    "split_inputs",
+    "split_target",
+    "edge_values",
+    "edge_grads",
+    "dtype_of",
+]
+
+FORMAT_VERSION = 1
+_SCHEDULES = ("gpipe", "1f1b", "interleaved")
+_STAGE_KEYS = ("index", "module", "class", "ranks", "inputs", "outputs", "parameters")
+_counter = itertools.count()
+
+
+# -- manifest ------------------------------------------------------------------------------
+
+
+def load_manifest(directory: str | Path) -> dict[str, Any]:
+    """The parsed and checked manifest.json of package `directory`."""
+    path = Path(directory)
+    recompile = "compile the model again with `python -m partitioner compile MODEL.py --out DIR`"
+    if not path.is_dir():
+        raise ManifestError(f"package directory {str(directory)!r} does not exist (or is not a directory): {recompile}.")
+    file = path / "manifest.json"
+    if not file.is_file():
+        raise ManifestError(f"{file} is missing, so {directory} is not a compiled package: {recompile}.")
+    try:
+        manifest = json.loads(file.read_text())
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise ManifestError(f"{file} is corrupt (not JSON: {exc}): {recompile}.") from None
+    if not isinstance(manifest, dict):
+        raise ManifestError(f"{file} is corrupt (a JSON {type(manifest).__name__}, not an object): {recompile}.")
+    version = manifest.get("format_version")
+    if version != FORMAT_VERSION:
+        raise ManifestError(f"{file} has format_version {version!r} but this runtime reads format_version "
+                            f"{FORMAT_VERSION}: compile the package with the same partitioner version as the runtime.")
+    _check_fields(manifest, file)
+    return manifest
+
+
+def _check_fields(m: dict[str, Any], file: Path) -> None:
+    def need(cond: bool, what: str) -> None:
+        if not cond:
+            raise ManifestError(f"{file} is corrupt: {what}; compile the model again.")
+
+    for key in ("source", "mesh", "schedule", "microbatches", "stages", "inputs"):
+        need(key in m, f"it has no {key!r} field")
+    need(isinstance(m["source"], dict) and "path" in m["source"], "'source' has no 'path'")
+    mesh = m["mesh"]
+    need(isinstance(mesh, dict) and all(isinstance(mesh.get(k), int) and mesh[k] >= 1 for k in ("pp", "tp", "dp")),
+         "'mesh' needs positive integers 'pp', 'tp' and 'dp'")
+    need(m["schedule"] in _SCHEDULES, f"schedule {m['schedule']!r} is none of {', '.join(_SCHEDULES)}")
+    need(isinstance(m["microbatches"], int) and m["microbatches"] >= 1, "'microbatches' must be a positive integer")
+    need(isinstance(m["stages"], list) and len(m["stages"]) >= 1, "'stages' must be a non-empty list")
+    for k, stage in enumerate(m["stages"]):
+        for key in _STAGE_KEYS:
+            need(isinstance(stage, dict) and key in stage, f"stage {k} has no {key!r} field")
+        need(stage["index"] == k, f"stage {k} has index {stage['index']!r}")
+        stage.setdefault("buffers", [])
+    m.setdefault("virtual_stages", 1)
+    m.setdefault("tied_parameters", [])
+    m.setdefault("state_dict_aliases", {})
+    m.setdefault("hash", "")
+    need(len(m["stages"]) == mesh["pp"] * m["virtual_stages"],
+         f"{len(m['stages'])} stages is not mesh.pp ({mesh['pp']}) x virtual_stages ({m['virtual_stages']})")
+
+
+# -- modules -------------------------------------------------------------------------------
+
+
+def _import_file(path: Path, prefix: str) -> types.ModuleType:
+    """Import the Python file at `path` under a fresh, unique module name."""
+    name = f"{prefix}_{next(_counter)}"
+    spec = importlib.util.spec_from_file_location(name, path)
+    if spec is None or spec.loader is None:
+        raise ManifestError(f"{path} cannot be imported as a Python file.")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    sys.path.insert(0, str(path.parent))
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        del sys.modules[name]
+        raise
+    finally:
+        sys.path.remove(str(path.parent))
+    return module
+
+
+def import_stage(directory: str | Path, manifest: dict[str, Any], index: int) -> torch.nn.Module:
+    """A fresh instance of stage `index`, imported from its own file only."""
+    entry = manifest["stages"][index]
+    path = Path(directory).resolve() / f"{entry['module']}.py"
+    if not path.is_file():
+        raise ManifestError(f"stage {index}'s file {path} is missing: compile the model again.")
+    module = _import_file(path, f"_pipeline_{(manifest.get('hash') or 'pkg')[:12]}_{entry['module']}")
+    cls = getattr(module, entry["class"], None)
+    if cls is None:
+        raise ManifestError(f"{path} defines no class {entry['class']!r}, which the manifest names: compile the model again.")
+    stage = cls()
+    if not isinstance(stage, torch.nn.Module):
+        raise ManifestError(f"{path}: {entry['class']} is not a torch.nn.Module.")
+    return stage  # type: ignore[no-any-return]
+
+
+def load_model_file(manifest: dict[str, Any], directory: str | Path) -> types.ModuleType:
+    """Import the model file the package was compiled from (manifest `source.path`):
+    absolute, else relative to the current directory, else to the package's parent."""
+    given = str(manifest["source"]["path"])
+    candidates = [Path(given)] if Path(given).is_absolute() else [Path.cwd() / given, Path(directory).resolve().parent / given]
+    for path in candidates:
+        if path.is_file():
+            return _import_file(path.resolve(), "_pipeline_model")
+    looked = " and ".join(str(p) for p in candidates)
+    raise ManifestError(f"the package's model file {given!r} is not found (looked at {looked}): run from the directory "
+                        f"it was compiled in, or pass loss_fn= to train_step.")
+
+
+def load_loss_fn(manifest: dict[str, Any], directory: str | Path) -> Callable[[Any, Any], torch.Tensor]:
+    """The model file's `loss_fn(output, target)`."""
+    fn = getattr(load_model_file(manifest, directory), "loss_fn", None)
+    if not callable(fn):
+        raise ManifestError(f"model file {manifest['source']['path']} defines no loss_fn(output, target): "
+                            f"add one, or pass loss_fn= to train_step.")
+    return fn  # type: ignore[no-any-return]
+
+
+# -- weights -------------------------------------------------------------------------------
+
+
+def stage_tensors(module: torch.nn.Module, entry: dict[str, Any]) -> list[tuple[dict[str, Any], torch.Tensor]]:
+    """(manifest entry, tensor) for every parameter and persistent buffer of one stage."""
+    out = []
+    for spec in entry["parameters"] + [b for b in entry["buffers"] if b.get("persistent", True)]:
+        tensor = getattr(module, spec["name"], None)
+        if not isinstance(tensor, torch.Tensor):
+            raise ManifestError(f"stage {entry['index']} ({entry['class']}) has no tensor attribute {spec['name']!r} "
+                                f"for {spec['source_name']}: compile the model again.")
+        out.append((spec, tensor))
+    return out
+
+
+def _expected_keys(manifest: dict[str, Any]) -> dict[str, list[str]]:
+    """canonical source name -> every original state_dict key that may hold it."""
+    keys: dict[str, list[str]] = {}
+    for stage in manifest["stages"]:
+        for spec in stage["parameters"] + [b for b in stage["buffers"] if b.get("persistent", True)]:
+            keys.setdefault(spec["source_name"], [spec["source_name"]])
+    for alias, canonical in manifest["state_dict_aliases"].items():
+        if canonical in keys:
+            keys[canonical].append(alias)
+    return keys
+
+
+def check_state_dict(state_dict: Mapping[str, Any], manifest: dict[str, Any]) -> None:
+    """Raise unless `state_dict` has exactly the original model's keys (aliases allowed)."""
+    keys = _expected_keys(manifest)
+    allowed = {k for names in keys.values() for k in names}
+    missing = sorted(c for c, names in keys.items() if not any(n in state_dict for n in names))
+    unexpected = sorted(k for k in state_dict if k not in allowed)
+    if missing or unexpected:
+        parts = []
+        if missing:
+            parts.append(f"missing {len(missing)} key(s): {_few(missing)}")
+        if unexpected:
+            parts.append(f"unexpected {len(unexpected)} key(s): {_few(unexpected)}")
+        raise StateDictError(f"the state_dict does not match the package ({'; '.join(parts)}): pass the ORIGINAL "
+                             f"model's state_dict (build_model().state_dict()), or load_state_dict(sd, strict=False).")
+
+
+def load_stage_state(tensors: list[tuple[dict[str, Any], torch.Tensor]], state_dict: Mapping[str, Any],
+                     manifest: dict[str, Any]) -> None:
+    """Copy each stage tensor's value (its shard when `shard.count` > 1) from the original
+    state_dict; keys absent from `state_dict` are left as they are."""
+    keys = _expected_keys(manifest)
+    with torch.no_grad():
+        for spec, tensor in tensors:
+            name = next((n for n in keys[spec["source_name"]] if n in state_dict), None)
+            if name is None:
+                continue
+            value = torch.as_tensor(state_dict[name])
+            shard = spec.get("shard") or {"dim": None, "index": 0, "count": 1}
+            full = list(tensor.shape)
+            if shard["count"] > 1:
+                full[shard["dim"]] *= shard["count"]
+            if list(value.shape) != full:
+                raise StateDictError(f"state_dict[{name!r}] has shape {list(value.shape)} but the package expects "
+                                     f"{full} (stage {spec['name']}): load the state_dict of the model the package "
+                                     f"was compiled from.")
+            if shard["count"] > 1:
+                size = full[shard["dim"]] // shard["count"]
+                value = value.narrow(shard["dim"], shard["index"] * size, size)
+            tensor.copy_(value)
+
+
+def assemble_state_dict(pieces: Iterable[tuple[dict[str, Any], torch.Tensor]], manifest: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """The original model's state_dict from stage tensors: shards concatenated, tied
+    copies taken once, alias keys added."""
+    shards: dict[str, dict[int, torch.Tensor]] = {}
+    dims: dict[str, Any] = {}
+    for spec, tensor in pieces:
+        shard = spec.get("shard") or {"dim": None, "index": 0, "count": 1}
+        shards.setdefault(spec["source_name"], {}).setdefault(int(shard["index"]), tensor.detach())
+        dims[spec["source_name"]] = (shard["dim"], int(shard["count"]))
+    out: dict[str, torch.Tensor] = {}
+    for name, parts in shards.items():
+        dim, count = dims[name]
+        if count > 1:
+            if sorted(parts) != list(range(count)):
+                raise StateDictError(f"{name}: only shards {sorted(parts)} of {count} are present.")
+            out[name] = torch.cat([parts[i] for i in range(count)], dim=dim)
+        else:
+            out[name] = parts[0]
+    for alias, canonical in manifest["state_dict_aliases"].items():
+        if canonical in out:
+            out[alias] = out[canonical]
+    return out
+
+
+def _few(names: list[str]) -> str:
+    return ", ".join(names[:6]) + (f" and {len(names) - 6} more" if len(names) > 6 else "")
+
+
+# -- values between stages ----------------------------------------------------------------
+
+
+def dtype_of(spec: dict[str, Any]) -> torch.dtype:
+    """The torch dtype of a manifest value ("float32" -> torch.float32)."""
+    dtype = getattr(torch, str(spec["dtype"]), None)
+    if not isinstance(dtype, torch.dtype):
+        raise ManifestError(f"value {spec['name']!r} has dtype {spec['dtype']!r}, which is not a torch dtype: compile again.")
+    return dtype
+
+
+def edge_values(manifest: dict[str, Any], p: int, c: int) -> list[dict[str, Any]]:
+    """The outputs of stage p that stage c reads, in p's output order (sender and receiver agree)."""
+    reads = {e["name"] for e in manifest["stages"][c]["inputs"] if e["from"] == p}
+    return [o for o in manifest["stages"][p]["outputs"] if o["name"] in reads]
+
+
+def edge_grads(manifest: dict[str, Any], p: int, c: int) -> list[dict[str, Any]]:
+    """The values on edge p -> c whose gradient flows back from c to p."""
+    needs = {e["name"] for e in manifest["stages"][c]["inputs"] if e["from"] == p and e.get("requires_grad")}
+    return [o for o in edge_values(manifest, p, c) if o["name"] in needs and o.get("requires_grad")
+            and (dtype_of(o).is_floating_point or dtype_of(o).is_complex)]
+
+
+# -- microbatches --------------------------------------------------------------------------
+
+
+def _by_key(inputs: Any) -> dict[Any, Any]:
+    if isinstance(inputs, dict):
+        return dict(inputs)
+    if isinstance(inputs, torch.Tensor):
+        return {0: inputs}
+    if isinstance(inputs, (tuple, list)):
+        return dict(enumerate(inputs))
+    raise BatchError(f"inputs must be a tuple of positional arguments, a dict of keyword arguments or a tensor, "
+                     f"as example_inputs() returns; got {type(inputs).__name__}.")
+
+
+def _chunks(value: torch.Tensor, dim: int, m: int, replica: int, replicas: int, what: str) -> list[torch.Tensor]:
+    if value.dim() <= dim:
+        raise BatchError(f"{what} has shape {list(value.shape)}, with no batch dimension {dim}.")
+    rows = value.shape[dim]
+    if rows % (m * replicas):
+        raise BatchError(f"{what} has {rows} rows along its batch dimension {dim}, which do not split into "
+                         f"{m} microbatches x {replicas} replica(s): give a batch of a multiple of {m * replicas} rows.")
+    per = rows // (m * replicas)
+    start = replica * per * m
+    return [value.narrow(dim, start + i * per, per) for i in range(m)]
+
+
+def split_inputs(inputs: Any, manifest: dict[str, Any], replica: int = 0) -> list[dict[str, Any]]:
+    """Microbatch i's model inputs, by manifest input name, for data-parallel `replica`.
+
+    Each tensor is cut along its `batch_dim` (replica r takes rows [r*B/dp, (r+1)*B/dp),
+    then M equal pieces); other values go to every microbatch unchanged.
+    """
+    m, dp = manifest["microbatches"], manifest["mesh"]["dp"]
+    given = _by_key(inputs)
+    out: list[dict[str, Any]] = [{} for _ in range(m)]
+    for spec in manifest["inputs"]:
+        key = spec["key"]
+        if key not in given:
+            have = ", ".join(repr(k) for k in given) or "nothing"
+            raise BatchError(f"the package reads input {key!r} ({spec['name']}) but the batch has {have}: pass the "
+                             f"inputs as the model file's example_inputs() gives them.")
+        value = given[key]
+        if not isinstance(value, torch.Tensor):
+            for mb in out:
+                mb[spec["name"]] = value
+            continue
+        pieces = _chunks(value, int(spec.get("batch_dim", 0)), m, replica, dp, f"input {key!r}")
+        if spec.get("shape") is not None and list(pieces[0].shape) != list(spec["shape"]):
+            raise BatchError(f"input {key!r} gives microbatches of shape {list(pieces[0].shape)} but the package was "
+                             f"compiled for {spec['shape']} ({m} microbatches x {dp} replica(s) of the example "
+                             f"batch): train on batches shaped like example_inputs(), or compile again.")
+        for mb, piece in zip(out, pieces):
+            mb[spec["name"]] = piece
+    return out
+
+
+def split_target(target: Any, microbatches: int, replica: int = 0, replicas: int = 1,
+                 batch_size: int | None = None) -> list[Any]:
+    """Microbatch i's target: every tensor leaf cut along dim 0 (a tensor or a tuple of
+    them); with `batch_size`, each leaf must have that many rows."""
+    leaves, spec = pytree.tree_flatten(target)
+    for x in leaves:
+        if batch_size is not None and isinstance(x, torch.Tensor) and x.dim() and x.shape[0] != batch_size:
+            raise BatchError(f"the target has {x.shape[0]} rows along dim 0 but the package's batch has {batch_size}: "
+                             f"give one target row per example, as example_target() does.")
+    cut = [_chunks(x, 0, microbatches, replica, replicas, "the target") if isinstance(x, torch.Tensor) else [x] * microbatches
+           for x in leaves]
+    return [pytree.tree_unflatten([c[i] for c in cut], spec) for i in range(microbatches)]

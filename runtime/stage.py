@@ -1,0 +1,109 @@
+"""One stage's forward and backward per microbatch: what both pipelines run.
+
+[Note: stage boundaries at run time]
+    A value entering a stage from another stage becomes a fresh leaf (detached, with
+    `requires_grad` set when it needs a gradient), so each stage's autograd graph ends at
+    its own inputs.  Backward of microbatch i feeds the gradients of the stage's outputs
+    (the SUM over every later stage that read the value) into
+    `torch.autograd.backward`, which leaves the gradients of the stage's inputs in those
+    leaves' `.grad`, to be passed back to their producers.  The last stage starts from
+    `loss_fn(output, target_i) / scale` instead.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from .errors import PipelineError
+
+__all__ = ["StageRunner", "as_leaf"]
+
+
+def as_leaf(value: Any, requires_grad: bool) -> Any:
+    """A detached copy-free leaf of `value`, requiring grad when asked and possible."""
+    if not isinstance(value, torch.Tensor):
+        return value
+    leaf = value.detach()
+    if requires_grad and (leaf.is_floating_point() or leaf.is_complex()):
+        leaf.requires_grad_(True)
+    return leaf
+
+
+@dataclass
+class _Saved:
+    args: list[Any]
+    outputs: Any
+    loss: torch.Tensor | None = None
+
+
+@dataclass
+class StageRunner:
+    """Runs stage `entry["index"]` (its nn.Module and manifest entry) microbatch by microbatch."""
+
+    module: torch.nn.Module
+    entry: dict[str, Any]
+    _saved: dict[int, _Saved] = field(default_factory=dict)
+
+    @property
+    def index(self) -> int:
+        return int(self.entry["index"])
+
+    @property
+    def is_last(self) -> bool:
+        return self.entry["outputs"][0]["to"] == "output"
+
+    @property
+    def output_names(self) -> list[str]:
+        return [o["name"] for o in self.entry["outputs"]]
+
+    def forward(self, microbatch: int, args: list[Any], train: bool) -> Any:
+        """The stage's outputs for one microbatch: a tuple (one per manifest output) or,
+        on the last stage, the model's output structure.  `train` keeps what backward needs."""
+        out = self.module(*args)
+        if not self.is_last:
+            n = len(self.entry["outputs"])
+            if not isinstance(out, (tuple, list)) or len(out) != n:
+                got = f"a {type(out).__name__}" + (f" of {len(out)}" if isinstance(out, (tuple, list)) else "")
+                raise PipelineError(f"stage {self.index} ({self.entry['class']}).forward returned {got} but the manifest "
+                                    f"lists {n} outputs ({', '.join(self.output_names)}): compile the model again.")
+            out = tuple(out)
+        if train:
+            self._saved[microbatch] = _Saved(args, out)
+        return out
+
+    def loss(self, microbatch: int, output: Any, target: Any, loss_fn: Callable[[Any, Any], torch.Tensor],
+             scale: float) -> torch.Tensor:
+        """`loss_fn(output, target) / scale` for the last stage; kept for backward, returned detached."""
+        value = loss_fn(output, target)
+        if not isinstance(value, torch.Tensor) or value.numel() != 1:
+            what = f"shape {list(value.shape)}" if isinstance(value, torch.Tensor) else type(value).__name__
+            raise PipelineError(f"loss_fn returned {what}, not a scalar tensor: reduce the loss over the batch (mean).")
+        scaled = value.reshape(()) / scale
+        self._saved[microbatch].loss = scaled
+        return scaled.detach()
+
+    def backward(self, microbatch: int, grads: list[torch.Tensor | None] | None) -> list[torch.Tensor | None]:
+        """Backward of one microbatch from its output gradients (None on the last stage);
+        returns each input's gradient (None where the input needs none)."""
+        saved = self._saved.pop(microbatch, None)
+        if saved is None:
+            raise PipelineError(f"stage {self.index}: backward of microbatch {microbatch} before its forward "
+                                f"(the schedule is wrong).")
+        if self.is_last:
+            if saved.loss is None:
+                raise PipelineError(f"stage {self.index}: backward of microbatch {microbatch} without a loss.")
+            if saved.loss.requires_grad:
+                torch.autograd.backward(saved.loss)
+        else:
+            pairs = [(o, g) for o, g in zip(saved.outputs, grads or [])
+                     if isinstance(o, torch.Tensor) and o.requires_grad and g is not None]
+            if pairs:
+                torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+        return [a.grad if isinstance(a, torch.Tensor) and a.requires_grad else None for a in saved.args]
+
+    def clear(self) -> None:
+        """Forget every microbatch in flight (after a failed step)."""
+        self._saved.clear()
