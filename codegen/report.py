@@ -55,4 +55,13 @@ def format_plan(manifest: dict[str, Any]) -> str:
             f"proved bound {solver.get('lower_bound_s', 0.0) * 1e3:.3f} ms (gap {solver.get('gap', 0.0) * 100:.1f}%), "
             f"{solver.get('blocks', 0)} blocks from {solver.get('nodes', 0)} nodes"
         )
+    candidates = predicted.get("candidates", [])
+    if candidates:
+        lines_c = ["", "meshes searched (best first):"]
+        for c in candidates:
+            lines_c.append(
+                f"  pp={c['pp']:<3} dp={c['dp']:<3} tp={c['tp']:<2} microbatches={c['microbatches']:<4} "
+                f"step {c['step_time_s'] * 1e3:9.3f} ms  MFU {c['mfu'] * 100:5.2f}%  peak {format_bytes(c['memory_bytes'])}"
+            )
+        table = table + lines_c
     return "\n".join(lines + [""] + table) + "\n"

@@ -28,7 +28,7 @@ from .hardware import Hardware, load_hardware
 from .ir import (SCHEDULES, GraphNode, NodeCost, PartitionProblem, Plan, SolverReport, StagePlan,
                  optimizer_state_factor)
 from .passes import is_tensor_node, node_module, propagate, specialize
-from .roofline import BACKWARD_FLOP_FACTOR, mfu
+from .roofline import BACKWARD_FLOP_FACTOR, mfu, ring_allreduce_s
 from .simulate import Simulation, simulate
 from .solve import evaluate, solve
 from .trace import Traced, trace
@@ -101,12 +101,15 @@ class Prepared:
 def compile_model(opts: CompileOptions, log: Callable[[str], None] | None = None) -> Compiled:
     """Compile `opts.model` into the package `opts.out`."""
     say = log or (lambda msg: None if opts.quiet else print(msg, file=sys.stderr))
+    if opts.devices is not None and opts.stages is None:
+        from .search import search
+
+        return search(opts, say)
     prepared = prepare(opts, say)
     start = time.perf_counter()
     say(f"solving: {len(compute_nodes(prepared.traced.gm))} nodes in {prepared.problem.num_blocks} blocks "
         f"into {prepared.problem.stages} stages")
     assignment, report = solve(prepared.problem, time_limit_s=opts.time_limit)
-    report = dataclasses.replace(report, nodes=len(compute_nodes(prepared.traced.gm)), blocks=prepared.problem.num_blocks)
     prepared.timings["solve"] = time.perf_counter() - start
     compiled = finish(prepared, assignment, report)
     say(f"wrote {opts.out}: {prepared.problem.stages} stages; {report.method}, gap {report.gap * 100:.1f}%, "
@@ -155,17 +158,21 @@ def prepare(opts: CompileOptions, say: Callable[[str], None] = lambda _m: None) 
                     pp, virtual, microbatches, timings)
 
 
-def finish(prepared: Prepared, assignment: tuple[int, ...], report: SolverReport | None = None) -> Compiled:
-    """Turn a stage per block into a Plan and emit the package."""
+def finish(prepared: Prepared, assignment: tuple[int, ...], report: SolverReport | None = None,
+           extra: dict[str, Any] | None = None) -> Compiled:
+    """Turn a stage per block into a Plan and emit the package (`extra` joins `predicted`)."""
     p = prepared
-    return _emit(p, _plan(p.problem, p.blocks, assignment, report, p.opts, p.pp, p.virtual, p.microbatches))
+    if report is not None:
+        report = dataclasses.replace(report, nodes=len(compute_nodes(p.traced.gm)), blocks=p.problem.num_blocks)
+    return _emit(p, _plan(p.problem, p.blocks, assignment, report, p.opts, p.pp, p.virtual, p.microbatches), extra)
 
 
-def _emit(p: Prepared, plan: Plan) -> Compiled:
+def _emit(p: Prepared, plan: Plan, extra: dict[str, Any] | None = None) -> Compiled:
     from codegen import emit
 
     start = time.perf_counter()
     info = _package_info(p.opts, p.mf, p.model, p.traced, p.batch, p.args, p.kwargs, p.rows, plan, p.costs, p.hardware)
+    info.predicted.update(extra or {})
     manifest = emit(p.opts.out, p.traced.gm, plan, info)
     p.timings["emit"] = time.perf_counter() - start
     return Compiled(manifest, plan, p.traced, p.costs, dict(p.timings))
@@ -463,7 +470,8 @@ def _package_info(opts: CompileOptions, mf: model_file.ModelFile, model: torch.n
 
 
 def _simulate(gm: torch.fx.GraphModule, plan: Plan, costs: dict[str, NodeCost], hardware: Hardware) -> Simulation:
-    """The step as the schedule will run it: stage compute, and one message per stage pair."""
+    """The step as the schedule will run it: stage compute, one message per stage pair, and
+    the data-parallel all-reduce of each stage's gradients where the backward cannot hide it."""
     stage_of = plan.stage_of()
     forward = [sum(costs[n].forward_s for n in s.nodes) for s in plan.stages]
     backward = [sum(costs[n].backward_s for n in s.nodes) for s in plan.stages]
@@ -474,5 +482,19 @@ def _simulate(gm: torch.fx.GraphModule, plan: Plan, costs: dict[str, NodeCost], 
         readers = {last if u.op == "output" else stage_of.get(u.name, a) for u in node.users}
         for b in sorted(readers - {a}):
             traffic[(a, b)] = traffic.get((a, b), 0) + costs[node.name].output_bytes
-    links = {pair: hardware.p2p_alpha_s + nbytes * hardware.p2p_beta_s_per_byte for pair, nbytes in traffic.items()}
-    return simulate(forward, backward, links, plan.schedule, plan.pp, plan.microbatches, plan.virtual_stages)
+    devices = plan.pp * plan.tp * plan.dp
+    alpha, beta = hardware.p2p_alpha_s, hardware.p2p_beta_s_per_byte
+    if plan.pp > hardware.devices_per_node and hardware.inter_node_bandwidth > 0:
+        alpha, beta = hardware.inter_node_latency_s, 1.0 / hardware.inter_node_bandwidth
+    links = {pair: alpha + nbytes * beta for pair, nbytes in traffic.items()}
+    sim = simulate(forward, backward, links, plan.schedule, plan.pp, plan.microbatches, plan.virtual_stages)
+    if plan.dp == 1:
+        return sim
+    # Gradients are all-reduced in buckets during the last microbatch's backward: what the
+    # backward of that microbatch cannot cover is added to the step.
+    alpha, beta = hardware.p2p_alpha_s, hardware.p2p_beta_s_per_byte
+    if devices > hardware.devices_per_node and hardware.inter_node_bandwidth > 0:
+        alpha, beta = hardware.inter_node_latency_s, 1.0 / hardware.inter_node_bandwidth
+    exposed = max(max(0.0, ring_allreduce_s(s.param_bytes, plan.dp, alpha, beta) - backward[s.index])
+                  for s in plan.stages)
+    return dataclasses.replace(sim, step_time_s=sim.step_time_s + exposed)

@@ -18,6 +18,7 @@ __all__ = [
     "message_s",
     "stage_memory_bytes",
     "mfu",
+    "ring_allreduce_s",
 ]
 
 #: backward FLOPs per forward FLOP for layers with weights (Kaplan et al. 2020)
@@ -46,3 +47,12 @@ def mfu(model_flops_per_step: float, step_time_s: float, devices: int, peak_flop
     if step_time_s <= 0 or devices <= 0 or peak_flops <= 0:
         return 0.0
     return model_flops_per_step / (step_time_s * devices * peak_flops)
+
+
+def ring_allreduce_s(nbytes: float, ranks: int, alpha_s: float, beta_s_per_byte: float) -> float:
+    """Ring all-reduce of `nbytes` over `ranks`: 2(p-1) steps of nbytes/p each (Patarasuk &
+    Yuan, "Bandwidth optimal all-reduce algorithms", JPDC 2009)."""
+    if ranks <= 1 or nbytes <= 0:
+        return 0.0
+    steps = 2 * (ranks - 1)
+    return steps * alpha_s + steps / ranks * nbytes * beta_s_per_byte

@@ -1,0 +1,105 @@
+"""`--devices N`: search the meshes stages x dp = N and the microbatch count.
+
+Every factorisation of N into pipeline stages and data-parallel replicas (tensor
+parallelism is fixed at 1 until split rules exist), with 1, 2 and 4 microbatches per
+stage, is posed, solved and simulated; the plan with the best predicted step time that
+fits memory is emitted, and the best few are recorded in the manifest for `show`.
+A trace and its costs are reused by every candidate with the same microbatch shape.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from .compiler import CompileOptions, Compiled, Prepared, _plan, _problem, _simulate, finish, prepare
+from .errors import InfeasiblePlanError, PlanError
+from .roofline import BACKWARD_FLOP_FACTOR, mfu
+from .solve import solve
+
+__all__ = ["Candidate", "search"]
+
+SHOWN = 5
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One mesh and microbatch count, and what the simulator predicts for it."""
+
+    pp: int
+    dp: int
+    tp: int
+    microbatches: int
+    step_time_s: float = float("inf")
+    memory_bytes: int = 0
+    mfu: float = 0.0
+    fits: bool = True
+    note: str = ""
+
+
+def search(opts: CompileOptions, say: Callable[[str], None]) -> Compiled:
+    """Compile the best mesh for `opts.devices` devices into `opts.out`."""
+    assert opts.devices is not None
+    devices = opts.devices // opts.tp
+    if devices * opts.tp != opts.devices:
+        raise PlanError(f"--devices {opts.devices} is not a multiple of --tp {opts.tp}.")
+    probe = prepare(dataclasses.replace(opts, devices=None, stages=1, dp=1, microbatches=1), say)
+    batch = probe.batch
+    prepared_by_rows: dict[int, Prepared] = {}
+    results: list[tuple[Candidate, Any]] = []
+    for pp, dp, m in _meshes(devices, batch, opts):
+        rows = batch // (m * dp)
+        sub = dataclasses.replace(opts, devices=None, stages=pp, dp=dp, microbatches=m, quiet=True)
+        base = prepared_by_rows.get(rows)
+        if base is None:
+            base = prepared_by_rows[rows] = prepare(sub)
+        prepared = _repose(base, sub, pp, m)
+        try:
+            assignment, report = solve(prepared.problem, time_limit_s=min(opts.time_limit, 5.0))
+        except InfeasiblePlanError as exc:
+            results.append((Candidate(pp, dp, opts.tp, m, fits=False, note=str(exc).split(":")[0]), None))
+            continue
+        except PlanError:
+            continue
+        plan = _plan(prepared.problem, prepared.blocks, assignment, report, sub, pp, prepared.virtual, m)
+        sim = _simulate(prepared.traced.gm, plan, prepared.costs, prepared.hardware)
+        flops = sum(c.flops for c in prepared.costs.values()) * (1 + BACKWARD_FLOP_FACTOR) * m * dp
+        cand = Candidate(pp, dp, opts.tp, m, sim.step_time_s, max(s.memory_bytes for s in plan.stages),
+                         mfu(flops, sim.step_time_s, opts.devices, prepared.hardware.peak_flops))
+        results.append((cand, (prepared, assignment, report)))
+        say(f"  mesh pp={pp} dp={dp} M={m}: {cand.step_time_s * 1e3:.3f} ms, MFU {cand.mfu * 100:.1f}%")
+    feasible = sorted((r for r in results if r[0].fits), key=lambda r: (r[0].step_time_s, r[0].pp, r[0].microbatches))
+    if not feasible:
+        notes = "; ".join(f"pp={c.pp} dp={c.dp} M={c.microbatches}: {c.note}" for c, _ in results[:4])
+        raise InfeasiblePlanError(
+            f"no mesh of {opts.devices} devices fits --memory ({notes}): raise --memory or add devices."
+        )
+    best, (prepared, assignment, report) = feasible[0]
+    say(f"best mesh: pp={best.pp} dp={best.dp} tp={best.tp}, {best.microbatches} microbatches")
+    shown = [dataclasses.asdict(c) for c, _ in feasible[:SHOWN]]
+    return finish(prepared, assignment, report, extra={"candidates": shown})
+
+
+def _meshes(devices: int, batch: int, opts: CompileOptions) -> list[tuple[int, int, int]]:
+    """(pp, dp, microbatches) to try, in a fixed order."""
+    out = []
+    for dp in range(1, devices + 1):
+        if devices % dp or (opts.dp != 1 and dp != opts.dp):
+            continue
+        pp = devices // dp
+        if opts.stages is not None and pp != opts.stages:
+            continue
+        counts = [opts.microbatches] if opts.microbatches else sorted({pp, 2 * pp, 4 * pp})
+        for m in counts:
+            if batch % (m * dp) == 0 and (opts.schedule != "interleaved" or m % pp == 0):
+                out.append((pp, dp, m))
+    return out
+
+
+def _repose(base: Prepared, opts: CompileOptions, pp: int, microbatches: int) -> Prepared:
+    """`base` posed for another stage and microbatch count (same trace, same costs)."""
+    virtual = opts.virtual_stages if opts.schedule == "interleaved" else 1
+    problem, blocks = _problem(base.traced, base.costs, pp * virtual, microbatches, base.hardware, opts)
+    return dataclasses.replace(base, opts=opts, problem=problem, blocks=blocks, pp=pp, virtual=virtual,
+                               microbatches=microbatches, rows=base.batch // (microbatches * opts.dp))
