@@ -18,12 +18,14 @@ from __future__ import annotations
 
 import bisect
 import heapq
+import itertools
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
 from .ir import BlockCost, Edge, GraphNode, PartitionProblem
 
 __all__ = ["build_problem", "coarsen", "param_sizes"]
+
 
 @dataclass(frozen=True)
 class _Run:
@@ -39,8 +41,8 @@ def coarsen(nodes: Sequence[GraphNode], max_blocks: int, *, param_bytes: Mapping
             cheap_fraction: float = 0.05) -> tuple[list[BlockCost], list[Edge]]:
     """Blocks (in topological order) and the values that cross between them.
 
-    A group whose time is under `cheap_fraction` of an even share (total / max_blocks)
-    is fused into a neighbour.  `param_bytes` gives each parameter's size; without it the
+    At most `max_blocks` blocks; a run whose time is under `cheap_fraction` of an even
+    share (total / max_blocks) is fused into a neighbour.  `param_bytes` gives each parameter's size; without it the
     sizes are inferred from the nodes' `cost.param_bytes` (see `param_sizes`).
     """
     if max_blocks < 1:
@@ -237,8 +239,9 @@ def _join(runs: Sequence[_Run]) -> _Run:
 def _split_heaviest(groups: Sequence[Sequence[_Run]], max_blocks: int) -> list[_Run]:
     """Each group into pieces of about equal time, one more piece at a time to the group
     whose largest piece is largest, until there are `max_blocks`."""
+    prefixes = [list(itertools.accumulate((r.time_s for r in g), initial=0.0)) for g in groups]
     pieces = [1] * len(groups)
-    heap = [(-_join(g).time_s, i) for i, g in enumerate(groups)]
+    heap = [(-p[-1], i) for i, p in enumerate(prefixes)]
     heapq.heapify(heap)
     spare = max_blocks - len(groups)
     while spare > 0 and heap:
@@ -246,26 +249,24 @@ def _split_heaviest(groups: Sequence[Sequence[_Run]], max_blocks: int) -> list[_
         if pieces[i] < len(groups[i]):
             pieces[i] += 1
             spare -= 1
-            largest = max(p.time_s for p in _pieces(groups[i], pieces[i]))
-            heapq.heappush(heap, (-largest, i))
-    return [p for g, k in zip(groups, pieces) for p in _pieces(g, k)]
+            cuts, prefix = _cuts(prefixes[i], pieces[i]), prefixes[i]
+            heapq.heappush(heap, (-max(prefix[b] - prefix[a] for a, b in zip(cuts, cuts[1:])), i))
+    return [_join(g[a:b]) for g, p, k in zip(groups, prefixes, pieces)
+            for a, b in itertools.pairwise(_cuts(p, k))]
 
 
-def _pieces(runs: Sequence[_Run], parts: int) -> list[_Run]:
-    """`runs` cut into `parts` contiguous pieces at the cuts nearest to equal time."""
-    prefix = [0.0]
-    for r in runs:
-        prefix.append(prefix[-1] + r.time_s)
-    cuts = [0]
+def _cuts(prefix: Sequence[float], parts: int) -> list[int]:
+    """Where to cut runs with these prefix sums of time into `parts` pieces of about
+    equal time: 0, the cuts nearest to each equal share, len."""
+    n, cuts = len(prefix) - 1, [0]
     for k in range(1, parts):
         target = prefix[-1] * k / parts
-        lo, hi = cuts[-1] + 1, len(runs) - (parts - k)
+        lo, hi = cuts[-1] + 1, n - (parts - k)
         c = min(max(bisect.bisect_left(prefix, target), lo), hi)
         if c > lo and target - prefix[c - 1] <= prefix[c] - target:
             c -= 1
         cuts.append(c)
-    cuts.append(len(runs))
-    return [_join(runs[a:b]) for a, b in zip(cuts, cuts[1:])]
+    return cuts + [n]
 
 
 def _crossing_bytes(order: Sequence[GraphNode]) -> list[int]:
@@ -287,7 +288,8 @@ def _crossing_bytes(order: Sequence[GraphNode]) -> list[int]:
 
 
 def _blocks(order: Sequence[GraphNode], runs: Sequence[_Run], sizes: Mapping[str, int]) -> list[BlockCost]:
-    blocks, taken = [], set()
+    blocks: list[BlockCost] = []
+    taken: set[str] = set()
     spans = _module_spans(order)
     for run in runs:
         nodes = order[run.start:run.end]

@@ -30,7 +30,7 @@ from .ir import (SCHEDULES, GraphNode, NodeCost, PartitionProblem, Plan, SolverR
 from .passes import is_tensor_node, node_module, propagate, specialize
 from .roofline import BACKWARD_FLOP_FACTOR, mfu, ring_allreduce_s
 from .simulate import Simulation, simulate
-from .solve import evaluate, solve
+from .solve import solve, stage_costs
 from .trace import Traced, trace
 
 __all__ = ["CompileOptions", "Compiled", "Prepared", "assign_nodes", "compile_model", "finish", "prepare", "split_batch"]
@@ -381,29 +381,25 @@ def _problem(traced: Traced, costs: dict[str, NodeCost], stages: int, microbatch
     return problem, blocks
 
 
-def _plan(problem: PartitionProblem, blocks: list[Any], assignment: tuple[int, ...], report: Any,
+def _plan(problem: PartitionProblem, blocks: list[Any], assignment: tuple[int, ...], report: SolverReport | None,
           opts: CompileOptions, pp: int, virtual: int, microbatches: int) -> Plan:
-    times, memories = evaluate(problem, assignment)
+    """The Plan for a stage per block, with each stage's terms of the solver's cost model."""
+    costs = stage_costs(problem, assignment)
     stage_nodes: list[list[str]] = [[] for _ in range(problem.stages)]
     for block, stage in zip(blocks, assignment):
         stage_nodes[stage].extend(n for n in block.nodes if n != "output")
     sent = [0] * problem.stages
     received = [0] * problem.stages
-    for e in problem.edges:
-        a, b = assignment[e.src], assignment[e.dst]
+    crossings = {(e.value, assignment[e.src], assignment[e.dst]): e.bytes for e in problem.edges}
+    for (_value, a, b), nbytes in sorted(crossings.items()):
         if a != b:
-            sent[a] += e.bytes
-            received[b] += e.bytes
-    compute = [0.0] * problem.stages
-    params = [0] * problem.stages
-    for i, stage in enumerate(assignment):
-        compute[stage] += problem.block_time_s[i]
-        params[stage] += problem.block_param_bytes[i]
+            sent[a] += nbytes
+            received[b] += nbytes
     stage_plans = tuple(
-        StagePlan(index=k, nodes=tuple(stage_nodes[k]), time_s=times[k], compute_s=compute[k],
-                  comm_s=times[k] - compute[k], memory_bytes=int(memories[k]), param_bytes=params[k],
-                  send_bytes=sent[k], recv_bytes=received[k])
-        for k in range(problem.stages)
+        StagePlan(index=k, nodes=tuple(stage_nodes[k]), time_s=c.time_s, compute_s=c.compute_s,
+                  comm_s=c.time_s - c.compute_s, memory_bytes=int(c.memory_bytes), param_bytes=c.weight_bytes,
+                  activation_bytes=c.activation_bytes, send_bytes=sent[k], recv_bytes=received[k])
+        for k, c in enumerate(costs)
     )
     return Plan(stages=stage_plans, schedule=opts.schedule, microbatches=microbatches, pp=pp,
                 tp=opts.tp, dp=opts.dp, virtual_stages=virtual, report=report)

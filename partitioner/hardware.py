@@ -1,19 +1,29 @@
 """Hardware profiles: peak FLOP/s, memory, bandwidths and link latencies.
 
 Built-in JSON profiles for A100, H100 and H200 live in `profiles/` with their sources
-cited; `cpu` is measured on the spot (matmul FLOP/s, copy bandwidth, physical memory)
-and cached, so two compiles on one machine agree; `--hardware FILE` takes a user's own
-JSON with the same fields.
+cited; `cpu` is measured on the spot (matmul FLOP/s, copy bandwidth, physical memory, and
+gloo point-to-point and all-reduce alpha-beta over 127.0.0.1) and cached, so two compiles
+on one machine agree; `--hardware FILE` takes a user's own JSON with the same fields.
+
+The links follow the alpha-beta model (Hockney 1994): a message of n bytes takes
+alpha + n * beta.  On the CPU both are fitted by least squares to a two-process gloo
+ping-pong (`_measure_gloo`); when that fails (no fork, no loopback, a timeout) the old
+estimates are kept and `sources` says so.
 """
 
 from __future__ import annotations
 
 import json
+import math
+import multiprocessing
 import os
 import socket
+import statistics
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
+from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -42,6 +52,9 @@ class Hardware:
     efficiency: float = 1.0  # achievable fraction of peak for the roofline
     description: str = ""
     peak_flops_fp32: float = 0.0
+    # all-reduce among 2 ranks, alpha-beta per byte of the buffer (0: unknown, use p2p)
+    allreduce_latency_s: float = 0.0
+    allreduce_bandwidth: float = 0.0
     sources: tuple[str, ...] = field(default_factory=tuple)
 
     @property
@@ -71,13 +84,35 @@ def load_hardware(name: str | None) -> Hardware:
 def _from_json(path: Path) -> Hardware:
     try:
         raw = json.loads(path.read_text())
+        if not isinstance(raw, dict):
+            raise ValueError(f"it holds a JSON {type(raw).__name__}, not an object")
         raw["sources"] = tuple(raw.get("sources", ()))
-        return Hardware(**raw)
+        hw = Hardware(**raw)
+        _check_fields(hw)
+        return hw
     except (OSError, ValueError, TypeError) as exc:
         raise PartitionerError(
             f"hardware profile {path} is not valid ({exc}); copy partitioner/profiles/h100.json "
             f"and edit its numbers."
         ) from None
+
+
+def _check_fields(hw: Hardware) -> None:
+    """Numbers where numbers belong: a string or a negative bandwidth is an error, not a
+    plan built on nonsense."""
+    for f in fields(hw):
+        value = getattr(hw, f.name)
+        if f.name in ("name", "description"):
+            if not isinstance(value, str):
+                raise ValueError(f"field {f.name!r} must be a string, not {value!r}")
+        elif f.name == "sources":
+            if not all(isinstance(v, str) for v in value):
+                raise ValueError("field 'sources' must be a list of strings")
+        elif isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+            raise ValueError(f"field {f.name!r} must be a non-negative number, not {value!r}")
+    for name in ("peak_flops", "memory_bandwidth", "memory_bytes", "intra_node_bandwidth"):
+        if not getattr(hw, name) > 0:
+            raise ValueError(f"field {name!r} must be positive")
 
 
 def _this_machine() -> str:
@@ -89,15 +124,25 @@ def _this_machine() -> str:
     return "cpu"
 
 
+#: bump when the measurement changes, so profiles cached by older code are measured again
+_CPU_PROFILE_VERSION = 2
+
+
 def _cpu() -> Hardware:
-    """This CPU, measured once per machine and cached."""
-    key = f"hardware-cpu-{socket.gethostname()}-{torch.__version__}-{torch.get_num_threads()}"
+    """This CPU, measured once per machine and cached (the cached value is reused, so
+    compiles on one machine stay byte-identical)."""
+    key = (f"hardware-cpu-v{_CPU_PROFILE_VERSION}-{socket.gethostname()}-{torch.__version__}-"
+           f"{torch.get_num_threads()}")
     raw = cache.get(key)
-    if raw is None:
-        raw = asdict(_measure_cpu())
-        cache.put(key, raw)
-    raw["sources"] = tuple(raw.get("sources", ()))
-    return Hardware(**raw)
+    try:
+        if isinstance(raw, dict):
+            raw["sources"] = tuple(raw.get("sources", ()))
+            return Hardware(**raw)
+    except TypeError:
+        pass  # a cache entry of another shape: measure again
+    hw = _measure_cpu()
+    cache.put(key, asdict(hw))  # a fallback too: the next compile must agree with this one
+    return hw
 
 
 def _measure_cpu() -> Hardware:
@@ -116,6 +161,22 @@ def _measure_cpu() -> Hardware:
         dst.copy_(big)
     bandwidth = 5 * 2 * big.numel() * 4 / (time.perf_counter() - start)
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    link = _measure_gloo()
+    if link is None:
+        # gloo over loopback TCP: typical latency and bandwidth on a small VM
+        p2p_alpha, p2p_bw, ar_alpha, ar_bw = _DEFAULT_ALPHA_S, _DEFAULT_BANDWIDTH, 0.0, 0.0
+        note = (f"gloo loopback latency/bandwidth: fallback estimate ({_DEFAULT_ALPHA_S * 1e6:g} us, "
+                f"{_DEFAULT_BANDWIDTH / 1e9:g} GB/s): the two-process measurement failed")
+    else:
+        (p2p_alpha, p2p_beta), (ar_alpha, ar_beta) = link.late, link.allreduce
+        p2p_alpha, p2p_bw = float(f"{p2p_alpha:.3g}"), float(f"{1 / p2p_beta:.3g}")
+        ar_alpha, ar_bw = float(f"{ar_alpha:.3g}"), float(f"{1 / ar_beta:.3g}")
+        note = (f"measured: gloo between 2 processes on 127.0.0.1, {_SIZES[0] >> 10} KiB..."
+                f"{_SIZES[-1] >> 20} MiB, alpha + n * beta by least squares on relative error: "
+                f"p2p as the runtime posts it (receive after send) {p2p_alpha * 1e6:.3g} us + n / "
+                f"{p2p_bw / 1e9:.3g} GB/s (classic ping-pong {link.eager[0] * 1e6:.3g} us + n / "
+                f"{1e-9 / link.eager[1]:.3g} GB/s); 2-rank all-reduce {ar_alpha * 1e6:.3g} us + n / "
+                f"{ar_bw / 1e9:.3g} GB/s")
     return Hardware(
         name="cpu",
         description=f"this machine's CPU ({os.cpu_count()} cores), measured",
@@ -123,10 +184,160 @@ def _measure_cpu() -> Hardware:
         peak_flops_fp32=float(f"{flops:.3g}"),
         memory_bandwidth=float(f"{bandwidth:.3g}"),
         memory_bytes=int(memory),
-        # gloo over loopback TCP: typical latency and bandwidth on a small VM
-        intra_node_bandwidth=2e9,
-        intra_node_latency_s=50e-6,
+        intra_node_bandwidth=p2p_bw,
+        intra_node_latency_s=p2p_alpha,
+        allreduce_latency_s=ar_alpha,
+        allreduce_bandwidth=ar_bw,
         efficiency=1.0,
-        sources=("measured: 512x512 float32 matmul, 32 MiB copy, sysconf physical pages",
-                 "gloo loopback latency/bandwidth: default estimate"),
+        sources=("measured: 512x512 float32 matmul, 32 MiB copy, sysconf physical pages", note),
     )
+
+
+# -- gloo links: two processes on 127.0.0.1 ------------------------------------------------
+
+_DEFAULT_ALPHA_S = 50e-6
+_DEFAULT_BANDWIDTH = 2e9
+_SIZES = (4 << 10, 64 << 10, 1 << 20, 4 << 20, 16 << 20)  # bytes per message
+_REPEATS = (24, 16, 10, 6, 4)  # timed samples per size and pattern, after one warm-up
+_POST_LATE_S = 0.5e-3  # a late receiver waits this long after its peer posted the send
+_TIMEOUT_S = 10.0  # the whole measurement; each wait has its own smaller timeout
+
+
+@dataclass(frozen=True)
+class _Links:
+    """Least-squares (alpha s, beta s/byte) of three patterns between two gloo processes."""
+
+    eager: tuple[float, float]  # classic ping-pong: the receive is posted before the send
+    late: tuple[float, float]  # the runtime's pattern: the receive is posted after the send
+    allreduce: tuple[float, float]  # 2-rank all-reduce of an n-byte float32 buffer
+
+
+def _measure_gloo(timeout_s: float = _TIMEOUT_S) -> _Links | None:
+    """Alpha and beta of gloo between this process (rank 0) and a forked child (rank 1),
+    or None when anything fails (no fork, no loopback, a timeout).
+
+    The child is forked (not spawned: importing torch again takes seconds) before this
+    process starts any gloo thread, and is killed at the deadline, so nothing can hang.
+    Three patterns, each timed per size on rank 0 (median): a classic ping-pong (one-way
+    = round trip / 2); a ping-pong in which each side posts its receive only after the
+    other's send is announced, which is how `DistributedPipeline` receives (it posts a
+    receive when its schedule reaches it) and costs gloo's rendezvous (the receiver asks,
+    the sender's I/O thread answers with the data: about one more round trip), timed from
+    posting the receive to its completion; and a 2-rank all-reduce.  Each fit is
+    t = alpha + n * beta by least squares on relative error, so the small messages fix
+    alpha and the big ones beta.
+    """
+    if "fork" not in multiprocessing.get_all_start_methods():
+        return None
+    ctx = multiprocessing.get_context("fork")
+    mine, theirs = ctx.Pipe()
+    child = None
+    try:
+        child = ctx.Process(target=_gloo_peer, args=(theirs, timeout_s), daemon=True)
+        child.start()
+        theirs.close()
+        deadline = time.monotonic() + timeout_s
+        store = torch.distributed.TCPStore("127.0.0.1", 0, 2, True, timedelta(seconds=timeout_s),
+                                           wait_for_workers=False)
+        mine.send(store.port)
+        timings = _gloo_rank(store, 0, timeout_s)
+        if not mine.poll(max(0.1, deadline - time.monotonic())) or mine.recv() != "ok":
+            return None
+        fits = [_fit(_SIZES, timings[k]) for k in ("eager", "late", "allreduce")]
+        if any(f is None for f in fits):
+            return None
+        return _Links(*fits)  # type: ignore[arg-type]
+    except Exception:
+        return None
+    finally:
+        mine.close()
+        if child is not None:
+            child.join(1.0)
+            if child.is_alive():
+                child.kill()
+                child.join(1.0)
+
+
+def _gloo_peer(conn: Any, timeout_s: float) -> None:
+    """Rank 1, in the forked child: the other half of every pattern."""
+    try:
+        torch.set_num_threads(1)
+        if not conn.poll(timeout_s):
+            return
+        store = torch.distributed.TCPStore("127.0.0.1", conn.recv(), 2, False, timedelta(seconds=timeout_s))
+        _gloo_rank(store, 1, timeout_s)
+        conn.send("ok")
+    except Exception:
+        try:
+            conn.send("failed")
+        except Exception:
+            pass
+
+
+def _gloo_rank(store: Any, rank: int, timeout_s: float) -> dict[str, list[float]]:
+    """Both ranks run this; rank 0's timings are the result: seconds per size (medians)
+    for each pattern."""
+    pg_cls = torch.distributed.ProcessGroupGloo
+    opts = pg_cls._Options()
+    opts._timeout = timedelta(seconds=timeout_s)
+    opts._devices = [pg_cls.create_device(hostname="127.0.0.1")]
+    pg = pg_cls(store, rank, 2, opts)
+    wait = timedelta(seconds=timeout_s)
+    peer = 1 - rank
+    out: dict[str, list[float]] = {"eager": [], "late": [], "allreduce": []}
+    for size, repeats in zip(_SIZES, _REPEATS):
+        buf = torch.zeros(size, dtype=torch.uint8)
+        samples = []
+        for i in range(repeats + 1):  # the first round trip warms up the connection
+            start = time.perf_counter()
+            if rank == 0:
+                pg.send([buf], peer, 0).wait(wait)
+                pg.recv([buf], peer, 0).wait(wait)
+            else:
+                pg.recv([buf], peer, 0).wait(wait)
+                pg.send([buf], peer, 0).wait(wait)
+            if i:
+                samples.append((time.perf_counter() - start) / 2)
+        out["eager"].append(statistics.median(samples))
+        samples = []
+        for i in range(2 * (repeats + 1)):  # rounds alternate: rank 0 receives in the odd ones
+            if i % 2 == rank:  # send at once; the peer posts its receive late
+                pg.send([buf], peer, 1).wait(wait)
+            else:
+                time.sleep(_POST_LATE_S)
+                start = time.perf_counter()
+                pg.recv([buf], peer, 1).wait(wait)
+                if i > 1:
+                    samples.append(time.perf_counter() - start)
+        out["late"].append(statistics.median(samples))
+        flat = torch.zeros(size // 4, dtype=torch.float32)
+        samples = []
+        for i in range(repeats + 1):
+            start = time.perf_counter()
+            pg.allreduce([flat]).wait(wait)
+            if i:
+                samples.append(time.perf_counter() - start)
+        out["allreduce"].append(statistics.median(samples))
+    pg.barrier().wait(wait)
+    return out
+
+
+def _fit(sizes: tuple[int, ...], seconds: list[float]) -> tuple[float, float] | None:
+    """(alpha, beta) minimising sum(((alpha + n beta) - t) / t)^2: weighted least squares
+    with weights 1/t^2, the closed form of the 2x2 normal equations.  None when the fit
+    is not physical (beta <= 0); a negative alpha (latency below the timer's reach) is
+    clamped to zero and beta refitted through the origin."""
+    w = [1.0 / (t * t) for t in seconds]
+    sw = sum(w)
+    sx = sum(wi * n for wi, n in zip(w, sizes))
+    sy = sum(wi * t for wi, t in zip(w, seconds))
+    sxx = sum(wi * n * n for wi, n in zip(w, sizes))
+    sxy = sum(wi * n * t for wi, n, t in zip(w, sizes, seconds))
+    det = sw * sxx - sx * sx
+    if det <= 0:
+        return None
+    beta = (sw * sxy - sx * sy) / det
+    alpha = (sy - beta * sx) / sw
+    if alpha < 0:
+        alpha, beta = 0.0, sxy / sxx
+    return (alpha, beta) if beta > 0 else None

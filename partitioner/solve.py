@@ -24,7 +24,7 @@ import functools
 import math
 import time
 from dataclasses import dataclass, replace
-from typing import Callable, Sequence
+from typing import Callable, Sequence, TypeVar
 
 import numpy as np
 from ortools.sat.python import cp_model
@@ -40,6 +40,9 @@ _UNITS = 1e9
 _CHUNK_ENTRIES = 1 << 21
 #: a CP-SAT plan replaces the DP plan only if better by more than this fraction
 _BETTER = 1e-12
+#: runs [a, b) with a0 <= a <= a1 and b0 <= b <= b1, and what each adds
+_Rect = tuple[int, int, int, int, float]
+_T = TypeVar("_T")
 
 
 # -- the cost model ([Note: the cost model]) ----------------------------------------------
@@ -66,7 +69,22 @@ class _Value:
     bytes: int
 
 
-@functools.lru_cache(maxsize=4)
+def _per_problem(fn: Callable[[PartitionProblem], _T]) -> Callable[[PartitionProblem], _T]:
+    """Cache fn(problem) for the last few problems by identity (hashing one is slow)."""
+    cache: dict[int, tuple[PartitionProblem, _T]] = {}
+
+    def cached(problem: PartitionProblem) -> _T:
+        hit = cache.get(id(problem))
+        if hit is None or hit[0] is not problem:
+            if len(cache) >= 4:
+                cache.pop(next(iter(cache)))
+            hit = cache[id(problem)] = (problem, fn(problem))
+        return hit[1]
+
+    return functools.wraps(fn)(cached)
+
+
+@_per_problem
 def _values(problem: PartitionProblem) -> tuple[_Value, ...]:
     """The distinct values that cross blocks, keyed by (producer, name), in edge order."""
     readers: dict[tuple[int, str], set[int]] = {}
@@ -78,7 +96,7 @@ def _values(problem: PartitionProblem) -> tuple[_Value, ...]:
     return tuple(_Value(key[0], tuple(sorted(r)), sizes[key]) for key, r in readers.items())
 
 
-@functools.lru_cache(maxsize=4)
+@_per_problem
 def _shared_params(problem: PartitionProblem) -> tuple[tuple[int, ...], tuple[tuple[int, tuple[int, ...]], ...]]:
     """(each block's bytes of unshared parameters, [(bytes, blocks)] of each shared one)."""
     size = dict(problem.param_bytes_by_name)
@@ -170,7 +188,8 @@ class _Intervals:
         self.time = np.concatenate([[0.0], np.cumsum(p.block_time_s, dtype=np.float64)])
         self.acts = np.concatenate([[0], np.cumsum(p.block_activation_bytes, dtype=np.int64)])
         self.own = np.concatenate([[0], np.cumsum(own, dtype=np.int64)])
-        comm, held = [], []  # rectangles (a0, a1, b0, b1, weight), inclusive
+        comm: list[_Rect] = []
+        held: list[_Rect] = []
         for v in _values(problem):
             w = 2 * (p.comm_alpha_s + p.comm_beta_s_per_byte * v.bytes)
             comm.append((0, v.producer, v.producer + 1, v.readers[-1], w))  # sent
@@ -208,10 +227,11 @@ class _Intervals:
         return lambda k: fixed + acts * p.inflight(k)
 
 
-def _first_reader_rects(start: int, readers: Sequence[int], n: int, w: float) -> list[tuple[float, ...]]:
+def _first_reader_rects(start: int, readers: Sequence[int], n: int, w: float) -> list[_Rect]:
     """Runs [a, b) with a >= start that contain one of `readers` (sorted): for a in
     (r_{j-1}, r_j], the first reader at or after a is r_j, so b > r_j."""
-    rects, lo = [], start
+    rects: list[_Rect] = []
+    lo = start
     for r in readers:
         if r >= lo:
             rects.append((lo, r, r + 1, n, w))
@@ -219,12 +239,12 @@ def _first_reader_rects(start: int, readers: Sequence[int], n: int, w: float) ->
     return rects
 
 
-def _corners(rects: list[tuple[float, ...]], dtype: type) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def _corners(rects: list[_Rect], dtype: type) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(b, a, signed weight) of each corner of the rectangles."""
     if not rects:
         return np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0, dtype)
     a0, a1, b0, b1 = (np.asarray(c, dtype=np.int64) for c in list(zip(*rects))[:4])
-    w = np.asarray([r[4] for r in rects], dtype=dtype)
+    w: np.ndarray = np.asarray([r[4] for r in rects], dtype=dtype)
     return (np.concatenate([b0, b1 + 1, b0, b1 + 1]), np.concatenate([a0, a0, a1 + 1, a1 + 1]),
             np.concatenate([w, -w, -w, w]))
 
@@ -233,7 +253,7 @@ def _sum_corners(corners: tuple[np.ndarray, ...], c0: int, c1: int, a0: int, dty
     """For each (b, a) with c0 <= b < c1 and a0 <= a < c1, the sum of corners at or before it."""
     b, a, w = corners
     keep = (b < c1) & (a < c1)
-    grid = np.zeros((c1 - c0, c1 - a0), dtype=dtype)
+    grid: np.ndarray = np.zeros((c1 - c0, c1 - a0), dtype=dtype)
     np.add.at(grid, (np.maximum(b[keep] - c0, 0), np.maximum(a[keep] - a0, 0)), w[keep])
     np.add.accumulate(grid, axis=0, out=grid)
     return np.add.accumulate(grid, axis=1, out=grid)
@@ -390,7 +410,7 @@ class _CpModel:
             for k in range(S):
                 m.add_hint(self.at[i][k], s == k)
                 if 0 < k:
-                    m.add_hint(self.ge[i][k], s >= k)
+                    m.add_hint(self.ge[i][k], s >= k)  # type: ignore[arg-type]  # a variable for 0 < k < S
         for j, v in enumerate(self.values):
             home, later = assignment[v.producer], {assignment[r] for r in v.readers}
             for k in range(S):
@@ -405,8 +425,10 @@ class _CpModel:
 
 
 def solve_cpsat(problem: PartitionProblem, time_limit_s: float, *, hint: Sequence[int] | None = None,
-                upper_bound_s: float | None = None, seed: int = 0, workers: int = 1) -> CpResult:
-    """CP-SAT on the general assignment, within `time_limit_s` of deterministic time."""
+                upper_bound_s: float | None = None, seed: int = 0, workers: int = 1,
+                wall_limit_s: float | None = None) -> CpResult:
+    """CP-SAT on the general assignment, within `time_limit_s` of deterministic time (and
+    `wall_limit_s` seconds, for benchmarks: a wall-clock limit makes the result vary)."""
     upper = upper_bound_s if upper_bound_s is not None else _worst_time(problem)
     scale = _UNITS / upper if upper > 0 else 1.0
     cp = _CpModel(problem, scale, int(math.ceil(upper * scale)) + 1)
@@ -418,6 +440,8 @@ def solve_cpsat(problem: PartitionProblem, time_limit_s: float, *, hint: Sequenc
     params.random_seed = seed
     params.num_workers = workers
     params.interleave_search = True  # deterministic whatever the workers (and faster here)
+    if wall_limit_s is not None:
+        params.max_time_in_seconds = wall_limit_s
     status = solver.status_name(solver.solve(cp.model))
     found = status in ("OPTIMAL", "FEASIBLE")
     bound = solver.best_objective_bound / scale if status != "INFEASIBLE" else math.inf

@@ -1,0 +1,247 @@
+"""How far the compiler's predicted step time is from the step the runtime really takes.
+
+For every example model and the GPipe and 1F1B schedules, the model is compiled into 2
+stages with measured costs (profiled afresh, `reprofile=True`), and the manifest's
+`predicted.step_time_s` (the event simulation of the schedule over the profiled node
+costs and the cpu profile's gloo alpha-beta) is compared with the median of N real
+`runtime.DistributedPipeline.train_step` calls on 2 gloo processes on 127.0.0.1, after
+warm-up steps, with a barrier before and after each step.  The cost of an empty step
+(the two barriers alone) is measured the same way and subtracted, so the figure is the
+step, not the harness.
+
+The workers are spawned once and run every package in turn, so the processes' start-up
+(importing torch, transformers) is paid once.  Next to the step, each rank records the
+median forward and backward of its own stage per microbatch (one traced step after the
+timed ones), so a large error can be traced to compute or to communication: `stage_ms`
+predicted vs measured, in the JSON.
+
+    python -m benchmarks.simulator_error [--quick] [--examples mlp,gpt] [--schedules 1f1b]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .common import save, table, update_readme
+
+EXAMPLES = ("mlp", "gpt", "bert", "ncf", "skip", "hf_gpt2", "hf_bert")
+SCHEDULES = ("gpipe", "1f1b")
+WORLD = 2
+DEADLINE_S = 900.0  # the workers, all packages together: killed after this
+
+
+# -- compile -------------------------------------------------------------------------------
+
+
+def compile_case(example: str, schedule: str, work: Path) -> dict[str, Any]:
+    """Compile one example into 2 stages with measured costs; what the prediction says."""
+    from partitioner.compiler import CompileOptions, compile_model
+
+    directory = work / f"{example}_{schedule}"
+    start = time.perf_counter()
+    compiled = compile_model(CompileOptions(model=f"examples/{example}.py", out=str(directory), stages=WORLD,
+                                            schedule=schedule, quiet=True, reprofile=True))
+    seconds = time.perf_counter() - start
+    m = compiled.manifest
+    costs = compiled.costs
+    sent = {(int(i["from"]), int(st["index"])): 0 for st in m["stages"] for i in st["inputs"] if i["from"] != "input"}
+    for st in m["stages"]:
+        for i in st["inputs"]:
+            if i["from"] != "input":
+                nbytes = torch.empty(0, dtype=getattr(torch, i["dtype"])).element_size()
+                for d in i["shape"]:
+                    nbytes *= int(d)
+                sent[(int(i["from"]), int(st["index"]))] += nbytes
+    stages = [{"forward_ms": 1e3 * sum(costs[n].forward_s for n in s.nodes),
+               "backward_ms": 1e3 * sum(costs[n].backward_s for n in s.nodes),
+               "nodes": len(s.nodes)} for s in compiled.plan.stages]
+    return {"example": example, "schedule": schedule, "dir": str(directory), "microbatches": m["microbatches"],
+            "predicted_ms": 1e3 * m["predicted"]["step_time_s"], "compile_s": seconds, "stages": stages,
+            "edges": [[a, b, n] for (a, b), n in sorted(sent.items())]}
+
+
+def replay_ms(case: dict[str, Any], measured: dict[str, float], alpha_s: float, beta_s: float) -> float | None:
+    """The simulator fed with the stage times the runtime really took (traced F and B
+    medians, the loss included) and the profile's links: what is left of the error is
+    the simulator's structure and its message model, not the node costs."""
+    from partitioner.simulate import simulate
+
+    n = len(case["stages"])
+    try:
+        fwd = [measured[f"F{k}"] / 1e3 for k in range(n)]
+        bwd = [measured[f"B{k}"] / 1e3 for k in range(n)]
+    except KeyError:
+        return None
+    links = {(a, b): alpha_s + nbytes * beta_s for a, b, nbytes in case["edges"]}
+    return 1e3 * simulate(fwd, bwd, links, case["schedule"], n, case["microbatches"]).step_time_s
+
+
+# -- run -----------------------------------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _worker(rank: int, port: int, dirs: list[str], warmup: int, steps: int, out: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(WORLD),
+                      LOCAL_RANK=str(rank), PIPELINE_TIMEOUT_S="60")
+    torch.set_num_threads(1)
+    import torch.distributed as dist
+    from datetime import timedelta
+
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD, timeout=timedelta(seconds=60))
+    results = [_measure(rank, d, warmup, steps, Path(out).with_suffix(f".{i}.trace.json")) for i, d in enumerate(dirs)]
+    if rank == 0:
+        Path(out).write_text(json.dumps(results))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _measure(rank: int, directory: str, warmup: int, steps: int, trace: Path) -> dict[str, Any]:
+    """Median step of one package on this rank (and, on rank 0, the traced stage times of both)."""
+    import torch.distributed as dist
+
+    import runtime
+    from runtime import package
+
+    def timed(call: Any) -> float:
+        dist.barrier()
+        start = time.perf_counter()
+        call()
+        dist.barrier()
+        return time.perf_counter() - start
+
+    pipe = runtime.DistributedPipeline(directory)
+    source = pipe.manifest["source"]
+    model_file = package.load_model_file(pipe.manifest, directory)
+    torch.manual_seed(int(source.get("seed", 0)))
+    model = getattr(model_file, source.get("entry", "build_model"))()
+    pipe.load_state_dict(model.state_dict())
+    del model
+    inputs, target = model_file.example_inputs(), model_file.example_target()
+    params = pipe.parameters()
+
+    def step() -> None:
+        pipe.train_step(inputs, target)
+
+    empty = statistics.median(timed(lambda: None) for _ in range(max(steps, 10)))
+    samples = []
+    for k in range(warmup + steps):
+        for p in params:  # as optimizer.zero_grad(set_to_none=True) leaves them
+            p.grad = None
+        t = timed(step)
+        if k >= warmup:
+            samples.append(t)
+    first = samples[0]
+    # one traced step for the stage times (the tracer's gather would distort the timed ones)
+    traced = runtime.DistributedPipeline(directory, trace=str(trace))
+    traced.load_state_dict(dict(pipe.state_dict()))
+    for _ in range(2):
+        traced.train_step(inputs, target)
+    stage_ms: dict[str, float] = {}
+    if rank == 0:
+        events = [e for e in json.loads(trace.read_text())["traceEvents"] if e.get("ph") == "X" and e["args"]["step"] == 1]
+        for kind in ("F", "B"):
+            for s in sorted({e["tid"] for e in events}):
+                durs = [e["dur"] / 1e3 for e in events if e["cat"] == kind and e["tid"] == s]
+                if durs:
+                    stage_ms[f"{kind}{s}"] = statistics.median(durs)
+        recv = [e["dur"] / 1e3 for e in events if e["cat"].startswith("RECV")]
+        stage_ms["recv_total"] = sum(recv)
+        stage_ms["recv_count"] = len(recv)
+    return {"samples_ms": [1e3 * s for s in samples], "median_ms": 1e3 * statistics.median(samples),
+            "barrier_ms": 1e3 * empty, "first_ms": 1e3 * first, "stage_ms": stage_ms}
+
+
+def run_all(dirs: list[str], warmup: int, steps: int, work: Path) -> list[dict[str, Any]]:
+    """Spawn the 2 ranks once; every package in turn; killed at the deadline."""
+    import torch.multiprocessing as mp
+
+    out = work / "times.json"
+    ctx = mp.spawn(_worker, args=(_free_port(), dirs, warmup, steps, str(out)), nprocs=WORLD, join=False)
+    deadline = time.monotonic() + DEADLINE_S
+    try:
+        while not ctx.join(timeout=5):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the benchmark's workers did not finish in {DEADLINE_S:g} s")
+    finally:
+        for p in ctx.processes:
+            if p.is_alive():
+                p.kill()
+    return list(json.loads(out.read_text()))
+
+
+# -- report --------------------------------------------------------------------------------
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="fewer timed steps")
+    parser.add_argument("--examples", default=",".join(EXAMPLES), help="comma-separated examples/ names")
+    parser.add_argument("--schedules", default=",".join(SCHEDULES))
+    parser.add_argument("--no-readme", action="store_true", help="do not rewrite the README block")
+    ns = parser.parse_args(argv)
+    warmup, steps = (2, 7) if ns.quick else (3, 21)
+    examples = [e for e in ns.examples.split(",") if e]
+    schedules = [s for s in ns.schedules.split(",") if s]
+    from partitioner.hardware import load_hardware
+
+    hw = load_hardware("cpu")
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        cases = []
+        for example in examples:
+            for schedule in schedules:
+                cases.append(compile_case(example, schedule, work))
+                print(f"compiled {example} {schedule}: predicted {cases[-1]['predicted_ms']:.2f} ms "
+                      f"({cases[-1]['compile_s']:.1f} s)", file=sys.stderr, flush=True)
+        load_before = os.getloadavg()[0]
+        measured = run_all([c["dir"] for c in cases], warmup, steps, work)
+        load = [load_before, os.getloadavg()[0]]
+    rows = []
+    for case, got in zip(cases, measured):
+        step = got["median_ms"] - got["barrier_ms"]
+        replay = replay_ms(case, got["stage_ms"], hw.p2p_alpha_s, hw.p2p_beta_s_per_byte)
+        rows.append({"example": case["example"], "schedule": case["schedule"], "microbatches": case["microbatches"],
+                     "predicted_ms": case["predicted_ms"], "measured_ms": step,
+                     "error_pct": 100.0 * (case["predicted_ms"] - step) / step,
+                     "replay_ms": replay, "replay_error_pct": None if replay is None else 100.0 * (replay - step) / step,
+                     "raw_median_ms": got["median_ms"], "barrier_ms": got["barrier_ms"], "first_ms": got["first_ms"],
+                     "samples_ms": got["samples_ms"],
+                     "stage_ms": {"predicted": case["stages"], "measured": got["stage_ms"]}})
+    mean_abs = statistics.fmean(abs(r["error_pct"]) for r in rows) if rows else 0.0
+    text = table(rows, ["example", "schedule", "microbatches", "predicted_ms", "measured_ms", "error_pct",
+                        "replay_ms", "replay_error_pct"])
+    replays = [abs(r["replay_error_pct"]) for r in rows if r["replay_error_pct"] is not None]
+    text += (f"\n\nMean absolute error: {mean_abs:.1f}% over {len(rows)} runs "
+             f"(replay of the measured stage times: {statistics.fmean(replays) if replays else float('nan'):.1f}%; "
+             f"(gloo p2p {hw.p2p_alpha_s * 1e6:.0f} us + n / {hw.intra_node_bandwidth / 1e9:.2f} GB/s; "
+             f"median of {steps} steps after {warmup} warm-up, barrier cost subtracted; "
+             f"load average {load[0]:.1f} on {os.cpu_count()} CPUs).")
+    print(text)
+    save("simulator_error", rows, mean_abs_error_pct=mean_abs, steps=steps, warmup=warmup,
+         load_average=load, cpus=os.cpu_count(),
+         hardware={"p2p_alpha_s": hw.p2p_alpha_s, "p2p_bandwidth": hw.intra_node_bandwidth,
+                   "allreduce_alpha_s": hw.allreduce_latency_s, "allreduce_bandwidth": hw.allreduce_bandwidth,
+                   "peak_flops": hw.peak_flops, "sources": list(hw.sources)})
+    if not ns.no_readme:
+        update_readme("simulator_error", text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,230 @@
+"""The stage-assignment solver against brute force, its errors, and its determinism."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+import random
+import time
+from typing import Any, Sequence
+
+import pytest
+
+from partitioner.errors import InfeasiblePlanError, PlanError
+from partitioner.ir import Edge, PartitionProblem
+from partitioner.solve import evaluate, objective, solve, stage_costs, violations
+
+MiB = 1 << 20
+
+
+def problem(times: Sequence[float], edges: Sequence[tuple[int, int]], stages: int, **options: Any) -> PartitionProblem:
+    """Blocks with the given times; an edge (i, j) carries value f"v{i}" of 100 bytes
+    unless `bytes` says otherwise; params: a tuple of parameter names per block."""
+    sizes = options.pop("bytes", {})
+    params = options.pop("params", ())
+    param_size = options.pop("param_size", {})
+    block_bytes = tuple(sum(param_size[p] for p in names) for names in params) or (0,) * len(times)
+    options.setdefault("microbatches", 4)
+    return PartitionProblem(
+        block_time_s=tuple(times), block_param_bytes=options.pop("param_bytes", block_bytes),
+        block_activation_bytes=options.pop("acts", (0,) * len(times)),
+        edges=tuple(Edge(i, j, f"v{i}", sizes.get(i, 100)) for i, j in edges), stages=stages,
+        block_params=tuple(params), param_bytes_by_name=tuple(sorted(param_size.items())), **options)
+
+
+def brute_force(p: PartitionProblem) -> float:
+    """The optimum over every assignment of every block to every stage."""
+    return min(objective(p, a) for a in itertools.product(range(p.stages), repeat=p.num_blocks))
+
+
+CHAIN = [(0, 1), (1, 2), (2, 3), (3, 4), (4, 5)]
+DIAMOND = [(0, 1), (0, 2), (1, 3), (2, 3)]
+SKIPS = [(0, 1), (1, 2), (2, 3), (3, 4), (0, 2), (0, 4), (1, 4)]
+TWO_TOWERS = [(0, 1), (1, 2), (0, 3), (3, 4), (2, 5), (4, 5)]
+MULTI_OUT = [(0, 1), (0, 2), (1, 3), (2, 4), (0, 5), (3, 5)]  # block 4 is a sink too
+TIED = {"params": (("wte",), (), (), (), ("wte",)), "param_size": {"wte": 40 * MiB}}
+
+CASES: dict[str, tuple[list[tuple[int, int]], list[float], int, dict[str, Any]]] = {
+    "chain": (CHAIN, [3, 1, 4, 1, 5, 9], 3, {}),
+    "chain-comm": (CHAIN, [3, 1, 4, 1, 5, 9], 3, {"comm_alpha_s": 0.5, "comm_beta_s_per_byte": 0.01}),
+    "chain-memory": (CHAIN, [3, 1, 4, 1, 5, 9], 3, {"acts": (2, 1, 1, 1, 1, 2), "memory_limit_bytes": 8}),
+    "diamond": (DIAMOND, [1, 5, 4, 1], 2, {"comm_alpha_s": 0.3}),
+    "diamond-gpipe": (DIAMOND, [1, 5, 4, 1], 3, {"acts": (4, 4, 4, 1), "memory_limit_bytes": 30,
+                                                  "schedule": "gpipe"}),
+    "skips": (SKIPS, [2, 2, 3, 1, 2], 3, {"comm_beta_s_per_byte": 0.02, "bytes": {0: 50, 1: 30}}),
+    "two-towers": (TWO_TOWERS, [1, 4, 4, 4, 4, 1], 3, {"comm_alpha_s": 0.1}),
+    "multi-output": (MULTI_OUT, [2, 3, 1, 2, 4, 1], 3, {"comm_alpha_s": 0.2}),
+    "tied": ([(0, 1), (1, 2), (2, 4), (0, 3), (3, 4)], [1, 3, 3, 3, 2], 2,  # 1 of 1, 2, 3 fits on stage 0
+             {**TIED, "acts": (0, 30 * MiB, 30 * MiB, 30 * MiB, 0), "memory_limit_bytes": 230 * MiB}),
+    "tied-chain": (CHAIN, [1, 2, 2, 2, 2, 1], 2, {"params": (("wte",), (), (), (), (), ("wte",)),
+                                                  "param_size": {"wte": 10}, "acts": (1,) * 6,
+                                                  "memory_limit_bytes": 45}),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_optimum_equals_brute_force(name: str) -> None:
+    edges, times, stages, options = CASES[name]
+    p = problem(times, edges, stages, **options)
+    assignment, report = solve(p, time_limit_s=5)
+    best = brute_force(p)
+    assert not violations(p, assignment)
+    assert report.objective_s == pytest.approx(best, rel=1e-9)
+    assert report.objective_s == pytest.approx(max(evaluate(p, assignment)[0]), rel=1e-12)
+    assert report.lower_bound_s <= report.objective_s
+    assert report.gap < 1e-6
+
+
+def _random_problem(seed: int) -> PartitionProblem:
+    rng = random.Random(seed)
+    n = rng.randint(2, 7)
+    stages = rng.randint(1, min(n, 3))
+    edges = [(i, j) for j in range(1, n) for i in range(j) if rng.random() < 0.35]
+    names = ["p0", "p1", "p2"]
+    params = tuple(tuple(sorted(rng.sample(names, rng.randint(0, 2)))) for _ in range(n))
+    return problem([rng.random() for _ in range(n)], edges, stages,
+                   acts=tuple(rng.randint(0, 50) for _ in range(n)), microbatches=rng.randint(1, 4),
+                   schedule=rng.choice(["1f1b", "gpipe"]), memory_limit_bytes=rng.choice([None, 250, 400]),
+                   comm_alpha_s=rng.choice([0.0, 0.05]), comm_beta_s_per_byte=rng.choice([0.0, 1e-3]),
+                   bytes={i: rng.randint(0, 100) for i in range(n)}, params=params,
+                   param_size={"p0": 10, "p1": 20, "p2": 5})
+
+
+@pytest.mark.parametrize("seed", range(60))
+def test_random_dags_equal_brute_force(seed: int) -> None:
+    p = _random_problem(seed)
+    best = brute_force(p)
+    if math.isinf(best):
+        with pytest.raises(InfeasiblePlanError):
+            solve(p, time_limit_s=5)
+        return
+    _, report = solve(p, time_limit_s=5)
+    assert report.objective_s == pytest.approx(best, rel=1e-9)
+
+
+# -- the cost model, by hand -------------------------------------------------------------
+
+
+def test_cost_model_counts_values_once_and_tied_params_once_per_stage() -> None:
+    # 0 -> 1, 0 -> 2, 1 -> 2; stages (0, 1, 1): stage 0 sends v0 once though 1 and 2 read it
+    p = problem([1.0, 2.0, 3.0], [(0, 1), (0, 2), (1, 2)], 2, comm_alpha_s=0.5, comm_beta_s_per_byte=0.01,
+                params=(("w",), ("w", "b"), ("w",)), param_size={"w": 100, "b": 10},
+                acts=(7, 8, 9), microbatches=4, optimizer_factor=2)
+    costs = stage_costs(p, (0, 1, 1))
+    assert [(c.messages, c.traffic_bytes) for c in costs] == [(2, 200), (2, 200)]
+    assert costs[0].time_s == pytest.approx(1.0 + 0.5 * 2 + 0.01 * 200)
+    assert costs[1].time_s == pytest.approx(5.0 + 0.5 * 2 + 0.01 * 200)
+    assert [c.weight_bytes for c in costs] == [100, 110]  # w held once by stage 1
+    assert [c.inflight for c in costs] == [2, 1]
+    assert evaluate(p, (0, 1, 1))[1] == (100 * 4 + 7 * 2, 110 * 4 + 17 * 1)
+
+
+@pytest.mark.parametrize("assignment, problem_found", [
+    ((1, 0, 1), "goes backward"),
+    ((0, 0, 0), "stage 1 is empty"),
+    ((0, 1, 0), "not in the last stage"),
+    ((0, 1), "need 3 stages"),
+])
+def test_violations(assignment: tuple[int, ...], problem_found: str) -> None:
+    p = problem([1, 1, 1], [(0, 1), (1, 2)], 2)
+    assert any(problem_found in v for v in violations(p, assignment))
+    assert objective(p, assignment) == math.inf
+
+
+# -- errors ------------------------------------------------------------------------------
+
+
+def test_more_stages_than_blocks() -> None:
+    with pytest.raises(PlanError, match=r"--stages 4 is more than the 3 blocks .* use --stages 3 or fewer"):
+        solve(problem([1, 1, 1], [(0, 1), (1, 2)], 4))
+
+
+def test_chain_over_memory_names_both_sides_and_the_stages_that_fit() -> None:
+    # 1F1B, 4 microbatches: stage 0 of 2 holds 2 in flight, of 3 holds 3; 4 x 1 MiB of weights each
+    p = problem([1, 1, 1, 1], [(0, 1), (1, 2), (2, 3)], 2, param_bytes=(MiB,) * 4, acts=(0,) * 4,
+                memory_limit_bytes=5 * MiB)
+    message = (r"every plan into 2 stages needs at least 8\.0 MiB on one stage: the leanest puts 8\.0 MiB on "
+               r"stage 0 \(weights 2\.0 MiB, gradients 2\.0 MiB, optimizer 4\.0 MiB, activations 0 B for 2 "
+               r"microbatches in flight\) but --memory is 5\.0 MiB per stage: use --stages 4 \(fits\) or raise "
+               r"--memory to 8\.0 MiB\.")
+    with pytest.raises(InfeasiblePlanError, match=message):
+        solve(p)
+
+
+def test_no_stage_count_fits_asks_for_memory() -> None:
+    p = problem([1, 1], [(0, 1)], 2, acts=(3 * MiB, 0), memory_limit_bytes=MiB, microbatches=2)
+    with pytest.raises(InfeasiblePlanError, match=r"activations 6\.0 MiB for 2 microbatches .* raise --memory to 6\.0 MiB"):
+        solve(p)
+
+
+def test_dag_over_memory_is_proved_by_cpsat() -> None:
+    p = problem([1, 1, 1, 1], DIAMOND, 2, acts=(MiB,) * 4, memory_limit_bytes=MiB, microbatches=1)
+    with pytest.raises(InfeasiblePlanError, match=r"CP-SAT proved that no plan into 2 stages fits: .* use --stages 4"):
+        solve(p)
+
+
+# -- methods, determinism and speed ------------------------------------------------------
+
+
+def test_chain_skips_cpsat_and_reports_no_gap() -> None:
+    _, report = solve(problem([3, 1, 4, 1, 5], [(0, 1), (1, 2), (2, 3), (3, 4), (0, 4)], 2))
+    assert (report.method, report.status, report.gap) == ("dp", "OPTIMAL", 0.0)
+
+
+def test_cpsat_improves_on_the_contiguous_plan() -> None:
+    # towers 0 -> 1 (cheap) and 2 -> 3 (dear) meet at 4: the best plan takes the head of
+    # each into stage 0, which no contiguous run of 0..4 does (its best is 6)
+    p = problem([1, 1, 4, 4, 0.5], [(0, 1), (1, 4), (2, 3), (3, 4)], 2)
+    assignment, report = solve(p, time_limit_s=5)
+    assert (report.method, report.status, assignment) == ("cpsat", "OPTIMAL", (0, 1, 0, 1, 1))
+    assert report.objective_s == pytest.approx(5.5)
+
+
+def test_solve_is_deterministic() -> None:
+    rng = random.Random(3)
+    n = 16
+    edges = [(i, i + 1) for i in range(0, n - 1, 2)] + [(i, j) for j in range(2, n) for i in range(j - 1)
+                                                         if rng.random() < 0.15]
+    p = problem([rng.uniform(1, 3) for _ in range(n)], edges + [(n - 2, n - 1)], 4, comm_alpha_s=0.1,
+                acts=(3,) * n, memory_limit_bytes=40)
+    runs = [solve(p, time_limit_s=2) for _ in range(2)]
+    (a1, r1), (a2, r2) = runs
+    assert a1 == a2 and dataclasses.replace(r1, wall_s=0) == dataclasses.replace(r2, wall_s=0)
+
+
+def test_long_chain_is_fast() -> None:
+    rng = random.Random(0)
+    n = 2000
+    p = problem([rng.uniform(0.5, 2) for _ in range(n)], [(i, i + 1) for i in range(n - 1)], 8,
+                comm_alpha_s=0.01, acts=tuple(rng.randint(0, 9) for _ in range(n)), memory_limit_bytes=10**9)
+    start = time.perf_counter()
+    assignment, report = solve(p)
+    assert time.perf_counter() - start < 5.0
+    assert report.method == "dp" and len(set(assignment)) == 8
+
+
+_SCRIPT = """
+import dataclasses, random
+from partitioner.ir import Edge, PartitionProblem
+from partitioner.solve import solve
+rng = random.Random(5)
+n = 14
+edges = sorted({(i, j) for j in range(1, n) for i in range(j) if rng.random() < 0.2} | {(n - 2, n - 1)})
+p = PartitionProblem(tuple(rng.uniform(1, 3) for _ in range(n)), (8,) * n, (3,) * n,
+                     tuple(Edge(i, j, f"v{i}", 64) for i, j in edges), 4, 4, memory_limit_bytes=200,
+                     comm_alpha_s=0.05, block_params=tuple(("w",) if i % 5 == 0 else () for i in range(n)),
+                     param_bytes_by_name=(("w", 8),))
+assignment, report = solve(p, time_limit_s=1)
+print(assignment, dataclasses.replace(report, wall_s=0))
+"""
+
+
+def test_solve_is_deterministic_across_processes() -> None:
+    import os
+    import subprocess
+    import sys
+
+    outputs = {subprocess.run([sys.executable, "-c", _SCRIPT], capture_output=True, text=True, check=True,
+                              env={**os.environ, "PYTHONHASHSEED": seed}).stdout for seed in ("1", "2")}
+    assert len(outputs) == 1 and "method='" in outputs.pop()
