@@ -22,6 +22,7 @@ import torch.fx
 import torch.utils._pytree as pytree
 
 from partitioner.ir import Plan
+from partitioner.passes import get_attr, node_module
 
 from .layout import StageLayout, lay_out
 from .report import format_plan
@@ -228,19 +229,12 @@ def _buffer(name: str, t: torch.Tensor, persistent: bool) -> dict[str, Any]:
 
 def _attr_tensors(gm: torch.fx.GraphModule, info: PackageInfo) -> dict[str, torch.Tensor]:
     out: dict[str, torch.Tensor] = dict(info.unused)
-    for node in gm.graph.nodes:
-        if node.op == "get_attr":
-            value: Any = gm
-            for part in str(node.target).split("."):
-                value = getattr(value, part)
-            out[str(node.target)] = value
+    out.update({str(n.target): get_attr(gm, str(n.target)) for n in gm.graph.nodes if n.op == "get_attr"})
     return out
 
 
 def _modules(nodes: list[torch.fx.Node]) -> list[str]:
     """The modules a stage's nodes come from, down to the layer index (`transformer.h.3`)."""
-    from partitioner.passes import node_module
-
     seen: list[str] = []
     for n in nodes:
         parts = node_module(n).split(".")

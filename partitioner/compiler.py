@@ -27,11 +27,11 @@ from .errors import PlanError
 from .hardware import Hardware, load_hardware
 from .ir import (SCHEDULES, GraphNode, NodeCost, PartitionProblem, Plan, SolverReport, StagePlan,
                  optimizer_state_factor)
-from .passes import is_tensor_node, node_module, propagate, specialize
+from .passes import get_attr, is_tensor_node, node_module, propagate, specialize
 from .roofline import BACKWARD_FLOP_FACTOR, mfu, ring_allreduce_s
 from .simulate import Simulation, simulate
 from .solve import solve, stage_costs
-from .trace import Traced, trace
+from .trace import Traced, by_input_key, trace
 
 __all__ = ["CompileOptions", "Compiled", "Prepared", "assign_nodes", "compile_model", "finish", "prepare", "split_batch"]
 
@@ -143,7 +143,7 @@ def prepare(opts: CompileOptions, say: Callable[[str], None] = lambda _m: None) 
     # 2. Trace and specialise to the microbatch shape.
     say(f"tracing {opts.model} ({type(model).__name__}, microbatch of {rows} rows)")
     traced = trace(model, margs, mkwargs, opts.tracer, opts.model)
-    by_key = {**dict(enumerate(margs)), **mkwargs}
+    by_key = by_input_key(margs, mkwargs)
     values = propagate(traced.gm, [by_key[key] for _name, key in traced.input_keys], opts.model)
     specialize(traced.gm, values)
     phase("trace")
@@ -411,7 +411,7 @@ def _package_info(opts: CompileOptions, mf: model_file.ModelFile, model: torch.n
     from codegen import PackageInfo
 
     gm = traced.gm
-    by_key = {**dict(enumerate(args)), **kwargs}
+    by_key = by_input_key(args, kwargs)
     inputs = []
     for node in (n for n in gm.graph.nodes if n.op == "placeholder"):
         key = dict(traced.input_keys)[node.name]
@@ -422,13 +422,7 @@ def _package_info(opts: CompileOptions, mf: model_file.ModelFile, model: torch.n
             "shape": [int(d) for d in meta.shape] if meta is not None else None,
             "dtype": str(value.dtype).replace("torch.", "") if isinstance(value, torch.Tensor) else None,
         })
-    graph_tensors = {}
-    for node in gm.graph.nodes:
-        if node.op == "get_attr":
-            value: Any = gm
-            for part in str(node.target).split("."):
-                value = getattr(value, part)
-            graph_tensors[str(node.target)] = value
+    graph_tensors = {str(n.target): get_attr(gm, str(n.target)) for n in gm.graph.nodes if n.op == "get_attr"}
     canonical = {storage_key(t): name for name, t in graph_tensors.items() if isinstance(t, torch.Tensor)}
     original = model.state_dict(keep_vars=True)
     aliases = {k: canonical[storage_key(t)] for k, t in original.items()

@@ -20,7 +20,7 @@ from torch.fx.passes.shape_prop import TensorMetadata, _extract_tensor_metadata
 
 from .errors import TraceError
 
-__all__ = ["inline_higher_order", "propagate", "specialize", "is_tensor_node", "node_module"]
+__all__ = ["get_attr", "inline_higher_order", "propagate", "specialize", "is_tensor_node", "node_module"]
 
 _ASSERTS = {
     "_assert_tensor_metadata",
@@ -91,11 +91,10 @@ def inline_higher_order(gm: torch.fx.GraphModule) -> None:
         name = getattr(node.target, "__name__", "")
         if node.op != "call_function" or name not in ("wrap_with_set_grad_enabled", "wrap_with_autocast"):
             continue
-        if name == "wrap_with_set_grad_enabled":
-            enabled, sub_node, *operands = node.args
+        if name == "wrap_with_set_grad_enabled":  # (enabled, submod, *args)
+            enabled, sub_node, operands = node.args[0], node.args[1], list(node.args[2:])
         else:  # wrap_with_autocast(device, dtype, enabled, cache_enabled, submod, *args)
-            *_, sub_node, operands = *node.args[:4], node.args[4], list(node.args[5:])
-            enabled = True
+            enabled, sub_node, operands = True, node.args[4], list(node.args[5:])
         sub = getattr(gm, str(sub_node.target))  # type: ignore[union-attr]
         outputs = _inline(graph, node, sub, operands, detach=not enabled)
         for user in list(node.users):
@@ -127,6 +126,14 @@ def _inline(graph: torch.fx.Graph, at: torch.fx.Node, sub: torch.fx.GraphModule,
             else:
                 env[n] = graph.node_copy(n, lambda a: env[a])
     return outputs
+
+
+def get_attr(gm: torch.fx.GraphModule, target: str) -> Any:
+    """The value a get_attr node reads: `h.0.attn.c_attn.weight` walked from `gm`."""
+    value: Any = gm
+    for part in target.split("."):
+        value = getattr(value, part)
+    return value
 
 
 def is_tensor_node(node: torch.fx.Node) -> bool:

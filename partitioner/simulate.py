@@ -17,7 +17,7 @@ links, GPipe and 1F1B take (M + S - 1) * t, whose bubble is (S - 1) / (M + S - 1
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Mapping, Sequence
+from typing import Callable, Mapping, Sequence
 
 from runtime.schedule import make_schedule
 
@@ -46,9 +46,9 @@ def simulate(
     plan = make_schedule(schedule, pp, microbatches, virtual)
     producers: dict[int, list[int]] = {s: [] for s in range(stages)}
     consumers: dict[int, list[int]] = {s: [] for s in range(stages)}
-    for a, b in links:
-        producers[b].append(a)
-        consumers[a].append(b)
+    for src, dst in links:
+        producers[dst].append(src)
+        consumers[src].append(dst)
 
     def message(a: int, b: int) -> float:
         """Seconds of a message between stages a and b (a gradient goes back the same link)."""
@@ -84,12 +84,13 @@ def simulate(
 
 
 def _ready(kind: str, stage: int, mb: int, done: dict[tuple[str, int, int], float],
-           producers: dict[int, list[int]], consumers: dict[int, list[int]], message: object) -> float | None:
+           producers: dict[int, list[int]], consumers: dict[int, list[int]],
+           message: Callable[[int, int], float]) -> float | None:
     """When an action's inputs are all there, or None if some have not been produced."""
     if kind == "F":
-        needs = [(("F", p, mb), message(p, stage)) for p in producers[stage]]  # type: ignore[operator]
+        needs = [(("F", p, mb), message(p, stage)) for p in producers[stage]]
     else:
-        needs = [(("F", stage, mb), 0.0)] + [(("B", c, mb), message(c, stage)) for c in consumers[stage]]  # type: ignore[operator]
+        needs = [(("F", stage, mb), 0.0)] + [(("B", c, mb), message(c, stage)) for c in consumers[stage]]
     times = []
     for key, delay in needs:
         if key not in done:

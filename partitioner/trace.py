@@ -34,7 +34,7 @@ from .errors import TraceError
 from .model_file import user_frame
 from .passes import inline_higher_order
 
-__all__ = ["Traced", "trace", "TRACERS"]
+__all__ = ["Traced", "by_input_key", "trace", "TRACERS"]
 
 TRACERS = ("auto", "fx", "export")
 
@@ -162,7 +162,7 @@ def _trace_export(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[st
                 f"needs every input to be a tensor argument of forward()."
             )
         key = path[1]
-        keys.append((node.name, key.idx if hasattr(key, "idx") else str(key.key)))
+        keys.append((node.name, key.idx if isinstance(key, pytree.SequenceKey) else str(getattr(key, "key"))))
     out = next(n for n in gm.graph.nodes if n.op == "output")
     leaves = list(out.args[0])
     spec = ep.call_spec.out_spec
@@ -170,12 +170,19 @@ def _trace_export(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[st
     return Traced(gm, "export", keys, spec, leaves)
 
 
+def by_input_key(args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[int | str, Any]:
+    """The example batch keyed as `Traced.input_keys` names it: position or keyword."""
+    keyed: dict[int | str, Any] = dict(enumerate(args))
+    keyed.update(kwargs)
+    return keyed
+
+
 # -- checks and messages -----------------------------------------------------------------
 
 
 def _check_runs(traced: Traced, model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
     """The graph must run on the example inputs (it is run again, timed, later)."""
-    by_key = {**{i: a for i, a in enumerate(args)}, **kwargs}
+    by_key = by_input_key(args, kwargs)
     flat = [by_key[key] for _name, key in traced.input_keys]
     with torch.no_grad():
         traced.gm.graph.lint()
