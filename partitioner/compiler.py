@@ -377,6 +377,7 @@ def _problem(traced: Traced, costs: dict[str, NodeCost], stages: int, microbatch
         block_names=tuple(b.name for b in blocks),
         block_params=tuple(b.params for b in blocks),
         param_bytes_by_name=tuple(sorted(param_bytes.items())),
+        virtual_stages=opts.virtual_stages if opts.schedule == "interleaved" else 1,
     )
     return problem, blocks
 

@@ -169,8 +169,9 @@ def _measure_cpu() -> Hardware:
                 f"{_DEFAULT_BANDWIDTH / 1e9:g} GB/s): the two-process measurement failed")
     else:
         (p2p_alpha, p2p_beta), (ar_alpha, ar_beta) = link.late, link.allreduce
-        p2p_alpha, p2p_bw = float(f"{p2p_alpha:.3g}"), float(f"{1 / p2p_beta:.3g}")
-        ar_alpha, ar_bw = float(f"{ar_alpha:.3g}"), float(f"{1 / ar_beta:.3g}")
+        # a fit whose latency clamped to 0 (below the timer's reach) keeps a 1 us floor
+        p2p_alpha, p2p_bw = float(f"{max(p2p_alpha, 1e-6):.3g}"), float(f"{1 / p2p_beta:.3g}")
+        ar_alpha, ar_bw = float(f"{max(ar_alpha, 1e-6):.3g}"), float(f"{1 / ar_beta:.3g}")
         note = (f"measured: gloo between 2 processes on 127.0.0.1, {_SIZES[0] >> 10} KiB..."
                 f"{_SIZES[-1] >> 20} MiB, alpha + n * beta by least squares on relative error: "
                 f"p2p as the runtime posts it (receive after send) {p2p_alpha * 1e6:.3g} us + n / "
@@ -198,7 +199,7 @@ def _measure_cpu() -> Hardware:
 _DEFAULT_ALPHA_S = 50e-6
 _DEFAULT_BANDWIDTH = 2e9
 _SIZES = (4 << 10, 64 << 10, 1 << 20, 4 << 20, 16 << 20)  # bytes per message
-_REPEATS = (24, 16, 10, 6, 4)  # timed samples per size and pattern, after one warm-up
+_REPEATS = (40, 24, 10, 6, 4)  # timed samples per size and pattern, after one warm-up
 _POST_LATE_S = 0.5e-3  # a late receiver waits this long after its peer posted the send
 _TIMEOUT_S = 10.0  # the whole measurement; each wait has its own smaller timeout
 
@@ -218,7 +219,8 @@ def _measure_gloo(timeout_s: float = _TIMEOUT_S) -> _Links | None:
 
     The child is forked (not spawned: importing torch again takes seconds) before this
     process starts any gloo thread, and is killed at the deadline, so nothing can hang.
-    Three patterns, each timed per size on rank 0 (median): a classic ping-pong (one-way
+    Three patterns, each timed per size on rank 0 (`_typical`: a trimmed mean, since a
+    step pays the sum of its messages, tails included): a classic ping-pong (one-way
     = round trip / 2); a ping-pong in which each side posts its receive only after the
     other's send is announced, which is how `DistributedPipeline` receives (it posts a
     receive when its schedule reaches it) and costs gloo's rendezvous (the receiver asks,
@@ -275,8 +277,8 @@ def _gloo_peer(conn: Any, timeout_s: float) -> None:
 
 
 def _gloo_rank(store: Any, rank: int, timeout_s: float) -> dict[str, list[float]]:
-    """Both ranks run this; rank 0's timings are the result: seconds per size (medians)
-    for each pattern."""
+    """Both ranks run this; rank 0's timings are the result: seconds per size for each
+    pattern."""
     pg_cls = torch.distributed.ProcessGroupGloo
     opts = pg_cls._Options()
     opts._timeout = timedelta(seconds=timeout_s)
@@ -298,7 +300,7 @@ def _gloo_rank(store: Any, rank: int, timeout_s: float) -> dict[str, list[float]
                 pg.send([buf], peer, 0).wait(wait)
             if i:
                 samples.append((time.perf_counter() - start) / 2)
-        out["eager"].append(statistics.median(samples))
+        out["eager"].append(_typical(samples))
         samples = []
         for i in range(2 * (repeats + 1)):  # rounds alternate: rank 0 receives in the odd ones
             if i % 2 == rank:  # send at once; the peer posts its receive late
@@ -309,7 +311,7 @@ def _gloo_rank(store: Any, rank: int, timeout_s: float) -> dict[str, list[float]
                 pg.recv([buf], peer, 1).wait(wait)
                 if i > 1:
                     samples.append(time.perf_counter() - start)
-        out["late"].append(statistics.median(samples))
+        out["late"].append(_typical(samples))
         flat = torch.zeros(size // 4, dtype=torch.float32)
         samples = []
         for i in range(repeats + 1):
@@ -317,9 +319,17 @@ def _gloo_rank(store: Any, rank: int, timeout_s: float) -> dict[str, list[float]
             pg.allreduce([flat]).wait(wait)
             if i:
                 samples.append(time.perf_counter() - start)
-        out["allreduce"].append(statistics.median(samples))
+        out["allreduce"].append(_typical(samples))
     pg.barrier().wait(wait)
     return out
+
+
+def _typical(samples: list[float]) -> float:
+    """The mean without the lowest and highest tenth: one scheduler hiccup does not move
+    it, frequent slow messages (a busy machine's wake-ups) do, as they move a step."""
+    ordered = sorted(samples)
+    cut = len(ordered) // 10
+    return statistics.fmean(ordered[cut:len(ordered) - cut])
 
 
 def _fit(sizes: tuple[int, ...], seconds: list[float]) -> tuple[float, float] | None:

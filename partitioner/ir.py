@@ -136,6 +136,10 @@ class PartitionProblem:
         param_bytes * (1 + 1 + optimizer_factor)   weights, gradients, optimizer state
         + activation_bytes * inflight(stage)       microbatches whose activations are kept
     with inflight(k) = microbatches for GPipe and min(stages - k, microbatches) for 1F1B.
+
+    `virtual_stages` is the number of stages each rank runs (the interleaved schedule's;
+    1 otherwise): `stages` is always pp x virtual_stages.  The cost model ignores it; the
+    solver's messages use it to suggest --stages values per rank.
     """
 
     block_time_s: tuple[float, ...]
@@ -153,6 +157,8 @@ class PartitionProblem:
     #: parameter names read by each block, to charge a tied parameter once per stage
     block_params: tuple[tuple[str, ...], ...] = ()
     param_bytes_by_name: tuple[tuple[str, int], ...] = ()
+    #: stages per rank; `stages` is always pp x virtual_stages
+    virtual_stages: int = 1
 
     @property
     def num_blocks(self) -> int:

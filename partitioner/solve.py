@@ -2,7 +2,8 @@
 
 [Note: the cost model]
     `stage_costs` is the one definition of the model of the `PartitionProblem` docstring;
-    `evaluate`, `objective`, the interval DP, the CP-SAT model and the tests follow it.
+    `evaluate`, `objective`, the interval DP (`intervals`), the CP-SAT model and the tests
+    follow it, reading the same tables (`costmodel`).
     A value is a (producer block, name) pair: a stage receives once each value that its
     blocks read from earlier stages, and sends once each value it makes that a later
     stage reads; both count twice (activation forward, gradient backward).  A parameter
@@ -10,9 +11,9 @@
     graph's output (`coarsen` puts it there) and lies in the last stage.
 
 Two steps (torchgpipe's `blockpartition` and PipeDream solve the first alone):
-    1. An exact DP over contiguous runs of the block order.  Every such plan is valid;
-       when each block feeds the next (a chain) every valid plan is one, and the DP is
-       the optimum.
+    1. An exact DP over contiguous runs of the block order (`intervals`).  Every such
+       plan is valid; when each block feeds the next (a chain) every valid plan is one,
+       and the DP is the optimum.
     2. Otherwise CP-SAT on the general DAG, warm-started with the DP plan, which it
        replaces only if strictly better; its proved bound is reported.  Deterministic:
        deterministic time limit, fixed seed, interleaved search.
@@ -20,29 +21,25 @@ Two steps (torchgpipe's `blockpartition` and PipeDream solve the first alone):
 
 from __future__ import annotations
 
-import functools
 import math
 import time
 from dataclasses import dataclass, replace
-from typing import Callable, Sequence, TypeVar
+from typing import Sequence
 
 import numpy as np
 from ortools.sat.python import cp_model
 
+from .costmodel import shared_params, values
 from .errors import InfeasiblePlanError, PlanError
+from .intervals import dp_memory, dp_time
 from .ir import PartitionProblem, SolverReport
 
 __all__ = ["CpResult", "StageCost", "evaluate", "objective", "solve", "solve_cpsat", "stage_costs", "violations"]
 
 #: CP-SAT works in integer units: the upper bound on the slowest stage becomes this many.
 _UNITS = 1e9
-#: entries of one column chunk of the interval matrices (bounds the DP's memory)
-_CHUNK_ENTRIES = 1 << 21
 #: a CP-SAT plan replaces the DP plan only if better by more than this fraction
 _BETTER = 1e-12
-#: runs [a, b) with a0 <= a <= a1 and b0 <= b <= b1, and what each adds
-_Rect = tuple[int, int, int, int, float]
-_T = TypeVar("_T")
 
 
 # -- the cost model ([Note: the cost model]) ----------------------------------------------
@@ -62,63 +59,11 @@ class StageCost:
     memory_bytes: int
 
 
-@dataclass(frozen=True)
-class _Value:
-    producer: int
-    readers: tuple[int, ...]  # sorted, all > producer in a topological order
-    bytes: int
-
-
-def _per_problem(fn: Callable[[PartitionProblem], _T]) -> Callable[[PartitionProblem], _T]:
-    """Cache fn(problem) for the last few problems by identity (hashing one is slow)."""
-    cache: dict[int, tuple[PartitionProblem, _T]] = {}
-
-    def cached(problem: PartitionProblem) -> _T:
-        hit = cache.get(id(problem))
-        if hit is None or hit[0] is not problem:
-            if len(cache) >= 4:
-                cache.pop(next(iter(cache)))
-            hit = cache[id(problem)] = (problem, fn(problem))
-        return hit[1]
-
-    return functools.wraps(fn)(cached)
-
-
-@_per_problem
-def _values(problem: PartitionProblem) -> tuple[_Value, ...]:
-    """The distinct values that cross blocks, keyed by (producer, name), in edge order."""
-    readers: dict[tuple[int, str], set[int]] = {}
-    sizes: dict[tuple[int, str], int] = {}
-    for e in problem.edges:
-        key = (e.src, e.value)
-        readers.setdefault(key, set()).add(e.dst)
-        sizes[key] = max(sizes.get(key, 0), e.bytes)
-    return tuple(_Value(key[0], tuple(sorted(r)), sizes[key]) for key, r in readers.items())
-
-
-@_per_problem
-def _shared_params(problem: PartitionProblem) -> tuple[tuple[int, ...], tuple[tuple[int, tuple[int, ...]], ...]]:
-    """(each block's bytes of unshared parameters, [(bytes, blocks)] of each shared one)."""
-    size = dict(problem.param_bytes_by_name)
-    readers: dict[str, list[int]] = {}
-    for block, names in enumerate(problem.block_params):
-        for name in dict.fromkeys(names):
-            readers.setdefault(name, []).append(block)
-    own = list(problem.block_param_bytes)
-    shared = []
-    for name, blocks in sorted(readers.items()):
-        if len(blocks) > 1 and name in size:
-            shared.append((size[name], tuple(blocks)))
-            for block in blocks:
-                own[block] -= size[name]
-    return tuple(own), tuple(shared)
-
-
 def stage_costs(problem: PartitionProblem, assignment: Sequence[int]) -> tuple[StageCost, ...]:
     """Every stage's compute, traffic and memory under `assignment` (a stage per block)."""
     stages = problem.stages
     compute, acts, weights = [0.0] * stages, [0] * stages, [0] * stages
-    own, shared = _shared_params(problem)
+    own, shared = shared_params(problem)
     for block, k in enumerate(assignment):
         compute[k] += problem.block_time_s[block]
         acts[k] += problem.block_activation_bytes[block]
@@ -127,7 +72,7 @@ def stage_costs(problem: PartitionProblem, assignment: Sequence[int]) -> tuple[S
         for k in {assignment[b] for b in blocks}:
             weights[k] += size
     messages, traffic = [0] * stages, [0] * stages
-    for v in _values(problem):
+    for v in values(problem):
         home = assignment[v.producer]
         later = {assignment[r] for r in v.readers if assignment[r] > home}
         for k in later | ({home} if later else set()):
@@ -169,137 +114,7 @@ def objective(problem: PartitionProblem, assignment: Sequence[int]) -> float:
     return max(evaluate(problem, assignment)[0])
 
 
-# -- step 1: the interval DP -------------------------------------------------------------
-
-
-class _Intervals:
-    """The cost model's sums over every run [a, b) of the block order, by chunks of b.
-
-    Whether a value is sent or received by a run, or a shared parameter held, is a union
-    of rectangles in (b, a); each rectangle goes in as four corners of a 2-D difference
-    array, so a chunk of the sums is two cumulative sums away.  Matrices are (b, a):
-    row b - c0 for each end b in [c0, c1), column a for each start a < c1.
-    """
-
-    def __init__(self, problem: PartitionProblem, upper_s: float = math.inf) -> None:
-        n, p = problem.num_blocks, problem
-        own, shared = _shared_params(problem)
-        self.n, self.problem, self.upper_s = n, problem, upper_s * (1 + 1e-9)
-        self.time = np.concatenate([[0.0], np.cumsum(p.block_time_s, dtype=np.float64)])
-        self.acts = np.concatenate([[0], np.cumsum(p.block_activation_bytes, dtype=np.int64)])
-        self.own = np.concatenate([[0], np.cumsum(own, dtype=np.int64)])
-        comm: list[_Rect] = []
-        held: list[_Rect] = []
-        for v in _values(problem):
-            w = 2 * (p.comm_alpha_s + p.comm_beta_s_per_byte * v.bytes)
-            comm.append((0, v.producer, v.producer + 1, v.readers[-1], w))  # sent
-            comm += _first_reader_rects(v.producer + 1, v.readers, n, w)  # received
-        for size, blocks in shared:
-            held += _first_reader_rects(0, blocks, n, size)
-        self.comm = _corners([r for r in comm if r[-1]], np.float64)
-        self.held = _corners(held, np.int64)
-
-    def chunks(self) -> list[tuple[int, int, int]]:
-        """(c0, c1, a0): ends b in [c0, c1) and the starts a in [a0, c1) worth a look, those
-        whose compute alone stays within `upper_s` (a known plan's slowest stage)."""
-        out, c0 = [], 1
-        while c0 <= self.n:
-            a0 = int(np.searchsorted(self.time, self.time[c0] - self.upper_s)) if math.isfinite(self.upper_s) else 0
-            d = c0 - a0
-            width = max(1, min(int((math.sqrt(d * d + 4 * _CHUNK_ENTRIES) - d) / 2), max(d, 256)))
-            out.append((c0, min(c0 + width, self.n + 1), a0))
-            c0 += width
-        return out
-
-    def time_s(self, c0: int, c1: int, a0: int) -> np.ndarray:
-        """Stage time of each run; inf where a >= b."""
-        b, a = np.arange(c0, c1)[:, None], np.arange(a0, c1)[None, :]
-        total = (self.time[b] - self.time[a]) + _sum_corners(self.comm, c0, c1, a0, np.float64)
-        return np.where(a < b, total, np.inf)
-
-    def memory(self, c0: int, c1: int, a0: int) -> Callable[[int], np.ndarray]:
-        """Memory of each run as stage k, as a function of k; inf where a >= b."""
-        b, a = np.arange(c0, c1)[:, None], np.arange(a0, c1)[None, :]
-        p = self.problem
-        held = _sum_corners(self.held, c0, c1, a0, np.int64)
-        fixed = np.where(a < b, (self.own[b] - self.own[a] + held) * (2 + p.optimizer_factor), np.inf)
-        acts = (self.acts[b] - self.acts[a]).astype(np.float64)
-        return lambda k: fixed + acts * p.inflight(k)
-
-
-def _first_reader_rects(start: int, readers: Sequence[int], n: int, w: float) -> list[_Rect]:
-    """Runs [a, b) with a >= start that contain one of `readers` (sorted): for a in
-    (r_{j-1}, r_j], the first reader at or after a is r_j, so b > r_j."""
-    rects: list[_Rect] = []
-    lo = start
-    for r in readers:
-        if r >= lo:
-            rects.append((lo, r, r + 1, n, w))
-            lo = r + 1
-    return rects
-
-
-def _corners(rects: list[_Rect], dtype: type) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(b, a, signed weight) of each corner of the rectangles."""
-    if not rects:
-        return np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0, dtype)
-    a0, a1, b0, b1 = (np.asarray(c, dtype=np.int64) for c in list(zip(*rects))[:4])
-    w: np.ndarray = np.asarray([r[4] for r in rects], dtype=dtype)
-    return (np.concatenate([b0, b1 + 1, b0, b1 + 1]), np.concatenate([a0, a0, a1 + 1, a1 + 1]),
-            np.concatenate([w, -w, -w, w]))
-
-
-def _sum_corners(corners: tuple[np.ndarray, ...], c0: int, c1: int, a0: int, dtype: type) -> np.ndarray:
-    """For each (b, a) with c0 <= b < c1 and a0 <= a < c1, the sum of corners at or before it."""
-    b, a, w = corners
-    keep = (b < c1) & (a < c1)
-    grid: np.ndarray = np.zeros((c1 - c0, c1 - a0), dtype=dtype)
-    np.add.at(grid, (np.maximum(b[keep] - c0, 0), np.maximum(a[keep] - a0, 0)), w[keep])
-    np.add.accumulate(grid, axis=0, out=grid)
-    return np.add.accumulate(grid, axis=1, out=grid)
-
-
-def _interval_dp(iv: _Intervals, stages: int,
-                 chunk_cost: Callable[[int, int, int], Callable[[int], np.ndarray]]) -> tuple[int, ...] | None:
-    """The contiguous plan into `stages` runs that minimises the max over its runs of
-    chunk_cost(c0, c1, a0)(stage) (a (b, a) matrix), or None if every plan costs inf.
-
-    f[k, b] is the best such max over the first k stages holding blocks [0, b).
-    """
-    n = iv.n
-    f = np.full((stages + 1, n + 1), np.inf)
-    f[0, 0] = 0.0
-    arg = np.zeros((stages + 1, n + 1), dtype=np.int64)
-    for c0, c1, a0 in iv.chunks():
-        cost, rows = chunk_cost(c0, c1, a0), np.arange(c1 - c0)
-        for k in range(stages):
-            cand = np.maximum(f[k, None, a0:c1], cost(k))  # (b, a)
-            best = np.argmin(cand, axis=1)
-            f[k + 1, c0:c1], arg[k + 1, c0:c1] = cand[rows, best], best + a0
-    if not np.isfinite(f[stages, n]):
-        return None
-    assignment, b = [0] * n, n
-    for k in range(stages, 0, -1):
-        a = int(arg[k, b])
-        assignment[a:b] = [k - 1] * (b - a)
-        b = a
-    return tuple(assignment)
-
-
-def _dp(problem: PartitionProblem, by: str = "time") -> tuple[int, ...] | None:
-    """The contiguous plan with the fastest slowest stage that fits the memory limit
-    (by="time", None if none fits) or with the least memory on its fullest stage."""
-    limit = problem.memory_limit_bytes if by == "time" else None
-    iv = _Intervals(problem, _even_split_time(problem) if by == "time" else math.inf)
-
-    def chunk_cost(c0: int, c1: int, a0: int) -> Callable[[int], np.ndarray]:
-        memory = iv.memory(c0, c1, a0)
-        if by == "memory":
-            return memory
-        time_s = iv.time_s(c0, c1, a0)
-        return (lambda k: time_s) if limit is None else (lambda k: np.where(memory(k) <= limit, time_s, np.inf))
-
-    return _interval_dp(iv, problem.stages, chunk_cost)
+# -- step 1: the interval DP (`intervals`) -----------------------------------------------
 
 
 def _even_split_time(problem: PartitionProblem) -> float:
@@ -346,7 +161,7 @@ class _CpModel:
 
     def __init__(self, problem: PartitionProblem, scale: float, upper_units: int) -> None:
         self.problem, self.scale, self.model = problem, scale, cp_model.CpModel()
-        self.values, (self.own, self.shared) = _values(problem), _shared_params(problem)
+        self.values, (self.own, self.shared) = values(problem), shared_params(problem)
         self._add_placement()
         self._add_indicators()
         units = [self._units(t) for t in problem.block_time_s]  # no stage is faster than these
@@ -450,7 +265,7 @@ def solve_cpsat(problem: PartitionProblem, time_limit_s: float, *, hint: Sequenc
 
 def _worst_time(problem: PartitionProblem) -> float:
     """A stage time no plan exceeds: all compute and every value sent and received."""
-    per_value = [2 * problem.comm_alpha_s + 2 * problem.comm_beta_s_per_byte * v.bytes for v in _values(problem)]
+    per_value = [2 * problem.comm_alpha_s + 2 * problem.comm_beta_s_per_byte * v.bytes for v in values(problem)]
     return sum(problem.block_time_s) + 2 * sum(per_value)
 
 
@@ -467,7 +282,7 @@ def solve(problem: PartitionProblem, time_limit_s: float = 30.0, *, seed: int = 
     """
     start = time.perf_counter()
     _check(problem)
-    dp = _dp(problem)
+    dp = dp_time(problem, _even_split_time(problem))
     report = SolverReport(method="dp", objective_s=0.0, lower_bound_s=0.0, wall_s=0.0, status="OPTIMAL",
                           blocks=problem.num_blocks, nodes=nodes)
     best, bound = dp, _trivial_bound(problem)
@@ -491,12 +306,14 @@ def solve(problem: PartitionProblem, time_limit_s: float = 30.0, *, seed: int = 
 
 
 def _check(problem: PartitionProblem) -> None:
-    n, stages = problem.num_blocks, problem.stages
+    n, stages, virtual = problem.num_blocks, problem.stages, problem.virtual_stages
     if stages < 1:
-        raise PlanError(f"--stages {stages}: a pipeline needs at least one stage.")
+        raise PlanError(f"{_flag(problem, stages)}: a pipeline needs at least one stage.")
     if stages > n:
-        raise PlanError(f"--stages {stages} is more than the {n} blocks the graph coarsened into, and every "
-                        f"stage needs at least one block: use --stages {n} or fewer.")
+        asked = _flag(problem, stages) + (f" makes {stages} stages, which" if virtual > 1 else "")
+        fix = f"use {_flag(problem, n, down=True)} or fewer" if n >= virtual else f"use --virtual-stages {n} or fewer"
+        raise PlanError(f"{asked} is more than the {n} blocks the graph coarsened into, and every "
+                        f"stage needs at least one block: {fix}.")
     if problem.microbatches < 1:
         raise PlanError(f"--microbatches {problem.microbatches}: need at least one microbatch.")
 
@@ -514,7 +331,7 @@ def _infeasible(problem: PartitionProblem, search: str) -> InfeasiblePlanError:
     """Name the leanest plan's fullest stage, its parts, and what would fit instead."""
     limit = problem.memory_limit_bytes
     assert limit is not None
-    lean = _dp(problem, by="memory")
+    lean = dp_memory(problem)
     assert lean is not None
     costs = stage_costs(problem, lean)
     k = max(range(problem.stages), key=lambda s: costs[s].memory_bytes)
@@ -524,24 +341,38 @@ def _infeasible(problem: PartitionProblem, search: str) -> InfeasiblePlanError:
              f"{_size(c.weight_bytes * problem.optimizer_factor)}, activations {_size(c.activation_bytes * c.inflight)}"
              f" for {flight}")
     into = f"into {problem.stages} stage{'s' if problem.stages != 1 else ''}"
+    if problem.virtual_stages > 1:
+        into += f" ({problem.stages // problem.virtual_stages} x {problem.virtual_stages} virtual stages per rank)"
     head = {"chain": f"every plan {into} needs at least {need} on one stage",
             "proved": f"CP-SAT proved that no plan {into} fits",
             "unknown": f"no plan {into} that fits was found within --time-limit"}[search]
     fits = _stages_that_fit(problem, limit)
-    fix = (f"use --stages {fits} (fits) or raise --memory to {need}" if fits else f"raise --memory to {need}")
+    fits_note = " (fits)" if problem.virtual_stages == 1 else ", which fits,"
+    fix = f"use {_flag(problem, fits)}{fits_note} or raise --memory to {need}" if fits else f"raise --memory to {need}"
     more = " (or raise --time-limit)" if search == "unknown" else ""
     return InfeasiblePlanError(f"{head}: the leanest puts {need} on stage {k} ({parts}) but --memory is "
                                f"{_size(limit)} per stage: {fix}{more}.")
 
 
 def _stages_that_fit(problem: PartitionProblem, limit: int, most: int = 64) -> int | None:
-    """The smallest stage count above the problem's whose leanest contiguous plan fits."""
-    for stages in range(problem.stages + 1, min(problem.num_blocks, problem.stages + most) + 1):
+    """The smallest stage count above the problem's whose leanest contiguous plan fits,
+    among the multiples of its virtual stages (those a --stages value can ask for)."""
+    v = problem.virtual_stages
+    for stages in range(problem.stages + v, min(problem.num_blocks, problem.stages + most * v) + 1, v):
         wider = replace(problem, stages=stages)
-        lean = _dp(wider, by="memory")
+        lean = dp_memory(wider)
         if lean is not None and max(evaluate(wider, lean)[1]) <= limit:
             return stages
     return None
+
+
+def _flag(problem: PartitionProblem, stages: int, *, down: bool = False) -> str:
+    """The --stages value that asks for `stages` stages: a count per rank, rounded up (down
+    for a most), when each rank runs several: "--stages 3 (x 2 virtual stages per rank)"."""
+    v = problem.virtual_stages
+    if v == 1:
+        return f"--stages {stages}"
+    return f"--stages {stages // v if down else -(-stages // v)} (x {v} virtual stages per rank)"
 
 
 def _size(size: int) -> str:

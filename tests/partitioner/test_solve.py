@@ -140,6 +140,21 @@ def test_more_stages_than_blocks() -> None:
         solve(problem([1, 1, 1], [(0, 1), (1, 2)], 4))
 
 
+@pytest.mark.parametrize("stages, options, error, message", [
+    # 3 ranks x 2 virtual stages over 4 blocks: 2 ranks x 2 is the most
+    (6, {}, PlanError, r"^--stages 3 \(x 2 virtual stages per rank\) makes 6 stages, which is more than the 4 "
+                       r"blocks .* use --stages 2 \(x 2 virtual stages per rank\) or fewer\.$"),
+    # 1 rank x 2 puts 2 MiB of weights on a stage (8 MiB with gradients and Adam); 2 ranks x 2 fit
+    (2, {"param_bytes": (MiB,) * 4, "memory_limit_bytes": 5 * MiB}, InfeasiblePlanError,
+     r"^every plan into 2 stages \(1 x 2 virtual stages per rank\) needs at least 8\.0 MiB on one stage: .* "
+     r"use --stages 2 \(x 2 virtual stages per rank\), which fits, or raise --memory to 8\.0 MiB\.$"),
+])
+def test_virtual_stages_suggest_stages_per_rank(stages: int, options: dict[str, Any], error: type[Exception],
+                                                message: str) -> None:
+    with pytest.raises(error, match=message):
+        solve(problem([1, 1, 1, 1], [(0, 1), (1, 2), (2, 3)], stages, virtual_stages=2, **options))
+
+
 def test_chain_over_memory_names_both_sides_and_the_stages_that_fit() -> None:
     # 1F1B, 4 microbatches: stage 0 of 2 holds 2 in flight, of 3 holds 3; 4 x 1 MiB of weights each
     p = problem([1, 1, 1, 1], [(0, 1), (1, 2), (2, 3)], 2, param_bytes=(MiB,) * 4, acts=(0,) * 4,

@@ -1,0 +1,177 @@
+"""The interval DP: the best plan whose stages are contiguous runs of the block order.
+
+Blocks are numbered in a topological order, so cutting that order into `stages` runs
+[0, b_1), [b_1, b_2), ..., [b_{S-1}, n) always gives a valid plan: every edge goes
+forward.  Among those cuts the DP finds the one whose slowest stage is fastest:
+
+    f[0, 0] = 0
+    f[k + 1, b] = min over a < b of max(f[k, a], cost of run [a, b) as stage k)
+    plan = the cuts behind f[S, n], read back through the argmins
+
+where a run's cost is its stage time under [Note: the cost model] (in `solve`), or inf
+where its memory exceeds the limit (`dp_time`); `dp_memory` minimises the fullest stage
+instead, for the error that says what would fit.  When each block feeds the next (a
+chain) every valid plan is contiguous and this is the optimum; `solve` hands other DAGs
+on to CP-SAT, warm-started with this plan.
+
+This is the problem PipeDream's optimizer solves with a DP over layers (Narayanan et
+al., "PipeDream: Generalized Pipeline Parallelism for DNN Training", SOSP 2019), and that
+torchgpipe's `balance.blockpartition` balances with the algorithm of Bárány and Grinberg,
+"Block Partitions of Sequences" (arXiv:1308.2452).  Here a run's cost is not a sum over
+its blocks (a value crossing the cut costs both sides, a tied parameter is held once), so
+`_Intervals` computes the sums for every run [a, b) at once, by chunks of b.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable, Sequence
+
+import numpy as np
+
+from .costmodel import shared_params, values
+from .ir import PartitionProblem
+
+__all__ = ["dp_memory", "dp_time"]
+
+#: entries of one column chunk of the interval matrices (bounds the DP's memory)
+_CHUNK_ENTRIES = 1 << 21
+#: runs [a, b) with a0 <= a <= a1 and b0 <= b <= b1, and what each adds
+_Rect = tuple[int, int, int, int, float]
+
+
+def dp_time(problem: PartitionProblem, upper_s: float = math.inf) -> tuple[int, ...] | None:
+    """The contiguous plan with the fastest slowest stage that fits the memory limit, or
+    None if none fits.  `upper_s`, the slowest stage of a known plan, only prunes."""
+    limit = problem.memory_limit_bytes
+    iv = _Intervals(problem, upper_s)
+
+    def chunk_cost(c0: int, c1: int, a0: int) -> Callable[[int], np.ndarray]:
+        time_s = iv.time_s(c0, c1, a0)
+        if limit is None:
+            return lambda k: time_s
+        memory = iv.memory(c0, c1, a0)
+        return lambda k: np.where(memory(k) <= limit, time_s, np.inf)
+
+    return _interval_dp(iv, problem.stages, chunk_cost)
+
+
+def dp_memory(problem: PartitionProblem) -> tuple[int, ...] | None:
+    """The contiguous plan with the least memory on its fullest stage, whatever the limit
+    (None only when there are more stages than blocks)."""
+    iv = _Intervals(problem)
+    return _interval_dp(iv, problem.stages, iv.memory)
+
+
+class _Intervals:
+    """The cost model's sums over every run [a, b) of the block order, by chunks of b.
+
+    Whether a value is sent or received by a run, or a shared parameter held, is a union
+    of rectangles in (b, a); each rectangle goes in as four corners of a 2-D difference
+    array, so a chunk of the sums is two cumulative sums away.  Matrices are (b, a):
+    row b - c0 for each end b in [c0, c1), column a for each start a < c1.
+    """
+
+    def __init__(self, problem: PartitionProblem, upper_s: float = math.inf) -> None:
+        n, p = problem.num_blocks, problem
+        own, shared = shared_params(problem)
+        self.n, self.problem, self.upper_s = n, problem, upper_s * (1 + 1e-9)
+        self.time = np.concatenate([[0.0], np.cumsum(p.block_time_s, dtype=np.float64)])
+        self.acts = np.concatenate([[0], np.cumsum(p.block_activation_bytes, dtype=np.int64)])
+        self.own = np.concatenate([[0], np.cumsum(own, dtype=np.int64)])
+        comm: list[_Rect] = []
+        held: list[_Rect] = []
+        for v in values(problem):
+            w = 2 * (p.comm_alpha_s + p.comm_beta_s_per_byte * v.bytes)
+            comm.append((0, v.producer, v.producer + 1, v.readers[-1], w))  # sent
+            comm += _first_reader_rects(v.producer + 1, v.readers, n, w)  # received
+        for size, blocks in shared:
+            held += _first_reader_rects(0, blocks, n, size)
+        self.comm = _corners([r for r in comm if r[-1]], np.float64)
+        self.held = _corners(held, np.int64)
+
+    def chunks(self) -> list[tuple[int, int, int]]:
+        """(c0, c1, a0): ends b in [c0, c1) and the starts a in [a0, c1) worth a look, those
+        whose compute alone stays within `upper_s` (a known plan's slowest stage)."""
+        out, c0 = [], 1
+        while c0 <= self.n:
+            a0 = int(np.searchsorted(self.time, self.time[c0] - self.upper_s)) if math.isfinite(self.upper_s) else 0
+            d = c0 - a0
+            width = max(1, min(int((math.sqrt(d * d + 4 * _CHUNK_ENTRIES) - d) / 2), max(d, 256)))
+            out.append((c0, min(c0 + width, self.n + 1), a0))
+            c0 += width
+        return out
+
+    def time_s(self, c0: int, c1: int, a0: int) -> np.ndarray:
+        """Stage time of each run; inf where a >= b."""
+        b, a = np.arange(c0, c1)[:, None], np.arange(a0, c1)[None, :]
+        total = (self.time[b] - self.time[a]) + _sum_corners(self.comm, c0, c1, a0, np.float64)
+        return np.where(a < b, total, np.inf)
+
+    def memory(self, c0: int, c1: int, a0: int) -> Callable[[int], np.ndarray]:
+        """Memory of each run as stage k, as a function of k; inf where a >= b."""
+        b, a = np.arange(c0, c1)[:, None], np.arange(a0, c1)[None, :]
+        p = self.problem
+        held = _sum_corners(self.held, c0, c1, a0, np.int64)
+        fixed = np.where(a < b, (self.own[b] - self.own[a] + held) * (2 + p.optimizer_factor), np.inf)
+        acts = (self.acts[b] - self.acts[a]).astype(np.float64)
+        return lambda k: fixed + acts * p.inflight(k)
+
+
+def _first_reader_rects(start: int, readers: Sequence[int], n: int, w: float) -> list[_Rect]:
+    """Runs [a, b) with a >= start that contain one of `readers` (sorted): for a in
+    (r_{j-1}, r_j], the first reader at or after a is r_j, so b > r_j."""
+    rects: list[_Rect] = []
+    lo = start
+    for r in readers:
+        if r >= lo:
+            rects.append((lo, r, r + 1, n, w))
+            lo = r + 1
+    return rects
+
+
+def _corners(rects: list[_Rect], dtype: type) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(b, a, signed weight) of each corner of the rectangles."""
+    if not rects:
+        return np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0, dtype)
+    a0, a1, b0, b1 = (np.asarray(c, dtype=np.int64) for c in list(zip(*rects))[:4])
+    w: np.ndarray = np.asarray([r[4] for r in rects], dtype=dtype)
+    return (np.concatenate([b0, b1 + 1, b0, b1 + 1]), np.concatenate([a0, a0, a1 + 1, a1 + 1]),
+            np.concatenate([w, -w, -w, w]))
+
+
+def _sum_corners(corners: tuple[np.ndarray, ...], c0: int, c1: int, a0: int, dtype: type) -> np.ndarray:
+    """For each (b, a) with c0 <= b < c1 and a0 <= a < c1, the sum of corners at or before it."""
+    b, a, w = corners
+    keep = (b < c1) & (a < c1)
+    grid: np.ndarray = np.zeros((c1 - c0, c1 - a0), dtype=dtype)
+    np.add.at(grid, (np.maximum(b[keep] - c0, 0), np.maximum(a[keep] - a0, 0)), w[keep])
+    np.add.accumulate(grid, axis=0, out=grid)
+    return np.add.accumulate(grid, axis=1, out=grid)
+
+
+def _interval_dp(iv: _Intervals, stages: int,
+                 chunk_cost: Callable[[int, int, int], Callable[[int], np.ndarray]]) -> tuple[int, ...] | None:
+    """The contiguous plan into `stages` runs that minimises the max over its runs of
+    chunk_cost(c0, c1, a0)(stage) (a (b, a) matrix), or None if every plan costs inf.
+
+    f[k, b] is the best such max over the first k stages holding blocks [0, b).
+    """
+    n = iv.n
+    f = np.full((stages + 1, n + 1), np.inf)
+    f[0, 0] = 0.0
+    arg = np.zeros((stages + 1, n + 1), dtype=np.int64)
+    for c0, c1, a0 in iv.chunks():
+        cost, rows = chunk_cost(c0, c1, a0), np.arange(c1 - c0)
+        for k in range(stages):
+            cand = np.maximum(f[k, None, a0:c1], cost(k))  # (b, a)
+            best = np.argmin(cand, axis=1)
+            f[k + 1, c0:c1], arg[k + 1, c0:c1] = cand[rows, best], best + a0
+    if not np.isfinite(f[stages, n]):
+        return None
+    assignment, b = [0] * n, n
+    for k in range(stages, 0, -1):
+        a = int(arg[k, b])
+        assignment[a:b] = [k - 1] * (b - a)
+        b = a
+    return tuple(assignment)

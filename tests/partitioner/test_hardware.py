@@ -1,0 +1,123 @@
+"""Hardware profiles: the built-in ones, a user's JSON, wrong input, and the measured cpu."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from pathlib import Path
+
+import pytest
+
+from partitioner import hardware
+from partitioner.errors import PartitionerError
+from partitioner.hardware import BUILTIN, Hardware, load_hardware
+
+GPUS = [name for name in BUILTIN if name != "cpu"]
+
+
+@pytest.mark.parametrize("name", GPUS)
+def test_builtin_profile_loads_with_its_sources(name: str) -> None:
+    hw = load_hardware(name)
+    assert hw.name == name
+    assert hw.sources and all(isinstance(s, str) and s for s in hw.sources)
+    assert hw.peak_flops > hw.peak_flops_fp32 > 0
+    assert hw.memory_bytes > 0 and hw.memory_bandwidth > 0
+    assert hw.intra_node_bandwidth > 0 and hw.intra_node_latency_s > 0
+    assert hw.p2p_beta_s_per_byte == pytest.approx(1 / hw.intra_node_bandwidth)
+
+
+def test_user_profile_loads_from_a_path(tmp_path: Path) -> None:
+    raw = json.loads((Path(hardware.__file__).with_name("profiles") / "h100.json").read_text())
+    raw.update(name="my-gpu", peak_flops=1e15, intra_node_latency_s=2e-6, sources=["my own numbers"])
+    path = tmp_path / "mine.json"
+    path.write_text(json.dumps(raw))
+    hw = load_hardware(str(path))
+    assert (hw.name, hw.peak_flops, hw.p2p_alpha_s, hw.sources) == ("my-gpu", 1e15, 2e-6, ("my own numbers",))
+
+
+def test_unknown_name_is_a_clear_error() -> None:
+    with pytest.raises(PartitionerError, match=r"unknown --hardware 'tpu9': give one of cpu, a100, h100, h200 or the path"):
+        load_hardware("tpu9")
+
+
+@pytest.mark.parametrize("text, why", [
+    ('{"name": "x", "peak_flops": ', r"Expecting value"),
+    ("[1, 2, 3]", r"holds a JSON list, not an object"),
+    ('{"name": "x", "peak_flops": 1e12}', r"missing .* required positional arguments"),
+    ('{"name": "x", "peak_flops": 1e12, "memory_bandwidth": 1e12, "memory_bytes": 8, "intra_node_bandwidth": 1e9, '
+     '"intra_node_latency_s": 1e-6, "flops_per_watt": 3}', r"unexpected keyword argument 'flops_per_watt'"),
+    ('{"name": "x", "peak_flops": "fast", "memory_bandwidth": 1e12, "memory_bytes": 8, "intra_node_bandwidth": 1e9, '
+     '"intra_node_latency_s": 1e-6}', r"field 'peak_flops' must be a non-negative number, not 'fast'"),
+    ('{"name": "x", "peak_flops": 1e12, "memory_bandwidth": 1e12, "memory_bytes": 8, "intra_node_bandwidth": 0, '
+     '"intra_node_latency_s": 1e-6}', r"field 'intra_node_bandwidth' must be positive"),
+])
+def test_malformed_profile_is_a_clear_error(tmp_path: Path, text: str, why: str) -> None:
+    path = tmp_path / "bad.json"
+    path.write_text(text)
+    with pytest.raises(PartitionerError, match=rf"hardware profile .*bad\.json is not valid \(.*{why}.*\); copy "
+                                               r"partitioner/profiles/h100\.json"):
+        load_hardware(str(path))
+
+
+def test_fit_recovers_alpha_and_beta() -> None:
+    alpha, beta = 80e-6, 1 / 2.5e9
+    sizes = hardware._SIZES
+    got = hardware._fit(sizes, [alpha + n * beta for n in sizes])
+    assert got is not None
+    assert got[0] == pytest.approx(alpha, rel=1e-6) and got[1] == pytest.approx(beta, rel=1e-6)
+    # a latency below the timer's reach: alpha clamps to 0, beta through the origin
+    clamped = hardware._fit(sizes, [n * beta * (0.8 if n == sizes[0] else 1.0) for n in sizes])
+    assert clamped is not None and clamped[0] == 0.0 and clamped[1] > 0
+    assert hardware._fit(sizes, [1e-3] * len(sizes)) is None  # no bandwidth term: not a link
+
+
+def test_cpu_profile_measures_gloo_once_and_caches_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PARTITIONER_CACHE", str(tmp_path / "cache"))
+    start = time.perf_counter()
+    hw = load_hardware("cpu")
+    measured_in = time.perf_counter() - start
+    assert hw.name == "cpu" and hw.peak_flops > 0 and hw.memory_bandwidth > 0
+    assert hw.intra_node_latency_s > 0 and hw.intra_node_bandwidth > 0
+    assert hw.allreduce_latency_s >= 0 and hw.allreduce_bandwidth > 0
+    assert any(s.startswith("measured: gloo between 2 processes") for s in hw.sources), hw.sources
+    assert measured_in < 8.0, f"the cpu profile took {measured_in:.1f} s to measure"
+    # the second load is the cached profile, field for field: compiles stay byte-identical
+    monkeypatch.setattr(hardware, "_measure_cpu", lambda: pytest.fail("measured twice"))
+    assert load_hardware("cpu") == hw
+    assert list((tmp_path / "cache").glob(f"hardware-cpu-v{hardware._CPU_PROFILE_VERSION}-*.json"))
+
+
+def test_cpu_profile_falls_back_when_gloo_fails(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PARTITIONER_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(hardware, "_measure_gloo", lambda: None)
+    hw = load_hardware("cpu")
+    assert (hw.intra_node_latency_s, hw.intra_node_bandwidth) == (hardware._DEFAULT_ALPHA_S, hardware._DEFAULT_BANDWIDTH)
+    assert any("fallback estimate" in s for s in hw.sources), hw.sources
+
+
+def _silent_peer(conn: object, timeout_s: float) -> None:
+    time.sleep(60)  # a peer that never joins
+
+
+def test_gloo_measurement_cannot_hang(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(hardware, "_gloo_peer", _silent_peer)
+    start = time.perf_counter()
+    assert hardware._measure_gloo(timeout_s=1.0) is None
+    assert time.perf_counter() - start < 6.0
+
+
+def test_cached_profile_of_another_shape_is_measured_again(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from partitioner import cache
+
+    monkeypatch.setenv("PARTITIONER_CACHE", str(tmp_path / "cache"))
+    fake = Hardware(name="cpu", peak_flops=1e9, memory_bandwidth=1e9, memory_bytes=1, intra_node_bandwidth=1e9,
+                    intra_node_latency_s=1e-5, sources=("fake",))
+    monkeypatch.setattr(hardware, "_measure_cpu", lambda: fake)
+    hw = load_hardware("cpu")
+    assert hw == fake
+    entry = next((tmp_path / "cache").glob("hardware-cpu-*.json"))
+    entry.write_text(json.dumps({"name": "cpu", "flops": 1}))  # a profile of another shape
+    monkeypatch.setattr(hardware, "_measure_cpu", lambda: dataclasses.replace(fake, sources=("again",)))
+    assert load_hardware("cpu").sources == ("again",)
+    assert cache.get(entry.stem)["sources"] == ["again"]
