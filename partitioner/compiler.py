@@ -13,7 +13,6 @@ import os
 import sys
 import time
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import Any, Callable, Iterable
 
 import torch
@@ -25,44 +24,17 @@ from .coarsen import coarsen
 from .cost import annotate, compute_nodes, param_names, storage_key
 from .errors import PlanError
 from .hardware import Hardware, load_hardware
-from .ir import (SCHEDULES, GraphNode, NodeCost, PartitionProblem, Plan, SolverReport, StagePlan,
+from .ir import (GraphNode, NodeCost, PartitionProblem, Plan, SolverReport, StagePlan,
                  optimizer_state_factor)
+from .options import CompileOptions, batch_size, check, default_microbatches, rows_per_microbatch, split_batch
 from .passes import get_attr, is_tensor_node, node_module, propagate, specialize
-from .roofline import BACKWARD_FLOP_FACTOR, mfu, ring_allreduce_s
-from .simulate import Simulation, simulate
+from .predict import predict
 from .solve import solve, stage_costs
 from .trace import Traced, by_input_key, trace
 
 __all__ = ["CompileOptions", "Compiled", "Prepared", "assign_nodes", "compile_model", "finish", "prepare", "split_batch"]
 
 MAX_BLOCKS = 160
-
-
-@dataclass
-class CompileOptions:
-    """The command line's options (CONTRACT.md section 2)."""
-
-    model: str
-    out: str
-    stages: int | None = None
-    tp: int = 1
-    dp: int = 1
-    devices: int | None = None
-    microbatches: int | None = None
-    schedule: str = "1f1b"
-    virtual_stages: int = 2  # per rank, for the interleaved schedule
-    memory: int | None = None
-    hardware: str | None = None
-    analytic: bool = False
-    tracer: str = "auto"
-    time_limit: float = 30.0
-    seed: int = 0
-    entry: str = "build_model"
-    optimizer: str = "adam"
-    reprofile: bool = False
-    repeats: int = 5
-    quiet: bool = False
-    meta: bool | None = None  # build on the meta device; None: when --analytic and too big to build
 
 
 @dataclass
@@ -128,16 +100,16 @@ def prepare(opts: CompileOptions, say: Callable[[str], None] = lambda _m: None) 
         timings[name] = now - clock
         clock = now
 
-    pp, virtual, microbatches = _check_options(opts)
+    pp, virtual, microbatches = check(opts)
     # 1. The model file and one microbatch of its example batch.
     mf = model_file.load(opts.model, opts.entry)
     model = _build(mf, opts, say)
     args, kwargs = mf.example_inputs()
     if _is_meta(model):
         args, kwargs = pytree.tree_map_only(torch.Tensor, lambda t: t.to("meta"), (args, kwargs))
-    batch = _batch_size(mf, args, kwargs)
-    microbatches = microbatches or _default_microbatches(batch, pp, opts)
-    rows = _rows_per_microbatch(batch, microbatches, opts.dp)
+    batch = batch_size(mf, args, kwargs)
+    microbatches = microbatches or default_microbatches(batch, pp, opts)
+    rows = rows_per_microbatch(batch, microbatches, opts.dp)
     margs, mkwargs = split_batch(args, kwargs, mf.batch_dims, rows)
     phase("load")
     # 2. Trace and specialise to the microbatch shape.
@@ -216,92 +188,6 @@ def _build(mf: model_file.ModelFile, opts: CompileOptions, say: Callable[[str], 
 
 def _is_meta(model: torch.nn.Module) -> bool:
     return any(t.is_meta for t in model.state_dict().values())
-
-
-# -- options and batches -----------------------------------------------------------------
-
-
-def _check_options(opts: CompileOptions) -> tuple[int, int, int]:
-    if opts.schedule not in SCHEDULES:
-        raise PlanError(f"unknown --schedule {opts.schedule!r}: choose one of {', '.join(SCHEDULES)}.")
-    if opts.tp != 1:
-        raise PlanError(f"--tp {opts.tp}: tensor parallelism is not implemented yet; use --tp 1.")
-    pp = opts.stages if opts.stages is not None else 2
-    if opts.devices is not None:
-        if opts.devices % (opts.tp * opts.dp):
-            raise PlanError(f"--devices {opts.devices} is not a multiple of tp x dp = {opts.tp * opts.dp}.")
-        pp = opts.stages if opts.stages is not None else opts.devices // (opts.tp * opts.dp)
-        if pp * opts.tp * opts.dp != opts.devices:
-            raise PlanError(f"--stages {pp} x --tp {opts.tp} x --dp {opts.dp} != --devices {opts.devices}.")
-    if pp < 1:
-        raise PlanError(f"--stages {pp}: a pipeline needs at least 1 stage; use --stages 2 or more.")
-    if opts.dp < 1:
-        raise PlanError(f"--dp {opts.dp}: needs at least 1 replica.")
-    virtual = opts.virtual_stages if opts.schedule == "interleaved" else 1
-    microbatches = opts.microbatches if opts.microbatches is not None else 0  # 0: chosen from the batch
-    if opts.microbatches is not None and microbatches < 1:
-        raise PlanError(f"--microbatches {microbatches}: needs at least 1.")
-    if opts.schedule == "interleaved" and microbatches and microbatches % pp:
-        raise PlanError(
-            f"the interleaved schedule needs --microbatches to be a multiple of --stages "
-            f"({microbatches} is not a multiple of {pp}): use --microbatches {2 * pp}."
-        )
-    if opts.optimizer not in ("adam", "adamw", "sgd", "momentum"):
-        raise PlanError(f"unknown --optimizer {opts.optimizer!r}: choose adam, sgd or momentum.")
-    return pp, virtual, microbatches
-
-
-def _batch_size(mf: model_file.ModelFile, args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
-    sizes = set()
-    dims = mf.batch_dims
-    for key, value in [*enumerate(args), *kwargs.items()]:
-        if isinstance(value, torch.Tensor):
-            dim = dims.get(key, 0)
-            if value.dim() <= dim:
-                raise model_file.ModelFileError(
-                    f"{mf.path}: input {key!r} has shape {tuple(value.shape)} and no batch dimension {dim}; "
-                    f"set BATCH_DIMS = {{{key!r}: <dim>}} in the model file."
-                )
-            sizes.add(value.shape[dim])
-    if len(sizes) != 1:
-        raise model_file.ModelFileError(
-            f"{mf.path}: example_inputs() tensors disagree on the batch size ({sorted(sizes)}); "
-            f"dimension 0 is the batch unless BATCH_DIMS says otherwise."
-        )
-    return sizes.pop()
-
-
-def _default_microbatches(batch: int, pp: int, opts: CompileOptions) -> int:
-    """2 x stages, or the largest count below it that splits the batch evenly."""
-    step = pp if opts.schedule == "interleaved" else 1
-    for m in range(2 * pp, 0, -1):
-        if m % step == 0 and batch % (m * opts.dp) == 0:
-            return m
-    return 2 * pp  # nothing divides: _rows_per_microbatch says so
-
-
-def _rows_per_microbatch(batch: int, microbatches: int, dp: int) -> int:
-    if batch % (microbatches * dp):
-        fits = [m for m in range(1, batch + 1) if batch % (m * dp) == 0]
-        raise PlanError(
-            f"the example batch of {batch} rows does not split into {microbatches} microbatches x "
-            f"{dp} replicas: use --microbatches {max(m for m in fits if m <= max(microbatches, 1)) if fits else 1} "
-            f"(any of {fits}) or change the batch size."
-        )
-    return batch // (microbatches * dp)
-
-
-def split_batch(
-    args: tuple[Any, ...], kwargs: dict[str, Any], dims: dict[Any, int], rows: int, index: int = 0
-) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    """Microbatch `index` of `rows` rows: each tensor sliced along its batch dimension."""
-
-    def cut(key: Any, value: Any) -> Any:
-        if not isinstance(value, torch.Tensor):
-            return value
-        return value.narrow(dims.get(key, 0), index * rows, rows)
-
-    return tuple(cut(i, a) for i, a in enumerate(args)), {k: cut(k, v) for k, v in kwargs.items()}
 
 
 # -- cost --------------------------------------------------------------------------------
@@ -429,23 +315,7 @@ def _package_info(opts: CompileOptions, mf: model_file.ModelFile, model: torch.n
     aliases = {k: canonical[storage_key(t)] for k, t in original.items()
                if storage_key(t) in canonical and canonical[storage_key(t)] != k}
     unused = {k: t for k, t in original.items() if storage_key(t) not in canonical and k not in aliases}
-    sim = _simulate(gm, plan, costs, hardware)
-    step = sim.step_time_s
-    flops = sum(c.flops for c in costs.values()) * (1 + BACKWARD_FLOP_FACTOR) * plan.microbatches * plan.dp
-    report = plan.report
-    predicted = {
-        "step_time_s": step,
-        "mfu": mfu(flops, step, plan.pp * plan.tp * plan.dp, hardware.peak_flops),
-        "cost_source": "analytic" if opts.analytic else "measured",
-        "hardware": hardware.name,
-        "stages": [{"time_s": s.time_s, "compute_s": s.compute_s, "memory_bytes": s.memory_bytes,
-                    "param_bytes": s.param_bytes, "send_bytes": s.send_bytes, "recv_bytes": s.recv_bytes,
-                    "peak_inflight": sim.peak_inflight[s.index]}
-                   for s in plan.stages],
-        "solver": {} if report is None else {
-            "method": report.method, "objective_s": report.objective_s, "lower_bound_s": report.lower_bound_s,
-            "gap": report.gap, "status": report.status, "blocks": report.blocks, "nodes": report.nodes},
-    }
+    predicted = predict(gm, plan, costs, hardware, cost_source="analytic" if opts.analytic else "measured")
     options = {"stages": plan.pp, "microbatches": plan.microbatches, "schedule": plan.schedule,
                "memory": opts.memory, "hardware": hardware.name, "analytic": opts.analytic,
                "optimizer": opts.optimizer}
@@ -456,36 +326,3 @@ def _package_info(opts: CompileOptions, mf: model_file.ModelFile, model: torch.n
         unused_params={k for k, t in unused.items() if isinstance(t, torch.nn.Parameter)},
         predicted=predicted, options=options,
     )
-
-
-
-
-def _simulate(gm: torch.fx.GraphModule, plan: Plan, costs: dict[str, NodeCost], hardware: Hardware) -> Simulation:
-    """The step as the schedule will run it: stage compute, one message per stage pair, and
-    the data-parallel all-reduce of each stage's gradients where the backward cannot hide it."""
-    stage_of = plan.stage_of()
-    forward = [sum(costs[n].forward_s for n in s.nodes) for s in plan.stages]
-    backward = [sum(costs[n].backward_s for n in s.nodes) for s in plan.stages]
-    traffic: dict[tuple[int, int], int] = {}
-    last = plan.num_stages - 1
-    for node in compute_nodes(gm):
-        a = stage_of[node.name]
-        readers = {last if u.op == "output" else stage_of.get(u.name, a) for u in node.users}
-        for b in sorted(readers - {a}):
-            traffic[(a, b)] = traffic.get((a, b), 0) + costs[node.name].output_bytes
-    devices = plan.pp * plan.tp * plan.dp
-    alpha, beta = hardware.p2p_alpha_s, hardware.p2p_beta_s_per_byte
-    if plan.pp > hardware.devices_per_node and hardware.inter_node_bandwidth > 0:
-        alpha, beta = hardware.inter_node_latency_s, 1.0 / hardware.inter_node_bandwidth
-    links = {pair: alpha + nbytes * beta for pair, nbytes in traffic.items()}
-    sim = simulate(forward, backward, links, plan.schedule, plan.pp, plan.microbatches, plan.virtual_stages)
-    if plan.dp == 1:
-        return sim
-    # Gradients are all-reduced in buckets during the last microbatch's backward: what the
-    # backward of that microbatch cannot cover is added to the step.
-    alpha, beta = hardware.p2p_alpha_s, hardware.p2p_beta_s_per_byte
-    if devices > hardware.devices_per_node and hardware.inter_node_bandwidth > 0:
-        alpha, beta = hardware.inter_node_latency_s, 1.0 / hardware.inter_node_bandwidth
-    exposed = max(max(0.0, ring_allreduce_s(s.param_bytes, plan.dp, alpha, beta) - backward[s.index])
-                  for s in plan.stages)
-    return dataclasses.replace(sim, step_time_s=sim.step_time_s + exposed)

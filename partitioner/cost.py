@@ -181,10 +181,14 @@ def _calibrate(gm: torch.fx.GraphModule, values: dict[torch.fx.Node, Any], costs
     inputs = [values[n] for n in gm.graph.nodes if n.op == "placeholder"]
     params = [p for p in gm.parameters() if p.requires_grad]
     saved = [p.grad for p in params]
+    try:
+        plain = _plain(gm)
+    except Exception:
+        return costs
 
     def forward() -> list[torch.Tensor]:
         with torch.enable_grad():
-            return [t for t in _tensors(gm(*inputs)) if t.requires_grad and (t.is_floating_point() or t.is_complex())]
+            return [t for t in _tensors(plain(*inputs)) if t.requires_grad and (t.is_floating_point() or t.is_complex())]
 
     try:
         forwards, backwards = [], []
@@ -198,7 +202,7 @@ def _calibrate(gm: torch.fx.GraphModule, values: dict[torch.fx.Node, Any], costs
                 forwards.append(middle - start)
                 backwards.append(time.perf_counter() - middle if outs else 0.0)
         fwd, bwd = statistics.median(forwards), statistics.median(backwards)
-    except RuntimeError:
+    except Exception:  # in-place ops on inputs, and whatever else only the whole graph meets
         return costs
     finally:
         for p, g in zip(params, saved):
@@ -215,6 +219,16 @@ def _calibrate(gm: torch.fx.GraphModule, values: dict[torch.fx.Node, Any], costs
             t = getattr(out[name], attr)
             out[name] = dataclasses.replace(out[name], **{attr: t + extra if extra >= 0 else t * whole / parts})
     return out
+
+
+def _plain(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """The graph as plain generated Python over flat positional tensors, as a stage's code
+    is: torch.export's module checks and unflattens its pytree inputs, which the graph's
+    placeholders (one per flat input) are not."""
+    graph = torch.fx.Graph()
+    out = graph.graph_copy(gm.graph, {})
+    graph.output(out)
+    return torch.fx.GraphModule(gm, graph)
 
 
 def _median(call: Callable[[], Any], repeats: int) -> float:

@@ -13,7 +13,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from .compiler import CompileOptions, Compiled, Prepared, _plan, _problem, _simulate, finish, prepare
+from .compiler import CompileOptions, Compiled, Prepared, _plan, _problem, finish, prepare
+from .predict import simulate_plan
 from .errors import InfeasiblePlanError, PlanError
 from .roofline import BACKWARD_FLOP_FACTOR, mfu
 from .solve import solve
@@ -63,7 +64,7 @@ def search(opts: CompileOptions, say: Callable[[str], None]) -> Compiled:
         except PlanError:
             continue
         plan = _plan(prepared.problem, prepared.blocks, assignment, report, sub, pp, prepared.virtual, m)
-        sim = _simulate(prepared.traced.gm, plan, prepared.costs, prepared.hardware)
+        sim = simulate_plan(prepared.traced.gm, plan, prepared.costs, prepared.hardware)
         flops = sum(c.flops for c in prepared.costs.values()) * (1 + BACKWARD_FLOP_FACTOR) * m * dp
         cand = Candidate(pp, dp, opts.tp, m, sim.step_time_s, max(s.memory_bytes for s in plan.stages),
                          mfu(flops, sim.step_time_s, opts.devices, prepared.hardware.peak_flops))

@@ -1,0 +1,129 @@
+"""The compile options (CONTRACT.md section 2), their checks, and the example batch.
+
+`check` turns the options into (stages per rank, virtual stages, microbatches) or a
+PlanError naming the option and the fix; the batch helpers find the batch size and cut one
+microbatch out of the example batch along each input's batch dimension.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from . import model_file
+from .errors import PlanError
+from .ir import SCHEDULES
+
+__all__ = ["CompileOptions", "batch_size", "check", "default_microbatches", "rows_per_microbatch", "split_batch"]
+
+
+@dataclass
+class CompileOptions:
+    """The command line's options (CONTRACT.md section 2)."""
+
+    model: str
+    out: str
+    stages: int | None = None
+    tp: int = 1
+    dp: int = 1
+    devices: int | None = None
+    microbatches: int | None = None
+    schedule: str = "1f1b"
+    virtual_stages: int = 2  # per rank, for the interleaved schedule
+    memory: int | None = None
+    hardware: str | None = None
+    analytic: bool = False
+    tracer: str = "auto"
+    time_limit: float = 30.0
+    seed: int = 0
+    entry: str = "build_model"
+    optimizer: str = "adam"
+    reprofile: bool = False
+    repeats: int = 5
+    quiet: bool = False
+    meta: bool | None = None  # build on the meta device; None: when --analytic and too big to build
+
+
+def check(opts: CompileOptions) -> tuple[int, int, int]:
+    if opts.schedule not in SCHEDULES:
+        raise PlanError(f"unknown --schedule {opts.schedule!r}: choose one of {', '.join(SCHEDULES)}.")
+    if opts.tp != 1:
+        raise PlanError(f"--tp {opts.tp}: tensor parallelism is not implemented yet; use --tp 1.")
+    pp = opts.stages if opts.stages is not None else 2
+    if opts.devices is not None:
+        if opts.devices % (opts.tp * opts.dp):
+            raise PlanError(f"--devices {opts.devices} is not a multiple of tp x dp = {opts.tp * opts.dp}.")
+        pp = opts.stages if opts.stages is not None else opts.devices // (opts.tp * opts.dp)
+        if pp * opts.tp * opts.dp != opts.devices:
+            raise PlanError(f"--stages {pp} x --tp {opts.tp} x --dp {opts.dp} != --devices {opts.devices}.")
+    if pp < 1:
+        raise PlanError(f"--stages {pp}: a pipeline needs at least 1 stage; use --stages 2 or more.")
+    if opts.dp < 1:
+        raise PlanError(f"--dp {opts.dp}: needs at least 1 replica.")
+    virtual = opts.virtual_stages if opts.schedule == "interleaved" else 1
+    microbatches = opts.microbatches if opts.microbatches is not None else 0  # 0: chosen from the batch
+    if opts.microbatches is not None and microbatches < 1:
+        raise PlanError(f"--microbatches {microbatches}: needs at least 1.")
+    if opts.schedule == "interleaved" and microbatches and microbatches % pp:
+        raise PlanError(
+            f"the interleaved schedule needs --microbatches to be a multiple of --stages "
+            f"({microbatches} is not a multiple of {pp}): use --microbatches {2 * pp}."
+        )
+    if opts.optimizer not in ("adam", "adamw", "sgd", "momentum"):
+        raise PlanError(f"unknown --optimizer {opts.optimizer!r}: choose adam, sgd or momentum.")
+    return pp, virtual, microbatches
+
+
+def batch_size(mf: model_file.ModelFile, args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
+    sizes = set()
+    dims = mf.batch_dims
+    for key, value in [*enumerate(args), *kwargs.items()]:
+        if isinstance(value, torch.Tensor):
+            dim = dims.get(key, 0)
+            if value.dim() <= dim:
+                raise model_file.ModelFileError(
+                    f"{mf.path}: input {key!r} has shape {tuple(value.shape)} and no batch dimension {dim}; "
+                    f"set BATCH_DIMS = {{{key!r}: <dim>}} in the model file."
+                )
+            sizes.add(value.shape[dim])
+    if len(sizes) != 1:
+        raise model_file.ModelFileError(
+            f"{mf.path}: example_inputs() tensors disagree on the batch size ({sorted(sizes)}); "
+            f"dimension 0 is the batch unless BATCH_DIMS says otherwise."
+        )
+    return sizes.pop()
+
+
+def default_microbatches(batch: int, pp: int, opts: CompileOptions) -> int:
+    """2 x stages, or the largest count below it that splits the batch evenly."""
+    step = pp if opts.schedule == "interleaved" else 1
+    for m in range(2 * pp, 0, -1):
+        if m % step == 0 and batch % (m * opts.dp) == 0:
+            return m
+    return 2 * pp  # nothing divides: rows_per_microbatch says so
+
+
+def rows_per_microbatch(batch: int, microbatches: int, dp: int) -> int:
+    if batch % (microbatches * dp):
+        fits = [m for m in range(1, batch + 1) if batch % (m * dp) == 0]
+        raise PlanError(
+            f"the example batch of {batch} rows does not split into {microbatches} microbatches x "
+            f"{dp} replicas: use --microbatches {max(m for m in fits if m <= max(microbatches, 1)) if fits else 1} "
+            f"(any of {fits}) or change the batch size."
+        )
+    return batch // (microbatches * dp)
+
+
+def split_batch(
+    args: tuple[Any, ...], kwargs: dict[str, Any], dims: dict[Any, int], rows: int, index: int = 0
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """Microbatch `index` of `rows` rows: each tensor sliced along its batch dimension."""
+
+    def cut(key: Any, value: Any) -> Any:
+        if not isinstance(value, torch.Tensor):
+            return value
+        return value.narrow(dims.get(key, 0), index * rows, rows)
+
+    return tuple(cut(i, a) for i, a in enumerate(args)), {k: cut(k, v) for k, v in kwargs.items()}
