@@ -45,7 +45,7 @@ def _worker(rank: int, world: int, port: int, directory: str, schedule: str, ste
 
     mf = model_file.load(MODEL)
     original = mf.build(0).state_dict()
-    (x,), target, loss_fn = mf.example_inputs(), mf.example_target(), mf.loss_fn()
+    ((x,), _), target, loss_fn = mf.example_inputs(), mf.example_target(), mf.loss_fn()
     ours = runtime.DistributedPipeline(directory)
     ours.load_state_dict(original)
     pkg = _package(directory)

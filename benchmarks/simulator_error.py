@@ -12,8 +12,16 @@ step, not the harness.
 The workers are spawned once and run every package in turn, so the processes' start-up
 (importing torch, transformers) is paid once.  Next to the step, each rank records the
 median forward and backward of its own stage per microbatch (one traced step after the
-timed ones), so a large error can be traced to compute or to communication: `stage_ms`
-predicted vs measured, in the JSON.
+timed ones), so a large error can be traced to compute or to communication.  Columns:
+
+- `error_pct`: (predicted - measured) / measured;
+- `spread_pct`: the interquartile range of the timed steps over their median (the noise);
+- `compute_x`: the stages' forward+backward per microbatch as the runtime ran them
+  (traced; the last stage's loss included) over the profile's prediction;
+- `replay_error_pct`: the simulator fed with those measured stage times and the profile's
+  links: what remains is the simulator's structure and message model, not node costs.
+
+`stage_ms` in the JSON holds the per-stage numbers, `samples_ms` every timed step.
 
     python -m benchmarks.simulator_error [--quick] [--examples mlp,gpt] [--schedules 1f1b]
 """
@@ -195,45 +203,68 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--schedules", default=",".join(SCHEDULES))
     parser.add_argument("--no-readme", action="store_true", help="do not rewrite the README block")
     ns = parser.parse_args(argv)
-    warmup, steps = (2, 7) if ns.quick else (3, 21)
+    warmup, steps = (2, 9) if ns.quick else (3, 31)
     examples = [e for e in ns.examples.split(",") if e]
     schedules = [s for s in ns.schedules.split(",") if s]
-    from partitioner.hardware import load_hardware
+    old_cache, old_threads = os.environ.get("PARTITIONER_CACHE"), torch.get_num_threads()
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            work = Path(tmp)
+            # A private cache: the cpu profile (its gloo alpha-beta included) is measured now,
+            # under the conditions the steps then run in, as the node costs are (reprofile);
+            # one thread, as each rank runs with.
+            os.environ["PARTITIONER_CACHE"] = str(work / "cache")
+            torch.set_num_threads(1)
+            from partitioner.hardware import load_hardware
 
-    hw = load_hardware("cpu")
-    with tempfile.TemporaryDirectory() as tmp:
-        work = Path(tmp)
-        cases = []
-        for example in examples:
-            for schedule in schedules:
-                cases.append(compile_case(example, schedule, work))
-                print(f"compiled {example} {schedule}: predicted {cases[-1]['predicted_ms']:.2f} ms "
-                      f"({cases[-1]['compile_s']:.1f} s)", file=sys.stderr, flush=True)
-        load_before = os.getloadavg()[0]
-        measured = run_all([c["dir"] for c in cases], warmup, steps, work)
-        load = [load_before, os.getloadavg()[0]]
+            hw = load_hardware("cpu")
+            cases = []
+            for example in examples:
+                for schedule in schedules:
+                    cases.append(compile_case(example, schedule, work))
+                    print(f"compiled {example} {schedule}: predicted {cases[-1]['predicted_ms']:.2f} ms "
+                          f"({cases[-1]['compile_s']:.1f} s)", file=sys.stderr, flush=True)
+            load_before = os.getloadavg()[0]
+            measured = run_all([c["dir"] for c in cases], warmup, steps, work)
+            load = [load_before, os.getloadavg()[0]]
+    finally:
+        torch.set_num_threads(old_threads)
+        if old_cache is None:
+            os.environ.pop("PARTITIONER_CACHE", None)
+        else:
+            os.environ["PARTITIONER_CACHE"] = old_cache
     rows = []
     for case, got in zip(cases, measured):
         step = got["median_ms"] - got["barrier_ms"]
         replay = replay_ms(case, got["stage_ms"], hw.p2p_alpha_s, hw.p2p_beta_s_per_byte)
+        ordered = sorted(got["samples_ms"])
+        q1, q3 = ordered[len(ordered) // 4], ordered[(3 * len(ordered)) // 4]
+        n = len(case["stages"])
+        traced = [got["stage_ms"].get(f"{kind}{k}") for kind in "FB" for k in range(n)]
+        compute_x = (sum(traced) / sum(st["forward_ms"] + st["backward_ms"] for st in case["stages"])
+                     if None not in traced else None)
         rows.append({"example": case["example"], "schedule": case["schedule"], "microbatches": case["microbatches"],
                      "predicted_ms": case["predicted_ms"], "measured_ms": step,
                      "error_pct": 100.0 * (case["predicted_ms"] - step) / step,
+                     "spread_pct": 100.0 * (q3 - q1) / step,
                      "replay_ms": replay, "replay_error_pct": None if replay is None else 100.0 * (replay - step) / step,
+                     "compute_x": compute_x,
                      "raw_median_ms": got["median_ms"], "barrier_ms": got["barrier_ms"], "first_ms": got["first_ms"],
                      "samples_ms": got["samples_ms"],
                      "stage_ms": {"predicted": case["stages"], "measured": got["stage_ms"]}})
     mean_abs = statistics.fmean(abs(r["error_pct"]) for r in rows) if rows else 0.0
-    text = table(rows, ["example", "schedule", "microbatches", "predicted_ms", "measured_ms", "error_pct",
-                        "replay_ms", "replay_error_pct"])
+    text = table(rows, ["example", "schedule", "predicted_ms", "measured_ms", "error_pct", "spread_pct",
+                        "compute_x", "replay_error_pct"])
     replays = [abs(r["replay_error_pct"]) for r in rows if r["replay_error_pct"] is not None]
-    text += (f"\n\nMean absolute error: {mean_abs:.1f}% over {len(rows)} runs "
-             f"(replay of the measured stage times: {statistics.fmean(replays) if replays else float('nan'):.1f}%; "
-             f"(gloo p2p {hw.p2p_alpha_s * 1e6:.0f} us + n / {hw.intra_node_bandwidth / 1e9:.2f} GB/s; "
-             f"median of {steps} steps after {warmup} warm-up, barrier cost subtracted; "
-             f"load average {load[0]:.1f} on {os.cpu_count()} CPUs).")
+    mean_replay = statistics.fmean(replays) if replays else float("nan")
+    text += (f"\n\nMean absolute error of the prediction: **{mean_abs:.1f}%** over {len(rows)} runs; of the "
+             f"simulator replaying the stage times the runtime measured: {mean_replay:.1f}%. Measured: median of "
+             f"{steps} steps after {warmup} warm-up, barrier cost subtracted; cpu profile: gloo p2p "
+             f"{hw.p2p_alpha_s * 1e6:.0f} us + n / {hw.intra_node_bandwidth / 1e9:.2f} GB/s; load average "
+             f"{load[0]:.1f} on {os.cpu_count()} CPUs.")
     print(text)
-    save("simulator_error", rows, mean_abs_error_pct=mean_abs, steps=steps, warmup=warmup,
+    save("simulator_error", rows, mean_abs_error_pct=mean_abs, mean_abs_replay_error_pct=mean_replay, steps=steps,
+         warmup=warmup,
          load_average=load, cpus=os.cpu_count(),
          hardware={"p2p_alpha_s": hw.p2p_alpha_s, "p2p_bandwidth": hw.intra_node_bandwidth,
                    "allreduce_alpha_s": hw.allreduce_latency_s, "allreduce_bandwidth": hw.allreduce_bandwidth,

@@ -21,7 +21,7 @@ import torch.utils._pytree as pytree
 
 from . import cache, model_file
 from .coarsen import coarsen
-from .cost import annotate, compute_nodes, param_names, storage_key
+from .cost import PROFILE_VERSION, annotate, compute_nodes, param_names, storage_key
 from .errors import PlanError
 from .hardware import Hardware, load_hardware
 from .ir import (GraphNode, NodeCost, PartitionProblem, Plan, SolverReport, StagePlan,
@@ -197,7 +197,7 @@ def _costs(gm: torch.fx.GraphModule, values: dict[torch.fx.Node, Any], hardware:
            opts: CompileOptions, say: Callable[[str], None]) -> dict[str, NodeCost]:
     measure = not opts.analytic
     key = "profile-" + hashlib.sha256(
-        json.dumps([gm.code, [str(n.meta.get("tensor_meta")) for n in gm.graph.nodes],
+        json.dumps([PROFILE_VERSION, gm.code, [str(n.meta.get("tensor_meta")) for n in gm.graph.nodes],
                     hardware.name, measure, opts.repeats, torch.__version__, torch.get_num_threads()]).encode()
     ).hexdigest()[:32]
     cached = None if (opts.reprofile or not measure) else cache.get(key)

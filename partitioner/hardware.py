@@ -125,7 +125,7 @@ def _this_machine() -> str:
 
 
 #: bump when the measurement changes, so profiles cached by older code are measured again
-_CPU_PROFILE_VERSION = 2
+_CPU_PROFILE_VERSION = 3
 
 
 def _cpu() -> Hardware:
@@ -200,7 +200,7 @@ _DEFAULT_ALPHA_S = 50e-6
 _DEFAULT_BANDWIDTH = 2e9
 _SIZES = (4 << 10, 64 << 10, 1 << 20, 4 << 20, 16 << 20)  # bytes per message
 _REPEATS = (40, 24, 10, 6, 4)  # timed samples per size and pattern, after one warm-up
-_POST_LATE_S = 0.5e-3  # a late receiver waits this long after its peer posted the send
+_POST_LATE_S = 0.5e-3  # a late receiver posts this long after its peer posted the send
 _TIMEOUT_S = 10.0  # the whole measurement; each wait has its own smaller timeout
 
 
@@ -219,15 +219,21 @@ def _measure_gloo(timeout_s: float = _TIMEOUT_S) -> _Links | None:
 
     The child is forked (not spawned: importing torch again takes seconds) before this
     process starts any gloo thread, and is killed at the deadline, so nothing can hang.
-    Three patterns, each timed per size on rank 0 (`_typical`: a trimmed mean, since a
-    step pays the sum of its messages, tails included): a classic ping-pong (one-way
-    = round trip / 2); a ping-pong in which each side posts its receive only after the
-    other's send is announced, which is how `DistributedPipeline` receives (it posts a
-    receive when its schedule reaches it) and costs gloo's rendezvous (the receiver asks,
-    the sender's I/O thread answers with the data: about one more round trip), timed from
-    posting the receive to its completion; and a 2-rank all-reduce.  Each fit is
-    t = alpha + n * beta by least squares on relative error, so the small messages fix
-    alpha and the big ones beta.
+    Three patterns, each timed per size on rank 0 (`_typical`: a mean without the slowest
+    twentieth, since a step pays the sum of its messages, tails included):
+
+    - eager: a classic ping-pong, the receive posted before the send (one-way = round
+      trip / 2);
+    - late: as `DistributedPipeline` exchanges values: the sender posts its send at once,
+      the receiver posts its receive only when its schedule reaches it, after the send
+      was announced.  Gloo's TCP transport then rendezvouses (the receiver tells the
+      sender it is ready, the sender's I/O thread writes the data), about one more round
+      trip than the eager case, with the wake-ups of two waiting processes.  Timed from
+      posting the receive to its completion;
+    - allreduce: a 2-rank all-reduce.
+
+    Each fit is t = alpha + n * beta by least squares on relative error, so the small
+    messages fix alpha and the big ones beta.
     """
     if "fork" not in multiprocessing.get_all_start_methods():
         return None
@@ -279,7 +285,7 @@ def _gloo_peer(conn: Any, timeout_s: float) -> None:
 def _gloo_rank(store: Any, rank: int, timeout_s: float) -> dict[str, list[float]]:
     """Both ranks run this; rank 0's timings are the result: seconds per size for each
     pattern."""
-    pg_cls = torch.distributed.ProcessGroupGloo
+    pg_cls: Any = torch.distributed.ProcessGroupGloo  # (its type stubs lack send, recv...)
     opts = pg_cls._Options()
     opts._timeout = timedelta(seconds=timeout_s)
     opts._devices = [pg_cls.create_device(hostname="127.0.0.1")]
@@ -303,9 +309,9 @@ def _gloo_rank(store: Any, rank: int, timeout_s: float) -> dict[str, list[float]
         out["eager"].append(_typical(samples))
         samples = []
         for i in range(2 * (repeats + 1)):  # rounds alternate: rank 0 receives in the odd ones
-            if i % 2 == rank:  # send at once; the peer posts its receive late
+            if i % 2 == rank:  # post the send at once and wait for it
                 pg.send([buf], peer, 1).wait(wait)
-            else:
+            else:  # post the receive late, after the send was announced
                 time.sleep(_POST_LATE_S)
                 start = time.perf_counter()
                 pg.recv([buf], peer, 1).wait(wait)
@@ -325,11 +331,11 @@ def _gloo_rank(store: Any, rank: int, timeout_s: float) -> dict[str, list[float]
 
 
 def _typical(samples: list[float]) -> float:
-    """The mean without the lowest and highest tenth: one scheduler hiccup does not move
-    it, frequent slow messages (a busy machine's wake-ups) do, as they move a step."""
+    """The mean without the slowest twentieth: a step pays the sum of its messages, so
+    frequent slow ones (a busy machine's wake-ups) count, as they do in a step; a rare
+    stall that no step meets twice does not."""
     ordered = sorted(samples)
-    cut = len(ordered) // 10
-    return statistics.fmean(ordered[cut:len(ordered) - cut])
+    return statistics.fmean(ordered[:len(ordered) - len(ordered) // 20])
 
 
 def _fit(sizes: tuple[int, ...], seconds: list[float]) -> tuple[float, float] | None:

@@ -1,7 +1,8 @@
-"""A pyramid MLP: layer widths rise and fall, so equal-layer splits are badly unbalanced.
+"""A pyramid MLP: every layer is wider than the last, so equal-layer splits are badly
+unbalanced (a layer's cost grows with the square of its width).
 
-Used by benchmarks/partition_quality.py.  Ten Linear+GELU layers whose cost ranges over
-two orders of magnitude; the batch is big enough that every layer's matmul dominates
+Used by benchmarks/partition_quality.py.  Eleven Linear+GELU layers whose cost ranges over
+three orders of magnitude; the batch is big enough that every layer's matmul dominates
 its Python overhead.
 """
 
@@ -9,7 +10,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-WIDTHS = [256, 512, 1024, 2048, 3072, 3072, 2048, 1024, 512, 256, 128, 10]
+WIDTHS = [64, 128, 256, 512, 768, 1024, 1536, 2048, 2560, 3072, 3584, 10]
 BATCH = 128
 
 

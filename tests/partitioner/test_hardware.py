@@ -120,4 +120,5 @@ def test_cached_profile_of_another_shape_is_measured_again(tmp_path: Path, monke
     entry.write_text(json.dumps({"name": "cpu", "flops": 1}))  # a profile of another shape
     monkeypatch.setattr(hardware, "_measure_cpu", lambda: dataclasses.replace(fake, sources=("again",)))
     assert load_hardware("cpu").sources == ("again",)
-    assert cache.get(entry.stem)["sources"] == ["again"]
+    stored = cache.get(entry.stem)
+    assert stored is not None and stored["sources"] == ["again"]
