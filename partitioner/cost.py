@@ -35,7 +35,10 @@ __all__ = ["PROFILE_VERSION", "annotate", "compute_nodes", "param_names", "stora
 
 #: what a measured profile means; part of a profile cache key, so that profiles measured
 #: by older code (forward under no_grad, no whole-graph calibration) are measured again
-PROFILE_VERSION = 2
+PROFILE_VERSION = 3
+
+#: the most per-op overhead (dispatch, autograd bookkeeping) calibration adds to one node
+OP_OVERHEAD_S = 25e-6
 
 
 def compute_nodes(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
@@ -173,10 +176,11 @@ def _calibrate(gm: torch.fx.GraphModule, values: dict[torch.fx.Node, Any], costs
     The graph is run as a stage runs it: one forward (autograd recording) and one
     backward from every output that needs a gradient, parameters' `.grad` accumulated;
     median of 3 x `repeats` (at least 15).  Where the whole takes longer than the sum of its
-    nodes alone, the difference is per-op overhead that isolation cannot see (the
-    generated code's dispatch, the engine's bookkeeping, AccumulateGrad), so it is added
-    to every node that has a time, in equal shares; where it takes less, the node times
-    are scaled down in proportion.  Forward and backward separately.  Any failure (an
+    nodes alone, the difference is partly per-op overhead that isolation cannot see (the
+    generated code's dispatch, the engine's bookkeeping, AccumulateGrad), added to every
+    node in equal shares of at most OP_OVERHEAD_S, and partly the ops running slower
+    together than alone, which scales every node in proportion; where the whole takes
+    less, the node times are scaled down in proportion.  Forward and backward separately.  Any failure (an
     in-place op on an input, say) leaves the isolated times as they are.
     """
     timed = [n for n in compute_nodes(gm) if costs[n.name].forward_s > 0]
@@ -218,10 +222,15 @@ def _calibrate(gm: torch.fx.GraphModule, values: dict[torch.fx.Node, Any], costs
         parts = sum(getattr(costs[n], attr) for n in with_time)
         if not with_time or parts <= 0 or whole <= 0:
             continue
-        extra = (whole - parts) / len(with_time)
+        # Per-op overhead is a few microseconds an op: up to OP_OVERHEAD_S per node of the
+        # difference is added in equal shares; the rest (or a shortfall) scales every node
+        # in proportion, as cache and memory effects do.
+        extra = whole - parts
+        share = min(max(extra, 0.0) / len(with_time), OP_OVERHEAD_S)
+        scale = (whole - share * len(with_time)) / parts
         for name in with_time:
             t = getattr(out[name], attr)
-            out[name] = dataclasses.replace(out[name], **{attr: t + extra if extra >= 0 else t * whole / parts})
+            out[name] = dataclasses.replace(out[name], **{attr: t * scale + share})
     return out
 
 
