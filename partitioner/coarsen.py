@@ -56,7 +56,7 @@ def coarsen(nodes: Sequence[GraphNode], max_blocks: int, *, param_bytes: Mapping
 def build_problem(blocks: Sequence[BlockCost], edges: Sequence[Edge], stages: int, microbatches: int, *,
                   schedule: str = "1f1b", memory_limit_bytes: int | None = None, optimizer_factor: int = 2,
                   comm_alpha_s: float = 0.0, comm_beta_s_per_byte: float = 0.0,
-                  param_bytes: Mapping[str, int] | None = None) -> PartitionProblem:
+                  param_bytes: Mapping[str, int] | None = None, virtual_stages: int = 1) -> PartitionProblem:
     """The `PartitionProblem` of coarsened blocks; `param_bytes` lets a stage that holds
     several blocks reading one (tied) parameter hold it once."""
     used = {name for b in blocks for name in b.params}
@@ -75,6 +75,7 @@ def build_problem(blocks: Sequence[BlockCost], edges: Sequence[Edge], stages: in
         block_names=tuple(b.name for b in blocks),
         block_params=tuple(b.params for b in blocks),
         param_bytes_by_name=tuple(sorted((k, v) for k, v in (param_bytes or {}).items() if k in used)),
+        virtual_stages=virtual_stages,
     )
 
 

@@ -20,7 +20,7 @@ import torch.fx
 import torch.utils._pytree as pytree
 
 from . import cache, model_file
-from .coarsen import coarsen
+from .coarsen import build_problem, coarsen
 from .cost import PROFILE_VERSION, annotate, compute_nodes, param_names, storage_key
 from .errors import PlanError
 from .hardware import Hardware, load_hardware
@@ -247,25 +247,23 @@ def _problem(traced: Traced, costs: dict[str, NodeCost], stages: int, microbatch
     # The graph's output, as a free node that the solver keeps in the last stage.
     nodes.append(GraphNode(name=output.name, inputs=tuple(a.name for a in output.all_input_nodes if a in compute),
                            cost=NodeCost(output.name), module="", params=(), is_output=True))
-    blocks, edges = coarsen(nodes, max_blocks=MAX_BLOCKS)
-    problem = PartitionProblem(
-        block_time_s=tuple(b.time_s for b in blocks),
-        block_param_bytes=tuple(b.param_bytes for b in blocks),
-        block_activation_bytes=tuple(b.activation_bytes for b in blocks),
-        edges=tuple(edges),
-        stages=stages,
-        microbatches=microbatches,
+    blocks, edges = coarsen(nodes, max_blocks=MAX_BLOCKS, param_bytes=param_bytes)
+    problem = build_problem(
+        blocks, edges, stages, microbatches,
         schedule="1f1b" if opts.schedule == "interleaved" else opts.schedule,
-        memory_limit_bytes=opts.memory if opts.memory is not None else hardware.memory_bytes // max(1, stages * opts.dp),
+        memory_limit_bytes=opts.memory if opts.memory is not None else _device_memory(hardware, stages * opts.dp),
         optimizer_factor=optimizer_state_factor(opts.optimizer),
         comm_alpha_s=hardware.p2p_alpha_s,
         comm_beta_s_per_byte=hardware.p2p_beta_s_per_byte,
-        block_names=tuple(b.name for b in blocks),
-        block_params=tuple(b.params for b in blocks),
-        param_bytes_by_name=tuple(sorted(param_bytes.items())),
+        param_bytes=param_bytes,
         virtual_stages=opts.virtual_stages if opts.schedule == "interleaved" else 1,
     )
     return problem, blocks
+
+
+def _device_memory(hardware: Hardware, ranks: int) -> int:
+    """The default --memory: a device's own; on the CPU every rank shares this machine's RAM."""
+    return hardware.memory_bytes // max(1, ranks) if hardware.name == "cpu" else hardware.memory_bytes
 
 
 def _plan(problem: PartitionProblem, blocks: list[Any], assignment: tuple[int, ...], report: SolverReport | None,
