@@ -132,13 +132,8 @@ def _render(entry: dict[str, Any], layout: StageLayout, plan: Plan, info: Packag
         f"# stage: {entry['nodes']} nodes ({', '.join(entry['modules']) or 'no modules'}); predicted "
         f"{stage_plan.time_s * 1e3:.3f} ms forward+backward per microbatch",
     ]
-    imports = ["import torch"]
-    imports += sorted(i for i in writer.imports if i.startswith("import ") and i != "import torch")
-    if "F" in writer.imports:
-        imports.append("import torch.nn.functional as F")
-    if entry["buffers"]:
-        imports.insert(0, "import os\n")
-    lines = header + ["", "from __future__ import annotations", ""] + imports + [""]
+    last = k == S - 1
+    lines = header + ["", "from __future__ import annotations", ""] + _imports(writer, bool(entry["buffers"]), last)
     if "aten" in writer.imports:
         lines += ["aten = torch.ops.aten", ""]
     lines += ["", f"class Stage{k}(torch.nn.Module):", f'    """Stage {k} of {S}: {_summary(entry)}."""', ""]
@@ -151,15 +146,21 @@ def _render(entry: dict[str, Any], layout: StageLayout, plan: Plan, info: Packag
         flag = "" if b["persistent"] else ", persistent=False"
         lines.append(f"        self.register_buffer({b['name']!r}, constants[{b['source_name']!r}]{flag})")
     args = "".join(f", {names}: torch.Tensor" for names in (n.name for n in layout.inputs))
-    returns = "Any" if k == S - 1 else "tuple[torch.Tensor, ...]"
+    returns = "Any" if last else "tuple[torch.Tensor, ...]"
     lines += ["", f"    def forward(self{args}) -> {returns}:"] + body
     if entry["buffers"]:
         lines += ["", "", "def _constants() -> dict[str, torch.Tensor]:",
                   '    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "constants.pt")',
                   "    return torch.load(path, weights_only=True)"]
-    if returns == "Any":
-        lines.insert(lines.index("from __future__ import annotations") + 1, "\nfrom typing import Any")
     return "\n".join(lines) + "\n"
+
+
+def _imports(writer: StageSource, constants: bool, last: bool) -> list[str]:
+    """The stage's imports in isort's groups: the standard library, then torch and others."""
+    stdlib = (["import os"] if constants else []) + (["from typing import Any"] if last else [])
+    others = sorted(i for i in writer.imports if i.startswith("import ") and i != "import torch")
+    third = ["import torch"] + (["import torch.nn.functional as F"] if "F" in writer.imports else []) + others
+    return (stdlib + [""] if stdlib else []) + third + [""]
 
 
 # -- manifest entries --------------------------------------------------------------------

@@ -8,6 +8,7 @@ their fx names; parameters become attributes named after their original modules.
 
 from __future__ import annotations
 
+import inspect
 import math
 import operator
 from dataclasses import dataclass
@@ -128,6 +129,7 @@ class StageSource:
             call = ", ".join([fmt(a) for a in args[1:]] + [f"{k}={fmt(v)}" for k, v in kwargs.items()])
             expr = f"{fmt(args[0])}.{target}({call})"
         elif node.op == "call_function":
+            kwargs = _without_defaults(target, kwargs)
             call = ", ".join([fmt(a) for a in args] + [f"{k}={fmt(v)}" for k, v in kwargs.items()])
             expr = f"{self.callee(target)}({call})"  # type: ignore[arg-type]
         else:
@@ -155,6 +157,22 @@ class StageSource:
         if isinstance(spec.context, (list, tuple)) and all(isinstance(k, str) for k in spec.context):
             return f"{cls}(" + ", ".join(f"{k}={v}" for k, v in zip(spec.context, children)) + ")"
         return f"{cls}({', '.join(children)})"
+
+
+def _without_defaults(target: Any, kwargs: Any) -> dict[str, Any]:
+    """Keyword arguments that differ from the Python function's defaults (as a person
+    writes `F.embedding(idx, w)`, not every default spelled out)."""
+    try:
+        params = inspect.signature(target).parameters
+    except (TypeError, ValueError):
+        return dict(kwargs)
+    simple = (type(None), bool, int, float, str)
+
+    def is_default(k: str, v: Any) -> bool:
+        p = params.get(k)
+        return p is not None and isinstance(v, simple) and type(v) is type(p.default) and v == p.default
+
+    return {k: v for k, v in kwargs.items() if not is_default(k, v)}
 
 
 def shape_comment(node: torch.fx.Node) -> str:
