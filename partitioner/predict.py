@@ -1,14 +1,16 @@
 """What a plan will cost: the manifest's `predicted` block, from the step simulator.
 
 `simulate_plan` turns a Plan and its node costs into the simulator's inputs: each stage's
-forward and backward time per microbatch, one alpha-beta message per stage pair that
-exchanges values, and the data-parallel ring all-reduce of each stage's gradients that
-the last microbatch's backward cannot hide.  `predict` adds MFU and the per-stage figures.
+forward and backward time per microbatch (the loss's added to the last), one alpha-beta
+message per stage pair that exchanges values (whose alpha the sender also pays), the loss
+all-reduce that ends every step, and the data-parallel ring all-reduce of each stage's
+gradients that the last microbatch's backward cannot hide.  `predict` adds MFU and the per-stage figures.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import statistics
 from typing import Any
 
 import torch.fx
@@ -44,8 +46,9 @@ def predict(gm: torch.fx.GraphModule, plan: Plan, costs: dict[str, NodeCost], ha
 
 
 def simulate_plan(gm: torch.fx.GraphModule, plan: Plan, costs: dict[str, NodeCost], hardware: Hardware) -> Simulation:
-    """The step as the schedule will run it: stage compute, one message per stage pair, and
-    the data-parallel all-reduce of each stage's gradients where the backward cannot hide it."""
+    """The step as the schedule will run it: stage compute and the loss, one message per stage
+    pair (alpha paid by the sender too), the loss all-reduce, and the data-parallel all-reduce
+    of each stage's gradients where the backward cannot hide it."""
     stage_of = plan.stage_of()
     forward = [sum(costs[n].forward_s for n in s.nodes) for s in plan.stages]
     backward = [sum(costs[n].backward_s for n in s.nodes) for s in plan.stages]
@@ -58,7 +61,18 @@ def simulate_plan(gm: torch.fx.GraphModule, plan: Plan, costs: dict[str, NodeCos
             traffic[(a, b)] = traffic.get((a, b), 0) + costs[node.name].output_bytes
     alpha, beta = _link(hardware, across_nodes=plan.pp > hardware.devices_per_node)
     links = {pair: alpha + nbytes * beta for pair, nbytes in traffic.items()}
-    sim = simulate(forward, backward, links, plan.schedule, plan.pp, plan.microbatches, plan.virtual_stages)
+    # The loss on the last stage, per microbatch (the profile times the model's nodes, not
+    # the loss): costed as one typical node, the median node's forward and backward, or, if
+    # longer, one pass over the model's output at memory bandwidth.
+    nodes = compute_nodes(gm)
+    out_bytes = sum(costs[n.name].output_bytes for n in nodes if any(u.op == "output" for u in n.users))
+    stream = out_bytes / hardware.memory_bandwidth
+    loss = (max(stream, statistics.median(costs[n.name].forward_s for n in nodes)) if nodes else stream,
+            max(stream, statistics.median(costs[n.name].backward_s for n in nodes)) if nodes else stream)
+    # The step ends with the all-reduce of the 0-dim loss over every rank: its latency.
+    final = (hardware.allreduce_latency_s or hardware.p2p_alpha_s) if plan.pp * plan.tp * plan.dp > 1 else 0.0
+    sim = simulate(forward, backward, links, plan.schedule, plan.pp, plan.microbatches, plan.virtual_stages,
+                   send_s=alpha, loss_s=loss, final_s=final)
     if plan.dp == 1:
         return sim
     # Gradients are all-reduced in buckets during the last microbatch's backward: what the

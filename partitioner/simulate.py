@@ -2,22 +2,35 @@
 
 The runtime's own schedule (`runtime.schedule.make_schedule`: GPipe, 1F1B, interleaved
 1F1B) is replayed with each stage's forward and backward time per microbatch and the time
-of each point-to-point message.  Every rank runs its actions in list order; an action
-starts when its rank is free and its inputs have arrived (a producer's forward plus the
-message time, or a consumer's backward plus the gradient's message time).  Sends are
-asynchronous, so they cost the sender nothing and the receiver the transfer.  The result
-is the step's makespan and each stage's peak number of microbatches in flight
+of each point-to-point message, as `runtime.DistributedPipeline` runs it on gloo: every
+rank runs its actions in list order, receives posted right before the compute that needs
+them and sends posted right after the compute that made them.  The model:
+
+- compute: F or B of stage s takes forward_s[s] or backward_s[s]; the last stage's also
+  takes the loss's forward or backward (`loss_s`);
+- receive (rendezvous): gloo moves a message only once both sides have posted it, and
+  the receiver waits in it, so a receive posted at r for a send posted at p ends at
+  max(p, r) + links[(a, b)] (alpha + bytes * beta), not at p + message;
+- send: posting one costs the sender `send_s` seconds on its own timeline (about the
+  link's alpha), after the compute and before its next action;
+- end of step: after the last action of every rank, the loss all-reduce (`final_s`,
+  about the all-reduce latency for a 0-dim tensor) runs on all ranks together, so the
+  step is max over ranks of their last action's end, plus final_s.
+
+Stages on the same rank (interleaved) hand values over for free.  The result is the step's
+makespan, each rank's compute, and each stage's peak number of microbatches in flight
 (forwards done whose backward has not run), which sets its activation memory.
 
 Closed forms it agrees with (tests check them): with equal stages of time t and free
-links, GPipe and 1F1B take (M + S - 1) * t, whose bubble is (S - 1) / (M + S - 1)
-(Huang et al., GPipe, 2019; Narayanan et al., PipeDream-Flush, 2021).
+links (alpha = beta = 0, no send cost, no loss), GPipe and 1F1B take (M + S - 1) * t,
+whose bubble is (S - 1) / (M + S - 1) (Huang et al., GPipe, 2019; Narayanan et al.,
+PipeDream-Flush, 2021).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 from runtime.schedule import make_schedule
 
@@ -27,7 +40,7 @@ __all__ = ["Simulation", "simulate", "bubble_fraction"]
 @dataclass(frozen=True)
 class Simulation:
     step_time_s: float
-    busy_s: tuple[float, ...]  # compute per rank
+    busy_s: tuple[float, ...]  # compute per rank (the loss included)
     peak_inflight: tuple[int, ...]  # per stage
 
 
@@ -39,10 +52,17 @@ def simulate(
     pp: int,
     microbatches: int,
     virtual: int = 1,
+    *,
+    send_s: float = 0.0,
+    loss_s: tuple[float, float] = (0.0, 0.0),
+    final_s: float = 0.0,
 ) -> Simulation:
     """Simulate one step; `links[(a, b)]` (a < b) is the seconds of one message from stage
-    a to stage b, which is also what its gradient takes back."""
+    a to stage b, which is also what its gradient takes back.  `send_s` is what posting one
+    send costs its sender, `loss_s` the loss's (forward, backward) per microbatch on the
+    last stage, `final_s` the collective that ends the step (the loss all-reduce)."""
     stages = len(forward_s)
+    last = stages - 1
     plan = make_schedule(schedule, pp, microbatches, virtual)
     producers: dict[int, list[int]] = {s: [] for s in range(stages)}
     consumers: dict[int, list[int]] = {s: [] for s in range(stages)}
@@ -50,11 +70,12 @@ def simulate(
         producers[dst].append(src)
         consumers[src].append(dst)
 
-    def message(a: int, b: int) -> float:
-        """Seconds of a message between stages a and b (a gradient goes back the same link)."""
-        return 0.0 if a % pp == b % pp else links[(min(a, b), max(a, b))]
+    def duration(kind: str, stage: int) -> float:
+        own = forward_s[stage] if kind == "F" else backward_s[stage]
+        return own + (loss_s[0 if kind == "F" else 1] if stage == last else 0.0)
 
-    done: dict[tuple[str, int, int], float] = {}
+    done: dict[tuple[Any, ...], float] = {}  # (kind, stage, mb): compute end
+    posted: dict[tuple[Any, ...], float] = {}  # (kind, stage, mb, peer): send posted
     free = [0.0] * pp
     cursor = [0] * pp
     inflight = [0] * stages
@@ -66,13 +87,31 @@ def simulate(
         for rank, actions in enumerate(plan):
             while cursor[rank] < len(actions):
                 a = actions[cursor[rank]]
-                ready = _ready(a.kind, a.stage, a.microbatch, done, producers, consumers, message)
-                if ready is None:
+                # what this action waits for: (key of a local result or of a posted send, message)
+                if a.kind == "F":
+                    needs = [(("F", p, a.microbatch), p, links[(p, a.stage)]) for p in producers[a.stage]]
+                    peers = consumers[a.stage]
+                else:
+                    needs = [(("F", a.stage, a.microbatch), a.stage, 0.0)]
+                    needs += [(("B", c, a.microbatch), c, links[(a.stage, c)]) for c in consumers[a.stage]]
+                    peers = producers[a.stage]
+                local = [(done, key, 0.0) if peer % pp == rank else (posted, key + (a.stage,), message)
+                         for key, peer, message in needs]
+                if any(key not in table for table, key, _ in local):
                     break
-                duration = forward_s[a.stage] if a.kind == "F" else backward_s[a.stage]
-                start = max(free[rank], ready)
-                free[rank] = done[(a.kind, a.stage, a.microbatch)] = start + duration
-                busy[rank] += duration
+                t = free[rank]
+                for table, key, message in local:
+                    # a local value is there when made; a receive, posted at t, waits for
+                    # the send and then takes the message
+                    t = max(t, table[key]) + message
+                t += duration(a.kind, a.stage)
+                busy[rank] += duration(a.kind, a.stage)
+                done[(a.kind, a.stage, a.microbatch)] = t
+                for peer in peers:
+                    if peer % pp != rank:
+                        posted[(a.kind, a.stage, a.microbatch, peer)] = t
+                        t += send_s
+                free[rank] = t
                 inflight[a.stage] += 1 if a.kind == "F" else -1
                 peak[a.stage] = max(peak[a.stage], inflight[a.stage])
                 cursor[rank] += 1
@@ -80,23 +119,7 @@ def simulate(
                 progressed = True
         if not progressed:
             raise ValueError(f"the {schedule} schedule deadlocks in simulation")
-    return Simulation(max(free), tuple(busy), tuple(peak))
-
-
-def _ready(kind: str, stage: int, mb: int, done: dict[tuple[str, int, int], float],
-           producers: dict[int, list[int]], consumers: dict[int, list[int]],
-           message: Callable[[int, int], float]) -> float | None:
-    """When an action's inputs are all there, or None if some have not been produced."""
-    if kind == "F":
-        needs = [(("F", p, mb), message(p, stage)) for p in producers[stage]]
-    else:
-        needs = [(("F", stage, mb), 0.0)] + [(("B", c, mb), message(c, stage)) for c in consumers[stage]]
-    times = []
-    for key, delay in needs:
-        if key not in done:
-            return None
-        times.append(done[key] + delay)
-    return max(times, default=0.0)
+    return Simulation(max(free) + final_s, tuple(busy), tuple(peak))
 
 
 def bubble_fraction(stages: int, microbatches: int) -> float:

@@ -20,15 +20,51 @@ def test_balanced_pipeline_takes_m_plus_s_minus_1_slots(schedule: str, stages: i
 
 
 def test_two_stage_1f1b_with_uneven_stages_and_a_link() -> None:
-    """Stage 0: F 1, B 2; stage 1: F 2, B 4; each message 0.5; M = 2.
+    """Stage 0: F 1, B 2; stage 1: F 2, B 4; each message 0.5; M = 2.  A receive ends 0.5
+    after both sides posted it: rank 1 posts 1F1's receive only at 7.5 (after 1B0), rank 0
+    0B1's at 10 though 1B1's gradient is sent at 14.
 
-    time     0    1   1.5  2   3.5        7.5  8        9.5 10       13.5 14    16
-    rank 0  |0F0 |0F1 |                        |0B0     |            |0B1   |
-    rank 1            |1F0     |1B0      |1F1      |1B1         |
+    time     0    1   1.5  2   3.5        7.5  8    10        14 14.5  16.5
+    rank 0  |0F0 |0F1 |                       |0B0 |              |0B1  |
+    rank 1            |1F0 |1B0       |    |1F1 |1B1       |
     """
     sim = simulate([1.0, 2.0], [2.0, 4.0], {(0, 1): 0.5}, "1f1b", 2, 2)
-    assert sim.step_time_s == pytest.approx(16.0)
+    assert sim.step_time_s == pytest.approx(16.5)
     assert sim.busy_s == (6.0, 12.0)
+
+
+def test_a_receive_waits_for_both_sides_then_takes_the_message() -> None:
+    """GPipe, M = 2, stage 0: F 1, B 1; stage 1: F 3, B 1; message 0.5.  Rank 1 posts 1F1's
+    receive at 4.5, when 1F0 ends, long after 0F1 was sent at 2: it still takes 0.5 (the
+    old model, producer end + message, had it start at 4.5).  1F1 4.5+0.5..8, 1B0 8..9,
+    1B1 9..10; 0B0 posted at 2, sent at 9, ends 9.5+1; 0B1 10.5 vs 10: 11..12."""
+    sim = simulate([1.0, 3.0], [1.0, 1.0], {(0, 1): 0.5}, "gpipe", 2, 2)
+    assert sim.step_time_s == pytest.approx(12.0)
+
+
+def test_a_send_costs_its_sender() -> None:
+    """Free links but each send costs its sender 0.25: 2 stages, F 1, B 2, M = 1.  0F0 ends
+    at 1, its send to 1.25; 1F0 1..2, 1B0 2..4 and its send 4..4.25; 0B0 4..6."""
+    sim = simulate([1.0, 1.0], [2.0, 2.0], {(0, 1): 0.0}, "1f1b", 2, 1, send_s=0.25)
+    assert sim.step_time_s == pytest.approx(6.0)
+    sim = simulate([1.0, 1.0], [2.0, 2.0], {(0, 1): 0.0}, "1f1b", 2, 2, send_s=0.25)
+    free = simulate([1.0, 1.0], [2.0, 2.0], {(0, 1): 0.0}, "1f1b", 2, 2)
+    assert sim.step_time_s > free.step_time_s
+    assert sim.busy_s == free.busy_s  # sends are not compute
+
+
+def test_the_loss_runs_on_the_last_stage() -> None:
+    """A loss of (0.5, 1) per microbatch makes the last stage F 1.5, B 3: balanced 2-stage
+    1F1B with M = 4 is then stage 0's 4 x 3 plus one slot of the last stage's 4.5."""
+    sim = simulate([1.0, 1.0], [2.0, 2.0], {(0, 1): 0.0}, "1f1b", 2, 4, loss_s=(0.5, 1.0))
+    assert sim.busy_s == (12.0, 18.0)
+    assert sim.step_time_s == pytest.approx(1.0 + 4 * 4.5 + 2.0)
+
+
+def test_the_final_all_reduce_ends_the_step() -> None:
+    base = simulate([1.0] * 2, [2.0] * 2, {(0, 1): 0.0}, "gpipe", 2, 4)
+    sim = simulate([1.0] * 2, [2.0] * 2, {(0, 1): 0.0}, "gpipe", 2, 4, final_s=0.125)
+    assert sim.step_time_s == pytest.approx(base.step_time_s + 0.125) == pytest.approx(5 * 3.0 + 0.125)
 
 
 @pytest.mark.parametrize("stages", [2, 4])
