@@ -15,6 +15,8 @@ import traceback
 from pathlib import Path
 from typing import Any, Sequence
 
+from runtime.errors import PipelineError
+
 from .errors import PackageError, PartitionerError, PlanError
 
 __all__ = ["main", "parse_size"]
@@ -84,10 +86,9 @@ def _compile(ns: argparse.Namespace) -> int:
         tracer=ns.tracer, time_limit=ns.time_limit, seed=ns.seed, entry=ns.entry, optimizer=ns.optimizer,
         reprofile=ns.reprofile, quiet=ns.quiet, meta=ns.meta,
     )
-    compiled = compile_model(opts)
+    compile_model(opts)
     if not ns.quiet:
         print((out / "plan.txt").read_text(), end="")
-    _ = compiled
     return 0
 
 
@@ -132,13 +133,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     ns = _parser().parse_args(argv)
     try:
         return {"compile": _compile, "show": _show, "run": _run}[ns.command](ns)
-    except PartitionerError as exc:
+    except (PartitionerError, PipelineError) as exc:
         _fail(str(exc))
         return 2
     except Exception as exc:
-        if type(exc).__name__ == "PipelineError" or any(c.__name__ == "PipelineError" for c in type(exc).__mro__):
-            _fail(str(exc))
-            return 2
         traceback.print_exc()
         print(f"partitioner: internal error ({type(exc).__name__}); please report it with the traceback above.",
               file=sys.stderr)

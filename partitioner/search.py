@@ -13,7 +13,9 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from . import model_file
 from .compiler import CompileOptions, Compiled, Prepared, _plan, _problem, finish, prepare
+from .options import batch_size
 from .predict import simulate_plan
 from .errors import InfeasiblePlanError, PlanError
 from .roofline import BACKWARD_FLOP_FACTOR, mfu
@@ -45,8 +47,8 @@ def search(opts: CompileOptions, say: Callable[[str], None]) -> Compiled:
     devices = opts.devices // opts.tp
     if devices * opts.tp != opts.devices:
         raise PlanError(f"--devices {opts.devices} is not a multiple of --tp {opts.tp}.")
-    probe = prepare(dataclasses.replace(opts, devices=None, stages=1, dp=1, microbatches=1), say)
-    batch = probe.batch
+    mf = model_file.load(opts.model, opts.entry)
+    batch = batch_size(mf, *mf.example_inputs())
     prepared_by_rows: dict[int, Prepared] = {}
     results: list[tuple[Candidate, Any]] = []
     for pp, dp, m in _meshes(devices, batch, opts):
