@@ -15,6 +15,19 @@ ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 
 
+def load_package(directory: str | Path) -> Any:
+    """A generated package imported from its folder (its MANIFEST and load_stage)."""
+    import importlib.util
+
+    folder = Path(directory)
+    spec = importlib.util.spec_from_file_location(f"bench_pkg_{abs(hash(str(folder)))}", folder / "__init__.py",
+                                                  submodule_search_locations=[str(folder)])
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def table(rows: Sequence[dict[str, Any]], columns: Sequence[str]) -> str:
     """A markdown table of `rows` over `columns` (floats to 3 significant digits)."""
 

@@ -17,7 +17,6 @@ It also times the compile of a 48-layer GPT, profiling included.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import statistics
 import sys
 import tempfile
@@ -31,7 +30,7 @@ from partitioner.compiler import CompileOptions, Prepared, assign_nodes, compile
 from partitioner.cost import compute_nodes
 from partitioner.passes import node_module
 
-from .common import save, table, update_readme
+from .common import load_package, save, table, update_readme
 
 MODELS = ["benchmarks/models/pyramid_mlp.py", "benchmarks/models/uneven_transformer.py"]
 
@@ -96,18 +95,9 @@ def by_layers(groups: list[list[str]], bounds: list[int]) -> dict[str, int]:
 # -- measuring emitted stages ------------------------------------------------------------
 
 
-def _load(directory: Path) -> Any:
-    spec = importlib.util.spec_from_file_location(f"pkg_{abs(hash(directory))}", directory / "__init__.py",
-                                                  submodule_search_locations=[str(directory)])
-    assert spec and spec.loader
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def measure_stages(directory: Path, prepared: Prepared, repeats: int) -> list[float]:
     """Median forward+backward seconds of each stage on microbatch 0."""
-    pkg = _load(directory)
+    pkg = load_package(directory)
     manifest = pkg.MANIFEST
     state = prepared.model.state_dict()
     aliases = {v: k for k, v in manifest["state_dict_aliases"].items()}

@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from .common import save, table, update_readme
+from .common import load_package, save, table, update_readme
 
 MODEL = "benchmarks/models/pyramid_mlp.py"
 
@@ -48,7 +48,7 @@ def _worker(rank: int, world: int, port: int, directory: str, schedule: str, ste
     ((x,), _), target, loss_fn = mf.example_inputs(), mf.example_target(), mf.loss_fn()
     ours = runtime.DistributedPipeline(directory)
     ours.load_state_dict(original)
-    pkg = _package(directory)
+    pkg = load_package(directory)
     module = pkg.load_stage(rank)
     entry = pkg.MANIFEST["stages"][rank]
     with torch.no_grad():
@@ -79,17 +79,6 @@ def _worker(rank: int, world: int, port: int, directory: str, schedule: str, ste
     if rank == 0:
         torch.save({"times": times, "stage_times": gathered}, out)
     dist.destroy_process_group()
-
-
-def _package(directory: str) -> Any:
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("bench_pkg", Path(directory) / "__init__.py",
-                                                  submodule_search_locations=[directory])
-    assert spec and spec.loader
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def _stage_time(module: torch.nn.Module, entry: dict[str, Any], rank: int, microbatches: int,
