@@ -21,7 +21,7 @@ import torch
 import torch.fx
 import torch.utils._pytree as pytree
 
-from partitioner.ir import Plan
+from partitioner.ir import REPLICATED, Layout, Plan
 from partitioner.passes import get_attr, node_module
 
 from .layout import StageLayout, lay_out
@@ -53,6 +53,9 @@ class PackageInfo:
     unused_params: set[str] = field(default_factory=set)
     predicted: dict[str, Any] = field(default_factory=dict)
     options: dict[str, Any] = field(default_factory=dict)
+    tp: int = 1
+    shards: dict[str, Layout] = field(default_factory=dict)  # parameter -> its tensor-parallel layout
+    tensor_parallel: dict[str, Any] = field(default_factory=dict)  # the manifest's block (rules, collectives)
 
 
 def emit(out: str | Path, gm: torch.fx.GraphModule, plan: Plan, info: PackageInfo) -> dict[str, Any]:
@@ -90,7 +93,8 @@ def _stage(
     held = [str(a.target) for a in layout.attrs]
     if k == 0:
         held += sorted(info.unused)
-    param_entries = [_param(n, tensors[n]) for n in held if n in params or n in info.unused_params]
+    param_entries = [_param(n, tensors[n], info.shards.get(n, REPLICATED), info.tp)
+                     for n in held if n in params or n in info.unused_params]
     buffer_entries = [
         _buffer(n, tensors[n], n in info.persistent) for n in held if not (n in params or n in info.unused_params)
     ]
@@ -160,7 +164,8 @@ def _imports(writer: StageSource, constants: bool, last: bool) -> list[str]:
     stdlib = (["import os"] if constants else []) + (["from typing import Any"] if last else [])
     others = sorted(i for i in writer.imports if i.startswith("import ") and i != "import torch")
     third = ["import torch"] + (["import torch.nn.functional as F"] if "F" in writer.imports else []) + others
-    return (stdlib + [""] if stdlib else []) + third + [""]
+    ours = ["", "from runtime import tp"] if "tp" in writer.imports else []
+    return (stdlib + [""] if stdlib else []) + third + ours + [""]
 
 
 # -- manifest entries --------------------------------------------------------------------
@@ -187,13 +192,15 @@ def _manifest(plan: Plan, info: PackageInfo, stages: list[dict[str, Any]]) -> di
         "tied_parameters": [{"source_name": n, "stages": s} for n, s in tied.items() if len(s) > 1],
         "state_dict_aliases": dict(sorted(info.aliases.items())),
         "meta_constants": sorted(b["source_name"] for s in stages for b in s["buffers"] if b.get("meta")),
+        **({"tensor_parallel": info.tensor_parallel} if info.tensor_parallel else {}),
         "predicted": info.predicted,
     }
 
 
 def _ranks(stage: int, plan: Plan) -> list[int]:
-    """Global rank = replica * pp + pipeline position; stage s sits at position s % pp."""
-    return [r * plan.pp + stage % plan.pp for r in range(plan.dp)]
+    """Global rank = (replica * pp + pipeline position) * tp + tensor-parallel index; stage s
+    sits at position s % pp (tensor-parallel ranks are neighbours, as NVLink peers are)."""
+    return [(r * plan.pp + stage % plan.pp) * plan.tp + t for r in range(plan.dp) for t in range(plan.tp)]
 
 
 def _meta(node: torch.fx.Node) -> tuple[list[int], str, bool]:
@@ -212,11 +219,16 @@ def _boundary_out(node: torch.fx.Node, readers: list[int]) -> dict[str, Any]:
     return {"name": node.name, "shape": shape, "dtype": dtype, "to": readers, "requires_grad": grad}
 
 
-def _param(name: str, t: torch.Tensor) -> dict[str, Any]:
+def _param(name: str, t: torch.Tensor, layout: Layout, tp: int) -> dict[str, Any]:
+    """A parameter entry; a sharded one has its local shape and `index` "tp": the rank's
+    own tensor-parallel index (one stage file serves every rank of the group)."""
+    shard: dict[str, Any] = {"dim": None, "index": 0, "count": 1}
+    if not layout.replicated:
+        shard = {"dim": layout.dim, "index": "tp", "count": tp, "blocks": layout.blocks}
     return {
-        "name": attr_name(name), "source_name": name, "shape": list(t.shape),
+        "name": attr_name(name), "source_name": name, "shape": list(layout.local_shape(tuple(t.shape), tp)),
         "dtype": str(t.dtype).replace("torch.", ""), "requires_grad": bool(t.requires_grad),
-        "shard": {"dim": None, "index": 0, "count": 1},
+        "shard": shard,
     }
 
 

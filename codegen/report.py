@@ -55,6 +55,16 @@ def format_plan(manifest: dict[str, Any]) -> str:
             f"proved bound {solver.get('lower_bound_s', 0.0) * 1e3:.3f} ms (gap {solver.get('gap', 0.0) * 100:.1f}%), "
             f"{solver.get('blocks', 0)} blocks from {solver.get('nodes', 0)} nodes"
         )
+    tensor = manifest.get("tensor_parallel") or {}
+    if tensor:
+        rules: dict[str, int] = {}
+        for rule in tensor.get("rules", {}).values():
+            family = rule.split(".")[0]
+            if family in ("linear", "embedding", "attention", "matmul"):
+                rules[rule] = rules.get(rule, 0) + 1
+        shown_rules = ", ".join(f"{k} x{v}" for k, v in sorted(rules.items())) or "nothing split (replicated)"
+        calls = ", ".join(f"{k} x{v}" for k, v in tensor.get("collectives", {}).items()) or "none"
+        lines.append(f"tensor     x{tensor.get('degree')}: {shown_rules}; collectives per microbatch: {calls}")
     candidates = predicted.get("candidates", [])
     if candidates:
         lines_c = ["", "meshes searched (best first):"]

@@ -95,6 +95,9 @@ class StageSource:
             self.imports.add("aten")
             return f"aten.{target.__name__}"
         name = getattr(target, "__name__", "")
+        if getattr(target, "__module__", None) == "runtime.tp":  # the tensor-parallel collectives
+            self.imports.add("tp")
+            return f"tp.{name}"
         if name and getattr(F, name, None) is target:
             self.imports.add("F")
             return f"F.{name}"

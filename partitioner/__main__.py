@@ -44,7 +44,7 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("model", help="the model file (build_model, example_inputs, ...)")
     c.add_argument("--out", required=True, help="the package directory to write")
     c.add_argument("--stages", type=int, help="pipeline stages (default: searched with --devices, else 2)")
-    c.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (default 1)")
+    c.add_argument("--tp", type=int, help="tensor-parallel degree (default: searched with --devices, else 1)")
     c.add_argument("--dp", type=int, default=1, help="data-parallel replicas (default 1)")
     c.add_argument("--devices", type=int, help="total devices: stages x tp x dp")
     c.add_argument("--microbatches", type=int, help="default: 2 x stages")

@@ -26,10 +26,12 @@ from .errors import PlanError
 from .hardware import Hardware, load_hardware
 from .ir import (GraphNode, NodeCost, PartitionProblem, Plan, SolverReport, StagePlan,
                  optimizer_state_factor)
-from .options import CompileOptions, batch_size, check, default_microbatches, rows_per_microbatch, split_batch
+from .options import (CompileOptions, batch_size, check, default_microbatches, fixed_tp, rows_per_microbatch,
+                      split_batch)
 from .passes import get_attr, is_tensor_node, node_module, propagate, specialize
 from .predict import predict
 from .solve import solve, stage_costs
+from .tp import Sharded, shard
 from .trace import Traced, by_input_key, trace
 
 __all__ = ["CompileOptions", "Compiled", "Prepared", "assign_nodes", "compile_model", "finish", "prepare", "split_batch"]
@@ -68,15 +70,19 @@ class Prepared:
     virtual: int
     microbatches: int
     timings: dict[str, float] = field(default_factory=dict)
+    #: the graph before tensor parallelism and its costs (what --devices re-shards)
+    whole: tuple[Traced, dict[str, NodeCost]] | None = None
+    sharded: Sharded | None = None
 
 
 def compile_model(opts: CompileOptions, log: Callable[[str], None] | None = None) -> Compiled:
     """Compile `opts.model` into the package `opts.out`."""
     say = log or (lambda msg: None if opts.quiet else print(msg, file=sys.stderr))
-    if opts.devices is not None and opts.stages is None:
+    if opts.devices is not None and (opts.stages is None or opts.tp is None):
         from .search import search
 
         return search(opts, say)
+    opts = fixed_tp(opts)
     prepared = prepare(opts, say)
     start = time.perf_counter()
     say(f"solving: {len(compute_nodes(prepared.traced.gm))} nodes in {prepared.problem.num_blocks} blocks "
@@ -90,7 +96,9 @@ def compile_model(opts: CompileOptions, log: Callable[[str], None] | None = None
 
 
 def prepare(opts: CompileOptions, say: Callable[[str], None] = lambda _m: None) -> Prepared:
-    """Load, trace, specialise and cost the model; pose the partition problem."""
+    """Load, trace, specialise and cost the model; split it for tensor parallelism; pose
+    the partition problem."""
+    opts = fixed_tp(opts)
     timings: dict[str, float] = {}
     clock = time.perf_counter()
 
@@ -123,11 +131,44 @@ def prepare(opts: CompileOptions, say: Callable[[str], None] = lambda _m: None) 
     hardware = load_hardware(opts.hardware)
     costs = _costs(traced.gm, values, hardware, opts, say)
     phase("cost")
-    # 4. Coarsen into blocks and pose the problem.
-    problem, blocks = _problem(traced, costs, pp * virtual, microbatches, hardware, opts)
+    # 4. Tensor parallelism: the split per node, and the graph one rank runs.
+    whole = (traced, costs)
+    traced, costs, sharded = apply_tp(traced, costs, opts.tp or 1, hardware, opts, say)
+    phase("tp")
+    # 5. Coarsen into blocks and pose the problem.
+    problem, blocks = _problem(traced, costs, pp * virtual, microbatches, hardware, opts, sharded)
     phase("coarsen")
     return Prepared(opts, mf, model, traced, costs, hardware, problem, blocks, batch, rows, args, kwargs,
-                    pp, virtual, microbatches, timings)
+                    pp, virtual, microbatches, timings, whole, sharded)
+
+
+def apply_tp(traced: Traced, costs: dict[str, NodeCost], tp: int, hardware: Hardware, opts: CompileOptions,
+             say: Callable[[str], None] = lambda _m: None) -> tuple[Traced, dict[str, NodeCost], Sharded | None]:
+    """The graph and costs of one tensor-parallel rank (unchanged for tp = 1)."""
+    if tp == 1:
+        return traced, costs, None
+    sharded = shard(traced.gm, costs, tp, hardware, time_limit_s=min(opts.time_limit, 10.0))
+    report = sharded.report
+    saved = f", {(1 - report.objective_s / report.replicated_s) * 100:.0f}% below replicated" if report else ""
+    say(f"tensor parallel x{tp}: {len(sharded.rules)} nodes split, {len(sharded.params)} weights sharded, "
+        f"collectives {sharded.collectives or 'none'}{saved}")
+    for n in sharded.gm.graph.nodes:
+        if n.name in sharded.costs:
+            n.meta["cost"] = sharded.costs[n.name]
+    return dataclasses.replace(traced, gm=sharded.gm, output_leaves=_local_leaves(traced, sharded.gm)), \
+        sharded.costs, sharded
+
+
+def _local_leaves(traced: Traced, local: torch.fx.GraphModule) -> list[Any]:
+    """The output leaves as nodes of the rewritten graph (the output reads gathered values)."""
+    def reads(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
+        out = next(n for n in gm.graph.nodes if n.op == "output")
+        found: list[torch.fx.Node] = []
+        torch.fx.node.map_arg(out.args, found.append)
+        return found
+
+    mapping = dict(zip(reads(traced.gm), reads(local)))
+    return [mapping.get(leaf, leaf) if isinstance(leaf, torch.fx.Node) else leaf for leaf in traced.output_leaves]
 
 
 def finish(prepared: Prepared, assignment: tuple[int, ...], report: SolverReport | None = None,
@@ -143,7 +184,8 @@ def _emit(p: Prepared, plan: Plan, extra: dict[str, Any] | None = None) -> Compi
     from codegen import emit
 
     start = time.perf_counter()
-    info = _package_info(p.opts, p.mf, p.model, p.traced, p.batch, p.args, p.kwargs, p.rows, plan, p.costs, p.hardware)
+    info = _package_info(p.opts, p.mf, p.model, p.traced, p.batch, p.args, p.kwargs, p.rows, plan, p.costs, p.hardware,
+                         p.sharded, model_flops(p))
     info.predicted.update(extra or {})
     manifest = emit(p.opts.out, p.traced.gm, plan, info)
     p.timings["emit"] = time.perf_counter() - start
@@ -167,7 +209,7 @@ def assign_nodes(prepared: Prepared, stage_of: dict[str, int]) -> Compiled:
         t = sum(p.costs[n].time_s for n in nodes)
         stages.append(StagePlan(index=k, nodes=nodes, time_s=t, compute_s=t))
     plan = Plan(stages=tuple(stages), schedule=p.opts.schedule, microbatches=p.microbatches,
-                pp=count // p.virtual, tp=p.opts.tp, dp=p.opts.dp, virtual_stages=p.virtual)
+                pp=count // p.virtual, tp=p.opts.tp or 1, dp=p.opts.dp, virtual_stages=p.virtual)
     return _emit(p, plan)
 
 
@@ -227,10 +269,12 @@ def _progress(opts: CompileOptions, total: int) -> Callable[[Iterable[torch.fx.N
 
 
 def _problem(traced: Traced, costs: dict[str, NodeCost], stages: int, microbatches: int,
-             hardware: Hardware, opts: CompileOptions) -> tuple[PartitionProblem, list[Any]]:
+             hardware: Hardware, opts: CompileOptions, sharded: Sharded | None = None) -> tuple[PartitionProblem, list[Any]]:
     gm = traced.gm
     params = {name for name, _ in gm.named_parameters(remove_duplicate=False)}
-    param_bytes = {name: p.numel() * p.element_size() for name, p in gm.named_parameters(remove_duplicate=False)}
+    shards = sharded.params if sharded is not None else {}
+    param_bytes = {name: p.numel() * p.element_size() // (sharded.tp if sharded and name in shards else 1)
+                   for name, p in gm.named_parameters(remove_duplicate=False)}
     compute = set(compute_nodes(gm))
     output = next(n for n in gm.graph.nodes if n.op == "output")
     nodes = [
@@ -251,7 +295,7 @@ def _problem(traced: Traced, costs: dict[str, NodeCost], stages: int, microbatch
     problem = build_problem(
         blocks, edges, stages, microbatches,
         schedule="1f1b" if opts.schedule == "interleaved" else opts.schedule,
-        memory_limit_bytes=opts.memory if opts.memory is not None else _device_memory(hardware, stages * opts.dp),
+        memory_limit_bytes=opts.memory if opts.memory is not None else _device_memory(hardware, stages * (opts.tp or 1) * opts.dp),
         optimizer_factor=optimizer_state_factor(opts.optimizer),
         comm_alpha_s=hardware.p2p_alpha_s,
         comm_beta_s_per_byte=hardware.p2p_beta_s_per_byte,
@@ -287,12 +331,18 @@ def _plan(problem: PartitionProblem, blocks: list[Any], assignment: tuple[int, .
         for k, c in enumerate(costs)
     )
     return Plan(stages=stage_plans, schedule=opts.schedule, microbatches=microbatches, pp=pp,
-                tp=opts.tp, dp=opts.dp, virtual_stages=virtual, report=report)
+                tp=opts.tp or 1, dp=opts.dp, virtual_stages=virtual, report=report)
+
+
+def model_flops(p: Prepared) -> int:
+    """Forward FLOPs of one microbatch of the whole model (before any tensor split)."""
+    costs = p.whole[1] if p.whole is not None else p.costs
+    return sum(c.flops for c in costs.values())
 
 
 def _package_info(opts: CompileOptions, mf: model_file.ModelFile, model: torch.nn.Module, traced: Traced,
                   batch: int, args: tuple[Any, ...], kwargs: dict[str, Any], rows: int, plan: Plan,
-                  costs: dict[str, NodeCost], hardware: Hardware) -> Any:
+                  costs: dict[str, NodeCost], hardware: Hardware, sharded: Sharded | None, flops: int) -> Any:
     from codegen import PackageInfo
 
     gm = traced.gm
@@ -313,8 +363,9 @@ def _package_info(opts: CompileOptions, mf: model_file.ModelFile, model: torch.n
     aliases = {k: canonical[storage_key(t)] for k, t in original.items()
                if storage_key(t) in canonical and canonical[storage_key(t)] != k}
     unused = {k: t for k, t in original.items() if storage_key(t) not in canonical and k not in aliases}
-    predicted = predict(gm, plan, costs, hardware, cost_source="analytic" if opts.analytic else "measured")
-    options = {"stages": plan.pp, "microbatches": plan.microbatches, "schedule": plan.schedule,
+    predicted = predict(gm, plan, costs, hardware, cost_source="analytic" if opts.analytic else "measured",
+                        model_flops=flops)
+    options = {"stages": plan.pp, "tp": plan.tp, "microbatches": plan.microbatches, "schedule": plan.schedule,
                "memory": opts.memory, "hardware": hardware.name, "analytic": opts.analytic,
                "optimizer": opts.optimizer}
     return PackageInfo(
@@ -322,5 +373,23 @@ def _package_info(opts: CompileOptions, mf: model_file.ModelFile, model: torch.n
         batch_size=batch, inputs=inputs, out_spec=traced.out_spec, output_leaves=traced.output_leaves,
         persistent=set(original), aliases=aliases, unused={k: t.detach() for k, t in unused.items()},
         unused_params={k for k, t in unused.items() if isinstance(t, torch.nn.Parameter)},
-        predicted=predicted, options=options,
+        predicted=predicted, options=options, tp=plan.tp,
+        shards=dict(sharded.params) if sharded is not None else {},
+        tensor_parallel=_tp_summary(sharded),
     )
+
+
+def _tp_summary(sharded: Sharded | None) -> dict[str, Any]:
+    """The manifest's `tensor_parallel` block: the rule chosen per split node, the collectives."""
+    if sharded is None:
+        return {}
+    report = sharded.report
+    return {
+        "degree": sharded.tp,
+        "rules": dict(sorted(sharded.rules.items())),
+        "collectives": sharded.collectives,
+        "sharded_parameters": {k: str(v) for k, v in sorted(sharded.params.items())},
+        "solver": {} if report is None else {
+            "method": report.method, "status": report.status, "objective_s": report.objective_s,
+            "replicated_s": report.replicated_s, "lower_bound_s": report.lower_bound_s, "variables": report.variables},
+    }

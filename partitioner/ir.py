@@ -23,9 +23,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 __all__ = [
+    "REPLICATED",
     "BlockCost",
     "Edge",
     "GraphNode",
+    "Layout",
     "NodeCost",
     "Plan",
     "PartitionProblem",
@@ -43,6 +45,40 @@ def optimizer_state_factor(optimizer: str) -> int:
     """Bytes of optimizer state per byte of parameter (Adam keeps m and v; SGD none)."""
     factors = {"adam": 2, "adamw": 2, "sgd": 0, "momentum": 1}
     return factors[optimizer]
+
+
+@dataclass(frozen=True, order=True)
+class Layout:
+    """How a tensor lies across the ranks of a tensor-parallel group.
+
+    `dim is None`: replicated, every rank holds the whole tensor.  Otherwise sharded:
+    dimension `dim` is cut into `tp` equal pieces, rank t holding piece t.  With
+    `blocks = b > 1` the dimension is first seen as b equal blocks and each block is cut
+    so (a fused q/k/v projection: rank t holds piece t of q, of k and of v).
+    """
+
+    dim: int | None = None
+    blocks: int = 1
+
+    @property
+    def replicated(self) -> bool:
+        return self.dim is None
+
+    def local_shape(self, shape: tuple[int, ...] | list[int], tp: int) -> tuple[int, ...]:
+        """The shape one rank holds of a tensor of global `shape`."""
+        out = list(shape)
+        if self.dim is not None:
+            out[self.dim] //= tp
+        return tuple(out)
+
+    def __str__(self) -> str:
+        if self.dim is None:
+            return "R"
+        return f"S{self.dim}" + (f"x{self.blocks}" if self.blocks > 1 else "")
+
+
+#: the layout of a tensor every rank holds whole
+REPLICATED = Layout()
 
 
 @dataclass(frozen=True)

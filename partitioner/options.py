@@ -7,7 +7,7 @@ microbatch out of the example batch along each input's batch dimension.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -16,7 +16,7 @@ from . import model_file
 from .errors import PlanError
 from .ir import SCHEDULES
 
-__all__ = ["CompileOptions", "batch_size", "check", "default_microbatches", "rows_per_microbatch", "split_batch"]
+__all__ = ["CompileOptions", "batch_size", "check", "fixed_tp", "default_microbatches", "rows_per_microbatch", "split_batch"]
 
 
 @dataclass
@@ -26,7 +26,7 @@ class CompileOptions:
     model: str
     out: str
     stages: int | None = None
-    tp: int = 1
+    tp: int | None = None  # None: 1, or searched when --devices is given
     dp: int = 1
     devices: int | None = None
     microbatches: int | None = None
@@ -47,10 +47,13 @@ class CompileOptions:
 
 
 def check(opts: CompileOptions) -> tuple[int, int, int]:
+    """(stages per rank, virtual stages, microbatches; 0: chosen from the batch) for
+    options whose `tp` is set (see `fixed_tp`)."""
+    assert opts.tp is not None, "compile_model fixes --tp before checking"
     if opts.schedule not in SCHEDULES:
         raise PlanError(f"unknown --schedule {opts.schedule!r}: choose one of {', '.join(SCHEDULES)}.")
-    if opts.tp != 1:
-        raise PlanError(f"--tp {opts.tp}: tensor parallelism is not implemented yet; use --tp 1.")
+    if opts.tp < 1:
+        raise PlanError(f"--tp {opts.tp}: the tensor-parallel degree is at least 1 (1: no tensor parallelism).")
     pp = opts.stages if opts.stages is not None else 2
     if opts.devices is not None:
         if opts.devices % (opts.tp * opts.dp):
@@ -74,6 +77,11 @@ def check(opts: CompileOptions) -> tuple[int, int, int]:
     if opts.optimizer not in ("adam", "adamw", "sgd", "momentum"):
         raise PlanError(f"unknown --optimizer {opts.optimizer!r}: choose adam, sgd or momentum.")
     return pp, virtual, microbatches
+
+
+def fixed_tp(opts: CompileOptions) -> CompileOptions:
+    """The options with `tp` set: as given, else 1."""
+    return opts if opts.tp is not None else replace(opts, tp=1)
 
 
 def batch_size(mf: model_file.ModelFile, args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:

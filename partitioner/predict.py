@@ -25,10 +25,12 @@ __all__ = ["predict", "simulate_plan"]
 
 
 def predict(gm: torch.fx.GraphModule, plan: Plan, costs: dict[str, NodeCost], hardware: Hardware,
-            cost_source: str) -> dict[str, Any]:
-    """The manifest's `predicted` block for `plan`."""
+            cost_source: str, model_flops: int | None = None) -> dict[str, Any]:
+    """The manifest's `predicted` block for `plan`; `model_flops` is one microbatch's
+    forward of the whole model (default: the sum over `costs`, right when tp = 1)."""
     sim = simulate_plan(gm, plan, costs, hardware)
-    flops = sum(c.flops for c in costs.values()) * (1 + BACKWARD_FLOP_FACTOR) * plan.microbatches * plan.dp
+    forward = model_flops if model_flops is not None else sum(c.flops for c in costs.values())
+    flops = forward * (1 + BACKWARD_FLOP_FACTOR) * plan.microbatches * plan.dp
     report = plan.report
     return {
         "step_time_s": sim.step_time_s,

@@ -1,7 +1,9 @@
 """The pipeline runtime: reads a generated package DIR (manifest.json + stage_<k>.py) and
 trains it, in one process (`LocalPipeline`) or one process per rank (`DistributedPipeline`).
 
-It needs torch alone: it never imports the compiler (`partitioner`) or OR-Tools.
+It needs torch alone: it never imports the compiler (`partitioner`) or OR-Tools.  Stage
+code compiled with tensor parallelism calls `runtime.tp` (tp.py), whose collectives run
+over the group `DistributedPipeline` sets up.
 """
 
 from __future__ import annotations

@@ -2,13 +2,19 @@
 with timeouts, data-parallel gradient buckets, tied-parameter gradient sums.
 
 [Note: process groups]
-    Every rank creates every group, in the same order (dist.new_group is collective):
-      1. one group per stage edge (p, c) across ranks, per replica: activations of p go to
-         c and gradients come back on it, in microbatch order, so it is first-in
-         first-out as NCCL needs (see [Note: schedule semantics] in schedule.py);
-      2. one data-parallel group per pipeline position (the dp replicas of its stages);
-      3. one group per tied parameter whose copies sit on several positions (every rank
-         holding a copy, all replicas).
+    Global rank = (replica * pp + position) * tp + t (groups.Mesh).  Every rank creates
+    every group, in the same order (dist.new_group is collective):
+      1. one group per stage edge (p, c) across positions, per replica and tp index t:
+         activations of p go to c and gradients come back on it, in microbatch order, so
+         it is first-in first-out as NCCL needs (see [Note: schedule semantics] in
+         schedule.py); tp rank t of p talks to tp rank t of c only;
+      2. one data-parallel group per pipeline position and t (the dp replicas of its
+         shards);
+      3. one group per tied parameter whose copies sit on several positions, and t (every
+         rank holding that shard of a copy, all replicas);
+      4. when tp > 1, one tensor-parallel group per replica and position (its tp
+         neighbours): the stage code's tp.* collectives run on it (tp.py).
+    With tp == 1 there are no groups 4 and groups 1-3 are made in the order they always were.
 """
 
 from __future__ import annotations

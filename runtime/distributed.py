@@ -1,19 +1,26 @@
 """`DistributedPipeline`: one process per rank under torchrun (CONTRACT.md section 4).
 
-Global rank = replica * pp + position; stage s sits at position s % pp, so with the
-interleaved schedule a rank holds several (virtual) stages.  Each rank imports only its
-own stage files and interprets its own row of the lowered schedule:
+Global rank = (replica * pp + position) * tp + t (groups.Mesh); stage s sits at position
+s % pp, so with the interleaved schedule a rank holds several (virtual) stages, and the
+tp ranks t = 0..tp-1 of a position are neighbours that each hold their own shards of the
+same stages (the same stage files; [Note: shards] in package.py).  Each rank imports only
+its own stage files and interprets its own row of the lowered schedule:
 
     train_step on one rank:
       1. take replica r's rows of the global batch, split into M microbatches
       2. for each action of this rank's row (schedule.lower + validate):
-           F / B            as in LocalPipeline (stage.py); the last stage adds the loss
-           SEND_F / SEND_B  isend each value (shape, dtype from the manifest), wait at 7
+           F / B            as in LocalPipeline (stage.py); the last stage adds the loss.
+                            The stage code's tp.* collectives (tp.py) run inside, over
+                            this position's tensor-parallel group: every tp rank runs the
+                            same row, so they meet in the same order
+           SEND_F / SEND_B  isend each value (shape, dtype from the manifest; tp rank t
+                            sends its own local tensor to tp rank t), wait at 7
            RECV_F / RECV_B  irecv into fresh buffers and wait, with the timeout
            before the last B of each stage: arm its dp gradient buckets (comm.py)
       3. wait for the dp buckets: gradients averaged over the replicas
       4. tied parameters across ranks: sum the copies' contributions (comm.TiedGrads)
-      5. the loss: all_reduce of the last stages' sums over the world, / dp
+      5. the loss: all_reduce of the last stages' sums over the world (t = 0 only: every
+         tp rank computes the same loss), / dp
       6. the trace, when asked for, is gathered on rank 0
       7. (sends are waited on before 3)
 
@@ -34,11 +41,11 @@ import torch
 import torch.distributed as dist
 import torch.utils._pytree as pytree
 
-from . import package
+from . import package, tp
 from .comm import GradBuckets, TiedGrads, guard, init_from_env, timeout_from_env, wait
 from .errors import ManifestError, MeshError, PipelineError
 from .faults import parse_fault
-from .groups import make_groups
+from .groups import Mesh, make_groups
 from .local import concat_outputs
 from .schedule import Action, Schedule, StageGraph, lower, make_schedule, validate
 from .stage import StageRunner, as_leaf
@@ -71,11 +78,9 @@ class DistributedPipeline:
         # 1. the manifest and the process group
         self.directory = Path(directory)
         self.manifest = m = package.load_manifest(directory)
-        if m["mesh"]["tp"] != 1:
-            raise PipelineError(f"{directory} was compiled with tp={m['mesh']['tp']}; this runtime runs tp=1 packages "
-                                f"only: compile with --tp 1.")
         self.timeout_s = timeout_from_env(timeout_s)
-        self.pp, self.dp = int(m["mesh"]["pp"]), int(m["mesh"]["dp"])
+        self.mesh = Mesh.from_manifest(m)
+        self.pp, self.tp, self.dp = self.mesh.pp, self.mesh.tp, self.mesh.dp
         given = os.environ.get("WORLD_SIZE", "")
         if not dist.is_initialized() and given.isdigit():
             self._check_world(int(given))  # before joining: a clear error, not a hang
@@ -83,21 +88,25 @@ class DistributedPipeline:
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self._check_world(self.world)
         self._check_same_package()
-        # 2. this rank's stages (tied copies within the rank are one shared Parameter)
+        # 2. where this rank sits; every process group ([Note: process groups] in comm.py)
         self.graph = g = StageGraph.from_manifest(m)
-        self.position, self.replica = self.rank % self.pp, self.rank // self.pp
-        _check_ranks(m, self.pp, self.dp)
+        self.replica, self.position, self.tp_index = self.mesh.coords(self.rank)
+        _check_ranks(m, self.mesh)
         self.stages = [s for s in range(g.num_stages) if g.rank_of(s) == self.position]
+        self._action: Action | None = None  # the action running now, for tp's error messages
+        self.groups = make_groups(m, g, self.rank)
+        self._set_tp_group()
+        # 3. this rank's stages (tied copies within the rank are one shared Parameter)
         self.runners = {s: StageRunner(package.import_stage(directory, m, s).to(self.device), m["stages"][s])
                         for s in self.stages}
         self._share_tied()
-        # 3. the schedule: every rank lowers and validates the whole one, then keeps its row
+        # 4. the schedule: every rank lowers and validates the whole one, then keeps its row
         compute = schedule if isinstance(schedule, list) else make_schedule(
             schedule or m["schedule"], self.pp, m["microbatches"], m["virtual_stages"])
         fwd = [[a for a in row if a.kind == "F"] for row in compute]
         self._train_actions = _row(lower(compute, g), g, m["microbatches"], self.position)
         self._forward_actions = _row(lower(fwd, g), g, m["microbatches"], self.position)
-        # 4. process groups, gradient buckets, tied gradients: [Note: process groups] in comm.py
+        # 5. gradient buckets, tied gradients
         self._setup_grads()
         self.tracer = Tracer(trace or os.environ.get("PIPELINE_TRACE") or None, self.rank, self.stages)
         self._fault = parse_fault(os.environ.get("PIPELINE_FAULT", ""))
@@ -110,11 +119,11 @@ class DistributedPipeline:
         if strict:
             package.check_state_dict(state_dict, self.manifest)
         for r in self.runners.values():
-            package.load_stage_state(package.stage_tensors(r.module, r.entry), state_dict, self.manifest)
+            package.load_stage_state(self._tensors(r), state_dict, self.manifest)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The full original state_dict on every rank, on CPU (collective)."""
-        mine = [(spec, t.detach().cpu()) for r in self.runners.values() for spec, t in package.stage_tensors(r.module, r.entry)]
+        mine = [(spec, t.detach().cpu()) for r in self.runners.values() for spec, t in self._tensors(r)]
         gathered: list[Any] = [None] * self.world
         dist.all_gather_object(gathered, mine if self.replica == 0 else [])
         return package.assemble_state_dict([p for pieces in gathered for p in pieces], self.manifest)
@@ -153,7 +162,8 @@ class DistributedPipeline:
             if self._buckets is not None:
                 self._buckets.finish()
             self._ties.reduce(snapshot)
-            loss = step.loss if step.loss is not None else torch.zeros((), device=self.device)
+            # every tp rank of the last stage has the same loss: t == 0 counts it
+            loss = step.loss if step.loss is not None and self.tp_index == 0 else torch.zeros((), device=self.device)
             doing = self._describe("the loss all_reduce", range(self.world))
             with guard(doing):
                 work = dist.all_reduce(loss, async_op=True)
@@ -173,10 +183,10 @@ class DistributedPipeline:
                 self._execute(a, step, mb_inputs, None, None)
             self._wait_sends(step)
         last = self.graph.rank_of(self.graph.num_stages - 1)
-        mine = [_to_cpu(o) for o in step.results] if self.position == last else None
+        mine = [_to_cpu(o) for o in step.results] if self.position == last and self.tp_index == 0 else None
         gathered: list[Any] = [None] * self.world
         dist.all_gather_object(gathered, mine)
-        return concat_outputs([o for r in range(self.dp) for o in gathered[r * self.pp + last]])
+        return concat_outputs([o for r in range(self.dp) for o in gathered[self.mesh.rank(r, last, 0)]])
 
     # -- the interpreter ---------------------------------------------------------------------
 
@@ -185,6 +195,7 @@ class DistributedPipeline:
         if self._fault is not None:
             self._fault.check(self.rank, a)
         s, i = a.stage, a.microbatch
+        self._action = a
         with self.tracer.span(repr(a), s, a.kind, i, **({"peer": a.peer} if a.peer is not None else {})):
             if a.kind == "F":
                 self._forward(s, i, step, mb_inputs, targets, loss_fn)
@@ -283,9 +294,9 @@ class DistributedPipeline:
     # -- set-up ------------------------------------------------------------------------------
 
     def _check_world(self, world: int) -> None:
-        need = self.pp * self.dp
+        need = self.mesh.world
         if world != need:
-            raise MeshError(f"{self.directory} is planned for pp={self.pp} x tp=1 x dp={self.dp} = {need} ranks but "
+            raise MeshError(f"{self.directory} is planned for pp={self.pp} x tp={self.tp} x dp={self.dp} = {need} ranks but "
                             f"WORLD_SIZE is {world}: launch {need} processes (--nproc {need}), or compile the model "
                             f"for {world} devices.")
 
@@ -314,7 +325,7 @@ class DistributedPipeline:
 
     def _setup_grads(self) -> None:
         """Process groups, data-parallel buckets, tied gradients, and when to arm the buckets."""
-        self.groups = groups = make_groups(self.manifest, self.graph, self.rank)
+        groups = self.groups
         mine = dict(self.named_parameters())
         tied = [(mine[n], group, n) for n, (group, _) in groups.ties.items() if n in mine and mine[n].requires_grad]
         self._ties = TiedGrads(tied, self.dp, self.timeout_s, lambda name, t, why: self._describe(
@@ -336,8 +347,26 @@ class DistributedPipeline:
 
     # -- helpers -----------------------------------------------------------------------------
 
+    def _set_tp_group(self) -> None:
+        """Point tp.* at this (replica, position)'s tensor-parallel group (none when tp == 1)."""
+        if self.tp == 1:
+            tp.reset()
+            return
+        tp.set_group(self.groups.tp, self.tp_index, self.tp, self.timeout_s, self._tp_doing)
+
+    def _tp_doing(self, collective: str, timed_out: bool, reason: str) -> str:
+        a = self._action
+        during = f" during {a!r} (stage {a.stage}, microbatch {a.microbatch})" if a is not None else ""
+        others = ", ".join(f"rank {r} (tp index {u})" for u, r in enumerate(self.groups.tp_ranks) if r != self.rank)
+        return (f"rank {self.rank} (tp index {self.tp_index}) {'timed out' if timed_out else 'failed'} in {collective}"
+                f"{during}: {others} of its tensor-parallel group stopped or failed ({reason}). Look at that rank's "
+                f"own error; if it is only slow, raise PIPELINE_TIMEOUT_S (now {self.timeout_s:g} s).")
+
+    def _tensors(self, runner: StageRunner) -> list[tuple[dict[str, Any], torch.Tensor]]:
+        return package.stage_tensors(runner.module, runner.entry, self.tp_index)
+
     def _rank_of(self, stage: int) -> int:
-        return self.replica * self.pp + self.graph.rank_of(stage)
+        return self.mesh.rank(self.replica, self.graph.rank_of(stage), self.tp_index)
 
     def _tag(self, microbatch: int, forward: bool, j: int) -> int:
         return (microbatch * 2 + (0 if forward else 1)) * 256 + j
@@ -373,12 +402,12 @@ def _row(lowered: Schedule, g: StageGraph, microbatches: int, position: int) -> 
     return lowered[position]
 
 
-def _check_ranks(m: dict[str, Any], pp: int, dp: int) -> None:
+def _check_ranks(m: dict[str, Any], mesh: Mesh) -> None:
     for stage in m["stages"]:
-        want = [r * pp + stage["index"] % pp for r in range(dp)]
+        want = [mesh.rank(r, stage["index"] % mesh.pp, t) for r in range(mesh.dp) for t in range(mesh.tp)]
         if list(stage["ranks"]) != want:
             raise ManifestError(f"stage {stage['index']} lists ranks {stage['ranks']} but this runtime places it on "
-                                f"{want} (replica * pp + stage % pp): compile the model again.")
+                                f"{want} ((replica * pp + stage % pp) * tp + t): compile the model again.")
 
 
 def _to(value: Any, device: torch.device) -> Any:

@@ -1,4 +1,4 @@
-"""The process groups of a pipeline run: see [Note: process groups] in comm.py."""
+"""The rank layout and process groups of a pipeline run: see [Note: process groups] in comm.py."""
 
 from __future__ import annotations
 
@@ -9,7 +9,33 @@ import torch.distributed as dist
 
 from .schedule import StageGraph
 
-__all__ = ["Groups", "make_groups"]
+__all__ = ["Mesh", "Groups", "make_groups"]
+
+
+@dataclass(frozen=True)
+class Mesh:
+    """pp x tp x dp ranks: global rank = (replica * pp + position) * tp + t, so the ranks of
+    a tensor-parallel group are neighbours (as Megatron places them on one NVLink island)."""
+
+    pp: int
+    tp: int
+    dp: int
+
+    @classmethod
+    def from_manifest(cls, manifest: dict[str, Any]) -> Mesh:
+        mesh = manifest["mesh"]
+        return cls(int(mesh["pp"]), int(mesh["tp"]), int(mesh["dp"]))
+
+    @property
+    def world(self) -> int:
+        return self.pp * self.tp * self.dp
+
+    def rank(self, replica: int, position: int, t: int) -> int:
+        return (replica * self.pp + position) * self.tp + t
+
+    def coords(self, rank: int) -> tuple[int, int, int]:
+        """(replica, position, t) of a global rank."""
+        return rank // (self.tp * self.pp), rank // self.tp % self.pp, rank % self.tp
 
 
 @dataclass
@@ -17,38 +43,51 @@ class Groups:
     """The groups this rank belongs to."""
 
     edges: dict[tuple[int, int], Any] = field(default_factory=dict)  # (producer, consumer) stage -> group
-    dp: Any = None  # this position's data-parallel group (None when dp == 1)
+    dp: Any = None  # this (position, t)'s data-parallel group (None when dp == 1)
     dp_ranks: list[int] = field(default_factory=list)
     ties: dict[str, tuple[Any, list[int]]] = field(default_factory=dict)  # source name -> (group, ranks)
+    tp: Any = None  # this (replica, position)'s tensor-parallel group (None when tp == 1)
+    tp_ranks: list[int] = field(default_factory=list)
 
 
 def make_groups(manifest: dict[str, Any], graph: StageGraph, rank: int) -> Groups:
     """Create every group on every rank, in the same order (dist.new_group is collective),
     and keep the ones `rank` is in."""
-    pp, dp = graph.num_ranks, int(manifest["mesh"]["dp"])
-    position, replica = rank % pp, rank // pp
-    out = Groups(dp_ranks=[r * pp + position for r in range(dp)])
-    # 1. stage edges across ranks, per replica
-    for r in range(dp):
-        for p, c in graph.edges:
-            if graph.rank_of(p) != graph.rank_of(c):
-                group = dist.new_group(sorted({r * pp + graph.rank_of(p), r * pp + graph.rank_of(c)}))
-                if r == replica:
-                    out.edges[(p, c)] = group
-    # 2. data parallel, per position
-    if dp > 1:
-        for pos in range(pp):
-            group = dist.new_group([r * pp + pos for r in range(dp)])
-            if pos == position:
-                out.dp = group
-    # 3. tied parameters held on several positions: every holder, every replica
+    mesh = Mesh.from_manifest(manifest)
+    replica, position, t = mesh.coords(rank)
+    out = Groups(dp_ranks=[mesh.rank(r, position, t) for r in range(mesh.dp)],
+                 tp_ranks=[mesh.rank(replica, position, u) for u in range(mesh.tp)])
+    # 1. stage edges across positions, per replica and tensor-parallel index
+    for r in range(mesh.dp):
+        for u in range(mesh.tp):
+            for p, c in graph.edges:
+                if graph.rank_of(p) != graph.rank_of(c):
+                    group = dist.new_group(sorted({mesh.rank(r, graph.rank_of(p), u), mesh.rank(r, graph.rank_of(c), u)}))
+                    if (r, u) == (replica, t):
+                        out.edges[(p, c)] = group
+    # 2. data parallel, per position and tensor-parallel index
+    if mesh.dp > 1:
+        for pos in range(mesh.pp):
+            for u in range(mesh.tp):
+                group = dist.new_group([mesh.rank(r, pos, u) for r in range(mesh.dp)])
+                if (pos, u) == (position, t):
+                    out.dp = group
+    # 3. tied parameters held on several positions: every holder, every replica, per t
     holders: dict[str, set[int]] = {}
     for stage in manifest["stages"]:
         for spec in stage["parameters"]:
             holders.setdefault(spec["source_name"], set()).add(graph.rank_of(stage["index"]))
     for name in sorted(n for n, positions in holders.items() if len(positions) > 1):
-        ranks = sorted(r * pp + pos for pos in holders[name] for r in range(dp))
-        group = dist.new_group(ranks)
-        if rank in ranks:
-            out.ties[name] = (group, ranks)
+        for u in range(mesh.tp):
+            ranks = sorted(mesh.rank(r, pos, u) for pos in holders[name] for r in range(mesh.dp))
+            group = dist.new_group(ranks)
+            if rank in ranks:
+                out.ties[name] = (group, ranks)
+    # 4. tensor parallel, per replica and position (none when tp == 1)
+    if mesh.tp > 1:
+        for r in range(mesh.dp):
+            for pos in range(mesh.pp):
+                group = dist.new_group([mesh.rank(r, pos, u) for u in range(mesh.tp)])
+                if (r, pos) == (replica, position):
+                    out.tp = group
     return out

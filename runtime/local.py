@@ -48,8 +48,11 @@ class LocalPipeline:
         self.manifest = package.load_manifest(directory)
         m = self.manifest
         if m["mesh"]["tp"] != 1:
-            raise PipelineError(f"{directory} was compiled with tp={m['mesh']['tp']}; this runtime runs tp=1 packages "
-                                f"only: compile with --tp 1.")
+            need = m["mesh"]["pp"] * m["mesh"]["tp"] * m["mesh"]["dp"]
+            raise PipelineError(f"{directory} was compiled with tp={m['mesh']['tp']}, and LocalPipeline runs tp=1 "
+                                f"packages only (one process has no tensor-parallel group): run it with "
+                                f"DistributedPipeline under torchrun (`python -m partitioner run {directory} --nproc "
+                                f"{need}`), or compile with --tp 1.")
         self.graph = StageGraph.from_manifest(m)
         pp, n = m["mesh"]["pp"], len(m["stages"])
         self.devices = resolve_devices(device, n, pp)

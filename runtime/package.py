@@ -2,6 +2,15 @@
 
 Everything here follows docs/DESIGN.md ("The generated package", format_version 1) and
 reads only `manifest.json`, the stage files and the model file: a rank needs torch alone.
+
+[Note: shards]
+    A parameter entry's `shape` is the LOCAL shape, the one the stage's __init__ makes.
+    Its `shard` is {"dim", "index", "count", "blocks" (optional, 1)}: count 1 (dim null,
+    index 0) is the whole tensor; count T > 1 is one of T tensor-parallel shards along
+    `dim`, and index "tp" means "this rank's tensor-parallel index", so one stage file and
+    one manifest serve every rank of the group.  The whole tensor is `count` times longer
+    along `dim`; with blocks b it is b equal blocks (a fused qkv weight: b = 3), and shard
+    i is piece i of every block, concatenated (tp.local_shard, tp.join_shards).
 """
 
 from __future__ import annotations
@@ -17,6 +26,7 @@ from typing import Any, Callable, Iterable, Mapping
 import torch
 import torch.utils._pytree as pytree
 
+from . import tp
 from .errors import BatchError, ManifestError, StateDictError
 
 __all__ = [
@@ -87,6 +97,16 @@ def _check_fields(m: dict[str, Any], file: Path) -> None:
             need(isinstance(stage, dict) and key in stage, f"stage {k} has no {key!r} field")
         need(stage["index"] == k, f"stage {k} has index {stage['index']!r}")
         stage.setdefault("buffers", [])
+        for spec in stage["parameters"]:
+            count = int((spec.get("shard") or {}).get("count") or 1)
+            need(count in (1, mesh["tp"]), f"stage {k}'s {spec.get('name')!r} is cut in {count} shards but mesh.tp "
+                                           f"is {mesh['tp']}")
+    copies: dict[str, set[str]] = {}
+    for stage in m["stages"]:
+        for spec in stage["parameters"]:
+            copies.setdefault(spec.get("source_name"), set()).add(json.dumps([spec.get("shape"), _layout(spec, 0)]))
+    odd = sorted(str(n) for n, layouts in copies.items() if len(layouts) > 1)
+    need(not odd, f"the copies of tied parameter(s) {', '.join(odd)} differ in shape or shard")
     m.setdefault("virtual_stages", 1)
     m.setdefault("tied_parameters", [])
     m.setdefault("state_dict_aliases", {})
@@ -158,14 +178,21 @@ def load_loss_fn(manifest: dict[str, Any], directory: str | Path) -> Callable[[A
 # -- weights -------------------------------------------------------------------------------
 
 
-def stage_tensors(module: torch.nn.Module, entry: dict[str, Any]) -> list[tuple[dict[str, Any], torch.Tensor]]:
-    """(manifest entry, tensor) for every parameter and persistent buffer of one stage."""
+def stage_tensors(module: torch.nn.Module, entry: dict[str, Any],
+                  tp_rank: int = 0) -> list[tuple[dict[str, Any], torch.Tensor]]:
+    """(manifest entry, tensor) for every parameter and persistent buffer of one stage.
+
+    A sharded parameter's entry is a copy whose `shard.index` "tp" (this rank's
+    tensor-parallel index, see [Note: shards]) is resolved to `tp_rank`."""
     out = []
     for spec in entry["parameters"] + [b for b in entry["buffers"] if b.get("persistent", True)]:
         tensor = getattr(module, spec["name"], None)
         if not isinstance(tensor, torch.Tensor):
             raise ManifestError(f"stage {entry['index']} ({entry['class']}) has no tensor attribute {spec['name']!r} "
                                 f"for {spec['source_name']}: compile the model again.")
+        shard = spec.get("shard")
+        if shard is not None and shard.get("index") == "tp":
+            spec = {**spec, "shard": {**shard, "index": tp_rank}}
         out.append((spec, tensor))
     return out
 
@@ -198,10 +225,26 @@ def check_state_dict(state_dict: Mapping[str, Any], manifest: dict[str, Any]) ->
                              f"model's state_dict (build_model().state_dict()), or load_state_dict(sd, strict=False).")
 
 
+def _layout(spec: dict[str, Any], tp_rank: int | None) -> tuple[int, int, int, int]:
+    """(dim, index, count, blocks) of a parameter's shard ([Note: shards]); count 1: whole."""
+    shard = spec.get("shard") or {}
+    count, blocks = int(shard.get("count") or 1), int(shard.get("blocks") or 1)
+    if count == 1:
+        return 0, 0, 1, 1
+    index = shard.get("index", 0)
+    if index == "tp" and tp_rank is not None:
+        index = tp_rank
+    if not isinstance(index, int) or not isinstance(shard.get("dim"), int):
+        raise ManifestError(f"{spec['source_name']} ({spec['name']}) has shard {shard}, which needs an integer 'dim' "
+                            f"and an 'index' (an integer, or \"tp\" resolved by stage_tensors(..., tp_rank)): "
+                            f"compile the model again.")
+    return int(shard["dim"]), index, count, blocks
+
+
 def load_stage_state(tensors: list[tuple[dict[str, Any], torch.Tensor]], state_dict: Mapping[str, Any],
-                     manifest: dict[str, Any]) -> None:
-    """Copy each stage tensor's value (its shard when `shard.count` > 1) from the original
-    state_dict; keys absent from `state_dict` are left as they are."""
+                     manifest: dict[str, Any], tp_rank: int = 0) -> None:
+    """Copy each stage tensor's value (its shard when `shard.count` > 1, index "tp" being
+    `tp_rank`) from the original state_dict; keys absent from `state_dict` are left as they are."""
     keys = _expected_keys(manifest)
     with torch.no_grad():
         for spec, tensor in tensors:
@@ -209,36 +252,39 @@ def load_stage_state(tensors: list[tuple[dict[str, Any], torch.Tensor]], state_d
             if name is None:
                 continue
             value = torch.as_tensor(state_dict[name])
-            shard = spec.get("shard") or {"dim": None, "index": 0, "count": 1}
+            dim, index, count, blocks = _layout(spec, tp_rank)
             full = list(tensor.shape)
-            if shard["count"] > 1:
-                full[shard["dim"]] *= shard["count"]
+            if count > 1:
+                full[dim] *= count
             if list(value.shape) != full:
+                held = (f", of which each rank holds 1 of {count} tensor-parallel shards along dim {dim}: "
+                        f"{list(tensor.shape)}" if count > 1 else "")
                 raise StateDictError(f"state_dict[{name!r}] has shape {list(value.shape)} but the package expects "
-                                     f"{full} (stage {spec['name']}): load the state_dict of the model the package "
-                                     f"was compiled from.")
-            if shard["count"] > 1:
-                size = full[shard["dim"]] // shard["count"]
-                value = value.narrow(shard["dim"], shard["index"] * size, size)
+                                     f"{full} (its {spec['name']}{held}): load the state_dict of the model the "
+                                     f"package was compiled from.")
+            if count > 1:
+                value = tp.local_shard(value, dim, index, count, blocks)
             tensor.copy_(value)
 
 
 def assemble_state_dict(pieces: Iterable[tuple[dict[str, Any], torch.Tensor]], manifest: dict[str, Any]) -> dict[str, torch.Tensor]:
-    """The original model's state_dict from stage tensors: shards concatenated, tied
-    copies taken once, alias keys added."""
+    """The original model's state_dict from stage tensors (as `stage_tensors` gives them,
+    from every tensor-parallel rank): shards joined, tied and replicated copies taken
+    once, alias keys added."""
     shards: dict[str, dict[int, torch.Tensor]] = {}
-    dims: dict[str, Any] = {}
+    layouts: dict[str, tuple[int, int, int, int]] = {}
     for spec, tensor in pieces:
-        shard = spec.get("shard") or {"dim": None, "index": 0, "count": 1}
-        shards.setdefault(spec["source_name"], {}).setdefault(int(shard["index"]), tensor.detach())
-        dims[spec["source_name"]] = (shard["dim"], int(shard["count"]))
+        layout = _layout(spec, None)
+        shards.setdefault(spec["source_name"], {}).setdefault(layout[1], tensor.detach())
+        layouts[spec["source_name"]] = layout
     out: dict[str, torch.Tensor] = {}
     for name, parts in shards.items():
-        dim, count = dims[name]
+        dim, _, count, blocks = layouts[name]
         if count > 1:
             if sorted(parts) != list(range(count)):
-                raise StateDictError(f"{name}: only shards {sorted(parts)} of {count} are present.")
-            out[name] = torch.cat([parts[i] for i in range(count)], dim=dim)
+                raise StateDictError(f"{name}: only shards {sorted(parts)} of {count} are present: gather the "
+                                     f"stage tensors of every tensor-parallel rank.")
+            out[name] = tp.join_shards([parts[i] for i in range(count)], dim, blocks)
         else:
             out[name] = parts[0]
     for alias, canonical in manifest["state_dict_aliases"].items():

@@ -1,4 +1,4 @@
-"""`--devices N` searches stages x dp = N and the microbatch count."""
+"""`--devices N` searches stages x tp x dp = N and the microbatch count."""
 
 from __future__ import annotations
 
@@ -18,13 +18,32 @@ from ..conftest import compile_example
 def test_meshes_cover_every_factorisation_that_splits_the_batch() -> None:
     opts = CompileOptions(model="m.py", out="o", devices=4)
     meshes = _meshes(4, 24, opts)
-    assert {(pp, dp) for pp, dp, _ in meshes} == {(4, 1), (2, 2), (1, 4)}
-    assert all(24 % (m * dp) == 0 for _, dp, m in meshes)
-    assert (4, 1, 16) not in meshes  # 16 microbatches do not split 24 rows
+    assert {(pp, tp, dp) for pp, tp, dp, _ in meshes} == {
+        (4, 1, 1), (2, 1, 2), (1, 1, 4), (2, 2, 1), (1, 2, 2), (1, 4, 1)}
+    assert all(24 % (m * dp) == 0 for _, _, dp, m in meshes)
+    assert (4, 1, 1, 16) not in meshes  # 16 microbatches do not split 24 rows
+
+
+def test_a_given_tp_or_stage_count_narrows_the_search() -> None:
+    meshes = _meshes(8, 24, CompileOptions(model="m.py", out="o", devices=8, tp=2))
+    assert {tp for _, tp, _, _ in meshes} == {2}
+    meshes = _meshes(8, 24, CompileOptions(model="m.py", out="o", devices=8, stages=2))
+    assert {(pp, tp, dp) for pp, tp, dp, _ in meshes} == {(2, 1, 4), (2, 2, 2), (2, 4, 1)}
+
+
+def test_search_over_tp_keeps_the_fastest_predicted_mesh(tmp_path: Path) -> None:
+    compiled = compile_example("tests/model_files/gpt_wide.py", tmp_path / "pkg", devices=4, stages=None)
+    manifest = compiled.manifest
+    candidates = manifest["predicted"]["candidates"]
+    assert any(c["tp"] > 1 for c in candidates), "a wide model on an A100 profile splits"
+    best = candidates[0]
+    assert (manifest["mesh"]["pp"], manifest["mesh"]["tp"], manifest["mesh"]["dp"]) == (best["pp"], best["tp"], best["dp"])
+    assert [c["step_time_s"] for c in candidates] == sorted(c["step_time_s"] for c in candidates)
+    assert all(c["pp"] * c["dp"] * c["tp"] == 4 for c in candidates)
 
 
 def test_search_picks_the_fastest_mesh_and_trains_like_the_original(tmp_path: Path) -> None:
-    compiled = compile_example("examples/mlp.py", tmp_path / "pkg", devices=4, stages=None)
+    compiled = compile_example("examples/mlp.py", tmp_path / "pkg", devices=4, stages=None, tp=1)
     manifest = compiled.manifest
     candidates = manifest["predicted"]["candidates"]
     assert candidates, "the searched meshes are recorded"

@@ -7,8 +7,10 @@ of importing it.  Rank r writes OUTDIR/rank<r>.out and .err; the parent prints o
 
 MODE check: train_step, forward and 3 SGD steps compared with the reference model run
 in this same process; prints "RANK ok" and exits 0, or a traceback and exits 1.
+A sharded parameter's gradient is compared with its shard of the reference gradient.
 MODE fault: trains (PIPELINE_FAULT stops one rank); a PipelineError prints its message
-and exits 3.  Once a rank fails, the others are killed after GRACE_S (as torchrun does).
+and exits 3.  MODE tp: the unit checks of runtime/tp.py (tp_checks.py; PKG unused).
+Once a rank fails, the others are killed after GRACE_S (as torchrun does).
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 import runtime  # noqa: E402
+from runtime import package  # noqa: E402
 from runtime.errors import PipelineError  # noqa: E402
 
 RTOL, ATOL = 1e-5, 1e-6
@@ -54,23 +57,27 @@ def _check(pkg: str, model_path: str) -> None:
     pipe = runtime.DistributedPipeline(pkg)
     pipe.load_state_dict(model.state_dict())
     # one step: loss on every rank, every local gradient
-    ref = mf.loss_fn(model(*inputs), target)
+    ref = mf.loss_fn(_call(model, inputs), target)
     ref.backward()
-    want = {n: p.grad for n, p in model.named_parameters()}
+    want = {n: p.grad for n, p in model.named_parameters(remove_duplicate=False)}
     loss = pipe.train_step(inputs, target)
     torch.testing.assert_close(loss, ref.detach(), rtol=RTOL, atol=ATOL)
-    for name, p in pipe.named_parameters():
-        torch.testing.assert_close(p.grad, want[name], rtol=RTOL, atol=ATOL, msg=lambda m: f"grad {name}: {m}")
+    for spec, p in _my_parameters(pipe):
+        expected = torch.zeros_like(p)  # this rank's shard of the reference gradient, cut as weights are
+        package.load_stage_state([(spec, expected)], {spec["source_name"]: want[spec["source_name"]]}, pipe.manifest)
+        torch.testing.assert_close(p.grad, expected, rtol=RTOL, atol=ATOL,
+                                   msg=lambda m: f"grad {spec['source_name']} (tp index {pipe.tp_index}): {m}")
     # forward only, on every rank
     with torch.no_grad():
-        torch.testing.assert_close(pipe(inputs), model(*inputs), rtol=RTOL, atol=ATOL)
+        got_out, want_out = torch.utils._pytree.tree_leaves(pipe(inputs)), torch.utils._pytree.tree_leaves(_call(model, inputs))
+        torch.testing.assert_close(got_out, want_out, rtol=RTOL, atol=ATOL)
     # three SGD steps, then the collective state_dict
     opt_ref = torch.optim.SGD(model.parameters(), lr=0.1)
     params = list(pipe.parameters())  # a stage may hold no parameters (only parameter-free ops)
     opt = torch.optim.SGD(params, lr=0.1) if params else None
     for _ in range(3):
         opt_ref.zero_grad()
-        mf.loss_fn(model(*inputs), target).backward()
+        mf.loss_fn(_call(model, inputs), target).backward()
         opt_ref.step()
         if opt is not None:
             opt.zero_grad()
@@ -82,6 +89,31 @@ def _check(pkg: str, model_path: str) -> None:
     for name in ref_sd:
         torch.testing.assert_close(got[name], ref_sd[name], rtol=RTOL, atol=ATOL, msg=lambda m: f"{name}: {m}")
     print(f"{pipe.rank} ok", flush=True)
+
+
+def _call(model: torch.nn.Module, inputs: object) -> object:
+    """The model on example_inputs(): a tuple of positional arguments or a dict of keywords."""
+    return model(**inputs) if isinstance(inputs, dict) else model(*inputs)  # type: ignore[arg-type]
+
+
+def _my_parameters(pipe: runtime.DistributedPipeline) -> list[tuple[dict, torch.Tensor]]:  # type: ignore[type-arg]
+    """(resolved manifest entry, parameter) for this rank's parameters, each once."""
+    seen: dict[int, tuple[dict, torch.Tensor]] = {}  # type: ignore[type-arg]
+    for s in pipe.stages:
+        r = pipe.runners[s]
+        names = {spec["name"] for spec in r.entry["parameters"]}
+        for spec, t in package.stage_tensors(r.module, r.entry, pipe.tp_index):
+            if spec["name"] in names:
+                seen.setdefault(id(t), (spec, t))
+    return list(seen.values())
+
+
+def _tp(pkg: str, model_path: str) -> None:
+    import tp_checks  # beside this file
+
+    torch.distributed.init_process_group("gloo")
+    tp_checks.run(float(os.environ.get("PIPELINE_TIMEOUT_S", "20")))
+    print(f"{torch.distributed.get_rank()} ok", flush=True)
 
 
 def _fault(pkg: str, model_path: str) -> None:
@@ -100,7 +132,7 @@ def _rank(r: int, mode: str, pkg: str, model_path: str, outdir: Path) -> int:
     os.dup2(out, 1)
     os.dup2(err, 2)
     try:
-        {"check": _check, "fault": _fault}[mode](pkg, model_path)
+        {"check": _check, "fault": _fault, "tp": _tp}[mode](pkg, model_path)
     except PipelineError as exc:
         print(f"PipelineError: {exc}", file=sys.stderr, flush=True)
         return 3

@@ -108,8 +108,9 @@ def test_a_killed_rank_is_named_by_the_others(make_tiny: Callable[..., Tiny]) ->
     assert ranks[1].rc == 13, ranks[1].err[-2000:]
     assert ranks[0].rc == 3, f"rank 0 exited {ranks[0].rc}:\n{ranks[0].err[-2000:]}"
     assert ranks[0].seconds < 50
-    # rank 0 is posting the send of microbatch 2 or waiting for the gradient of microbatch 1
-    assert re.search(r"rank 0 \(stage 0\) failed in (SEND_F to|RECV_B from) stage 1, microbatch [12]: "
+    # rank 0 is posting the send of microbatch 2 or waiting for the gradient of microbatch 1 (or 0:
+    # rank 1 may exit before gloo has delivered its already posted SEND_B of microbatch 0)
+    assert re.search(r"rank 0 \(stage 0\) failed in (SEND_F to|RECV_B from) stage 1, microbatch [012]: "
                      r"rank 1 stopped or failed \(.+\)\. Look at rank 1's own error", ranks[0].err), ranks[0].err
 
 

@@ -1,0 +1,192 @@
+"""Rewrite a traced graph into the graph ONE tensor-parallel rank runs, with its costs.
+
+For the chosen strategy of every node, in graph order:
+  1. convert each input from the layout its producer gives to the one the strategy needs
+     (`tp.all_gather` to make a shard whole, `tp.scatter` to take this rank's shard), once
+     per value and layout, right before its first reader;
+  2. pass an R input that the node reads for a partial gradient through `tp.copy`, once
+     per value (see [Note: layouts and gradients] in rules.py);
+  3. let the strategy rewrite the node (local shape arguments; a row split's all_reduce);
+  4. give the node its local shape (`tensor_meta`) and its cost on one rank.
+The output is made whole (the loss reads it).  Parameters keep their names; the layout
+of each is returned, for the code generator to build shards and the runtime to load them.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+import torch.fx
+
+from ..hardware import Hardware
+from ..ir import REPLICATED, Layout, NodeCost
+from .choose import ShardingReport
+from .pose import Posed, _needs_grad, collective_s, value_bytes
+from .rules import Strategy
+
+__all__ = ["Sharded", "rewrite"]
+
+
+@dataclass
+class Sharded:
+    """A graph as one tensor-parallel rank runs it."""
+
+    gm: torch.fx.GraphModule
+    costs: dict[str, NodeCost]
+    params: dict[str, Layout]  # parameter target -> its layout (sharded ones)
+    tp: int
+    rules: dict[str, str] = field(default_factory=dict)  # split node -> rule
+    collectives: dict[str, int] = field(default_factory=dict)  # kind -> count in the graph
+    report: ShardingReport | None = None
+
+
+def rewrite(gm: torch.fx.GraphModule, posed: Posed, choice: tuple[int, ...], costs: dict[str, NodeCost], tp: int,
+            hardware: Hardware) -> Sharded:
+    """The local graph for one strategy per variable of `posed`."""
+    from runtime import tp as collectives
+
+    local = torch.fx.GraphModule(gm, copy.deepcopy(gm.graph))
+    chosen = {name: posed.strategies[v][choice[v]] for v, name in enumerate(posed.variables)}
+    params = {str(n.target): chosen[str(n.target)].output for n in local.graph.nodes if n.op == "get_attr"}
+    layout: dict[torch.fx.Node, Layout] = {}
+    made: dict[tuple[str, object], torch.fx.Node] = {}
+    strategy_of: dict[str, Strategy] = {}
+    for n in list(local.graph.nodes):
+        if n.op == "get_attr":
+            layout[n] = params[str(n.target)]
+            continue
+        s = chosen[n.name]
+        strategy_of[n.name] = s
+        for p, a in enumerate(list(n.all_input_nodes)):
+            want, value = s.inputs[p], a
+            if a.op != "get_attr" and layout[a] != want:  # 1. convert
+                value = _converted(a, layout[a], want, n, tp, made, collectives)
+            if want.replicated and p in s.partial_inputs() and _needs_grad(a):  # 2. copy
+                whole = value
+                value = _once(made, (a.name, "copy"), lambda: _insert(
+                    n, collectives.copy, (whole,), f"{a.name}_copy", whole.meta.get("tensor_meta")))
+            if value is not a:
+                n.replace_input_with(a, value)
+        if s.rewrite is not None:  # 3. the strategy's own rewrite
+            s.rewrite(n, s, tp)
+        layout[n] = s.output
+        _localize(n, s.output, tp)  # 4. local shape
+    local.graph.lint()
+    local.recompile()
+    rules = {name: s.rule for name, s in strategy_of.items() if s.rule not in ("replicate", "input", "output")}
+    node_costs = _local_costs(local, costs, strategy_of, tp, hardware, collectives)
+    kinds = _count(local, collectives)
+    return Sharded(local, node_costs, {k: v for k, v in params.items() if not v.replicated}, tp, rules, kinds)
+
+
+def _once(made: dict[tuple[str, object], torch.fx.Node], key: tuple[str, object],
+          build: Callable[[], torch.fx.Node]) -> torch.fx.Node:
+    if key not in made:
+        made[key] = build()
+    return made[key]
+
+
+def _insert(before: torch.fx.Node, target: Any, args: tuple[Any, ...], name: str, meta: Any,
+            kwargs: dict[str, Any] | None = None) -> torch.fx.Node:
+    with before.graph.inserting_before(before):
+        node = before.graph.create_node("call_function", target, args, kwargs or {}, name=name)
+    if meta is not None:
+        node.meta["tensor_meta"] = meta
+    node.meta["nn_module_stack"] = before.meta.get("nn_module_stack", {})
+    return node
+
+
+def _converted(a: torch.fx.Node, have: Layout, want: Layout, reader: torch.fx.Node, tp: int,
+               made: dict[tuple[str, object], torch.fx.Node], collectives: Any) -> torch.fx.Node:
+    """`a` in layout `want`: gathered whole, then this rank's shard taken, as needed."""
+    whole = a
+    if not have.replicated:
+        whole = _once(made, (a.name, REPLICATED), lambda: _insert(
+            reader, collectives.all_gather, (a, have.dim), f"{a.name}_whole", a.meta.get("tensor_meta"),
+            {"blocks": have.blocks} if have.blocks > 1 else None))
+        whole.meta["tensor_meta"] = _global_meta(a, have, tp)
+    if want.replicated:
+        return whole
+    return _once(made, (a.name, want), lambda: _insert(
+        reader, collectives.scatter, (whole, want.dim), f"{a.name}_shard",
+        _local_meta(whole.meta.get("tensor_meta"), want, tp), {"blocks": want.blocks} if want.blocks > 1 else None))
+
+
+def _global_meta(a: torch.fx.Node, have: Layout, tp: int) -> Any:
+    meta = a.meta.get("tensor_meta")
+    if meta is None or have.replicated:
+        return meta
+    shape = list(meta.shape)
+    shape[have.dim] *= tp  # type: ignore[index]
+    return meta._replace(shape=torch.Size(shape))
+
+
+def _local_meta(meta: Any, lay: Layout, tp: int) -> Any:
+    if meta is None or lay.replicated or not hasattr(meta, "shape"):
+        return meta
+    return meta._replace(shape=torch.Size(lay.local_shape(tuple(meta.shape), tp)))
+
+
+def _localize(node: torch.fx.Node, lay: Layout, tp: int) -> None:
+    meta = node.meta.get("tensor_meta")
+    if meta is not None and hasattr(meta, "shape"):
+        node.meta["tensor_meta"] = _local_meta(meta, lay, tp)
+
+
+# -- costs on one rank -------------------------------------------------------------------------------
+
+
+def _local_costs(gm: torch.fx.GraphModule, costs: dict[str, NodeCost], strategy_of: dict[str, Strategy], tp: int,
+                 hardware: Hardware, collectives: Any) -> dict[str, NodeCost]:
+    out: dict[str, NodeCost] = {}
+    for n in gm.graph.nodes:
+        if n.op not in ("call_function", "call_method", "call_module"):
+            continue
+        kind = _kind(n, collectives)
+        if kind is not None:
+            out[n.name] = _collective_cost(n, kind, tp, hardware)
+            continue
+        origin, share = n.meta.get("tp_origin", (n.name, 1.0))
+        base = costs.get(origin)
+        s = strategy_of.get(origin)
+        if base is None or s is None:
+            out[n.name] = NodeCost(n.name, output_bytes=value_bytes(n))
+            continue
+        f = share / tp if s.sharded else share
+        out[n.name] = NodeCost(n.name, forward_s=base.forward_s * f, backward_s=base.backward_s * f,
+                               flops=int(base.flops * f), param_bytes=int(base.param_bytes * f),
+                               activation_bytes=int(base.activation_bytes * f), output_bytes=value_bytes(n))
+    return out
+
+
+_KINDS = ("all_reduce", "copy", "all_gather", "scatter", "vocab_shard")
+
+
+def _kind(node: torch.fx.Node, collectives: Any) -> str | None:
+    if node.op != "call_function":
+        return None
+    return next((k for k in _KINDS if node.target is getattr(collectives, k)), None)
+
+
+def _collective_cost(node: torch.fx.Node, kind: str, tp: int, hardware: Hardware) -> NodeCost:
+    """Forward and backward seconds of one inserted collective (whole-tensor bytes)."""
+    source = node.all_input_nodes[0] if node.all_input_nodes else node
+    whole = value_bytes(node) if kind in ("all_reduce", "copy", "all_gather") else value_bytes(source)
+    grad = _needs_grad(source)
+    forward = {"all_reduce": collective_s("all_reduce", whole, tp, hardware),
+               "all_gather": collective_s("all_gather", whole, tp, hardware)}.get(kind, 0.0)
+    backward = {"copy": collective_s("all_reduce", whole, tp, hardware) if grad else 0.0,
+                "scatter": collective_s("all_gather", whole, tp, hardware) if grad else 0.0}.get(kind, 0.0)
+    return NodeCost(node.name, forward_s=forward, backward_s=backward, output_bytes=value_bytes(node))
+
+
+def _count(gm: torch.fx.GraphModule, collectives: Any) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for n in gm.graph.nodes:
+        kind = _kind(n, collectives)
+        if kind is not None and kind != "vocab_shard":
+            counts[kind] = counts.get(kind, 0) + 1
+    return dict(sorted(counts.items()))
