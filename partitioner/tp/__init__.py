@@ -16,12 +16,14 @@ import torch.fx
 
 from ..hardware import Hardware
 from ..ir import REPLICATED, Layout, NodeCost
-from .choose import ShardingProblem, ShardingReport, brute_force, choose, objective
+from .choose import CopyCost, EdgeCost, ShardingProblem, ShardingReport, brute_force, choose, objective
 from .pose import Posed, collective_s, pose
 from .rewrite import Sharded, rewrite
 from .rules import SplitContext, Strategy, replicate, rule_for, split_rule
 
 __all__ = [
+    "CopyCost",
+    "EdgeCost",
     "Layout",
     "REPLICATED",
     "Posed",

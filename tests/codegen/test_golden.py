@@ -1,4 +1,4 @@
-"""Golden packages: the emitted files of three small examples, compared byte for byte.
+"""Golden packages: the emitted files of four small examples, compared byte for byte.
 
 Costs are analytic on the a100 profile, so the plan and every number are deterministic.
 Regenerate on purpose with `pytest tests/codegen/test_golden.py --update-golden` and
@@ -19,6 +19,8 @@ CASES = {
     "mlp_3stages_1f1b": ("examples/mlp.py", {"stages": 3, "schedule": "1f1b"}),
     "skip_2stages_gpipe": ("examples/skip.py", {"stages": 2, "schedule": "gpipe"}),
     "hf_gpt2_2stages_1f1b": ("examples/hf_gpt2.py", {"stages": 2, "schedule": "1f1b"}),
+    # tensor parallel: Megatron's split of a GPT wide enough for it to pay on an A100
+    "gpt_wide_2stages_tp2": ("tests/model_files/gpt_wide.py", {"stages": 2, "tp": 2, "microbatches": 2}),
 }
 TEXT_FILES = ("manifest.json", "plan.txt", "__init__.py")
 

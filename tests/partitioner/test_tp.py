@@ -1,0 +1,235 @@
+"""Tensor parallelism on the compiler side: layouts, rules, the solver against brute force,
+Megatron's pattern where it pays, the rewrite into one rank's graph."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import random
+from pathlib import Path
+
+import pytest
+import torch
+import torch.fx
+import torch.nn.functional as F
+
+from partitioner.hardware import load_hardware
+from partitioner.passes import propagate, specialize
+from partitioner.trace import trace
+from partitioner.ir import REPLICATED, Layout, NodeCost
+from partitioner.tp import (CopyCost, EdgeCost, ShardingProblem, SplitContext, brute_force, choose, objective, pose,
+                            shard, split_rule)
+from partitioner.tp.shapes import view_map
+
+from ..conftest import compile_example
+
+FREE = "tests/profiles/free_links.json"
+
+
+# -- layouts and views --------------------------------------------------------------------
+
+
+def test_layout_local_shape_and_name() -> None:
+    assert REPLICATED.local_shape((6, 8, 96), 2) == (6, 8, 96) and str(REPLICATED) == "R"
+    assert Layout(2).local_shape((6, 8, 96), 2) == (6, 8, 48) and str(Layout(2)) == "S2"
+    assert str(Layout(0, 3)) == "S0x3"
+
+
+@pytest.mark.parametrize(
+    "ins, outs, dim, parts, blocks, want",
+    [
+        ((6, 8, 32), (6, 8, 4, 8), 2, 2, 1, 2),  # (B, T, C) -> (B, T, heads, hs): the heads
+        ((6, 8, 4, 8), (6, 8, 32), 2, 2, 1, 2),  # and back
+        ((6, 8, 32), (48, 32), 2, 2, 1, 1),  # flatten the batch: C stays whole-dim
+        ((6, 8, 32), (48, 32), 1, 2, 1, None),  # T is inside the flattened dim: not contiguous
+        ((6, 8, 32), (48, 32), 0, 2, 1, 0),  # the batch is the outer part of the flattened dim
+        ((48, 96), (6, 8, 96), 1, 2, 3, 2),  # a blocked dim passes a pure rename
+        ((6, 8, 96), (6, 8, 3, 32), 2, 2, 3, None),  # but not a split of itself
+        ((6, 8, 4, 8), (6, 8, 32), 3, 2, 1, None),  # hs is inner
+        ((1, 8, 32), (8, 32), 2, 2, 1, 1),  # size-1 dims drop out
+    ],
+)
+def test_view_map(ins: tuple[int, ...], outs: tuple[int, ...], dim: int, parts: int, blocks: int,
+                  want: int | None) -> None:
+    assert view_map(ins, outs, dim, parts, blocks) == want
+
+
+# -- the solver ------------------------------------------------------------------------------
+
+
+def _random_problem(rng: random.Random, n: int) -> ShardingProblem:
+    counts = [rng.randint(1, 3) for _ in range(n)]
+    costs = tuple(tuple(round(rng.uniform(0, 10), 3) for _ in range(k)) for k in counts)
+    edges = []
+    for v in range(1, n):
+        for u in rng.sample(range(v), min(v, rng.randint(1, 2))):
+            matrix = tuple(tuple(0.0 if i == j == 0 else (math.inf if rng.random() < 0.2 else round(rng.uniform(0, 5), 3))
+                                 for j in range(counts[v])) for i in range(counts[u]))
+            edges.append(EdgeCost(u, v, matrix))
+    copies = [CopyCost(u, round(rng.uniform(0, 4), 3), tuple((v, rng.randrange(counts[v])) for v in rng.sample(range(n), 2)))
+              for u in rng.sample(range(n), 2)]
+    return ShardingProblem(tuple(f"v{i}" for i in range(n)), costs, tuple(edges), tuple(copies))
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_choose_equals_brute_force_on_random_problems(seed: int) -> None:
+    problem = _random_problem(random.Random(seed), random.Random(seed).randint(2, 7))
+    choice, report = choose(problem, time_limit_s=5.0)
+    _, best = brute_force(problem)
+    assert objective(problem, choice) == pytest.approx(best, rel=1e-5, abs=1e-6)
+    assert report.status == "OPTIMAL"
+    assert report.objective_s <= report.replicated_s + 1e-12
+
+
+def _mlp_graph() -> tuple[torch.fx.GraphModule, dict[str, NodeCost]]:
+    class Block(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.up = torch.nn.Linear(8, 16)
+            self.down = torch.nn.Linear(16, 8)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x + self.down(F.gelu(self.up(x)))
+
+    return _traced(Block())
+
+
+def _traced(model: torch.nn.Module) -> tuple[torch.fx.GraphModule, dict[str, NodeCost]]:
+    """`model` on a (4, 8) input, traced through its modules as the compiler does; a linear
+    costs 1 ms forward and 2 ms backward, any other node 1 us."""
+    x = torch.randn(4, 8)
+    gm = trace(model, (x,), {}, "fx").gm
+    specialize(gm, propagate(gm, [x]))
+    scale = {True: 1e-3, False: 1e-6}
+    costs = {n.name: NodeCost(n.name, forward_s=scale[n.target is F.linear], backward_s=2 * scale[n.target is F.linear],
+                              output_bytes=128)
+             for n in gm.graph.nodes if n.op == "call_function"}
+    return gm, costs
+
+
+def test_choose_equals_brute_force_on_a_real_graph() -> None:
+    gm, costs = _mlp_graph()
+    for hardware in ("a100", FREE):
+        posed = pose(gm, costs, 2, load_hardware(hardware))
+        sizes = [len(c) for c in posed.problem.cost_s]
+        assert math.prod(sizes) < 200_000
+        choice, _ = choose(posed.problem, time_limit_s=5.0)
+        _, best = brute_force(posed.problem)
+        assert objective(posed.problem, choice) == pytest.approx(best, rel=1e-6)
+
+
+def test_expensive_links_keep_everything_whole_and_free_links_split() -> None:
+    gm, costs = _mlp_graph()
+    slow = json.loads(Path(FREE).read_text()) | {"name": "slow", "intra_node_latency_s": 1.0}
+    path = Path(__file__).parent / "_slow.json"
+    path.write_text(json.dumps(slow))
+    try:
+        whole = shard(gm, costs, 2, load_hardware(str(path)))
+    finally:
+        path.unlink()
+    assert whole.rules == {} and whole.params == {}
+    split = shard(gm, costs, 2, load_hardware(FREE))
+    assert split.rules["linear"] == "linear.column" and split.rules["linear_1"] == "linear.row"
+
+
+# -- Megatron's pattern, where the cost model says it pays ------------------------------------
+
+
+def test_a_transformer_block_is_split_as_megatron_splits_it(tmp_path: Path) -> None:
+    manifest = compile_example("tests/model_files/gpt_wide.py", tmp_path / "pkg", stages=1, tp=2).manifest
+    tensor = manifest["tensor_parallel"]
+    rules = tensor["rules"]
+    for layer, (qkv, proj, fc, out) in enumerate([("linear", "linear_1", "linear_2", "linear_3"),
+                                                  ("linear_4", "linear_5", "linear_6", "linear_7")]):
+        assert rules[qkv] == "linear.columnx3", f"layer {layer}: fused q/k/v split by heads"
+        assert rules[proj] == "linear.row", f"layer {layer}: attention output projection"
+        assert rules[fc] == "linear.column" and rules[out] == "linear.row", f"layer {layer}: MLP"
+    assert sum(r == "attention.heads" for r in rules.values()) == 2
+    # forward all_reduces: one per attention, one per MLP, one for the vocabulary-split embedding
+    assert tensor["collectives"]["all_reduce"] == 2 * 2 + 1
+    # backward all_reduces (tp.copy): before each block's q/k/v and MLP, and the LM head
+    assert tensor["collectives"]["copy"] == 2 * 2 + 1
+    sharded = tensor["sharded_parameters"]
+    assert sharded["h.0.attn.c_attn.weight"] == "S0x3" and sharded["h.0.mlp.c_proj.weight"] == "S1"
+    assert "h.0.ln_1.weight" not in sharded and "h.0.mlp.c_proj.bias" not in sharded
+    source = (tmp_path / "pkg" / "stage_0.py").read_text()
+    assert "linear_3_sum = tp.all_reduce(linear_3_partial)" in source
+    assert "linear_3 = linear_3_sum + self.h_0_mlp_c_proj_bias" in source
+    assert "layer_norm_1_copy = tp.copy(layer_norm_1)" in source
+    params = {p["source_name"]: p for p in manifest["stages"][0]["parameters"]}
+    assert params["h.0.attn.c_attn.weight"]["shape"] == [1536, 1024]
+    assert params["h.0.attn.c_attn.weight"]["shard"] == {"dim": 0, "index": "tp", "count": 2, "blocks": 3}
+    assert manifest["stages"][0]["ranks"] == [0, 1]
+
+
+def test_a_tiny_model_on_real_links_is_left_whole(tmp_path: Path) -> None:
+    """At d=32, an A100's 3 us link latency costs more than the split saves."""
+    manifest = compile_example("examples/gpt.py", tmp_path / "pkg", stages=1, tp=2).manifest
+    assert manifest["tensor_parallel"]["rules"] == {}
+    assert "tp." not in (tmp_path / "pkg" / "stage_0.py").read_text()
+
+
+# -- the rewrite -------------------------------------------------------------------------------
+
+
+def test_the_rewrite_gives_local_shapes_and_costs() -> None:
+    gm, costs = _mlp_graph()
+    split = shard(gm, costs, 2, load_hardware("a100"))
+    shapes = {n.name: tuple(n.meta["tensor_meta"].shape) for n in split.gm.graph.nodes if "tensor_meta" in n.meta}
+    assert shapes["linear"] == (4, 8)  # 16 features, half each
+    assert shapes["linear_1"] == (4, 8)  # whole again after the all_reduce
+    assert split.costs["linear"].forward_s == pytest.approx(costs["linear"].forward_s / 2)
+    assert split.params == {"up.weight": Layout(0), "up.bias": Layout(0), "down.weight": Layout(1)}
+    assert split.collectives == {"all_reduce": 1}  # the input needs no gradient: no tp.copy before `up`
+
+
+def test_every_rank_stage_file_shares_one_source_for_every_tp_rank(tmp_path: Path) -> None:
+    manifest = compile_example("examples/gpt.py", tmp_path / "pkg", stages=2, tp=2, dp=2, hardware=FREE).manifest
+    assert manifest["mesh"] == {"pp": 2, "tp": 2, "dp": 2}
+    assert [s["ranks"] for s in manifest["stages"]] == [[0, 1, 4, 5], [2, 3, 6, 7]]
+    tied = {p["source_name"]: p["shard"] for s in manifest["stages"] for p in s["parameters"]}
+    assert tied["wte.weight"]["count"] == 2  # the tied embedding / LM head, split the same way in both stages
+
+
+# -- the registry ------------------------------------------------------------------------------
+
+
+def custom_scale(x: torch.Tensor) -> torch.Tensor:
+    return x * 2.0
+
+
+torch.fx.wrap("custom_scale")
+
+
+def test_a_registered_rule_is_used_for_a_users_function() -> None:
+    class Net(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.up = torch.nn.Linear(8, 16)
+            self.down = torch.nn.Linear(16, 8)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.down(custom_scale(self.up(x)))
+
+    gm, costs = _traced(Net())
+    before = shard(gm, costs, 2, load_hardware("a100"))
+    assert "custom_scale" not in before.rules  # no rule: replicated, the linears around it gathered
+
+    @split_rule(custom_scale)
+    def _elementwise(ctx: SplitContext) -> list:  # type: ignore[type-arg]
+        (x,) = ctx.inputs
+        last = ctx.ndim() - 1
+        return [ctx.strategy("custom_scale.last", Layout(last), {x: Layout(last)})]
+
+    after = shard(gm, costs, 2, load_hardware("a100"))
+    assert after.rules["custom_scale"] == "custom_scale.last"
+    assert after.rules["linear"] == "linear.column" and after.rules["linear_1"] == "linear.row"
+    assert "all_gather" not in after.collectives
+
+
+def test_brute_force_is_exhaustive() -> None:
+    problem = ShardingProblem(("a", "b"), ((1.0, 0.5), (1.0, 0.2)),
+                              (EdgeCost(0, 1, ((0.0, 0.4), (0.6, 0.0))),))
+    values = {c: objective(problem, c) for c in itertools.product(range(2), range(2))}
+    assert brute_force(problem) == (min(values, key=values.__getitem__), min(values.values()))
