@@ -152,6 +152,9 @@ def apply_tp(traced: Traced, costs: dict[str, NodeCost], tp: int, hardware: Hard
     saved = f", {(1 - report.objective_s / report.replicated_s) * 100:.0f}% below replicated" if report else ""
     say(f"tensor parallel x{tp}: {len(sharded.rules)} nodes split, {len(sharded.params)} weights sharded, "
         f"collectives {sharded.collectives or 'none'}{saved}")
+    if not sharded.rules:
+        say(f"warning: --tp {tp} splits nothing (no width divides by {tp}, or on {hardware.name} every collective "
+            f"costs more than the split saves): the {tp} ranks of each group repeat the same work; use --tp 1.")
     for n in sharded.gm.graph.nodes:
         if n.name in sharded.costs:
             n.meta["cost"] = sharded.costs[n.name]

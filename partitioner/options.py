@@ -57,10 +57,12 @@ def check(opts: CompileOptions) -> tuple[int, int, int]:
     pp = opts.stages if opts.stages is not None else 2
     if opts.devices is not None:
         if opts.devices % (opts.tp * opts.dp):
-            raise PlanError(f"--devices {opts.devices} is not a multiple of tp x dp = {opts.tp * opts.dp}.")
+            raise PlanError(f"--devices {opts.devices} is not a multiple of tp x dp = {opts.tp * opts.dp}: give a --tp "
+                            f"and --dp whose product divides --devices, or leave them out to let the search choose.")
         pp = opts.stages if opts.stages is not None else opts.devices // (opts.tp * opts.dp)
         if pp * opts.tp * opts.dp != opts.devices:
-            raise PlanError(f"--stages {pp} x --tp {opts.tp} x --dp {opts.dp} != --devices {opts.devices}.")
+            raise PlanError(f"--stages {pp} x --tp {opts.tp} x --dp {opts.dp} != --devices {opts.devices}: leave one of "
+                            f"--stages/--tp out and --devices sets it, or drop --devices.")
     if pp < 1:
         raise PlanError(f"--stages {pp}: a pipeline needs at least 1 stage; use --stages 2 or more.")
     if opts.dp < 1:
