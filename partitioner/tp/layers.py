@@ -20,7 +20,7 @@ import torch.fx
 import torch.nn.functional as F
 
 from ..ir import REPLICATED, Layout
-from .rules import SplitContext, Strategy, split_rule
+from .rules import SplitContext, Strategy, insert, split_rule
 
 __all__: list[str] = []
 
@@ -33,18 +33,12 @@ def _collectives() -> Any:
     return tp
 
 
-def insert(node: torch.fx.Node, target: Any, args: tuple[Any, ...], suffix: str, like: torch.fx.Node | None,
-           *, op: str = "call_function", meta: Any = None, share: float = 0.0) -> torch.fx.Node:
-    """A new node right before `node`, named `<node>_<suffix>`, with `like`'s tensor_meta
-    (or `meta`), taking `share` of `node`'s compute cost."""
-    with node.graph.inserting_before(node):
-        new = node.graph.create_node(op, target, args, {}, name=f"{node.name}_{suffix}")
+def _add(node: torch.fx.Node, target: Any, args: tuple[Any, ...], suffix: str, like: torch.fx.Node | None,
+         *, op: str = "call_function", meta: Any = None, share: float = 0.0) -> torch.fx.Node:
+    """`<node>_<suffix> = target(*args)` right before `node`, shaped like `like` (or `meta`),
+    taking `share` of `node`'s compute cost."""
     tensor_meta = meta if meta is not None else (like.meta.get("tensor_meta") if like is not None else None)
-    if tensor_meta is not None:
-        new.meta["tensor_meta"] = tensor_meta
-    new.meta["tp_origin"] = (node.name, share)
-    new.meta["nn_module_stack"] = node.meta.get("nn_module_stack", {})
-    return new
+    return insert(node, target, args, f"{node.name}_{suffix}", tensor_meta, op=op, origin=(node.name, share))
 
 
 def _become(node: torch.fx.Node, target: Any, args: tuple[Any, ...]) -> None:
@@ -101,19 +95,19 @@ def _row_rewrite(node: torch.fx.Node, strategy: Strategy, tp: int) -> None:
     t = node.target
     if t is aten.addmm.default:
         b, x, w = node.args[:3]
-        partial = insert(node, aten.mm.default, (x, w), "partial", node, share=1.0)
+        partial = _add(node, aten.mm.default, (x, w), "partial", node, share=1.0)
         add: Any = aten.add.Tensor
     else:
         x, w = node.args[0], node.args[1] if len(node.args) > 1 else node.kwargs["weight"]
         b = node.args[2] if len(node.args) > 2 else node.kwargs.get("bias")
         if t is aten.mm.default:
             b = None
-        partial = insert(node, t, (x, w), "partial", node, share=1.0)
+        partial = _add(node, t, (x, w), "partial", node, share=1.0)
         add = operator.add if t is F.linear else aten.add.Tensor
     if b is None:
         _become(node, tpc.all_reduce, (partial,))
         return
-    summed = insert(node, tpc.all_reduce, (partial,), "sum", node)
+    summed = _add(node, tpc.all_reduce, (partial,), "sum", node)
     _become(node, add, (summed, b))
 
 
@@ -155,15 +149,15 @@ def _vocab_rewrite(node: torch.fx.Node, strategy: Strategy, tp: int) -> None:
     ids, w = (node.args[0], node.args[1]) if f_style else (node.args[1], node.args[0])
     rows = int(w.meta["tensor_meta"].shape[0]) // tp  # type: ignore[union-attr]
     ids_meta = ids.meta["tensor_meta"]  # type: ignore[union-attr]
-    vocab = insert(node, tpc.vocab_shard, (ids, rows), "vocab", None)
-    local = insert(node, operator.getitem, (vocab, 0), "ids", ids)  # type: ignore[arg-type]
-    outside = insert(node, operator.getitem, (vocab, 1), "outside", None,
+    vocab = _add(node, tpc.vocab_shard, (ids, rows), "vocab", None)
+    local = _add(node, operator.getitem, (vocab, 0), "ids", ids)  # type: ignore[arg-type]
+    outside = _add(node, operator.getitem, (vocab, 1), "outside", None,
                      meta=ids_meta._replace(dtype=torch.bool, requires_grad=False))
-    partial = insert(node, node.target, (local, w) if f_style else (w, local), "partial", node, share=1.0)
+    partial = _add(node, node.target, (local, w) if f_style else (w, local), "partial", node, share=1.0)
     out_meta = node.meta["tensor_meta"]
-    column = insert(node, "unsqueeze", (outside, -1), "outside_col", None, op="call_method",
+    column = _add(node, "unsqueeze", (outside, -1), "outside_col", None, op="call_method",
                     meta=out_meta._replace(shape=torch.Size([*ids_meta.shape, 1]), dtype=torch.bool, requires_grad=False))
-    masked = insert(node, "masked_fill", (partial, column, 0.0), "masked", node, op="call_method")
+    masked = _add(node, "masked_fill", (partial, column, 0.0), "masked", node, op="call_method")
     _become(node, tpc.all_reduce, (masked,))
 
 

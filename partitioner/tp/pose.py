@@ -23,7 +23,7 @@ from . import layers, shapes  # noqa: F401  (registers the built-in rules)
 from .choose import CopyCost, EdgeCost, ShardingProblem
 from .rules import SplitContext, Strategy, replicate, rule_for
 
-__all__ = ["Posed", "pose", "collective_s", "tp_link", "value_bytes"]
+__all__ = ["Posed", "pose", "collective_s", "needs_grad", "tp_link", "value_bytes"]
 
 #: seconds per byte of parameter left whole: a tie-break towards sharding weights (memory)
 _MEMORY_TIE_S_PER_BYTE = 1e-15
@@ -71,7 +71,7 @@ def value_bytes(node: torch.fx.Node) -> int:
     return math.prod(int(d) for d in shape) * torch.empty((), dtype=meta.dtype).element_size()
 
 
-def _needs_grad(node: torch.fx.Node) -> bool:
+def needs_grad(node: torch.fx.Node) -> bool:
     meta = node.meta.get("tensor_meta")
     return bool(getattr(meta, "requires_grad", False)) and bool(getattr(meta, "dtype", torch.int64).is_floating_point)
 
@@ -162,7 +162,7 @@ def _costs(nodes: list[torch.fx.Node], costs: dict[str, NodeCost], tp: int, hard
                            for src in strategies[u])
             if any(c for row in matrix for c in row):
                 edges.append(EdgeCost(u, v, matrix))
-            if _needs_grad(a):
+            if needs_grad(a):
                 readers.setdefault(u, []).extend((v, j) for j, s in enumerate(strategies[v]) if p in s.partial_inputs())
         for u, pairs in readers.items():
             if pairs:
@@ -205,7 +205,7 @@ def _convert_s(value: torch.fx.Node, have: Layout, want: Layout, tp: int, hardwa
     if value.op == "get_attr" or value.meta.get("tensor_meta") is None:
         return math.inf  # parameters take one layout; tuples cannot be converted
     nbytes = value_bytes(value)
-    grad = _needs_grad(value)
+    grad = needs_grad(value)
     if have.replicated:  # slice forward, all_gather the gradient backward
         return collective_s("all_gather", nbytes, tp, hardware) if grad else 0.0
     if want.replicated:  # all_gather forward, slice backward

@@ -24,8 +24,8 @@ import torch.fx
 from ..hardware import Hardware
 from ..ir import REPLICATED, Layout, NodeCost
 from .choose import ShardingReport
-from .pose import Posed, _needs_grad, collective_s, value_bytes
-from .rules import Strategy
+from .pose import Posed, collective_s, needs_grad, value_bytes
+from .rules import Strategy, insert
 
 __all__ = ["Sharded", "rewrite"]
 
@@ -64,9 +64,9 @@ def rewrite(gm: torch.fx.GraphModule, posed: Posed, choice: tuple[int, ...], cos
             want, value = s.inputs[p], a
             if a.op != "get_attr" and layout[a] != want:  # 1. convert
                 value = _converted(a, layout[a], want, n, tp, made, collectives)
-            if want.replicated and p in s.partial_inputs() and _needs_grad(a):  # 2. copy
+            if want.replicated and p in s.partial_inputs() and needs_grad(a):  # 2. copy
                 whole = value
-                value = _once(made, (a.name, "copy"), lambda: _insert(
+                value = _once(made, (a.name, "copy"), lambda: insert(
                     n, collectives.copy, (whole,), f"{a.name}_copy", whole.meta.get("tensor_meta")))
             if value is not a:
                 n.replace_input_with(a, value)
@@ -89,30 +89,20 @@ def _once(made: dict[tuple[str, object], torch.fx.Node], key: tuple[str, object]
     return made[key]
 
 
-def _insert(before: torch.fx.Node, target: Any, args: tuple[Any, ...], name: str, meta: Any,
-            kwargs: dict[str, Any] | None = None) -> torch.fx.Node:
-    with before.graph.inserting_before(before):
-        node = before.graph.create_node("call_function", target, args, kwargs or {}, name=name)
-    if meta is not None:
-        node.meta["tensor_meta"] = meta
-    node.meta["nn_module_stack"] = before.meta.get("nn_module_stack", {})
-    return node
-
-
 def _converted(a: torch.fx.Node, have: Layout, want: Layout, reader: torch.fx.Node, tp: int,
                made: dict[tuple[str, object], torch.fx.Node], collectives: Any) -> torch.fx.Node:
     """`a` in layout `want`: gathered whole, then this rank's shard taken, as needed."""
     whole = a
     if not have.replicated:
-        whole = _once(made, (a.name, REPLICATED), lambda: _insert(
+        whole = _once(made, (a.name, REPLICATED), lambda: insert(
             reader, collectives.all_gather, (a, have.dim), f"{a.name}_whole", a.meta.get("tensor_meta"),
-            {"blocks": have.blocks} if have.blocks > 1 else None))
+            kwargs={"blocks": have.blocks} if have.blocks > 1 else None))
         whole.meta["tensor_meta"] = _global_meta(a, have, tp)
     if want.replicated:
         return whole
-    return _once(made, (a.name, want), lambda: _insert(
+    return _once(made, (a.name, want), lambda: insert(
         reader, collectives.scatter, (whole, want.dim), f"{a.name}_shard",
-        _local_meta(whole.meta.get("tensor_meta"), want, tp), {"blocks": want.blocks} if want.blocks > 1 else None))
+        _local_meta(whole.meta.get("tensor_meta"), want, tp), kwargs={"blocks": want.blocks} if want.blocks > 1 else None))
 
 
 def _global_meta(a: torch.fx.Node, have: Layout, tp: int) -> Any:
@@ -175,7 +165,7 @@ def _collective_cost(node: torch.fx.Node, kind: str, tp: int, hardware: Hardware
     """Forward and backward seconds of one inserted collective (whole-tensor bytes)."""
     source = node.all_input_nodes[0] if node.all_input_nodes else node
     whole = value_bytes(node) if kind in ("all_reduce", "copy", "all_gather") else value_bytes(source)
-    grad = _needs_grad(source)
+    grad = needs_grad(source)
     forward = {"all_reduce": collective_s("all_reduce", whole, tp, hardware),
                "all_gather": collective_s("all_gather", whole, tp, hardware)}.get(kind, 0.0)
     backward = {"copy": collective_s("all_reduce", whole, tp, hardware) if grad else 0.0,

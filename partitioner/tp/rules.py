@@ -34,7 +34,7 @@ import torch.fx
 
 from ..ir import REPLICATED, Layout
 
-__all__ = ["Strategy", "SplitContext", "RuleFn", "split_rule", "rule_for", "replicate"]
+__all__ = ["Strategy", "SplitContext", "RuleFn", "split_rule", "rule_for", "replicate", "insert"]
 
 #: a rewrite hook: (node, its strategy, tp degree) -> None, editing the node's graph in place
 Rewrite = Callable[[torch.fx.Node, "Strategy", int], None]
@@ -150,3 +150,19 @@ def replicate(ctx: SplitContext) -> Strategy:
 def register_many(targets: Iterable[Any], fn: RuleFn) -> None:
     for target in targets:
         _RULES[target] = fn
+
+
+def insert(before: torch.fx.Node, target: Any, args: tuple[Any, ...], name: str, meta: Any = None, *,
+           op: str = "call_function", kwargs: dict[str, Any] | None = None,
+           origin: tuple[str, float] | None = None) -> torch.fx.Node:
+    """A new node right before `before`, named `name`, with tensor_meta `meta`.  `origin`
+    (node name, share) gives it that share of the named node's compute cost (rewrite.py);
+    without it, a collective is costed as one and anything else as free."""
+    with before.graph.inserting_before(before):
+        node = before.graph.create_node(op, target, args, kwargs or {}, name=name)
+    if meta is not None:
+        node.meta["tensor_meta"] = meta
+    if origin is not None:
+        node.meta["tp_origin"] = origin
+    node.meta["nn_module_stack"] = before.meta.get("nn_module_stack", {})
+    return node
