@@ -5,9 +5,10 @@ from __future__ import annotations
 import json
 import platform
 import re
+import socket
 import time
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -26,6 +27,29 @@ def load_package(directory: str | Path) -> Any:
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now (for MASTER_PORT)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def spawn_ranks(worker: Callable[..., None], world: int, args: tuple[Any, ...], deadline_s: float) -> None:
+    """`worker(rank, *args)` in `world` processes; killed (and TimeoutError) at the deadline."""
+    import torch.multiprocessing as mp
+
+    ctx = mp.spawn(worker, args=args, nprocs=world, join=False)
+    deadline = time.monotonic() + deadline_s
+    try:
+        while not ctx.join(timeout=5):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the benchmark's {world} workers did not finish in {deadline_s:g} s")
+    finally:
+        for p in ctx.processes:
+            if p.is_alive():
+                p.kill()
 
 
 def table(rows: Sequence[dict[str, Any]], columns: Sequence[str]) -> str:

@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import sys
 import tempfile
@@ -27,7 +26,7 @@ from typing import Any
 
 import torch
 
-from .common import ROOT, save, table, update_readme
+from .common import ROOT, free_port, save, spawn_ranks, table, update_readme
 
 MODEL = str(ROOT / "benchmarks" / "models" / "wide_mlp.py")
 DEADLINE_S = 1200.0
@@ -52,12 +51,6 @@ def _meshes(devices: int) -> list[tuple[int, int, int]]:
 
 
 # -- measure -----------------------------------------------------------------------------------
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _worker(rank: int, world: int, port: int, dirs: list[str], warmup: int, steps: int, out: str) -> None:
@@ -102,19 +95,8 @@ def _measure(directory: str, warmup: int, steps: int) -> dict[str, float]:
 
 
 def _run(world: int, dirs: list[str], warmup: int, steps: int, work: Path) -> list[dict[str, float]]:
-    import torch.multiprocessing as mp
-
     out = work / f"times-{world}.json"
-    ctx = mp.spawn(_worker, args=(world, _free_port(), dirs, warmup, steps, str(out)), nprocs=world, join=False)
-    deadline = time.monotonic() + DEADLINE_S
-    try:
-        while not ctx.join(timeout=5):
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"the benchmark's {world} workers did not finish in {DEADLINE_S:g} s")
-    finally:
-        for p in ctx.processes:
-            if p.is_alive():
-                p.kill()
+    spawn_ranks(_worker, world, (world, free_port(), dirs, warmup, steps, str(out)), DEADLINE_S)
     return list(json.loads(out.read_text()))
 
 

@@ -31,7 +31,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import sys
 import tempfile
@@ -41,7 +40,7 @@ from typing import Any
 
 import torch
 
-from .common import save, table, update_readme
+from .common import free_port, save, spawn_ranks, table, update_readme
 
 EXAMPLES = ("mlp", "gpt", "bert", "ncf", "skip", "hf_gpt2", "hf_bert")
 SCHEDULES = ("gpipe", "1f1b")
@@ -96,12 +95,6 @@ def replay_ms(case: dict[str, Any], measured: dict[str, float], alpha_s: float, 
 
 
 # -- run -----------------------------------------------------------------------------------
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _worker(rank: int, port: int, dirs: list[str], warmup: int, steps: int, out: str) -> None:
@@ -177,19 +170,8 @@ def _measure(rank: int, directory: str, warmup: int, steps: int, trace: Path) ->
 
 def run_all(dirs: list[str], warmup: int, steps: int, work: Path) -> list[dict[str, Any]]:
     """Spawn the 2 ranks once; every package in turn; killed at the deadline."""
-    import torch.multiprocessing as mp
-
     out = work / "times.json"
-    ctx = mp.spawn(_worker, args=(_free_port(), dirs, warmup, steps, str(out)), nprocs=WORLD, join=False)
-    deadline = time.monotonic() + DEADLINE_S
-    try:
-        while not ctx.join(timeout=5):
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"the benchmark's workers did not finish in {DEADLINE_S:g} s")
-    finally:
-        for p in ctx.processes:
-            if p.is_alive():
-                p.kill()
+    spawn_ranks(_worker, WORLD, (free_port(), dirs, warmup, steps, str(out)), DEADLINE_S)
     return list(json.loads(out.read_text()))
 
 

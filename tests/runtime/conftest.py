@@ -212,16 +212,21 @@ def write_package(root: Path, stages: int = 3, schedule: str = "1f1b", microbatc
         "state_dict_aliases": {"head.weight": "embed.weight"},
         "predicted": {"step_time_s": 0.001, "mfu": 0.1, "stages": [{"time_s": 1e-4, "memory_bytes": 1000}] * stages},
     }
-    digest = hashlib.sha256(json.dumps(manifest, sort_keys=True).encode())
-    for k in range(stages):
-        digest.update((out / f"stage_{k}.py").read_bytes())
-    manifest["hash"] = digest.hexdigest()
-    (out / "manifest.json").write_text(json.dumps(manifest, indent=1) + "\n")
+    write_manifest(out, manifest)
     (out / "__init__.py").write_text(INIT)
     return out
 
 
 _count = [0]
+
+
+def write_manifest(out: Path, manifest: dict[str, Any]) -> None:
+    """manifest.json with its hash over itself and the stage files, as codegen writes it."""
+    digest = hashlib.sha256(json.dumps(manifest, sort_keys=True).encode())
+    for k in range(len(manifest["stages"])):
+        digest.update((out / f"stage_{k}.py").read_bytes())
+    manifest["hash"] = digest.hexdigest()
+    (out / "manifest.json").write_text(json.dumps(manifest, indent=1) + "\n")
 
 
 def _import(path: Path) -> types.ModuleType:

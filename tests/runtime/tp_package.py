@@ -19,9 +19,10 @@ Stages: 1 = E+Q in one stage; 2 = E | Q, with wte tied across the two positions.
 from __future__ import annotations
 
 import hashlib
-import json
 from pathlib import Path
 from typing import Any
+
+from .conftest import write_manifest
 
 V, D, H, BATCH = 32, 16, 32, 16
 
@@ -164,9 +165,5 @@ def write_tp_package(root: Path, stages: int = 2, tp: int = 2, dp: int = 1, micr
         "state_dict_aliases": {"head.weight": "wte.weight"},
         "predicted": {"step_time_s": 0.001, "mfu": 0.1, "stages": [{"time_s": 1e-4, "memory_bytes": 1000}] * stages},
     }
-    digest = hashlib.sha256(json.dumps(manifest, sort_keys=True).encode())
-    for k in range(stages):
-        digest.update((out / f"stage_{k}.py").read_bytes())
-    manifest["hash"] = digest.hexdigest()
-    (out / "manifest.json").write_text(json.dumps(manifest, indent=1) + "\n")
+    write_manifest(out, manifest)
     return out
