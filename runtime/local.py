@@ -6,25 +6,35 @@ microbatch order, the gradient sums and the loss scaling are exactly those of a 
 run.  SEND/RECV actions are no-ops here: values stay in memory (moved between devices
 when stages sit on different GPUs).
 
+A package compiled with tp = T > 1 runs as T lanes: lane t is a full copy of every
+stage holding tensor-parallel index t's shards (as rank t of a distributed group
+would), and the lanes' tp.* collectives meet in process (tp.Lanes, [Note: lanes] in
+tp.py).  With tp = 1 there is one lane, run in the calling thread.  CPU only when T > 1.
+
     train_step, per replica r of mesh.dp (run one after the other here):
       1. split the batch: replica r's rows, then M microbatches     (package.split_inputs)
-      2. for each (rank, action) of the simulated grid:
+      2. in each lane t (a thread per lane, lane 0 in this one; joined, and the first
+         lane's failure re-raised), for each (rank, action) of the simulated grid:
            F  stage s, microbatch i: read inputs from the batch or earlier stages'
               outputs as fresh leaves; the last stage adds loss_fn(out, t_i) / (M*dp)
            B  stage s, microbatch i: output grads = SUM of the readers' input grads;
               autograd.backward; keep this stage's input grads for its producers
-      3. the loss returned is the sum of the scaled microbatch losses
+      3. the loss returned is the sum of the scaled microbatch losses (lane 0's; every
+         lane computes the same)
 """
 
 from __future__ import annotations
 
+import threading
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
 import torch
 import torch.utils._pytree as pytree
 
-from . import package
+from . import package, tp
+from .comm import timeout_from_env
 from .devices import DeviceLike, StageStreams, resolve_devices
 from .errors import PipelineError
 from .schedule import Action, Schedule, StageGraph, execution_order, lower, make_schedule, validate
@@ -35,11 +45,21 @@ __all__ = ["LocalPipeline", "concat_outputs"]
 LossFn = Callable[[Any, Any], torch.Tensor]
 
 
+@dataclass
+class _Lane:
+    """Tensor-parallel index `index`'s copy of every stage (tied copies shared within it)."""
+
+    index: int
+    runners: list[StageRunner]
+    tied: _Tied
+
+
 class LocalPipeline:
     """Run a compiled package DIR in this process.
 
     `schedule` overrides the manifest's (a name or a compute-only per-rank schedule);
     `device` places the stages (one device, one per stage, or one per rank; default CPU).
+    `lanes[t]` holds tensor-parallel index t's stages; `runners` are lane 0's.
     """
 
     def __init__(self, directory: str | Path, *, device: DeviceLike | Sequence[DeviceLike] | None = None,
@@ -47,19 +67,20 @@ class LocalPipeline:
         self.directory = Path(directory)
         self.manifest = package.load_manifest(directory)
         m = self.manifest
-        if m["mesh"]["tp"] != 1:
-            need = m["mesh"]["pp"] * m["mesh"]["tp"] * m["mesh"]["dp"]
-            raise PipelineError(f"{directory} was compiled with tp={m['mesh']['tp']}, and LocalPipeline runs tp=1 "
-                                f"packages only (one process has no tensor-parallel group): run it with "
-                                f"DistributedPipeline under torchrun (`python -m partitioner run {directory} --nproc "
-                                f"{need}`), or compile with --tp 1.")
         self.graph = StageGraph.from_manifest(m)
-        pp, n = m["mesh"]["pp"], len(m["stages"])
-        self.devices = resolve_devices(device, n, pp)
+        pp, self.tp = m["mesh"]["pp"], m["mesh"]["tp"]
+        self.devices = resolve_devices(device, len(m["stages"]), pp)
+        if self.tp > 1 and any(d.type != "cpu" for d in self.devices):
+            need = pp * self.tp * m["mesh"]["dp"]
+            raise PipelineError(f"{directory} was compiled with tp={self.tp}, which LocalPipeline runs as {self.tp} "
+                                f"threads on the CPU only (autograd runs a CUDA backward on one thread per device, "
+                                f"where they would wait on each other): leave device= unset, or run it on GPUs with "
+                                f"DistributedPipeline under torchrun (`python -m partitioner run {directory} --nproc "
+                                f"{need}`).")
         self.streams = StageStreams(self.devices)
-        modules = [package.import_stage(directory, m, k).to(self.devices[k]) for k in range(n)]
-        self._tied = _share_tied(modules, m, self.devices)
-        self.runners = [StageRunner(mod, m["stages"][k]) for k, mod in enumerate(modules)]
+        self.lanes = [self._make_lane(t) for t in range(self.tp)]
+        self.runners = self.lanes[0].runners
+        self._group = tp.Lanes(self.tp, timeout_from_env()) if self.tp > 1 else None
         compute = schedule if isinstance(schedule, list) else make_schedule(
             schedule or m["schedule"], pp, m["microbatches"], m["virtual_stages"])
         forward_only = [[a for a in row if a.kind == "F"] for row in compute]
@@ -67,34 +88,45 @@ class LocalPipeline:
         self._forward = execution_order(validate(lower(forward_only, self.graph), self.graph, m["microbatches"]))
         self._loss_fn: LossFn | None = None
 
+    def _make_lane(self, index: int) -> _Lane:
+        m = self.manifest
+        modules = [package.import_stage(self.directory, m, k).to(self.devices[k]) for k in range(len(m["stages"]))]
+        tied = _share_tied(modules, m, self.devices)
+        return _Lane(index, [StageRunner(mod, m["stages"][k]) for k, mod in enumerate(modules)], tied)
+
     # -- the contract ------------------------------------------------------------------------
 
     def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True) -> None:
-        """Take each stage's tensors from the ORIGINAL model's state_dict."""
+        """Take each stage's tensors (each lane's shards) from the ORIGINAL model's state_dict."""
         if strict:
             package.check_state_dict(state_dict, self.manifest)
-        for r in self.runners:
-            package.load_stage_state(package.stage_tensors(r.module, r.entry), state_dict, self.manifest)
+        for lane in self.lanes:
+            for r in lane.runners:
+                tensors = package.stage_tensors(r.module, r.entry, lane.index)
+                package.load_stage_state(tensors, state_dict, self.manifest, lane.index)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The full original state_dict (original names and alias keys), reassembled."""
-        pieces = [p for r in self.runners for p in package.stage_tensors(r.module, r.entry)]
+        pieces = [p for lane in self.lanes for r in lane.runners
+                  for p in package.stage_tensors(r.module, r.entry, lane.index)]
         return package.assemble_state_dict(pieces, self.manifest)
 
     def parameters(self) -> list[torch.nn.Parameter]:
-        """Every parameter once (a tied parameter is one shared object)."""
+        """Every parameter once (a tied parameter is one shared object), of every lane."""
         return [p for _, p in self.named_parameters()]
 
     def named_parameters(self) -> list[tuple[str, torch.nn.Parameter]]:
-        """(original name, parameter) pairs, each parameter once."""
+        """(original name, parameter) pairs, each parameter once; with tp > 1, lane by lane,
+        so a name comes once per lane (a shard, or a replicated copy, of that parameter)."""
         seen: set[int] = set()
         out = []
-        for r in self.runners:
-            for spec in r.entry["parameters"]:
-                p = getattr(r.module, spec["name"])
-                if id(p) not in seen:
-                    seen.add(id(p))
-                    out.append((spec["source_name"], p))
+        for lane in self.lanes:
+            for r in lane.runners:
+                for spec in r.entry["parameters"]:
+                    p = getattr(r.module, spec["name"])
+                    if id(p) not in seen:
+                        seen.add(id(p))
+                        out.append((spec["source_name"], p))
         return out
 
     def train_step(self, inputs: Any, target: Any, loss_fn: LossFn | None = None) -> torch.Tensor:
@@ -102,20 +134,22 @@ class LocalPipeline:
         mean loss would (accumulating; grads are not zeroed); returns that loss, detached."""
         fn = loss_fn or self._default_loss_fn()
         m, dp = self.manifest["microbatches"], self.manifest["mesh"]["dp"]
-        snapshot = self._tied.snapshot()
+        snapshots = [lane.tied.snapshot() for lane in self.lanes]
         total: torch.Tensor | None = None
         try:
             for replica in range(dp):
                 mb_inputs = package.split_inputs(inputs, self.manifest, replica)
                 targets = package.split_target(target, m, replica, dp, self.manifest.get("batch_size"))
-                loss = self._run(self._train, mb_inputs, targets, fn, float(m * dp))
+                loss = self._run_lanes(self._train, mb_inputs, targets, fn, float(m * dp))
                 total = loss if total is None else total + loss
         except BaseException:
-            for r in self.runners:
-                r.clear()
+            for lane in self.lanes:
+                for r in lane.runners:
+                    r.clear()
             raise
         self.streams.synchronize()
-        self._tied.reduce(snapshot)
+        for lane, snapshot in zip(self.lanes, snapshots):
+            lane.tied.reduce(snapshot)
         assert total is not None
         return total
 
@@ -125,25 +159,60 @@ class LocalPipeline:
         with torch.no_grad():
             for replica in range(self.manifest["mesh"]["dp"]):
                 mb_inputs = package.split_inputs(inputs, self.manifest, replica)
-                outs += self._run(self._forward, mb_inputs, None, None, 1.0)
+                outs += self._run_lanes(self._forward, mb_inputs, None, None, 1.0)
         self.streams.synchronize()
         return concat_outputs(outs)
 
     # -- the interpreter ---------------------------------------------------------------------
 
-    def _run(self, order: list[tuple[int, Action]], mb_inputs: list[dict[str, Any]], targets: list[Any] | None,
-             loss_fn: LossFn | None, scale: float) -> Any:
-        """Interpret one replica's actions; returns the summed loss (training) or the list of
-        microbatch outputs (forward only)."""
+    def _run_lanes(self, order: list[tuple[int, Action]], mb_inputs: list[dict[str, Any]],
+                   targets: list[Any] | None, loss_fn: LossFn | None, scale: float) -> Any:
+        """`_run` in every lane at once (step 2), each lane in its own thread, lane 0 in
+        this one; returns lane 0's result, or raises the first lane's failure."""
+        group = self._group
+        if group is None:
+            return self._run(self.lanes[0], order, mb_inputs, targets, loss_fn, scale)
+        group.reset()
+        results: list[Any] = [None] * len(self.lanes)
+        failed: list[BaseException] = []
+        lock = threading.Lock()
+        grad_enabled = torch.is_grad_enabled()  # grad mode is per thread
+
+        def work(lane: _Lane) -> None:
+            try:
+                with tp.lane(group, lane.index), torch.set_grad_enabled(grad_enabled):
+                    results[lane.index] = self._run(lane, order, mb_inputs, targets, loss_fn, scale)
+            except BaseException as exc:
+                with lock:
+                    failed.append(exc)  # before the abort: the others' PeerErrors come after
+                group.abort(lane.index)
+
+        threads = [threading.Thread(target=work, args=(lane,), name=f"tp-lane-{lane.index}", daemon=True)
+                   for lane in self.lanes[1:]]
+        for thread in threads:
+            thread.start()
+        try:
+            work(self.lanes[0])
+        finally:
+            for thread in threads:
+                thread.join()
+        if failed:
+            raise failed[0]
+        return results[0]
+
+    def _run(self, lane: _Lane, order: list[tuple[int, Action]], mb_inputs: list[dict[str, Any]],
+             targets: list[Any] | None, loss_fn: LossFn | None, scale: float) -> Any:
+        """Interpret one replica's actions in one lane; returns the summed loss (training) or
+        the list of microbatch outputs (forward only)."""
         outputs: dict[tuple[int, int], dict[str, Any]] = {}
         in_grads: dict[tuple[int, int], dict[str, torch.Tensor | None]] = {}
         results: list[Any] = []
         self.streams.begin()
-        with self.streams.on(len(self.runners) - 1):
+        with self.streams.on(len(lane.runners) - 1):
             total = torch.zeros((), device=self.devices[-1])
         train = targets is not None
         for _, a in order:
-            s, i, runner = a.stage, a.microbatch, self.runners[a.stage]
+            s, i, runner = a.stage, a.microbatch, lane.runners[a.stage]
             if a.kind == "F":
                 args = [self._arg(spec, s, i, mb_inputs, outputs) for spec in runner.entry["inputs"]]
                 with self.streams.on(s):

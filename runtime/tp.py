@@ -18,23 +18,46 @@ is the same everywhere without further communication.
 `blocks=b` splits a fused dimension (a qkv weight's 3C rows) as b equal blocks, each cut
 in T shards: rank r holds piece r of every block, concatenated.
 
-`tp.set_group` is called by the runtime.  With no group set (or a group of one), every
-function returns its input, so a tp=1 run and a plain import cost nothing.  Every
-collective is posted asynchronously and waited with a timeout: a dead or silent peer
-raises `PeerError` naming the collective, never hangs (comm.wait).
+The group is one of two kinds:
+
+    torch.distributed  `tp.set_group` (DistributedPipeline), process-wide: one process
+                       per tp index.  Every collective is posted asynchronously and
+                       waited with a timeout: a dead or silent peer raises `PeerError`
+                       naming the collective, never hangs (comm.wait).
+    in-process         `Lanes` (LocalPipeline): T lanes, threads of this process, each a
+                       tp index holding its own shards, entered with `tp.lane(lanes, t)`
+                       (per thread, over the process-wide group).  [Note: lanes]
+
+With no group set (or a group of one), every function returns its input, so a tp=1 run
+and a plain import cost nothing.
+
+[Note: lanes]
+    A lane collective puts each lane's tensor in the lane's slot and waits at a barrier;
+    then every lane computes the result from all the slots, in lane order (the sum
+    x0 + x1 + ..., the shards joined in index order), so the result is bitwise the same
+    on every lane, and waits again before anyone may reuse a slot.  Each wait has the
+    timeout, and a lane that fails calls `Lanes.abort()`, so the others raise `PeerError`
+    at once instead of hanging.  Forward collectives read the calling thread's group;
+    each autograd Function keeps that group in its ctx for its backward.  The lanes must
+    run their backward passes concurrently, each in its own thread: autograd runs a
+    graph of CPU tensors in the thread that called backward(), but a CUDA graph's
+    nodes on one worker thread per device, where lanes would wait on each other
+    forever, so lanes are for CPU tensors only (LocalPipeline refuses tp > 1 on CUDA).
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import threading
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
 
 from .comm import DEFAULT_TIMEOUT_S, guard, wait
-from .errors import PipelineError
+from .errors import PeerError, PipelineError
 
 __all__ = [
     "all_reduce",
@@ -46,11 +69,66 @@ __all__ = [
     "size",
     "set_group",
     "reset",
+    "Lanes",
+    "lane",
     "local_shard",
     "join_shards",
 ]
 
 Describe = Callable[[str, bool, str], str]  # (collective, timed out?, reason) -> the PeerError message
+
+
+class Lanes:
+    """An in-process tensor-parallel group of `size` lanes (threads), [Note: lanes]."""
+
+    def __init__(self, size: int, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+        if size < 2:
+            raise PipelineError(f"tp.Lanes: a group of {size} lane(s) needs no collectives: give 2 or more.")
+        self.size, self.timeout_s = int(size), float(timeout_s)
+        self.reset()
+
+    def reset(self) -> None:
+        """Ready for a new step (after an abort); call it while no lane is running."""
+        self._slots: list[tuple[str, torch.Tensor] | None] = [None] * self.size
+        self._barrier = threading.Barrier(self.size)
+        self._failed: int | None = None
+
+    def abort(self, index: int | None = None) -> None:
+        """Lane `index` failed: every lane waiting, now or later, raises PeerError."""
+        if self._failed is None:
+            self._failed = index
+        self._barrier.abort()
+
+    def exchange(self, index: int, x: torch.Tensor, collective: str,
+                 combine: Callable[[list[torch.Tensor]], torch.Tensor]) -> torch.Tensor:
+        """combine(every lane's x, in lane order), computed by each lane (x is only read)."""
+        self._slots[index] = (collective, x)
+        self._wait(index, collective)
+        try:
+            slots = [s for s in self._slots if s is not None]
+            names = sorted({name for name, _ in slots})
+            if len(slots) != self.size or len(names) != 1:
+                raise PipelineError(f"tensor-parallel lane {index}: the lanes met in different collectives "
+                                    f"({'; '.join(names)}): every lane must run the same stage code in the same order.")
+            out = combine([t for _, t in slots])
+        except BaseException:
+            self.abort(index)
+            raise
+        self._wait(index, collective)
+        return out
+
+    def _wait(self, index: int, collective: str) -> None:
+        try:
+            self._barrier.wait(self.timeout_s)
+        except threading.BrokenBarrierError:
+            failed = self._failed
+            if failed is None or failed == index:
+                self._failed = index
+                raise PeerError(f"tensor-parallel lane {index} of {self.size} timed out in {collective}: another "
+                                f"lane did not reach it in {self.timeout_s:g} s. If it is only slow, raise "
+                                f"PIPELINE_TIMEOUT_S.") from None
+            raise PeerError(f"tensor-parallel lane {index} of {self.size} stopped in {collective}: lane {failed} "
+                            f"failed (its own error is the one to look at).") from None
 
 
 @dataclass(frozen=True)
@@ -60,9 +138,16 @@ class _Group:
     size: int = 1
     timeout_s: float = DEFAULT_TIMEOUT_S
     describe: Describe | None = None
+    lanes: Lanes | None = None  # set: an in-process group, this thread being lane `rank`
 
 
-_group = _Group()
+_group = _Group()  # the process-wide group (set_group)
+_local = threading.local()  # .group: this thread's lane (tp.lane), over _group
+
+
+def _current() -> _Group:
+    lane_group: _Group | None = getattr(_local, "group", None)
+    return lane_group or _group
 
 
 # -- the group -----------------------------------------------------------------------------
@@ -79,34 +164,50 @@ def set_group(group: Any, rank: int, size: int, timeout_s: float = DEFAULT_TIMEO
 
 
 def reset() -> None:
-    """Back to no group: every function is the identity again."""
+    """Back to no group (and this thread to no lane): every function is the identity again."""
     global _group
     _group = _Group()
+    _local.group = None
+
+
+@contextlib.contextmanager
+def lane(lanes: Lanes, index: int) -> Iterator[None]:
+    """Within: this thread is lane `index` of the in-process group `lanes` ([Note: lanes])."""
+    if not 0 <= index < lanes.size:
+        raise PipelineError(f"tp.lane: lane {index} is not in a group of {lanes.size}: give 0 <= index < size.")
+    old = getattr(_local, "group", None)
+    _local.group = _Group(rank=int(index), size=lanes.size, timeout_s=lanes.timeout_s, lanes=lanes)
+    try:
+        yield
+    finally:
+        _local.group = old
 
 
 def rank() -> int:
-    """This process's index in its tensor-parallel group (0 with no group)."""
-    return _group.rank
+    """This process's (or lane's) index in its tensor-parallel group (0 with no group)."""
+    return _current().rank
 
 
 def size() -> int:
     """The tensor-parallel group's size (1 with no group)."""
-    return _group.size
+    return _current().size
 
 
 def _active() -> bool:
-    return _group.size > 1
+    return _current().size > 1
 
 
-def _doing(collective: str) -> Callable[[bool, str], str]:
-    return functools.partial(_group.describe or _default_describe, collective)
+def _doing(g: _Group, collective: str) -> Callable[[bool, str], str]:
+    if g.describe is not None:
+        return functools.partial(g.describe, collective)
+    return functools.partial(_default_describe, g, collective)
 
 
-def _default_describe(collective: str, timed_out: bool, reason: str) -> str:
+def _default_describe(g: _Group, collective: str, timed_out: bool, reason: str) -> str:
     me = dist.get_rank() if dist.is_initialized() else "?"
-    return (f"rank {me} (tp index {_group.rank}) {'timed out' if timed_out else 'failed'} in {collective}: another "
+    return (f"rank {me} (tp index {g.rank}) {'timed out' if timed_out else 'failed'} in {collective}: another "
             f"rank of its tensor-parallel group stopped or failed ({reason}). Look at that rank's own error; if it "
-            f"is only slow, raise PIPELINE_TIMEOUT_S (now {_group.timeout_s:g} s).")
+            f"is only slow, raise PIPELINE_TIMEOUT_S (now {g.timeout_s:g} s).")
 
 
 # -- shards (no communication) ------------------------------------------------------------
@@ -141,36 +242,50 @@ def join_shards(parts: list[torch.Tensor], dim: int, blocks: int = 1) -> torch.T
 # -- the collectives, each waited with the timeout ----------------------------------------
 
 
-def _sum(x: torch.Tensor, collective: str) -> torch.Tensor:
+def _sum(g: _Group, x: torch.Tensor, collective: str) -> torch.Tensor:
     """A fresh tensor: x summed over the group."""
+    if g.lanes is not None:
+        return g.lanes.exchange(g.rank, x.detach(), collective, _add_in_order)
     buf = x.detach().clone(memory_format=torch.contiguous_format)
-    doing = _doing(collective)
+    doing = _doing(g, collective)
     with guard(doing):
-        work = dist.all_reduce(buf, group=_group.handle, async_op=True)
-    wait(work, _group.timeout_s, doing)
+        work = dist.all_reduce(buf, group=g.handle, async_op=True)
+    wait(work, g.timeout_s, doing)
     return buf
 
 
-def _gather(x: torch.Tensor, dim: int, blocks: int, collective: str) -> torch.Tensor:
+def _add_in_order(parts: list[torch.Tensor]) -> torch.Tensor:
+    total = parts[0] + parts[1]
+    for p in parts[2:]:
+        total += p
+    return total.contiguous()
+
+
+def _gather(g: _Group, x: torch.Tensor, dim: int, blocks: int, collective: str) -> torch.Tensor:
     """Every rank's x joined along `dim` (block-major with `blocks`)."""
+    if g.lanes is not None:
+        return g.lanes.exchange(g.rank, x.detach(), collective, lambda parts: join_shards(parts, dim, blocks))
     mine = x.detach().contiguous()
-    parts = [torch.empty_like(mine) for _ in range(_group.size)]
-    doing = _doing(collective)
+    parts = [torch.empty_like(mine) for _ in range(g.size)]
+    doing = _doing(g, collective)
     with guard(doing):
-        work = dist.all_gather(parts, mine, group=_group.handle, async_op=True)
-    wait(work, _group.timeout_s, doing)
+        work = dist.all_gather(parts, mine, group=g.handle, async_op=True)
+    wait(work, g.timeout_s, doing)
     return join_shards(parts, dim, blocks)
 
 
-def _mine(x: torch.Tensor, dim: int, blocks: int) -> torch.Tensor:
+def _mine(g: _Group, x: torch.Tensor, dim: int, blocks: int) -> torch.Tensor:
     """This rank's shard of x, as a fresh contiguous tensor."""
-    return local_shard(x, dim, _group.rank, _group.size, blocks).clone(memory_format=torch.contiguous_format)
+    return local_shard(x, dim, g.rank, g.size, blocks).clone(memory_format=torch.contiguous_format)
+
+
+# Each forward reads the calling thread's group and keeps it in ctx for the backward.
 
 
 class _AllReduce(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
-        return _sum(x, "the tensor-parallel all_reduce")
+        return _sum(_current(), x, "the tensor-parallel all_reduce")
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
@@ -180,33 +295,35 @@ class _AllReduce(torch.autograd.Function):
 class _Copy(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        ctx.group = _current()
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
-        return _sum(grad, "the tensor-parallel all_reduce of tp.copy's backward")
+        return _sum(ctx.group, grad, "the tensor-parallel all_reduce of tp.copy's backward")
 
 
 class _AllGather(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, dim: int, blocks: int) -> torch.Tensor:
-        ctx.dim, ctx.blocks = dim, blocks
-        return _gather(x, dim, blocks, "the tensor-parallel all_gather")
+        ctx.group, ctx.dim, ctx.blocks = _current(), dim, blocks
+        return _gather(ctx.group, x, dim, blocks, "the tensor-parallel all_gather")
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
-        return _mine(grad, ctx.dim, ctx.blocks), None, None
+        return _mine(ctx.group, grad, ctx.dim, ctx.blocks), None, None
 
 
 class _Scatter(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, dim: int, blocks: int) -> torch.Tensor:
-        ctx.dim, ctx.blocks = dim, blocks
-        return _mine(x, dim, blocks)
+        ctx.group, ctx.dim, ctx.blocks = _current(), dim, blocks
+        return _mine(ctx.group, x, dim, blocks)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
-        return _gather(grad, ctx.dim, ctx.blocks, "the tensor-parallel all_gather of tp.scatter's backward"), None, None
+        doing = "the tensor-parallel all_gather of tp.scatter's backward"
+        return _gather(ctx.group, grad, ctx.dim, ctx.blocks, doing), None, None
 
 
 # -- what generated code calls --------------------------------------------------------------
@@ -237,6 +354,6 @@ def scatter(x: torch.Tensor, dim: int, blocks: int = 1) -> torch.Tensor:
 def vocab_shard(ids: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
     """For a vocabulary-parallel embedding whose local weight holds rows
     [rank() * rows, (rank() + 1) * rows): (ids made local, 0 where outside; outside)."""
-    start = _group.rank * rows
+    start = _current().rank * rows
     outside = (ids < start) | (ids >= start + rows)
     return (ids - start).masked_fill(outside, 0), outside

@@ -3,6 +3,7 @@
 The multi-process tests run real gloo ranks (test_distributed.launch): each compares its
 loss, its gradient shards, the forward output and the weights after 3 SGD steps with
 the original model (tp_package.py's TpNet) in that process.
+LocalPipeline with tp > 1 (in-process lanes) is tested in test_local_tp.py.
 """
 
 from __future__ import annotations
@@ -90,14 +91,6 @@ def test_tp_package_with_tp_1_runs_locally(tmp_path: Path) -> None:
     grads = dict(model.named_parameters())
     for name, p in pipe.named_parameters():
         torch.testing.assert_close(p.grad, grads[name].grad, rtol=1e-5, atol=1e-6)
-
-
-def test_local_pipeline_refuses_tp(tmp_path: Path) -> None:
-    pkg = write_tp_package(tmp_path, stages=2, tp=2)
-    with pytest.raises(PipelineError, match=r"compiled with tp=2, and LocalPipeline runs tp=1 packages only .* "
-                                            r"DistributedPipeline under torchrun \(`python -m partitioner run .* "
-                                            r"--nproc 4`\)"):
-        runtime.LocalPipeline(pkg)
 
 
 def test_world_size_must_be_pp_x_tp_x_dp(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
