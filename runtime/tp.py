@@ -8,6 +8,11 @@ backward of each one is the forward of its partner, so gradients stay exact.
     tp.all_reduce(x)       forward: all_reduce (sum)       backward: identity           Megatron's g
     tp.scatter(x, dim)     forward: this rank's shard      backward: all_gather
     tp.all_gather(x, dim)  forward: every shard, in order  backward: this rank's shard
+    tp.reduce_scatter(x, dim)  forward: the sum's shard    backward: all_gather
+
+A partial sum (every rank holds a part, the value is their sum) is made whole by
+`tp.all_reduce` or sharded by `tp.reduce_scatter`; `tp.first_rank(b)` adds a bias to a
+partial sum once (b on the first rank, 0 elsewhere, still in every rank's graph).
 
 A column-parallel linear (weight rows split) reads `tp.copy(x)` and ends with its output
 sharded (or `tp.all_gather`ed); a row-parallel linear (weight columns split) ends with
@@ -326,6 +331,18 @@ class _Scatter(torch.autograd.Function):
         return _gather(ctx.group, grad, ctx.dim, ctx.blocks, doing), None, None
 
 
+class _ReduceScatter(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, dim: int, blocks: int) -> torch.Tensor:
+        ctx.group, ctx.dim, ctx.blocks = _current(), dim, blocks
+        return _mine(ctx.group, _sum(ctx.group, x, "the tensor-parallel reduce_scatter"), dim, blocks)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        doing = "the tensor-parallel all_gather of tp.reduce_scatter's backward"
+        return _gather(ctx.group, grad, ctx.dim, ctx.blocks, doing), None, None
+
+
 # -- what generated code calls --------------------------------------------------------------
 
 
@@ -349,6 +366,19 @@ def scatter(x: torch.Tensor, dim: int, blocks: int = 1) -> torch.Tensor:
     """Forward: this rank's shard of x along `dim` (piece rank() of each of `blocks` blocks);
     backward: the gradient all-gathered the same way."""
     return _Scatter.apply(x, dim, blocks) if _active() else x  # type: ignore[no-any-return]
+
+
+def reduce_scatter(x: torch.Tensor, dim: int, blocks: int = 1) -> torch.Tensor:
+    """Forward: this rank's shard (along `dim`, as `scatter` cuts) of x summed over the group;
+    backward: the gradient all-gathered.  (An all_reduce and a slice, on every backend.)"""
+    return _ReduceScatter.apply(x, dim, blocks) if _active() else x  # type: ignore[no-any-return]
+
+
+def first_rank(x: torch.Tensor) -> torch.Tensor:
+    """x on the group's first rank and zeros on the others (x * 0, so every rank's graph
+    still reads x and its backward collectives run everywhere): a bias added to a
+    partial sum once."""
+    return x * float(_current().rank == 0) if _active() else x
 
 
 def vocab_shard(ids: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Tensor]:

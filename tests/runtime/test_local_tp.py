@@ -58,7 +58,8 @@ def in_lanes(n: int, fn: Callable[[int, int], Any], timeout_s: float = 20.0) -> 
 
 @pytest.mark.parametrize("check", [tp_checks.check_rank_and_size, tp_checks.check_all_reduce_and_copy,
                                    tp_checks.check_column_and_row_parallel_linear, tp_checks.check_blocks,
-                                   tp_checks.check_vocab_shard], ids=lambda c: c.__name__[6:])
+                                   tp_checks.check_vocab_shard, tp_checks.check_partial_sums],
+                         ids=lambda c: c.__name__[6:])
 def test_lanes_match_one_process(check: Callable[[int, int], None]) -> None:
     """Forward and backward of every function across 2 lanes (blocks=3 included)."""
     in_lanes(2, check)

@@ -106,6 +106,23 @@ def check_vocab_shard(r: int, n: int) -> None:
     _close(w.grad, ref.grad, "grad of the vocabulary-parallel embedding")  # type: ignore[arg-type]
 
 
+def check_partial_sums(r: int, n: int) -> None:
+    """A row-parallel linear left as a partial sum, its bias added once (first_rank), then
+    sharded by reduce_scatter: equal to the whole linear's shard, gradients exact."""
+    g = torch.Generator().manual_seed(13)
+    x0, w0, b0, up = (torch.randn(*s, generator=g) for s in [(6, 8), (4, 8), (4,), (6, 4)])
+    ref = [_leaf(t) for t in (x0, w0, b0)]
+    out = F.linear(*ref)
+    (out * up).sum().backward()
+    x, w, b = (_leaf(t) for t in (x0, w0, b0))
+    partial = F.linear(tp.scatter(x, 1), tp.scatter(w, 1), tp.first_rank(tp.copy(b)))  # (6, 4): this rank's part
+    y = tp.reduce_scatter(partial, 0)  # (6 / n, 4): rows of the sum
+    _close(y, tp.local_shard(out.detach(), 0, r, n), "reduce_scatter of a partial sum")
+    (y * tp.local_shard(up, 0, r, n)).sum().backward()
+    for name, a, want in zip(["x", "w", "b"], (x, w, b), ref):
+        _close(a.grad, want.grad, f"grad of {name} through reduce_scatter")  # type: ignore[arg-type]
+
+
 def check_rank_and_size(r: int, n: int) -> None:
     assert (tp.rank(), tp.size()) == (r, n), (tp.rank(), tp.size())
 
@@ -115,5 +132,5 @@ def run(timeout_s: float) -> None:
     r, n = dist.get_rank(), dist.get_world_size()
     tp.set_group(None, r, n, timeout_s)
     for check in (check_rank_and_size, check_all_reduce_and_copy, check_column_and_row_parallel_linear,
-                  check_blocks, check_vocab_shard):
+                  check_blocks, check_vocab_shard, check_partial_sums):
         check(r, n)
