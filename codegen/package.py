@@ -56,6 +56,7 @@ class PackageInfo:
     tp: int = 1
     shards: dict[str, Layout] = field(default_factory=dict)  # parameter -> its tensor-parallel layout
     tensor_parallel: dict[str, Any] = field(default_factory=dict)  # the manifest's block (rules, collectives)
+    recompute: bool = False  # every stage runs its forward again in backward (the stages' "recompute")
 
 
 def emit(out: str | Path, gm: torch.fx.GraphModule, plan: Plan, info: PackageInfo) -> dict[str, Any]:
@@ -120,6 +121,7 @@ def _stage(
         "buffers": buffer_entries,
         "nodes": len(layout.nodes),
         "modules": _modules(layout.nodes),
+        **({"recompute": True} if info.recompute else {}),
     }
     return entry, _render(entry, layout, plan, info, writer, body)
 

@@ -17,6 +17,25 @@ def format_bytes(n: float) -> str:
     return f"{int(n)} B"
 
 
+def _ranks(ranks: list[int], width: int = 24) -> str:
+    """The ranks listed, or when that is longer than `width`, as runs ("0-3,64-67"), or
+    the first two runs and the count ("0-3,64-67,... (64 ranks)")."""
+    plain = ",".join(str(r) for r in ranks)
+    if len(plain) <= width:
+        return plain
+    runs: list[list[int]] = []
+    for r in ranks:
+        if runs and r == runs[-1][1] + 1:
+            runs[-1][1] = r
+        else:
+            runs.append([r, r])
+    text = [f"{a}-{b}" if b > a else str(a) for a, b in runs]
+    joined = ",".join(text)
+    if len(joined) <= width:
+        return joined
+    return f"{','.join(text[:2])},... ({len(ranks)} ranks)"
+
+
 def format_plan(manifest: dict[str, Any]) -> str:
     """Header lines, then one row per stage."""
     mesh, predicted = manifest["mesh"], manifest.get("predicted", {})
@@ -29,7 +48,7 @@ def format_plan(manifest: dict[str, Any]) -> str:
         shown = ",".join(mods[:3]) + ("..." if len(mods) > 3 else "")
         rows.append((
             str(s["index"]),
-            ",".join(str(r) for r in s["ranks"]),
+            _ranks(s["ranks"]),
             str(s["nodes"]),
             shown or "-",
             f"{p.get('time_s', 0.0) * 1e3:.3f} ms",
@@ -45,7 +64,8 @@ def format_plan(manifest: dict[str, Any]) -> str:
     lines = [
         f"model      {source['path']} (sha256 {source['sha256'][:16]}), traced with {manifest['tracer']}",
         f"mesh       pp={mesh['pp']} tp={mesh['tp']} dp={mesh['dp']}, schedule {manifest['schedule']}, "
-        f"{manifest['microbatches']} microbatches, batch {manifest['batch_size']}",
+        f"{manifest['microbatches']} microbatches, batch {manifest['batch_size']}"
+        + (", activations recomputed" if any(s.get("recompute") for s in manifest["stages"]) else ""),
         f"predicted  step {predicted.get('step_time_s', 0.0) * 1e3:.3f} ms, MFU {predicted.get('mfu', 0.0) * 100:.2f}%, "
         f"costs {predicted.get('cost_source', '?')} on {predicted.get('hardware', '?')}",
     ]
@@ -72,6 +92,7 @@ def format_plan(manifest: dict[str, Any]) -> str:
             lines_c.append(
                 f"  pp={c['pp']:<3} dp={c['dp']:<3} tp={c['tp']:<2} microbatches={c['microbatches']:<4} "
                 f"step {c['step_time_s'] * 1e3:9.3f} ms  MFU {c['mfu'] * 100:5.2f}%  peak {format_bytes(c['memory_bytes'])}"
+                + ("  recompute" if c.get("recompute") else "")
             )
         table = table + lines_c
     return "\n".join(lines + [""] + table) + "\n"

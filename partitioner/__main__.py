@@ -61,6 +61,9 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--reprofile", action="store_true", help="measure node costs again, ignoring the cache")
     c.add_argument("--meta", action="store_true", default=None,
                    help="build the model on the meta device (implied by --analytic for models too big for this machine)")
+    c.add_argument("--recompute", action="store_true",
+                   help="recompute activations: each stage keeps only its inputs per microbatch in flight and runs "
+                        "its forward again in backward (less memory, one more forward)")
     c.add_argument("--quiet", action="store_true")
     s = sub.add_parser("show", help="print a package's plan")
     s.add_argument("dir")
@@ -84,7 +87,7 @@ def _compile(ns: argparse.Namespace) -> int:
         microbatches=ns.microbatches, schedule=ns.schedule, virtual_stages=ns.virtual_stages,
         memory=parse_size(ns.memory) if ns.memory else None, hardware=ns.hardware, analytic=ns.analytic,
         tracer=ns.tracer, time_limit=ns.time_limit, seed=ns.seed, entry=ns.entry, optimizer=ns.optimizer,
-        reprofile=ns.reprofile, quiet=ns.quiet, meta=ns.meta,
+        reprofile=ns.reprofile, quiet=ns.quiet, meta=ns.meta, recompute=ns.recompute,
     )
     compile_model(opts)
     if not ns.quiet:

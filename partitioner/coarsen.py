@@ -56,12 +56,14 @@ def coarsen(nodes: Sequence[GraphNode], max_blocks: int, *, param_bytes: Mapping
 def build_problem(blocks: Sequence[BlockCost], edges: Sequence[Edge], stages: int, microbatches: int, *,
                   schedule: str = "1f1b", memory_limit_bytes: int | None = None, optimizer_factor: int = 2,
                   comm_alpha_s: float = 0.0, comm_beta_s_per_byte: float = 0.0,
-                  param_bytes: Mapping[str, int] | None = None, virtual_stages: int = 1) -> PartitionProblem:
+                  param_bytes: Mapping[str, int] | None = None, virtual_stages: int = 1,
+                  recompute: bool = False) -> PartitionProblem:
     """The `PartitionProblem` of coarsened blocks; `param_bytes` lets a stage that holds
-    several blocks reading one (tied) parameter hold it once."""
+    several blocks reading one (tied) parameter hold it once.  With `recompute`, a block's
+    time includes its forward run again in the backward."""
     used = {name for b in blocks for name in b.params}
     return PartitionProblem(
-        block_time_s=tuple(b.time_s for b in blocks),
+        block_time_s=tuple(b.time_s + (b.forward_s if recompute else 0.0) for b in blocks),
         block_param_bytes=tuple(b.param_bytes for b in blocks),
         block_activation_bytes=tuple(b.activation_bytes for b in blocks),
         edges=tuple(edges),
@@ -76,6 +78,7 @@ def build_problem(blocks: Sequence[BlockCost], edges: Sequence[Edge], stages: in
         block_params=tuple(b.params for b in blocks),
         param_bytes_by_name=tuple(sorted((k, v) for k, v in (param_bytes or {}).items() if k in used)),
         virtual_stages=virtual_stages,
+        recompute=recompute,
     )
 
 
@@ -303,7 +306,8 @@ def _blocks(order: Sequence[GraphNode], runs: Sequence[_Run], sizes: Mapping[str
             name=name, nodes=tuple(n.name for n in nodes), time_s=sum(n.cost.time_s for n in nodes),
             param_bytes=sum(sizes.get(p, 0) for p in params),
             activation_bytes=sum(n.cost.activation_bytes for n in nodes),
-            flops=sum(n.cost.flops for n in nodes), params=params))
+            flops=sum(n.cost.flops for n in nodes), params=params,
+            forward_s=sum(n.cost.forward_s for n in nodes)))
     return blocks
 
 

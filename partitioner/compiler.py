@@ -20,23 +20,21 @@ import torch.fx
 import torch.utils._pytree as pytree
 
 from . import cache, model_file
-from .coarsen import build_problem, coarsen
-from .cost import PROFILE_VERSION, annotate, compute_nodes, param_names, storage_key
+from .cost import PROFILE_VERSION, annotate, compute_nodes, storage_key
 from .errors import PlanError
 from .hardware import Hardware, load_hardware
-from .ir import (GraphNode, NodeCost, PartitionProblem, Plan, SolverReport, StagePlan,
-                 optimizer_state_factor)
+from .ir import NodeCost, PartitionProblem, Plan, SolverReport, StagePlan
 from .options import (CompileOptions, batch_size, check, default_microbatches, fixed_tp, rows_per_microbatch,
                       split_batch)
-from .passes import get_attr, is_tensor_node, node_module, propagate, specialize
+from .passes import get_attr, propagate, specialize
 from .predict import predict
-from .solve import solve, stage_costs
+from .problem import Coarse, coarse_graph, make_plan, pose
+from .solve import solve
 from .tp import Sharded, shard
-from .trace import Traced, by_input_key, trace
+from .trace import Traced, by_input_key, copy_traced, trace
 
-__all__ = ["CompileOptions", "Compiled", "Prepared", "assign_nodes", "compile_model", "finish", "prepare", "split_batch"]
-
-MAX_BLOCKS = 160
+__all__ = ["CompileOptions", "Compiled", "Prepared", "Source", "assign_nodes", "compile_model", "finish", "load_source",
+           "prepare", "split_batch"]
 
 
 @dataclass
@@ -73,6 +71,32 @@ class Prepared:
     #: the graph before tensor parallelism and its costs (what --devices re-shards)
     whole: tuple[Traced, dict[str, NodeCost]] | None = None
     sharded: Sharded | None = None
+    coarse: Coarse | None = None  # the blocks `problem` was posed from
+
+
+@dataclass
+class Source:
+    """A model file loaded, its model built and its example batch: what every microbatch
+    shape of one compile (or `--devices` search) shares."""
+
+    mf: model_file.ModelFile
+    model: torch.nn.Module
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    batch: int
+    #: the model's fx trace before specialisation, which serves any microbatch shape
+    generic: Traced | None = None
+
+
+def load_source(opts: CompileOptions, say: Callable[[str], None] = lambda _m: None) -> Source:
+    """Load the model file, build the model (on the meta device when `_build` says so)
+    and take its example batch (moved to the meta device with a meta model)."""
+    mf = model_file.load(opts.model, opts.entry)
+    model = _build(mf, opts, say)
+    args, kwargs = mf.example_inputs()
+    if _is_meta(model):
+        args, kwargs = pytree.tree_map_only(torch.Tensor, lambda t: t.to("meta"), (args, kwargs))
+    return Source(mf, model, args, kwargs, batch_size(mf, args, kwargs))
 
 
 def compile_model(opts: CompileOptions, log: Callable[[str], None] | None = None) -> Compiled:
@@ -95,9 +119,9 @@ def compile_model(opts: CompileOptions, log: Callable[[str], None] | None = None
     return compiled
 
 
-def prepare(opts: CompileOptions, say: Callable[[str], None] = lambda _m: None) -> Prepared:
+def prepare(opts: CompileOptions, say: Callable[[str], None] = lambda _m: None, source: Source | None = None) -> Prepared:
     """Load, trace, specialise and cost the model; split it for tensor parallelism; pose
-    the partition problem."""
+    the partition problem.  `source`: the model file already loaded (`load_source`)."""
     opts = fixed_tp(opts)
     timings: dict[str, float] = {}
     clock = time.perf_counter()
@@ -110,19 +134,14 @@ def prepare(opts: CompileOptions, say: Callable[[str], None] = lambda _m: None) 
 
     pp, virtual, microbatches = check(opts)
     # 1. The model file and one microbatch of its example batch.
-    mf = model_file.load(opts.model, opts.entry)
-    model = _build(mf, opts, say)
-    args, kwargs = mf.example_inputs()
-    if _is_meta(model):
-        args, kwargs = pytree.tree_map_only(torch.Tensor, lambda t: t.to("meta"), (args, kwargs))
-    batch = batch_size(mf, args, kwargs)
+    src = source or load_source(opts, say)
+    mf, model, args, kwargs, batch = src.mf, src.model, src.args, src.kwargs, src.batch
     microbatches = microbatches or default_microbatches(batch, pp, opts)
     rows = rows_per_microbatch(batch, microbatches, opts.dp)
     margs, mkwargs = split_batch(args, kwargs, mf.batch_dims, rows)
     phase("load")
     # 2. Trace and specialise to the microbatch shape.
-    say(f"tracing {opts.model} ({type(model).__name__}, microbatch of {rows} rows)")
-    traced = trace(model, margs, mkwargs, opts.tracer, opts.model)
+    traced = _trace(src, margs, mkwargs, opts, rows, say)
     by_key = by_input_key(margs, mkwargs)
     values = propagate(traced.gm, [by_key[key] for _name, key in traced.input_keys], opts.model)
     specialize(traced.gm, values)
@@ -136,10 +155,24 @@ def prepare(opts: CompileOptions, say: Callable[[str], None] = lambda _m: None) 
     traced, costs, sharded = apply_tp(traced, costs, opts.tp or 1, hardware, opts, say)
     phase("tp")
     # 5. Coarsen into blocks and pose the problem.
-    problem, blocks = _problem(traced, costs, pp * virtual, microbatches, hardware, opts, sharded)
+    coarse = coarse_graph(traced, costs, sharded)
+    problem = pose(coarse, pp * virtual, microbatches, hardware, opts)
     phase("coarsen")
-    return Prepared(opts, mf, model, traced, costs, hardware, problem, blocks, batch, rows, args, kwargs,
-                    pp, virtual, microbatches, timings, whole, sharded)
+    return Prepared(opts, mf, model, traced, costs, hardware, problem, coarse.blocks, batch, rows, args, kwargs,
+                    pp, virtual, microbatches, timings, whole, sharded, coarse)
+
+
+def _trace(src: Source, margs: tuple[Any, ...], mkwargs: dict[str, Any], opts: CompileOptions, rows: int,
+           say: Callable[[str], None]) -> Traced:
+    """The model's graph for this microbatch, to specialise: a copy of its fx trace when
+    `src` has one (kept from an earlier shape), else a new trace."""
+    if src.generic is not None:
+        return copy_traced(src.generic)
+    say(f"tracing {opts.model} ({type(src.model).__name__}, microbatch of {rows} rows)")
+    traced = trace(src.model, margs, mkwargs, opts.tracer, opts.model)
+    if traced.tracer == "fx":
+        src.generic = copy_traced(traced)
+    return traced
 
 
 def apply_tp(traced: Traced, costs: dict[str, NodeCost], tp: int, hardware: Hardware, opts: CompileOptions,
@@ -180,7 +213,7 @@ def finish(prepared: Prepared, assignment: tuple[int, ...], report: SolverReport
     p = prepared
     if report is not None:
         report = dataclasses.replace(report, nodes=len(compute_nodes(p.traced.gm)), blocks=p.problem.num_blocks)
-    return _emit(p, _plan(p.problem, p.blocks, assignment, report, p.opts, p.pp, p.virtual, p.microbatches), extra)
+    return _emit(p, make_plan(p.problem, p.blocks, assignment, report, p.opts, p.pp, p.virtual, p.microbatches), extra)
 
 
 def _emit(p: Prepared, plan: Plan, extra: dict[str, Any] | None = None) -> Compiled:
@@ -268,73 +301,7 @@ def _progress(opts: CompileOptions, total: int) -> Callable[[Iterable[torch.fx.N
     return lambda items: tqdm(items, total=total, desc="profiling", unit="node", leave=False)
 
 
-# -- problem and plan --------------------------------------------------------------------
-
-
-def _problem(traced: Traced, costs: dict[str, NodeCost], stages: int, microbatches: int,
-             hardware: Hardware, opts: CompileOptions, sharded: Sharded | None = None) -> tuple[PartitionProblem, list[Any]]:
-    gm = traced.gm
-    params = {name for name, _ in gm.named_parameters(remove_duplicate=False)}
-    shards = sharded.params if sharded is not None else {}
-    param_bytes = {name: p.numel() * p.element_size() // (sharded.tp if sharded and name in shards else 1)
-                   for name, p in gm.named_parameters(remove_duplicate=False)}
-    compute = set(compute_nodes(gm))
-    output = next(n for n in gm.graph.nodes if n.op == "output")
-    nodes = [
-        GraphNode(
-            name=n.name,
-            inputs=tuple(a.name for a in n.all_input_nodes if a in compute),
-            cost=costs[n.name],
-            module=node_module(n),
-            params=param_names(n, params),
-            tensor_output=is_tensor_node(n),
-        )
-        for n in gm.graph.nodes if n in compute
-    ]
-    # The graph's output, as a free node that the solver keeps in the last stage.
-    nodes.append(GraphNode(name=output.name, inputs=tuple(a.name for a in output.all_input_nodes if a in compute),
-                           cost=NodeCost(output.name), module="", params=(), is_output=True))
-    blocks, edges = coarsen(nodes, max_blocks=MAX_BLOCKS, param_bytes=param_bytes)
-    problem = build_problem(
-        blocks, edges, stages, microbatches,
-        schedule="1f1b" if opts.schedule == "interleaved" else opts.schedule,
-        memory_limit_bytes=opts.memory if opts.memory is not None else _device_memory(hardware, stages * (opts.tp or 1) * opts.dp),
-        optimizer_factor=optimizer_state_factor(opts.optimizer),
-        comm_alpha_s=hardware.p2p_alpha_s,
-        comm_beta_s_per_byte=hardware.p2p_beta_s_per_byte,
-        param_bytes=param_bytes,
-        virtual_stages=opts.virtual_stages if opts.schedule == "interleaved" else 1,
-    )
-    return problem, blocks
-
-
-def _device_memory(hardware: Hardware, ranks: int) -> int:
-    """The default --memory: a device's own; on the CPU every rank shares this machine's RAM."""
-    return hardware.memory_bytes // max(1, ranks) if hardware.name == "cpu" else hardware.memory_bytes
-
-
-def _plan(problem: PartitionProblem, blocks: list[Any], assignment: tuple[int, ...], report: SolverReport | None,
-          opts: CompileOptions, pp: int, virtual: int, microbatches: int) -> Plan:
-    """The Plan for a stage per block, with each stage's terms of the solver's cost model."""
-    costs = stage_costs(problem, assignment)
-    stage_nodes: list[list[str]] = [[] for _ in range(problem.stages)]
-    for block, stage in zip(blocks, assignment):
-        stage_nodes[stage].extend(n for n in block.nodes if n != "output")
-    sent = [0] * problem.stages
-    received = [0] * problem.stages
-    crossings = {(e.value, assignment[e.src], assignment[e.dst]): e.bytes for e in problem.edges}
-    for (_value, a, b), nbytes in sorted(crossings.items()):
-        if a != b:
-            sent[a] += nbytes
-            received[b] += nbytes
-    stage_plans = tuple(
-        StagePlan(index=k, nodes=tuple(stage_nodes[k]), time_s=c.time_s, compute_s=c.compute_s,
-                  comm_s=c.time_s - c.compute_s, memory_bytes=int(c.memory_bytes), param_bytes=c.weight_bytes,
-                  activation_bytes=c.activation_bytes, send_bytes=sent[k], recv_bytes=received[k])
-        for k, c in enumerate(costs)
-    )
-    return Plan(stages=stage_plans, schedule=opts.schedule, microbatches=microbatches, pp=pp,
-                tp=opts.tp or 1, dp=opts.dp, virtual_stages=virtual, report=report)
+# -- flops and the package ---------------------------------------------------------------
 
 
 def model_flops(p: Prepared) -> int:
@@ -370,7 +337,7 @@ def _package_info(opts: CompileOptions, mf: model_file.ModelFile, model: torch.n
                         model_flops=flops)
     options = {"stages": plan.pp, "tp": plan.tp, "microbatches": plan.microbatches, "schedule": plan.schedule,
                "memory": opts.memory, "hardware": hardware.name, "analytic": opts.analytic,
-               "optimizer": opts.optimizer}
+               "optimizer": opts.optimizer} | ({"recompute": True} if plan.recompute else {})
     return PackageInfo(
         source_path=opts.model, source_sha256=mf.sha256, entry=opts.entry, seed=opts.seed, tracer=traced.tracer,
         batch_size=batch, inputs=inputs, out_spec=traced.out_spec, output_leaves=traced.output_leaves,
@@ -378,7 +345,7 @@ def _package_info(opts: CompileOptions, mf: model_file.ModelFile, model: torch.n
         unused_params={k for k, t in unused.items() if isinstance(t, torch.nn.Parameter)},
         predicted=predicted, options=options, tp=plan.tp,
         shards=dict(sharded.params) if sharded is not None else {},
-        tensor_parallel=_tp_summary(sharded),
+        tensor_parallel=_tp_summary(sharded), recompute=plan.recompute,
     )
 
 

@@ -13,15 +13,18 @@ Two sources, one result type:
   the sum of a stage's node times is what the stage takes.
 - `estimate`: analytic, from the same FLOP count and the bytes the op reads and writes,
   through the roofline of a hardware profile (`roofline.py`).  Deterministic, so golden
-  tests and CI use it.
+  tests and CI use it.  On the meta device (a model too large to run here) every tensor
+  is a shape, so the FLOPs and saved bytes of equal calls (the same op in identical
+  layers) are counted once, and attention saves what a fused kernel saves (`_flash_saved`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import statistics
 import time
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Hashable, Iterable
 
 import torch
 import torch.fx
@@ -63,9 +66,17 @@ def annotate(
     param_storages = {storage_key(p) for p in params.values()}
     costs: dict[str, NodeCost] = {}
     overhead = _backward_overhead(repeats) if measure else 0.0
+    seen: dict[Hashable, tuple[int, int]] = {}
     for node in progress(compute_nodes(gm)):
         fn, args, kwargs = _bind(node, values)
-        flops, activation = _flops_and_saved(fn, args, kwargs, param_storages)
+        key = _meta_signature(node, args, kwargs, param_storages)
+        if key is None or key not in seen:
+            found = _flops_and_saved(fn, args, kwargs, param_storages)
+            flash = _flash_saved(node, args, values.get(node))
+            found = found if flash is None else (found[0], flash)
+            if key is not None:
+                seen[key] = found
+        flops, activation = seen[key] if key is not None else found
         moved = _bytes(args) + _bytes(kwargs) + _bytes(values.get(node))
         if measure:
             fwd, bwd = _time(fn, args, kwargs, repeats)
@@ -114,6 +125,64 @@ def _bind(node: torch.fx.Node, values: dict[torch.fx.Node, Any]) -> tuple[Callab
 def storage_key(t: torch.Tensor) -> int:
     """Identifies a tensor's storage, shared by its views; meta tensors included."""
     return int(t.untyped_storage()._cdata)
+
+
+def _meta_signature(node: torch.fx.Node, args: tuple[Any, ...], kwargs: dict[str, Any],
+                    param_storages: set[int]) -> Hashable | None:
+    """What decides a call's FLOPs and saved bytes when every tensor is on the meta device
+    (so only shapes count): the target, and each argument's shape, strides, dtype, grad,
+    whether it is a parameter and which arguments share storage.  Equal signatures (the
+    same op in each of a model's identical layers) are counted once.  None when a tensor
+    holds data, or an argument is not a plain value."""
+    storages: dict[int, int] = {}
+
+    def describe(value: Any) -> Hashable:
+        if isinstance(value, torch.Tensor):
+            if not value.is_meta:
+                raise _NotPlain
+            key = storage_key(value)
+            return ("T", tuple(value.shape), value.stride(), value.storage_offset(), value.dtype,
+                    value.requires_grad, key in param_storages, storages.setdefault(key, len(storages)))
+        if isinstance(value, (list, tuple)):
+            return (type(value).__name__, tuple(describe(v) for v in value))
+        if isinstance(value, dict):
+            return ("dict", tuple((k, describe(v)) for k, v in value.items()))
+        if value is None or isinstance(value, (bool, int, float, str, torch.dtype, torch.device, torch.memory_format,
+                                               torch.layout, slice)):
+            return (type(value).__name__, repr(value))
+        raise _NotPlain
+
+    try:
+        return (node.op, node.target, describe(args), describe(kwargs))
+    except (_NotPlain, TypeError):
+        return None
+
+
+_ATTENTION = (torch.nn.functional.scaled_dot_product_attention, torch.ops.aten.scaled_dot_product_attention.default)
+
+
+def _flash_saved(node: torch.fx.Node, args: tuple[Any, ...], out: Any) -> int | None:
+    """What a fused (flash) attention kernel saves for backward, for attention on the
+    meta device, else None.
+
+    On the meta device (a model planned for GPUs, too large to run here) the dispatcher
+    takes scaled_dot_product_attention's math path, which saves the (B, heads, L, S)
+    attention matrix; the GPUs it is planned for run a fused kernel, which saves q, k, v,
+    the output and one float32 log-sum-exp per query row (Dao et al., "FlashAttention",
+    NeurIPS 2022, section 3.1), and so is counted here.
+    """
+    if node.op != "call_function" or node.target not in _ATTENTION or not isinstance(out, torch.Tensor):
+        return None
+    q, k, v = args[:3] if len(args) >= 3 else (None, None, None)
+    tensors = [t for t in (q, k, v, out) if isinstance(t, torch.Tensor)]
+    if len(tensors) != 4 or not all(t.is_meta and t.dim() == 4 for t in tensors):
+        return None
+    rows = math.prod(int(d) for d in q.shape[:3])  # type: ignore[union-attr]
+    return sum(_nbytes(t) for t in tensors) + 4 * rows
+
+
+class _NotPlain(Exception):
+    """An argument that `_meta_signature` cannot describe."""
 
 
 def _flops_and_saved(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], param_storages: set[int]) -> tuple[int, int]:

@@ -28,22 +28,30 @@ class Value:
     bytes: int
 
 
-def _per_problem(fn: Callable[[PartitionProblem], _T]) -> Callable[[PartitionProblem], _T]:
-    """Cache fn(problem) for the last few problems by identity (hashing one is slow)."""
-    cache: dict[int, tuple[PartitionProblem, _T]] = {}
+def _per_problem(*fields: str) -> Callable[[Callable[[PartitionProblem], _T]], Callable[[PartitionProblem], _T]]:
+    """Cache fn(problem) for the last few problems by the identity of the `fields` fn
+    reads (hashing them is slow); problems that share those tuples (one problem posed
+    for several stage counts, `dataclasses.replace`) share the entry."""
 
-    def cached(problem: PartitionProblem) -> _T:
-        hit = cache.get(id(problem))
-        if hit is None or hit[0] is not problem:
-            if len(cache) >= 4:
-                cache.pop(next(iter(cache)))
-            hit = cache[id(problem)] = (problem, fn(problem))
-        return hit[1]
+    def wrap(fn: Callable[[PartitionProblem], _T]) -> Callable[[PartitionProblem], _T]:
+        cache: dict[tuple[int, ...], tuple[tuple[object, ...], _T]] = {}
 
-    return functools.wraps(fn)(cached)
+        def cached(problem: PartitionProblem) -> _T:
+            parts = tuple(getattr(problem, f) for f in fields)
+            key = tuple(id(p) for p in parts)
+            hit = cache.get(key)
+            if hit is None or any(a is not b for a, b in zip(hit[0], parts)):
+                if len(cache) >= 8:
+                    cache.pop(next(iter(cache)))
+                hit = cache[key] = (parts, fn(problem))  # the parts held, so their ids stay theirs
+            return hit[1]
+
+        return functools.wraps(fn)(cached)
+
+    return wrap
 
 
-@_per_problem
+@_per_problem("edges")
 def values(problem: PartitionProblem) -> tuple[Value, ...]:
     """The distinct values that cross blocks, keyed by (producer, name), in edge order."""
     readers: dict[tuple[int, str], set[int]] = {}
@@ -55,7 +63,7 @@ def values(problem: PartitionProblem) -> tuple[Value, ...]:
     return tuple(Value(key[0], tuple(sorted(r)), sizes[key]) for key, r in readers.items())
 
 
-@_per_problem
+@_per_problem("block_params", "param_bytes_by_name", "block_param_bytes")
 def shared_params(problem: PartitionProblem) -> tuple[tuple[int, ...], tuple[tuple[int, tuple[int, ...]], ...]]:
     """(each block's bytes of unshared parameters, [(bytes, blocks)] of each shared one)."""
     size = dict(problem.param_bytes_by_name)

@@ -81,14 +81,18 @@ class _Intervals:
         self.own = np.concatenate([[0], np.cumsum(own, dtype=np.int64)])
         comm: list[_Rect] = []
         held: list[_Rect] = []
+        received: list[_Rect] = []
         for v in values(problem):
             w = 2 * (p.comm_alpha_s + p.comm_beta_s_per_byte * v.bytes)
             comm.append((0, v.producer, v.producer + 1, v.readers[-1], w))  # sent
             comm += _first_reader_rects(v.producer + 1, v.readers, n, w)  # received
+            if p.recompute:
+                received += _first_reader_rects(v.producer + 1, v.readers, n, v.bytes)
         for size, blocks in shared:
             held += _first_reader_rects(0, blocks, n, size)
         self.comm = _corners([r for r in comm if r[-1]], np.float64)
         self.held = _corners(held, np.int64)
+        self.received = _corners([r for r in received if r[-1]], np.int64)
 
     def chunks(self) -> list[tuple[int, int, int]]:
         """(c0, c1, a0): ends b in [c0, c1) and the starts a in [a0, c1) worth a look, those
@@ -115,6 +119,9 @@ class _Intervals:
         held = _sum_corners(self.held, c0, c1, a0, np.int64)
         fixed = np.where(a < b, (self.own[b] - self.own[a] + held) * (2 + p.optimizer_factor), np.inf)
         acts = (self.acts[b] - self.acts[a]).astype(np.float64)
+        if p.recompute:  # one microbatch's activations, the inputs of those in flight
+            inputs = _sum_corners(self.received, c0, c1, a0, np.int64).astype(np.float64)
+            return lambda k: fixed + acts + inputs * p.inflight(k)
         return lambda k: fixed + acts * p.inflight(k)
 
 

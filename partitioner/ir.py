@@ -41,9 +41,18 @@ __all__ = [
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
 
 
-def optimizer_state_factor(optimizer: str) -> int:
-    """Bytes of optimizer state per byte of parameter (Adam keeps m and v; SGD none)."""
+def optimizer_state_factor(optimizer: str, mixed_precision: bool = False) -> int:
+    """Bytes of optimizer state per byte of parameter (Adam keeps m and v; SGD none).
+
+    With 16-bit parameters (`mixed_precision`), the optimizer state is float32, as mixed
+    precision training keeps it (Micikevicius et al. 2018; ZeRO's accounting, Rajbhandari
+    et al. 2020, section 3.1): a float32 master copy of the weights (2 bytes per 16-bit
+    parameter byte) and float32 moments (Adam: 4), so 16-bit weights and gradients plus
+    the state make ZeRO's 16 bytes per parameter for Adam.
+    """
     factors = {"adam": 2, "adamw": 2, "sgd": 0, "momentum": 1}
+    if mixed_precision:
+        return 2 + 2 * factors[optimizer]
     return factors[optimizer]
 
 
@@ -140,6 +149,7 @@ class BlockCost:
     activation_bytes: int
     flops: int = 0
     params: tuple[str, ...] = ()
+    forward_s: float = 0.0  # the forward part of time_s (what recomputation repeats)
 
 
 @dataclass(frozen=True)
@@ -172,6 +182,12 @@ class PartitionProblem:
         param_bytes * (1 + 1 + optimizer_factor)   weights, gradients, optimizer state
         + activation_bytes * inflight(stage)       microbatches whose activations are kept
     with inflight(k) = microbatches for GPipe and min(stages - k, microbatches) for 1F1B.
+    With `recompute` (activation recomputation: a stage keeps only its inputs per
+    microbatch in flight and runs its forward again in the backward), the activations
+    term is instead
+        + activation_bytes                         one microbatch's, during its backward
+        + received bytes * inflight(stage)          the values it receives from earlier stages
+    and `block_time_s` already includes the forward run again (see `build_problem`).
 
     `virtual_stages` is the number of stages each rank runs (the interleaved schedule's;
     1 otherwise): `stages` is always pp x virtual_stages.  The cost model ignores it; the
@@ -195,6 +211,8 @@ class PartitionProblem:
     param_bytes_by_name: tuple[tuple[str, int], ...] = ()
     #: stages per rank; `stages` is always pp x virtual_stages
     virtual_stages: int = 1
+    #: activation recomputation (see the memory model above)
+    recompute: bool = False
 
     @property
     def num_blocks(self) -> int:
@@ -255,6 +273,7 @@ class Plan:
     virtual_stages: int = 1
     report: SolverReport | None = None
     extra: dict[str, Any] = field(default_factory=dict)
+    recompute: bool = False  # every stage runs its forward again in backward
 
     @property
     def num_stages(self) -> int:

@@ -44,6 +44,7 @@ class CompileOptions:
     repeats: int = 5
     quiet: bool = False
     meta: bool | None = None  # build on the meta device; None: when --analytic and too big to build
+    recompute: bool = False  # activation recomputation: stages keep their inputs, run forward again in backward
 
 
 def check(opts: CompileOptions) -> tuple[int, int, int]:

@@ -21,7 +21,7 @@ from .ir import NodeCost, Plan
 from .roofline import BACKWARD_FLOP_FACTOR, mfu, ring_allreduce_s
 from .simulate import Simulation, simulate
 
-__all__ = ["predict", "simulate_plan"]
+__all__ = ["pipeline_link", "predict", "simulate_plan"]
 
 
 def predict(gm: torch.fx.GraphModule, plan: Plan, costs: dict[str, NodeCost], hardware: Hardware,
@@ -54,6 +54,8 @@ def simulate_plan(gm: torch.fx.GraphModule, plan: Plan, costs: dict[str, NodeCos
     stage_of = plan.stage_of()
     forward = [sum(costs[n].forward_s for n in s.nodes) for s in plan.stages]
     backward = [sum(costs[n].backward_s for n in s.nodes) for s in plan.stages]
+    if plan.recompute:  # the backward runs the stage's forward again first
+        backward = [b + f for f, b in zip(forward, backward)]
     traffic: dict[tuple[int, int], int] = {}
     last = plan.num_stages - 1
     for node in compute_nodes(gm):
@@ -61,7 +63,7 @@ def simulate_plan(gm: torch.fx.GraphModule, plan: Plan, costs: dict[str, NodeCos
         readers = {last if u.op == "output" else stage_of.get(u.name, a) for u in node.users}
         for b in sorted(readers - {a}):
             traffic[(a, b)] = traffic.get((a, b), 0) + costs[node.name].output_bytes
-    alpha, beta = _link(hardware, across_nodes=plan.pp > hardware.devices_per_node)
+    alpha, beta = pipeline_link(hardware, plan.pp, plan.tp)
     links = {pair: alpha + nbytes * beta for pair, nbytes in traffic.items()}
     # The loss on the last stage, per microbatch (the profile times the model's nodes, not
     # the loss): costed as one typical node, the median node's forward and backward, or, if
@@ -83,6 +85,13 @@ def simulate_plan(gm: torch.fx.GraphModule, plan: Plan, costs: dict[str, NodeCos
     exposed = max(max(0.0, ring_allreduce_s(s.param_bytes, plan.dp, alpha, beta) - backward[s.index])
                   for s in plan.stages)
     return dataclasses.replace(sim, step_time_s=sim.step_time_s + exposed)
+
+
+def pipeline_link(hardware: Hardware, pp: int, tp: int) -> tuple[float, float]:
+    """Latency and seconds per byte between neighbouring pipeline stages: a stage's tp
+    ranks are neighbours in rank order, so the pipeline leaves a node once pp x tp ranks
+    outgrow it."""
+    return _link(hardware, across_nodes=pp * tp > hardware.devices_per_node)
 
 
 def _link(hardware: Hardware, across_nodes: bool) -> tuple[float, float]:

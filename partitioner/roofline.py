@@ -37,8 +37,17 @@ def message_s(nbytes: float, alpha_s: float, beta_s_per_byte: float) -> float:
     return alpha_s + nbytes * beta_s_per_byte if nbytes > 0 else 0.0
 
 
-def stage_memory_bytes(param_bytes: int, activation_bytes: int, inflight: int, optimizer_factor: int) -> int:
-    """Peak bytes of a stage: weights + gradients + optimizer state + activations in flight."""
+def stage_memory_bytes(param_bytes: int, activation_bytes: int, inflight: int, optimizer_factor: int, *,
+                       recompute: bool = False, input_bytes: int = 0) -> int:
+    """Peak bytes of a stage: weights + gradients + optimizer state + activations in flight.
+
+    With activation recomputation (Chen et al., "Training deep nets with sublinear memory
+    cost", 2016; Megatron-LM's full recomputation), a microbatch in flight keeps only the
+    stage's inputs (`input_bytes`), and one microbatch's activations live while its
+    forward runs again in the backward.
+    """
+    if recompute:
+        return param_bytes * (2 + optimizer_factor) + activation_bytes + input_bytes * inflight
     return param_bytes * (2 + optimizer_factor) + activation_bytes * inflight
 
 

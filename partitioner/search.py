@@ -1,30 +1,42 @@
 """`--devices N`: search the meshes stages x tp x dp = N and the microbatch count.
 
-Every factorisation of N into pipeline stages, tensor-parallel ranks and data-parallel
-replicas that the options leave open, with 1, 2 and 4 microbatches per stage, is split
-(tensor parallelism, `tp.shard`), posed, solved and simulated; the plan with the best
-predicted step time that fits memory is emitted, and the best few are recorded in the
-manifest for `show`.  A trace and its costs are reused by every candidate with the same
-microbatch shape, and its tensor-parallel split by every candidate with the same tp.
+    1. meshes:   every factorisation of N into pipeline stages, tensor-parallel ranks and
+                 data-parallel replicas that the options leave open, with tp inside one
+                 node of the hardware profile (as Megatron-LM places it: its collectives
+                 need the node's links); with 1, 2 and 4 microbatches per stage, and one
+                 row per microbatch (the most microbatches: the least pipeline bubble);
+    2. prepare:  the model is built once, traced and costed once per microbatch shape,
+                 split for tensor parallelism once per (shape, tp) and coarsened once
+                 per split (`_Shapes`);
+    3. solve:    each candidate's partition problem is posed and solved; one that does
+                 not fit memory is solved again with activation recomputation (unless
+                 --recompute asked for it everywhere);
+    4. simulate: candidates in order of a lower bound on their step (the busiest rank's
+                 compute alone), until the bound passes the SHOWN-th best step found:
+                 the best SHOWN are those simulating every candidate would find;
+    5. emit the best; the best SHOWN are recorded in the manifest for `show`.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Callable
 
-from . import model_file
-from .compiler import CompileOptions, Compiled, Prepared, _plan, _problem, apply_tp, finish, model_flops, prepare
-from .options import batch_size
-from .predict import simulate_plan
+from .compiler import CompileOptions, Compiled, Prepared, Source, apply_tp, finish, load_source, model_flops, prepare
 from .errors import InfeasiblePlanError, PlanError
+from .hardware import Hardware, load_hardware
+from .ir import Plan, SolverReport
+from .predict import simulate_plan
+from .problem import coarse_graph, make_plan, pose
 from .roofline import BACKWARD_FLOP_FACTOR, mfu
 from .solve import solve
 
 __all__ = ["Candidate", "search"]
 
 SHOWN = 5
+#: a bound this close to a step time still gets simulated (float sums in another order)
+_BOUND_SLACK = 1e-9
 
 
 @dataclass(frozen=True)
@@ -40,64 +52,69 @@ class Candidate:
     mfu: float = 0.0
     fits: bool = True
     note: str = ""
+    recompute: bool = False
+
+
+@dataclass
+class _Solved:
+    """A candidate solved but not yet simulated."""
+
+    cand: Candidate
+    prepared: Prepared
+    assignment: tuple[int, ...]
+    report: SolverReport
+    plan: Plan
+    bound_s: float
 
 
 def search(opts: CompileOptions, say: Callable[[str], None]) -> Compiled:
     """Compile the best mesh for `opts.devices` devices into `opts.out`."""
     assert opts.devices is not None
-    mf = model_file.load(opts.model, opts.entry)
-    batch = batch_size(mf, *mf.example_inputs())
-    meshes = _meshes(opts.devices, batch, opts)
+    hardware = load_hardware(opts.hardware)
+    source = load_source(opts, say)
+    meshes = _meshes(opts.devices, source.batch, opts, _tp_limit(hardware))
     if not meshes:
-        raise PlanError(f"no mesh stages x tp x dp = {opts.devices} devices suits the options and a batch of {batch} "
-                        f"rows: change --devices, or drop --stages/--tp/--dp to let the search choose.")
+        raise PlanError(f"no mesh stages x tp x dp = {opts.devices} devices suits the options and a batch of "
+                        f"{source.batch} rows: change --devices, or drop --stages/--tp/--dp to let the search choose.")
     say(f"searching {len(meshes)} meshes of {opts.devices} devices (stages x tp x dp, microbatches)")
-    whole: dict[int, Prepared] = {}  # microbatch rows -> the traced, costed model (tp = 1)
-    split: dict[tuple[int, int], Prepared] = {}  # (rows, tp) -> that model split for tp ranks
-    results: list[tuple[Candidate, Any]] = []
+    shapes = _Shapes(source)
+    solved: list[_Solved] = []
+    failed: list[Candidate] = []
     for pp, tp, dp, m in meshes:
-        rows = batch // (m * dp)
         sub = dataclasses.replace(opts, devices=None, stages=pp, tp=tp, dp=dp, microbatches=m, quiet=True)
-        if rows not in whole:
-            whole[rows] = prepare(dataclasses.replace(sub, tp=1))
-        if (rows, tp) not in split:
-            split[(rows, tp)] = _split(whole[rows], sub, tp)
-        if tp > 1 and not split[(rows, tp)].sharded.rules:  # type: ignore[union-attr]
+        base = shapes.split(sub, source.batch // (m * dp), tp)
+        if base is None:
             continue  # the solver split nothing: tp ranks would only repeat each other's work
-        prepared = _repose(split[(rows, tp)], sub, pp, m)
-        try:
-            assignment, report = solve(prepared.problem, time_limit_s=min(opts.time_limit, 5.0))
-        except InfeasiblePlanError as exc:
-            results.append((Candidate(pp, dp, tp, m, fits=False, note=str(exc).split(":")[0]), None))
-            continue
-        except PlanError:
-            continue
-        plan = _plan(prepared.problem, prepared.blocks, assignment, report, sub, pp, prepared.virtual, m)
-        sim = simulate_plan(prepared.traced.gm, plan, prepared.costs, prepared.hardware)
-        flops = model_flops(prepared) * (1 + BACKWARD_FLOP_FACTOR) * m * dp
-        cand = Candidate(pp, dp, tp, m, sim.step_time_s, max(s.memory_bytes for s in plan.stages),
-                         mfu(flops, sim.step_time_s, opts.devices, prepared.hardware.peak_flops))
-        results.append((cand, (prepared, assignment, report)))
-        say(f"  mesh pp={pp} tp={tp} dp={dp} M={m}: {cand.step_time_s * 1e3:.3f} ms, MFU {cand.mfu * 100:.1f}%")
-    feasible = sorted((r for r in results if r[0].fits),
-                      key=lambda r: (r[0].step_time_s, r[0].tp, r[0].pp, r[0].microbatches))
-    if not feasible:
-        notes = "; ".join(f"pp={c.pp} tp={c.tp} dp={c.dp} M={c.microbatches}: {c.note}" for c, _ in results[:4])
+        found = _solve(base, sub, pp, m)
+        if isinstance(found, Candidate):
+            failed.append(found)
+        elif found is not None:
+            solved.append(found)
+    ranked = _simulate(solved, opts.devices, say)
+    if not ranked:
+        notes = "; ".join(f"pp={c.pp} tp={c.tp} dp={c.dp} M={c.microbatches}: {c.note}" for c in failed[:4])
         raise InfeasiblePlanError(
             f"no mesh of {opts.devices} devices fits --memory ({notes}): raise --memory or add devices."
         )
-    best, (prepared, assignment, report) = feasible[0]
-    say(f"best mesh: pp={best.pp} tp={best.tp} dp={best.dp}, {best.microbatches} microbatches")
-    shown = [dataclasses.asdict(c) for c, _ in feasible[:SHOWN]]
-    return finish(prepared, assignment, report, extra={"candidates": shown})
+    best, win = ranked[0]
+    say(f"best mesh: pp={best.pp} tp={best.tp} dp={best.dp}, {best.microbatches} microbatches"
+        + (", activations recomputed" if best.recompute else ""))
+    shown = [dataclasses.asdict(c) for c, _ in ranked[:SHOWN]]
+    return finish(win.prepared, win.assignment, win.report, extra={"candidates": shown})
 
 
-def _meshes(devices: int, batch: int, opts: CompileOptions) -> list[tuple[int, int, int, int]]:
+# -- 1. meshes ---------------------------------------------------------------------------------
+
+
+def _meshes(devices: int, batch: int, opts: CompileOptions, tp_limit: int | None = None) -> list[tuple[int, int, int, int]]:
     """(pp, tp, dp, microbatches) to try, in a fixed order: every factorisation of the
-    devices that the options leave open, with 1, 2 and 4 microbatches per stage."""
+    devices that the options leave open, tp dividing `tp_limit` (when given), with 1, 2
+    and 4 microbatches per stage and one row per microbatch."""
     out = []
     for tp in _divisors(devices):
         if opts.tp is not None and tp != opts.tp:
+            continue
+        if opts.tp is None and tp_limit is not None and tp_limit % tp:
             continue
         for dp in _divisors(devices // tp):
             if opts.dp != 1 and dp != opts.dp:
@@ -105,29 +122,137 @@ def _meshes(devices: int, batch: int, opts: CompileOptions) -> list[tuple[int, i
             pp = devices // (tp * dp)
             if opts.stages is not None and pp != opts.stages:
                 continue
-            counts = [opts.microbatches] if opts.microbatches else sorted({pp, 2 * pp, 4 * pp})
+            counts = [opts.microbatches] if opts.microbatches else sorted({pp, 2 * pp, 4 * pp, batch // dp})
             for m in counts:
-                if batch % (m * dp) == 0 and (opts.schedule != "interleaved" or m % pp == 0):
+                if m > 0 and batch % (m * dp) == 0 and (opts.schedule != "interleaved" or m % pp == 0):
                     out.append((pp, tp, dp, m))
     return out
+
+
+def _tp_limit(hardware: Hardware) -> int | None:
+    """The devices of one node, which tensor-parallel groups stay inside (None: no limit,
+    for a profile of one device per node, such as this machine's CPU)."""
+    return hardware.devices_per_node if hardware.devices_per_node > 1 else None
 
 
 def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def _split(base: Prepared, opts: CompileOptions, tp: int) -> Prepared:
-    """`base` (tp = 1) split for `tp` tensor-parallel ranks."""
+# -- 2. prepare, once per shape and split -------------------------------------------------------------
+
+
+class _Shapes:
+    """The model traced and costed once per microbatch shape (rows), split once per
+    (rows, tp), each split coarsened once."""
+
+    def __init__(self, source: Source) -> None:
+        self.source = source
+        self.whole: dict[int, Prepared] = {}
+        self.splits: dict[tuple[int, int], Prepared | None] = {}
+
+    def split(self, opts: CompileOptions, rows: int, tp: int) -> Prepared | None:
+        """The model at `rows` rows per microbatch split for `tp` ranks (None when the
+        split leaves every node whole)."""
+        if rows not in self.whole:
+            self.whole[rows] = prepare(dataclasses.replace(opts, tp=1), source=self.source)
+        if (rows, tp) not in self.splits:
+            self.splits[(rows, tp)] = _split(self.whole[rows], opts, tp)
+        return self.splits[(rows, tp)]
+
+
+def _split(base: Prepared, opts: CompileOptions, tp: int) -> Prepared | None:
+    """`base` (tp = 1) split for `tp` tensor-parallel ranks, coarsened."""
     if tp == 1:
         return base
     traced, costs, sharded = apply_tp(base.traced, base.costs, tp, base.hardware, opts)
+    if sharded is None or not sharded.rules:
+        return None
     return dataclasses.replace(base, opts=opts, traced=traced, costs=costs, sharded=sharded,
-                               whole=(base.traced, base.costs))
+                               whole=(base.traced, base.costs), coarse=coarse_graph(traced, costs, sharded))
+
+
+# -- 3. solve ------------------------------------------------------------------------------------------
+
+
+def _solve(base: Prepared, opts: CompileOptions, pp: int, microbatches: int) -> _Solved | Candidate | None:
+    """The candidate solved (with recomputation when it fits only so); a Candidate that
+    does not fit; None when the stage count cannot be filled."""
+    tried = [opts] if opts.recompute else [opts, dataclasses.replace(opts, recompute=True)]
+    note = ""
+    for sub in tried:
+        prepared = _repose(base, sub, pp, microbatches)
+        try:
+            assignment, report = solve(prepared.problem, time_limit_s=min(sub.time_limit, 5.0), explain=False)
+        except InfeasiblePlanError as exc:
+            note = note or str(exc)
+            continue
+        except PlanError:
+            return None
+        plan = make_plan(prepared.problem, prepared.blocks, assignment, report, sub, pp, prepared.virtual, microbatches)
+        cand = Candidate(pp, opts.dp, opts.tp or 1, microbatches, memory_bytes=max(s.memory_bytes for s in plan.stages),
+                         recompute=sub.recompute)
+        return _Solved(cand, prepared, assignment, report, plan, _bound(prepared, assignment, plan))
+    return Candidate(pp, opts.dp, opts.tp or 1, microbatches, fits=False, note=note)
 
 
 def _repose(base: Prepared, opts: CompileOptions, pp: int, microbatches: int) -> Prepared:
-    """`base` posed for another stage and microbatch count (same trace, same costs)."""
+    """`base` posed for another stage and microbatch count (same trace, costs, blocks)."""
+    assert base.coarse is not None
     virtual = opts.virtual_stages if opts.schedule == "interleaved" else 1
-    problem, blocks = _problem(base.traced, base.costs, pp * virtual, microbatches, base.hardware, opts, base.sharded)
-    return dataclasses.replace(base, opts=opts, problem=problem, blocks=blocks, pp=pp, virtual=virtual,
+    problem = pose(base.coarse, pp * virtual, microbatches, base.hardware, opts)
+    return dataclasses.replace(base, opts=opts, problem=problem, blocks=base.coarse.blocks, pp=pp, virtual=virtual,
                                microbatches=microbatches, rows=base.batch // (microbatches * opts.dp))
+
+
+def _bound(prepared: Prepared, assignment: tuple[int, ...], plan: Plan) -> float:
+    """A step no shorter than the simulator's: the most, over pipeline ranks r, of
+
+        forward of microbatch 0 along the longest path of stages into stage r
+        + every microbatch's forward and backward of every stage on rank r
+        + backward of the last microbatch along the longest path out of stage r
+
+    (rank r starts with stage r's first forward and ends with its last backward in
+    every schedule; links, the loss and the data-parallel all-reduce only add).  For
+    equal stages and free links it is (M + S - 1) x stage time, the step itself."""
+    costs = prepared.costs
+    forward = [sum(costs[n].forward_s for n in s.nodes) for s in plan.stages]
+    backward = [s.compute_s - f for s, f in zip(plan.stages, forward)]  # recomputation included
+    producers: dict[int, set[int]] = {k: set() for k in range(plan.num_stages)}
+    for e in prepared.problem.edges:
+        a, b = assignment[e.src], assignment[e.dst]
+        if a != b:
+            producers[b].add(a)
+    into, out = [0.0] * plan.num_stages, [0.0] * plan.num_stages  # stages are numbered in a topological order
+    for k in range(plan.num_stages):
+        into[k] = max((into[p] + forward[p] for p in producers[k]), default=0.0)
+        out[k] = max((backward[p] + out[p] for p in producers[k]), default=0.0)
+    work = [0.0] * plan.pp
+    for s in plan.stages:
+        work[s.index % plan.pp] += s.compute_s
+    return max(into[r] + plan.microbatches * work[r] + out[r] for r in range(plan.pp)) * (1 - _BOUND_SLACK)
+
+
+# -- 4. simulate -----------------------------------------------------------------------------------------
+
+
+def _simulate(solved: list[_Solved], devices: int, say: Callable[[str], None]) -> list[tuple[Candidate, _Solved]]:
+    """The candidates simulated, fastest first, skipping those whose bound shows they
+    cannot be among the SHOWN fastest."""
+    ranked: list[tuple[Candidate, _Solved]] = []
+    order = sorted(solved, key=lambda x: x.bound_s)  # sorted is stable: mesh order breaks ties
+    for done, item in enumerate(order):
+        if len(ranked) >= SHOWN and item.bound_s > ranked[SHOWN - 1][0].step_time_s:
+            say(f"  {len(order) - done} more meshes skipped: a lower bound on their step (compute, pipeline "
+                f"fill and drain) exceeds the {SHOWN}th best")
+            break
+        p, c = item.prepared, item.cand
+        sim = simulate_plan(p.traced.gm, item.plan, p.costs, p.hardware)
+        flops = model_flops(p) * (1 + BACKWARD_FLOP_FACTOR) * c.microbatches * c.dp
+        cand = dataclasses.replace(c, step_time_s=sim.step_time_s, mfu=mfu(flops, sim.step_time_s, devices,
+                                                                           p.hardware.peak_flops))
+        ranked.append((cand, item))
+        ranked.sort(key=lambda r: (r[0].step_time_s, r[0].tp, r[0].pp, r[0].microbatches, r[0].recompute))
+        say(f"  mesh pp={c.pp} tp={c.tp} dp={c.dp} M={c.microbatches}{' recompute' if c.recompute else ''}: "
+            f"{cand.step_time_s * 1e3:.3f} ms, MFU {cand.mfu * 100:.1f}%")
+    return ranked

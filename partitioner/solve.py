@@ -33,6 +33,7 @@ from .costmodel import shared_params, values
 from .errors import InfeasiblePlanError, PlanError
 from .intervals import dp_memory, dp_time
 from .ir import PartitionProblem, SolverReport
+from .roofline import stage_memory_bytes
 
 __all__ = ["CpResult", "StageCost", "evaluate", "objective", "solve", "solve_cpsat", "stage_costs", "violations"]
 
@@ -57,6 +58,7 @@ class StageCost:
     inflight: int
     time_s: float
     memory_bytes: int
+    input_bytes: int = 0  # values received from earlier stages, once each (forward)
 
 
 def stage_costs(problem: PartitionProblem, assignment: Sequence[int]) -> tuple[StageCost, ...]:
@@ -71,17 +73,21 @@ def stage_costs(problem: PartitionProblem, assignment: Sequence[int]) -> tuple[S
     for size, blocks in shared:
         for k in {assignment[b] for b in blocks}:
             weights[k] += size
-    messages, traffic = [0] * stages, [0] * stages
+    messages, traffic, received = [0] * stages, [0] * stages, [0] * stages
     for v in values(problem):
         home = assignment[v.producer]
         later = {assignment[r] for r in v.readers if assignment[r] > home}
         for k in later | ({home} if later else set()):
             messages[k] += 2
             traffic[k] += 2 * v.bytes
+        for k in later:
+            received[k] += v.bytes
     return tuple(
         StageCost(compute[k], messages[k], traffic[k], weights[k], acts[k], problem.inflight(k),
                   compute[k] + problem.comm_alpha_s * messages[k] + problem.comm_beta_s_per_byte * traffic[k],
-                  weights[k] * (2 + problem.optimizer_factor) + acts[k] * problem.inflight(k))
+                  stage_memory_bytes(weights[k], acts[k], problem.inflight(k), problem.optimizer_factor,
+                                     recompute=problem.recompute, input_bytes=received[k]),
+                  received[k])
         for k in range(stages)
     )
 
@@ -213,10 +219,11 @@ class _CpModel:
 
     def _memory(self, k: int) -> cp_model.LinearExprT:
         p = self.problem
-        per = 2 + p.optimizer_factor
-        blocks = [(per * own + p.inflight(k) * act) * self.at[i][k]
+        per, kept = 2 + p.optimizer_factor, 1 if p.recompute else p.inflight(k)
+        blocks = [(per * own + kept * act) * self.at[i][k]
                   for i, (own, act) in enumerate(zip(self.own, p.block_activation_bytes))]
-        return sum(blocks) + sum(per * size * self.held[j][k] for j, (size, _) in enumerate(self.shared))
+        inputs = [p.inflight(k) * v.bytes * self.recv[j][k] for j, v in enumerate(self.values)] if p.recompute else []
+        return sum(blocks) + sum(inputs) + sum(per * size * self.held[j][k] for j, (size, _) in enumerate(self.shared))
 
     def hint(self, assignment: Sequence[int]) -> None:
         """Warm-start from `assignment`, auxiliary booleans included."""
@@ -273,12 +280,13 @@ def _worst_time(problem: PartitionProblem) -> float:
 
 
 def solve(problem: PartitionProblem, time_limit_s: float = 30.0, *, seed: int = 0, workers: int = 1,
-          nodes: int = 0) -> tuple[tuple[int, ...], SolverReport]:
+          nodes: int = 0, explain: bool = True) -> tuple[tuple[int, ...], SolverReport]:
     """The stage of each block, and how it was found.
 
     `time_limit_s` is CP-SAT's deterministic time (about seconds, the same on every run);
     `nodes` is only reported.  Raises PlanError when the stages cannot all be filled and
-    InfeasiblePlanError when no plan fits the memory limit.
+    InfeasiblePlanError when no plan fits the memory limit (with `explain`, naming the
+    fullest stage and the stage counts that would fit, which costs a DP per count).
     """
     start = time.perf_counter()
     _check(problem)
@@ -299,6 +307,9 @@ def solve(problem: PartitionProblem, time_limit_s: float = 30.0, *, seed: int = 
         report = replace(report, status="FEASIBLE")
     if best is None or not math.isfinite(objective(problem, best)):
         search = "chain" if _exact(problem) else "proved" if report.status == "INFEASIBLE" else "unknown"
+        if not explain:
+            limit = problem.memory_limit_bytes or 0
+            raise InfeasiblePlanError(f"no plan into {problem.stages} stages fits {_size(limit)} per stage")
         raise _infeasible(problem, search)
     slowest = objective(problem, best)
     return best, replace(report, objective_s=slowest, lower_bound_s=min(bound, slowest),
@@ -338,8 +349,12 @@ def _infeasible(problem: PartitionProblem, search: str) -> InfeasiblePlanError:
     c, need = costs[k], _size(costs[k].memory_bytes)
     flight = f"{c.inflight} microbatch{'es' if c.inflight != 1 else ''} in flight"
     parts = (f"weights {_size(c.weight_bytes)}, gradients {_size(c.weight_bytes)}, optimizer "
-             f"{_size(c.weight_bytes * problem.optimizer_factor)}, activations {_size(c.activation_bytes * c.inflight)}"
-             f" for {flight}")
+             f"{_size(c.weight_bytes * problem.optimizer_factor)}, ")
+    if problem.recompute:
+        parts += (f"activations {_size(c.activation_bytes)} of the microbatch recomputed, inputs "
+                  f"{_size(c.input_bytes * c.inflight)} for {flight}")
+    else:
+        parts += f"activations {_size(c.activation_bytes * c.inflight)} for {flight}"
     into = f"into {problem.stages} stage{'s' if problem.stages != 1 else ''}"
     if problem.virtual_stages > 1:
         into += f" ({problem.stages // problem.virtual_stages} x {problem.virtual_stages} virtual stages per rank)"
@@ -349,9 +364,17 @@ def _infeasible(problem: PartitionProblem, search: str) -> InfeasiblePlanError:
     fits = _stages_that_fit(problem, limit)
     fits_note = " (fits)" if problem.virtual_stages == 1 else ", which fits,"
     fix = f"use {_flag(problem, fits)}{fits_note} or raise --memory to {need}" if fits else f"raise --memory to {need}"
+    if not problem.recompute and _fits(replace(problem, recompute=True), limit):
+        fix = f"recompute activations (--recompute fits), {fix}"
     more = " (or raise --time-limit)" if search == "unknown" else ""
     return InfeasiblePlanError(f"{head}: the leanest puts {need} on stage {k} ({parts}) but --memory is "
                                f"{_size(limit)} per stage: {fix}{more}.")
+
+
+def _fits(problem: PartitionProblem, limit: int) -> bool:
+    """Whether the leanest contiguous plan of `problem` fits `limit` on every stage."""
+    lean = dp_memory(problem)
+    return lean is not None and max(evaluate(problem, lean)[1]) <= limit
 
 
 def _stages_that_fit(problem: PartitionProblem, limit: int, most: int = 64) -> int | None:
@@ -359,9 +382,7 @@ def _stages_that_fit(problem: PartitionProblem, limit: int, most: int = 64) -> i
     among the multiples of its virtual stages (those a --stages value can ask for)."""
     v = problem.virtual_stages
     for stages in range(problem.stages + v, min(problem.num_blocks, problem.stages + most * v) + 1, v):
-        wider = replace(problem, stages=stages)
-        lean = dp_memory(wider)
-        if lean is not None and max(evaluate(wider, lean)[1]) <= limit:
+        if _fits(replace(problem, stages=stages), limit):
             return stages
     return None
 

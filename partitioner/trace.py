@@ -34,7 +34,7 @@ from .errors import TraceError
 from .model_file import user_frame
 from .passes import inline_higher_order
 
-__all__ = ["Traced", "by_input_key", "trace", "TRACERS"]
+__all__ = ["Traced", "by_input_key", "copy_traced", "trace", "TRACERS"]
 
 TRACERS = ("auto", "fx", "export")
 
@@ -54,10 +54,43 @@ class Traced:
 
 
 class _ThroughTracer(torch.fx.Tracer):
-    """An fx tracer with no leaf modules: every nn.Module is traced into."""
+    """An fx tracer with no leaf modules: every nn.Module is traced into.
+
+    A module attribute that is a parameter (or buffer) becomes a `get_attr` node named by
+    the first name `named_parameters()` (`named_buffers()`) gives it, as fx does; fx finds
+    that name by scanning every parameter on each access, which is quadratic in the
+    parameters (seconds for GPT-3's 96 layers), so the names are looked up in a table.
+    """
+
+    _names: tuple[int, dict[int, str], dict[int, str]] | None = None
 
     def is_leaf_module(self, m: torch.nn.Module, module_qualified_name: str) -> bool:
         return False
+
+    def getattr(self, attr: str, attr_val: Any, parameter_proxy_cache: dict[str, Any]) -> Any:
+        if not isinstance(attr_val, torch.Tensor):
+            return attr_val
+        params, buffers = self._tables()
+        name = params.get(id(attr_val)) if isinstance(attr_val, torch.nn.Parameter) else None
+        if name is None and self.proxy_buffer_attributes:
+            name = buffers.get(id(attr_val))
+        if name is None:
+            return attr_val
+        if name not in parameter_proxy_cache:
+            parameter_proxy_cache[name] = self.create_proxy("get_attr", name, (), {})
+        return parameter_proxy_cache[name]
+
+    def _tables(self) -> tuple[dict[int, str], dict[int, str]]:
+        """id -> first name of every parameter and buffer of the traced root."""
+        if self._names is None or self._names[0] != id(self.root):
+            params: dict[int, str] = {}
+            buffers: dict[int, str] = {}
+            for n, p in self.root.named_parameters():
+                params.setdefault(id(p), n)
+            for n, b in self.root.named_buffers():
+                buffers.setdefault(id(b), n)
+            self._names = (id(self.root), params, buffers)
+        return self._names[1], self._names[2]
 
 
 def trace(
@@ -168,6 +201,19 @@ def _trace_export(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[st
     spec = ep.call_spec.out_spec
     assert spec is not None
     return Traced(gm, "export", keys, spec, leaves)
+
+
+def copy_traced(traced: Traced) -> Traced:
+    """A copy of `traced` with its own graph (the model's tensors shared), to specialise
+    without touching the original.  An fx graph reads sizes when it runs (`x.size(0)` is
+    a node), so one fx trace serves every microbatch shape."""
+    graph = torch.fx.Graph()
+    mapping: dict[torch.fx.Node, torch.fx.Node] = {}
+    out = next(n for n in traced.gm.graph.nodes if n.op == "output")
+    graph.output(graph.graph_copy(traced.gm.graph, mapping), type_expr=out.type)
+    gm = torch.fx.GraphModule(traced.gm, graph)
+    leaves = [mapping.get(leaf, leaf) if isinstance(leaf, torch.fx.Node) else leaf for leaf in traced.output_leaves]
+    return Traced(gm, traced.tracer, list(traced.input_keys), traced.out_spec, leaves)
 
 
 def by_input_key(args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[int | str, Any]:

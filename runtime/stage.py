@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
+import torch.utils.checkpoint
 
 from .errors import PipelineError
 
@@ -59,10 +60,24 @@ class StageRunner:
     def output_names(self) -> list[str]:
         return [o["name"] for o in self.entry["outputs"]]
 
+    @property
+    def recompute(self) -> bool:
+        """Whether the stage was compiled with activation recomputation (`--recompute`)."""
+        return bool(self.entry.get("recompute", False))
+
     def forward(self, microbatch: int, args: list[Any], train: bool) -> Any:
         """The stage's outputs for one microbatch: a tuple (one per manifest output) or,
-        on the last stage, the model's output structure.  `train` keeps what backward needs."""
-        out = self.module(*args)
+        on the last stage, the model's output structure.  `train` keeps what backward needs.
+
+        [Note: recomputation] With `recompute`, a training forward runs under
+        torch.utils.checkpoint (non-reentrant): autograd keeps only the stage's inputs
+        and runs the forward again (same RNG state) when this microbatch's backward
+        needs its activations, so gradients are those of the plain forward.
+        """
+        if train and self.recompute and torch.is_grad_enabled():
+            out = torch.utils.checkpoint.checkpoint(self.module, *args, use_reentrant=False)
+        else:
+            out = self.module(*args)
         if not self.is_last:
             n = len(self.entry["outputs"])
             if not isinstance(out, (tuple, list)) or len(out) != n:

@@ -19,6 +19,8 @@ from typing import Sequence
 
 from ortools.sat.python import cp_model
 
+from . import chain
+
 __all__ = ["EdgeCost", "CopyCost", "ShardingProblem", "ShardingReport", "objective", "choose", "brute_force"]
 
 _UNITS = 10_000_000  # the objective's integer resolution (of the all-replicated cost)
@@ -86,15 +88,28 @@ def brute_force(problem: ShardingProblem) -> tuple[tuple[int, ...], float]:
     return best
 
 
-def choose(problem: ShardingProblem, time_limit_s: float = 10.0, seed: int = 0) -> tuple[tuple[int, ...], ShardingReport]:
-    """The cheapest strategy per variable found by CP-SAT within `time_limit_s` of
-    deterministic time, warm-started with all-replicated."""
+def choose(problem: ShardingProblem, time_limit_s: float = 10.0, seed: int = 0,
+           method: str = "auto") -> tuple[tuple[int, ...], ShardingReport]:
+    """The cheapest strategy per variable.
+
+    `method` "auto": the exact chain DP (`chain.py`) when the problem is path-like (a
+    transformer), else CP-SAT; "cpsat": CP-SAT alone, within `time_limit_s` of
+    deterministic time, warm-started with all-replicated.
+    """
     start = time.perf_counter()
     base = tuple(0 for _ in problem.names)
     replicated = objective(problem, base)
     if all(len(c) == 1 for c in problem.cost_s):
         return base, ShardingReport("trivial", "OPTIMAL", replicated, replicated, replicated,
                                     time.perf_counter() - start, 0)
+    if method not in ("auto", "cpsat"):
+        raise ValueError(f"unknown method {method!r}: use 'auto' or 'cpsat'")
+    found = chain.solve(problem) if method == "auto" else None
+    if found is not None:
+        value = objective(problem, found)
+        choice, value = (found, value) if value <= replicated else (base, replicated)
+        return choice, ShardingReport("chain", "OPTIMAL", value, replicated, value, time.perf_counter() - start,
+                                      sum(len(c) for c in problem.cost_s if len(c) > 1))
     model = _Model(problem, _UNITS / max(replicated, 1e-12))
     solver = cp_model.CpSolver()
     solver.parameters.max_deterministic_time = time_limit_s

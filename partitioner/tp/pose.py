@@ -39,10 +39,13 @@ class Posed:
     node_var: dict[str, int] = field(default_factory=dict)  # fx node name -> variable
 
 
-def tp_link(hardware: Hardware) -> tuple[float, float]:
+def tp_link(hardware: Hardware, tp: int = 1) -> tuple[float, float]:
     """(alpha s, beta s/byte) of one ring step between tensor-parallel ranks: from the
     measured 2-rank all-reduce when the profile has one (2 alpha + n beta), else the
-    intra-node link."""
+    intra-node link; the inter-node link when `tp` ranks outgrow a node of the profile
+    (a ring is as slow as its slowest step)."""
+    if tp > hardware.devices_per_node > 1 and hardware.inter_node_bandwidth > 0:
+        return hardware.inter_node_latency_s, 1.0 / hardware.inter_node_bandwidth
     if hardware.allreduce_bandwidth > 0:
         return hardware.allreduce_latency_s / 2, 1.0 / hardware.allreduce_bandwidth
     return hardware.p2p_alpha_s, hardware.p2p_beta_s_per_byte
@@ -53,7 +56,7 @@ def collective_s(kind: str, nbytes: float, tp: int, hardware: Hardware) -> float
     (all_gather: (p-1) steps of n/p; all_reduce: 2(p-1) steps of n/p, Patarasuk & Yuan 2009)."""
     if tp <= 1 or nbytes <= 0:
         return 0.0
-    alpha, beta = tp_link(hardware)
+    alpha, beta = tp_link(hardware, tp)
     if kind == "all_reduce":
         return ring_allreduce_s(nbytes, tp, alpha, beta)
     if kind == "all_gather":

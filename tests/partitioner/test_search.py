@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
 import runtime
-from partitioner import model_file
-from partitioner.search import _meshes
+from partitioner import model_file, search
 from partitioner.compiler import CompileOptions
+from partitioner.hardware import load_hardware
+from partitioner.search import _meshes, _tp_limit
 
 from ..conftest import compile_example
 
@@ -67,3 +69,59 @@ def test_search_picks_the_fastest_mesh_and_trains_like_the_original(tmp_path: Pa
     grads = dict(pipe.named_parameters())
     for name, p in model.named_parameters():
         torch.testing.assert_close(grads[name].grad, p.grad, rtol=1e-5, atol=1e-6)
+
+
+# -- scale: tp inside a node, recomputation when memory needs it, pruned simulation ------------
+
+
+def test_tp_stays_inside_a_node_unless_asked() -> None:
+    opts = CompileOptions(model="m.py", out="o", devices=32)
+    assert {tp for _, tp, _, _ in _meshes(32, 64, opts, tp_limit=8)} == {1, 2, 4, 8}
+    assert {tp for _, tp, _, _ in _meshes(32, 64, opts)} == {1, 2, 4, 8, 16, 32}
+    asked = CompileOptions(model="m.py", out="o", devices=32, tp=16)
+    assert {tp for _, tp, _, _ in _meshes(32, 64, asked, tp_limit=8)} == {16}
+    assert _tp_limit(load_hardware("h100")) == 8
+    assert _tp_limit(load_hardware("cpu")) is None  # one machine: every rank is local
+
+
+def test_one_row_per_microbatch_is_a_candidate() -> None:
+    meshes = _meshes(4, 48, CompileOptions(model="m.py", out="o", devices=4, tp=1))
+    assert (2, 1, 2, 24) in meshes and (4, 1, 1, 48) in meshes
+
+
+def test_the_search_recomputes_activations_when_nothing_else_fits(tmp_path: Path) -> None:
+    # examples/gpt.py on 2 devices: every plan needs over 490 kB without recomputation;
+    # 2 stages of 24 microbatches need 475 kB with it
+    compiled = compile_example("examples/gpt.py", tmp_path / "pkg", devices=2, stages=None, tp=1, memory=490_000)
+    manifest = compiled.manifest
+    assert (manifest["mesh"]["pp"], manifest["microbatches"]) == (2, 24)
+    assert all(s["recompute"] for s in manifest["stages"])
+    assert all(c["recompute"] for c in manifest["predicted"]["candidates"])
+    assert max(s["memory_bytes"] for s in manifest["predicted"]["stages"]) <= 490_000
+
+
+def test_pruned_simulation_keeps_the_exhaustive_ranking(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    pruned = compile_example("tests/model_files/gpt_wide.py", tmp_path / "a", devices=8, stages=None, hardware="h100")
+    monkeypatch.setattr(search, "_bound", lambda *_a: 0.0)  # nothing skipped
+    full = compile_example("tests/model_files/gpt_wide.py", tmp_path / "b", devices=8, stages=None, hardware="h100")
+    assert pruned.manifest["predicted"]["candidates"] == full.manifest["predicted"]["candidates"]
+
+
+def test_the_bound_is_below_every_simulated_step(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    seen: list[tuple[float, float]] = []
+    real = search.simulate_plan
+
+    def check(gm: Any, plan: Any, costs: Any, hardware: Any) -> Any:
+        sim = real(gm, plan, costs, hardware)
+        seen.append((sim.step_time_s, plan.microbatches))
+        return sim
+
+    bounds: list[float] = []
+    real_bound = search._bound
+    monkeypatch.setattr(search, "_bound", lambda *a: bounds.append(real_bound(*a)) or 0.0)
+    monkeypatch.setattr(search, "simulate_plan", check)
+    for schedule in ("1f1b", "gpipe", "interleaved"):
+        compile_example("examples/gpt.py", tmp_path / schedule, devices=4, stages=None, hardware="h100",
+                        schedule=schedule)
+    assert len(seen) == len(bounds) > 10
+    assert all(b <= step for b, (step, _) in zip(bounds, seen))

@@ -1,0 +1,139 @@
+"""The partition problem of a traced graph, and the Plan of a solved one.
+
+    coarse_graph(traced, costs, sharded) -> Coarse      the blocks (coarsen.py), once per graph
+    pose(coarse, stages, microbatches, hardware, opts)   the PartitionProblem for one stage count
+    make_plan(problem, blocks, assignment, ...) -> Plan  with each stage's cost-model terms
+
+A `Coarse` graph is shared by every stage and microbatch count that `--devices` tries.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Any, Sequence
+
+import torch
+
+from .coarsen import build_problem, coarsen
+from .cost import compute_nodes, param_names
+from .hardware import Hardware
+from .ir import (BlockCost, Edge, GraphNode, NodeCost, PartitionProblem, Plan, SolverReport, StagePlan,
+                 optimizer_state_factor)
+from .options import CompileOptions
+from .passes import is_tensor_node, node_module
+from .predict import pipeline_link
+from .solve import stage_costs
+from .tp import Sharded
+from .trace import Traced
+
+__all__ = ["Coarse", "MAX_BLOCKS", "coarse_graph", "device_memory", "make_plan", "pose"]
+
+MAX_BLOCKS = 160
+
+
+@dataclass(frozen=True)
+class Coarse:
+    """A graph coarsened into blocks, with its parameters' sizes (each rank's shard)."""
+
+    blocks: list[BlockCost]
+    edges: list[Edge]
+    param_bytes: dict[str, int]
+    #: the parameters are mostly 16-bit: optimizer state is counted as mixed precision keeps it
+    mixed_precision: bool
+    #: the problem posed once (per recompute), that `pose` copies with other counts
+    templates: dict[bool, PartitionProblem] = field(default_factory=dict, compare=False, repr=False)
+
+
+def coarse_graph(traced: Traced, costs: dict[str, NodeCost], sharded: Sharded | None = None) -> Coarse:
+    gm = traced.gm
+    named = list(gm.named_parameters(remove_duplicate=False))
+    params = {name for name, _ in named}
+    shards = sharded.params if sharded is not None else {}
+    param_bytes = {name: p.numel() * p.element_size() // (sharded.tp if sharded and name in shards else 1)
+                   for name, p in named}
+    compute = set(compute_nodes(gm))
+    output = next(n for n in gm.graph.nodes if n.op == "output")
+    nodes = [
+        GraphNode(
+            name=n.name,
+            inputs=tuple(a.name for a in n.all_input_nodes if a in compute),
+            cost=costs[n.name],
+            module=node_module(n),
+            params=param_names(n, params),
+            tensor_output=is_tensor_node(n),
+        )
+        for n in gm.graph.nodes if n in compute
+    ]
+    # The graph's output, as a free node that the solver keeps in the last stage.
+    nodes.append(GraphNode(name=output.name, inputs=tuple(a.name for a in output.all_input_nodes if a in compute),
+                           cost=NodeCost(output.name), module="", params=(), is_output=True))
+    blocks, edges = coarsen(nodes, max_blocks=MAX_BLOCKS, param_bytes=param_bytes)
+    return Coarse(blocks, edges, param_bytes, _mostly_16_bit(named))
+
+
+def _mostly_16_bit(named: Sequence[tuple[str, torch.Tensor]]) -> bool:
+    """Whether most parameter bytes are 16-bit floats (bfloat16, float16)."""
+    seen: dict[int, torch.Tensor] = {id(p): p for _, p in named}
+    half = sum(p.numel() for p in seen.values() if p.is_floating_point() and p.element_size() == 2)
+    return half * 2 > sum(p.numel() for p in seen.values())
+
+
+def pose(coarse: Coarse, stages: int, microbatches: int, hardware: Hardware, opts: CompileOptions) -> PartitionProblem:
+    """The problem of splitting `coarse` into `stages` stages for the options' mesh."""
+    tp = opts.tp or 1
+    alpha, beta = pipeline_link(hardware, stages // _virtual(opts), tp)
+    return replace(
+        _template(coarse, opts.recompute), stages=stages, microbatches=microbatches,
+        schedule="1f1b" if opts.schedule == "interleaved" else opts.schedule,
+        memory_limit_bytes=opts.memory if opts.memory is not None else device_memory(hardware, stages * tp * opts.dp),
+        optimizer_factor=optimizer_state_factor(opts.optimizer, coarse.mixed_precision),
+        comm_alpha_s=alpha,
+        comm_beta_s_per_byte=beta,
+        virtual_stages=_virtual(opts),
+    )
+
+
+def _template(coarse: Coarse, recompute: bool) -> PartitionProblem:
+    """`coarse`'s problem for one stage, built once; every problem posed from it shares
+    its tuples, which the cost model's tables are cached by (`costmodel`)."""
+    if recompute not in coarse.templates:
+        made = build_problem(coarse.blocks, coarse.edges, 1, 1, param_bytes=coarse.param_bytes, recompute=recompute)
+        other = coarse.templates.get(not recompute)
+        if other is not None:
+            made = replace(made, edges=other.edges, block_params=other.block_params,
+                           param_bytes_by_name=other.param_bytes_by_name, block_param_bytes=other.block_param_bytes)
+        coarse.templates[recompute] = made
+    return coarse.templates[recompute]
+
+
+def _virtual(opts: CompileOptions) -> int:
+    return opts.virtual_stages if opts.schedule == "interleaved" else 1
+
+
+def device_memory(hardware: Hardware, ranks: int) -> int:
+    """The default --memory: a device's own; on the CPU every rank shares this machine's RAM."""
+    return hardware.memory_bytes // max(1, ranks) if hardware.name == "cpu" else hardware.memory_bytes
+
+
+def make_plan(problem: PartitionProblem, blocks: list[Any], assignment: tuple[int, ...], report: SolverReport | None,
+              opts: CompileOptions, pp: int, virtual: int, microbatches: int) -> Plan:
+    """The Plan for a stage per block, with each stage's terms of the solver's cost model."""
+    costs = stage_costs(problem, assignment)
+    stage_nodes: list[list[str]] = [[] for _ in range(problem.stages)]
+    for block, stage in zip(blocks, assignment):
+        stage_nodes[stage].extend(n for n in block.nodes if n != "output")
+    sent = [0] * problem.stages
+    received = [0] * problem.stages
+    crossings = {(e.value, assignment[e.src], assignment[e.dst]): e.bytes for e in problem.edges}
+    for (_value, a, b), nbytes in sorted(crossings.items()):
+        if a != b:
+            sent[a] += nbytes
+            received[b] += nbytes
+    stage_plans = tuple(
+        StagePlan(index=k, nodes=tuple(stage_nodes[k]), time_s=c.time_s, compute_s=c.compute_s,
+                  comm_s=c.time_s - c.compute_s, memory_bytes=int(c.memory_bytes), param_bytes=c.weight_bytes,
+                  activation_bytes=c.activation_bytes, send_bytes=sent[k], recv_bytes=received[k])
+        for k, c in enumerate(costs)
+    )
+    return Plan(stages=stage_plans, schedule=opts.schedule, microbatches=microbatches, pp=pp,
+                tp=opts.tp or 1, dp=opts.dp, virtual_stages=virtual, report=report, recompute=problem.recompute)
