@@ -5,7 +5,8 @@ For N in (2, 4): the model is compiled once with `--devices N` (the search, cost
 measured on the spot on the `cpu` profile) and once per mesh with its stages, tp and dp
 fixed (the search then only picks that mesh's microbatch count), and each package is
 trained by N `DistributedPipeline` ranks: the median of the timed steps after warm-up,
-a barrier around each, the barrier's own cost subtracted.  The check: the chosen mesh is
+taken in three rounds over all the meshes in turn (so a drift in the machine's load
+touches every mesh alike), a barrier around each step, the barrier's own cost subtracted.  The check: the chosen mesh is
 the fastest measured, or within 10% of it.  With N = 4 the 4 ranks share this machine's
 2 cores, so every measured step is slower than predicted; the ranking is what is compared.
 
@@ -62,14 +63,16 @@ def _worker(rank: int, world: int, port: int, dirs: list[str], warmup: int, step
     import torch.distributed as dist
 
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=120))
-    results = [_measure(d, warmup, steps) for d in dirs]
+    results = _measure(dirs, warmup, steps)
     if rank == 0:
         Path(out).write_text(json.dumps(results))
     dist.barrier()
     dist.destroy_process_group()
 
 
-def _measure(directory: str, warmup: int, steps: int) -> dict[str, float]:
+def _measure(dirs: list[str], warmup: int, steps: int, rounds: int = 3) -> list[dict[str, float]]:
+    """Median step of each package, its timed steps taken in `rounds` rounds over all the
+    packages in turn, so a drift in the machine's load touches every mesh alike."""
     import torch.distributed as dist
 
     import runtime
@@ -82,16 +85,28 @@ def _measure(directory: str, warmup: int, steps: int) -> dict[str, float]:
         dist.barrier()
         return time.perf_counter() - start
 
-    pipe = runtime.DistributedPipeline(directory)
-    model_file = package.load_model_file(pipe.manifest, directory)
-    torch.manual_seed(0)
-    pipe.load_state_dict(model_file.build_model().state_dict())
-    inputs, target = model_file.example_inputs(), model_file.example_target()
+    runs = []
+    for directory in dirs:
+        pipe = runtime.DistributedPipeline(directory)
+        model_file = package.load_model_file(pipe.manifest, directory)
+        torch.manual_seed(0)
+        pipe.load_state_dict(model_file.build_model().state_dict())
+        batch = (model_file.example_inputs(), model_file.example_target())
+        for _ in range(warmup):
+            pipe.train_step(*batch)
+        runs.append((pipe, batch))
     empty = statistics.median(timed(lambda: None) for _ in range(10))
-    samples = [timed(lambda: pipe.train_step(inputs, target)) for _ in range(warmup + steps)][warmup:]
-    return {"median_ms": 1e3 * (statistics.median(samples) - empty),
-            "spread_pct": 100 * (sorted(samples)[3 * len(samples) // 4] - sorted(samples)[len(samples) // 4])
-            / statistics.median(samples)}
+    samples: list[list[float]] = [[] for _ in dirs]
+    for _ in range(rounds):
+        for (pipe, batch), times in zip(runs, samples):
+            times += [timed(lambda: pipe.train_step(*batch)) for _ in range(max(1, steps // rounds))]
+    out = []
+    for times in samples:
+        ordered = sorted(times)
+        median = statistics.median(times)
+        out.append({"median_ms": 1e3 * (median - empty),
+                    "spread_pct": 100 * (ordered[3 * len(ordered) // 4] - ordered[len(ordered) // 4]) / median})
+    return out
 
 
 def _run(world: int, dirs: list[str], warmup: int, steps: int, work: Path) -> list[dict[str, float]]:
@@ -109,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--devices", default="2,4", help="comma-separated device counts")
     parser.add_argument("--no-readme", action="store_true")
     ns = parser.parse_args(argv)
-    warmup, steps = (2, 7) if ns.quick else (3, 15)
+    warmup, steps = (2, 6) if ns.quick else (3, 24)
     rows: list[dict[str, Any]] = []
     verdicts = []
     old_cache, old_threads = os.environ.get("PARTITIONER_CACHE"), torch.get_num_threads()

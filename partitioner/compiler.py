@@ -102,7 +102,7 @@ def load_source(opts: CompileOptions, say: Callable[[str], None] = lambda _m: No
 def compile_model(opts: CompileOptions, log: Callable[[str], None] | None = None) -> Compiled:
     """Compile `opts.model` into the package `opts.out`."""
     say = log or (lambda msg: None if opts.quiet else print(msg, file=sys.stderr))
-    if opts.devices is not None and (opts.stages is None or opts.tp is None):
+    if opts.devices is not None and (opts.stages is None or opts.tp is None or opts.microbatches is None):
         from .search import search
 
         return search(opts, say)

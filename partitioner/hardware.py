@@ -55,6 +55,9 @@ class Hardware:
     # all-reduce among 2 ranks, alpha-beta per byte of the buffer (0: unknown, use p2p)
     allreduce_latency_s: float = 0.0
     allreduce_bandwidth: float = 0.0
+    #: collectives run beside compute (NCCL on its own stream); not on the CPU, where
+    #: gloo's threads take the cores the ranks compute on
+    overlaps_comm: bool = True
     sources: tuple[str, ...] = field(default_factory=tuple)
 
     @property
@@ -64,6 +67,17 @@ class Hardware:
     @property
     def p2p_beta_s_per_byte(self) -> float:
         return 1.0 / self.intra_node_bandwidth if self.intra_node_bandwidth > 0 else 0.0
+
+    def ring_link(self, across_nodes: bool = False) -> tuple[float, float]:
+        """(alpha s, beta s/byte) of one step of a ring collective: the inter-node link when
+        the ring leaves a node (a ring is as slow as its slowest step), else the measured
+        2-rank all-reduce when the profile has one (2 alpha + n beta), else the intra-node
+        point-to-point link."""
+        if across_nodes and self.inter_node_bandwidth > 0:
+            return self.inter_node_latency_s, 1.0 / self.inter_node_bandwidth
+        if self.allreduce_bandwidth > 0:
+            return self.allreduce_latency_s / 2, 1.0 / self.allreduce_bandwidth
+        return self.p2p_alpha_s, self.p2p_beta_s_per_byte
 
 
 def load_hardware(name: str | None) -> Hardware:
@@ -108,6 +122,9 @@ def _check_fields(hw: Hardware) -> None:
         elif f.name == "sources":
             if not all(isinstance(v, str) for v in value):
                 raise ValueError("field 'sources' must be a list of strings")
+        elif f.name == "overlaps_comm":
+            if not isinstance(value, bool):
+                raise ValueError(f"field 'overlaps_comm' must be true or false, not {value!r}")
         elif isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
             raise ValueError(f"field {f.name!r} must be a non-negative number, not {value!r}")
     for name in ("peak_flops", "memory_bandwidth", "memory_bytes", "intra_node_bandwidth"):
@@ -125,7 +142,7 @@ def _this_machine() -> str:
 
 
 #: bump when the measurement changes, so profiles cached by older code are measured again
-_CPU_PROFILE_VERSION = 3
+_CPU_PROFILE_VERSION = 4
 
 
 def _cpu() -> Hardware:
@@ -189,6 +206,7 @@ def _measure_cpu() -> Hardware:
         intra_node_latency_s=p2p_alpha,
         allreduce_latency_s=ar_alpha,
         allreduce_bandwidth=ar_bw,
+        overlaps_comm=False,
         efficiency=1.0,
         sources=("measured: 512x512 float32 matmul, 32 MiB copy, sysconf physical pages", note),
     )

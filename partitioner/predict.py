@@ -80,9 +80,11 @@ def simulate_plan(gm: torch.fx.GraphModule, plan: Plan, costs: dict[str, NodeCos
     if plan.dp == 1:
         return sim
     # Gradients are all-reduced in buckets during the last microbatch's backward: what the
-    # backward of that microbatch cannot cover is added to the step.
-    alpha, beta = _link(hardware, across_nodes=plan.pp * plan.tp * plan.dp > hardware.devices_per_node)
-    exposed = max(max(0.0, ring_allreduce_s(s.param_bytes, plan.dp, alpha, beta) - backward[s.index])
+    # backward of that microbatch cannot cover is added to the step (all of it where the
+    # collectives share the compute's cores: gloo on the CPU).
+    alpha, beta = hardware.ring_link(across_nodes=plan.pp * plan.tp * plan.dp > hardware.devices_per_node)
+    hidden = backward if hardware.overlaps_comm else [0.0] * len(backward)
+    exposed = max(max(0.0, ring_allreduce_s(s.param_bytes, plan.dp, alpha, beta) - hidden[s.index])
                   for s in plan.stages)
     return dataclasses.replace(sim, step_time_s=sim.step_time_s + exposed)
 

@@ -144,6 +144,7 @@ class DistributedPipeline:
 
     def train_step(self, inputs: Any, target: Any, loss_fn: LossFn | None = None) -> torch.Tensor:
         """One step on the global batch (collective); returns the whole-batch loss on every rank."""
+        self._set_tp_group()  # tp.* is process-wide: several pipelines in one process take turns
         m = self.manifest
         holds_last = self.graph.num_stages - 1 in self.runners
         fn = loss_fn or (self._default_loss_fn() if holds_last else None)  # only the last stage needs it
@@ -176,6 +177,7 @@ class DistributedPipeline:
 
     def __call__(self, inputs: Any) -> Any:
         """Forward only: the whole global batch's output on every rank, on CPU (collective)."""
+        self._set_tp_group()
         mb_inputs = package.split_inputs(inputs, self.manifest, self.replica)
         step = _Step(train=False)
         with torch.no_grad():

@@ -40,15 +40,9 @@ class Posed:
 
 
 def tp_link(hardware: Hardware, tp: int = 1) -> tuple[float, float]:
-    """(alpha s, beta s/byte) of one ring step between tensor-parallel ranks: from the
-    measured 2-rank all-reduce when the profile has one (2 alpha + n beta), else the
-    intra-node link; the inter-node link when `tp` ranks outgrow a node of the profile
-    (a ring is as slow as its slowest step)."""
-    if tp > hardware.devices_per_node > 1 and hardware.inter_node_bandwidth > 0:
-        return hardware.inter_node_latency_s, 1.0 / hardware.inter_node_bandwidth
-    if hardware.allreduce_bandwidth > 0:
-        return hardware.allreduce_latency_s / 2, 1.0 / hardware.allreduce_bandwidth
-    return hardware.p2p_alpha_s, hardware.p2p_beta_s_per_byte
+    """(alpha s, beta s/byte) of one ring step between tensor-parallel ranks; the
+    inter-node link when `tp` ranks outgrow a node of the profile."""
+    return hardware.ring_link(across_nodes=tp > hardware.devices_per_node > 1)
 
 
 def collective_s(kind: str, nbytes: float, tp: int, hardware: Hardware) -> float:

@@ -59,7 +59,8 @@ def test_bad_model_files(model: str, pattern: str, tmp_path: Path, capsys: pytes
         (["--hardware", "tpu9"], r"unknown --hardware 'tpu9'"),
         (["--tp", "0"], r"--tp 0: the tensor-parallel degree is at least 1"),
         (["--devices", "6", "--tp", "4"], r"no mesh stages x tp x dp = 6 devices suits the options"),
-        (["--devices", "4", "--stages", "2", "--tp", "4"], r"--stages 2 x --tp 4 x --dp 1 != --devices 4"),
+        (["--devices", "4", "--stages", "2", "--tp", "4"], r"no mesh stages x tp x dp = 4 devices suits the options"),
+        (["--devices", "4", "--stages", "2", "--tp", "4", "--microbatches", "2"], r"--stages 2 x --tp 4 x --dp 1 != --devices 4"),
     ],
 )
 def test_bad_options(options: list[str], pattern: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -92,3 +92,24 @@ def test_roofline_and_friends() -> None:
     assert message_s(1e6, 1e-5, 1e-9) == pytest.approx(1e-5 + 1e-3)
     assert stage_memory_bytes(100, 10, inflight=3, optimizer_factor=2) == 100 * 4 + 30
     assert mfu(1e15, 1.0, 8, 1e15) == pytest.approx(1 / 8)
+
+
+def test_the_data_parallel_all_reduce_hides_behind_backward_only_where_comm_overlaps(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """On GPUs (NCCL streams) the gradient all-reduce overlaps the last backward; on the CPU
+    gloo takes the cores the ranks compute on, so all of it adds to the step."""
+    import dataclasses
+
+    from partitioner.hardware import load_hardware
+    from partitioner.predict import simulate_plan
+    from partitioner.roofline import ring_allreduce_s
+
+    from ..conftest import compile_example
+
+    compiled = compile_example("examples/mlp.py", tmp_path / "pkg", stages=1, dp=2, hardware="a100")
+    gpu = load_hardware("a100")
+    cpu_like = dataclasses.replace(gpu, overlaps_comm=False)
+    overlapped = simulate_plan(compiled.traced.gm, compiled.plan, compiled.costs, gpu).step_time_s
+    exposed = simulate_plan(compiled.traced.gm, compiled.plan, compiled.costs, cpu_like).step_time_s
+    alpha, beta = gpu.ring_link()
+    whole = ring_allreduce_s(compiled.plan.stages[0].param_bytes, 2, alpha, beta)
+    assert 0 < exposed - overlapped <= whole * (1 + 1e-9)  # at most the whole all-reduce was hidden
