@@ -52,6 +52,18 @@ def spawn_ranks(worker: Callable[..., None], world: int, args: tuple[Any, ...], 
                 p.kill()
 
 
+def barrier_timed(call: Callable[[], Any]) -> float:
+    """Seconds of `call()` between two barriers of the default process group (every rank
+    starts together and the slowest one sets the time)."""
+    import torch.distributed as dist
+
+    dist.barrier()
+    start = time.perf_counter()
+    call()
+    dist.barrier()
+    return time.perf_counter() - start
+
+
 def table(rows: Sequence[dict[str, Any]], columns: Sequence[str]) -> str:
     """A markdown table of `rows` over `columns` (floats to 3 significant digits)."""
 

@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from .common import ROOT, free_port, save, spawn_ranks, table, update_readme
+from .common import barrier_timed, ROOT, free_port, save, spawn_ranks, table, update_readme
 
 MODEL = str(ROOT / "benchmarks" / "models" / "wide_mlp.py")
 DEADLINE_S = 1200.0
@@ -73,17 +73,9 @@ def _worker(rank: int, world: int, port: int, dirs: list[str], warmup: int, step
 def _measure(dirs: list[str], warmup: int, steps: int, rounds: int = 3) -> list[dict[str, float]]:
     """Median step of each package, its timed steps taken in `rounds` rounds over all the
     packages in turn, so a drift in the machine's load touches every mesh alike."""
-    import torch.distributed as dist
 
     import runtime
     from runtime import package
-
-    def timed(call: Any) -> float:
-        dist.barrier()
-        start = time.perf_counter()
-        call()
-        dist.barrier()
-        return time.perf_counter() - start
 
     runs = []
     for directory in dirs:
@@ -95,11 +87,11 @@ def _measure(dirs: list[str], warmup: int, steps: int, rounds: int = 3) -> list[
         for _ in range(warmup):
             pipe.train_step(*batch)
         runs.append((pipe, batch))
-    empty = statistics.median(timed(lambda: None) for _ in range(10))
+    empty = statistics.median(barrier_timed(lambda: None) for _ in range(10))
     samples: list[list[float]] = [[] for _ in dirs]
     for _ in range(rounds):
         for (pipe, batch), times in zip(runs, samples):
-            times += [timed(lambda: pipe.train_step(*batch)) for _ in range(max(1, steps // rounds))]
+            times += [barrier_timed(lambda: pipe.train_step(*batch)) for _ in range(max(1, steps // rounds))]
     out = []
     for times in samples:
         ordered = sorted(times)

@@ -40,7 +40,7 @@ from typing import Any
 
 import torch
 
-from .common import free_port, save, spawn_ranks, table, update_readme
+from .common import barrier_timed, free_port, save, spawn_ranks, table, update_readme
 
 EXAMPLES = ("mlp", "gpt", "bert", "ncf", "skip", "hf_gpt2", "hf_bert")
 SCHEDULES = ("gpipe", "1f1b")
@@ -114,17 +114,9 @@ def _worker(rank: int, port: int, dirs: list[str], warmup: int, steps: int, out:
 
 def _measure(rank: int, directory: str, warmup: int, steps: int, trace: Path) -> dict[str, Any]:
     """Median step of one package on this rank (and, on rank 0, the traced stage times of both)."""
-    import torch.distributed as dist
 
     import runtime
     from runtime import package
-
-    def timed(call: Any) -> float:
-        dist.barrier()
-        start = time.perf_counter()
-        call()
-        dist.barrier()
-        return time.perf_counter() - start
 
     pipe = runtime.DistributedPipeline(directory)
     source = pipe.manifest["source"]
@@ -139,12 +131,12 @@ def _measure(rank: int, directory: str, warmup: int, steps: int, trace: Path) ->
     def step() -> None:
         pipe.train_step(inputs, target)
 
-    empty = statistics.median(timed(lambda: None) for _ in range(max(steps, 10)))
+    empty = statistics.median(barrier_timed(lambda: None) for _ in range(max(steps, 10)))
     samples = []
     for k in range(warmup + steps):
         for p in params:  # as optimizer.zero_grad(set_to_none=True) leaves them
             p.grad = None
-        t = timed(step)
+        t = barrier_timed(step)
         if k >= warmup:
             samples.append(t)
     first = samples[0]

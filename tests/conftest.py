@@ -47,3 +47,23 @@ def compile_example(path: str, out: Path, **options: Any) -> Any:
     options.setdefault("quiet", True)
     options.setdefault("time_limit", 5.0)
     return compile_model(CompileOptions(model=path, out=str(out), **options))
+
+
+def train_original(path: str, steps: int, lr: float) -> tuple[list[float], dict[str, Any]]:
+    """The original model of a model file trained `steps` SGD steps on its whole example
+    batch: the losses, and the state_dict after."""
+    from partitioner import model_file
+
+    mf = model_file.load(path)
+    model = mf.build(0)
+    args, kwargs = mf.example_inputs()
+    target, loss_fn = mf.example_target(), mf.loss_fn()
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    losses = []
+    for _ in range(steps):
+        opt.zero_grad()
+        loss = loss_fn(model(*args, **kwargs), target)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}

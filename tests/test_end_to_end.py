@@ -15,7 +15,7 @@ import torch
 import runtime
 from partitioner import model_file
 
-from .conftest import compile_example
+from .conftest import compile_example, train_original
 
 EXAMPLES = ["mlp", "gpt", "bert", "ncf", "skip", "hf_gpt2", "hf_bert"]
 STEPS, LR = 3, 0.05
@@ -23,19 +23,7 @@ STEPS, LR = 3, 0.05
 
 def _reference(path: str) -> tuple[list[float], dict[str, torch.Tensor]]:
     """The original model trained for STEPS SGD steps on the whole batch."""
-    mf = model_file.load(path)
-    model = mf.build(0)
-    args, kwargs = mf.example_inputs()
-    target, loss_fn = mf.example_target(), mf.loss_fn()
-    opt = torch.optim.SGD(model.parameters(), lr=LR)
-    losses = []
-    for _ in range(STEPS):
-        opt.zero_grad()
-        loss = loss_fn(model(*args, **kwargs), target)
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
-    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return train_original(path, STEPS, LR)
 
 
 def _partitioned(path: str, out: Path, **options: Any) -> tuple[list[float], dict[str, torch.Tensor]]:

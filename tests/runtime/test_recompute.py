@@ -12,7 +12,7 @@ import torch
 import runtime
 from partitioner import model_file
 
-from ..conftest import compile_example
+from ..conftest import compile_example, train_original
 
 STEPS, LR = 3, 0.05
 FREE = str(Path(__file__).resolve().parents[1] / "profiles" / "free_links.json")
@@ -30,21 +30,6 @@ def _train(pipe: Any, mf: model_file.ModelFile, steps: int = STEPS) -> list[floa
     return losses
 
 
-def _original(mf: model_file.ModelFile) -> tuple[list[float], dict[str, torch.Tensor]]:
-    model = mf.build(0)
-    args, kwargs = mf.example_inputs()
-    target, loss_fn = mf.example_target(), mf.loss_fn()
-    opt = torch.optim.SGD(model.parameters(), lr=LR)
-    losses = []
-    for _ in range(STEPS):
-        opt.zero_grad()
-        loss = loss_fn(model(*args, **kwargs), target)
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
-    return losses, model.state_dict()
-
-
 @pytest.mark.parametrize("example, options", [
     ("examples/gpt.py", {"stages": 2, "schedule": "1f1b"}),
     ("examples/gpt.py", {"stages": 3, "schedule": "gpipe"}),
@@ -55,7 +40,7 @@ def _original(mf: model_file.ModelFile) -> tuple[list[float], dict[str, torch.Te
 def test_recomputed_training_matches_the_original(example: str, options: dict[str, Any], tmp_path: Path) -> None:
     compile_example(example, tmp_path / "pkg", recompute=True, **options)
     mf = model_file.load(example)
-    want_losses, want = _original(mf)
+    want_losses, want = train_original(example, STEPS, LR)
     pipe = runtime.LocalPipeline(str(tmp_path / "pkg"))
     assert all(r.recompute for r in pipe.runners)
     if "tp" in options:
