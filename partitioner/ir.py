@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 __all__ = [
+    "PARTIAL",
     "REPLICATED",
     "BlockCost",
     "Edge",
@@ -60,7 +61,9 @@ def optimizer_state_factor(optimizer: str, mixed_precision: bool = False) -> int
 class Layout:
     """How a tensor lies across the ranks of a tensor-parallel group.
 
-    `dim is None`: replicated, every rank holds the whole tensor.  Otherwise sharded:
+    `dim is None`: replicated, every rank holds the whole tensor, or with `partial` a
+    partial sum, every rank a tensor of the whole shape whose sum over the ranks is the
+    value (a row-split linear's output before its all_reduce).  Otherwise sharded:
     dimension `dim` is cut into `tp` equal pieces, rank t holding piece t.  With
     `blocks = b > 1` the dimension is first seen as b equal blocks and each block is cut
     so (a fused q/k/v projection: rank t holds piece t of q, of k and of v).
@@ -68,10 +71,11 @@ class Layout:
 
     dim: int | None = None
     blocks: int = 1
+    partial: bool = False
 
     @property
     def replicated(self) -> bool:
-        return self.dim is None
+        return self.dim is None and not self.partial
 
     def local_shape(self, shape: tuple[int, ...] | list[int], tp: int) -> tuple[int, ...]:
         """The shape one rank holds of a tensor of global `shape`."""
@@ -82,12 +86,14 @@ class Layout:
 
     def __str__(self) -> str:
         if self.dim is None:
-            return "R"
+            return "P" if self.partial else "R"
         return f"S{self.dim}" + (f"x{self.blocks}" if self.blocks > 1 else "")
 
 
 #: the layout of a tensor every rank holds whole
 REPLICATED = Layout()
+#: the layout of a partial sum: the value is the sum of every rank's tensor
+PARTIAL = Layout(partial=True)
 
 
 @dataclass(frozen=True)

@@ -331,11 +331,27 @@ class _Scatter(torch.autograd.Function):
         return _gather(ctx.group, grad, ctx.dim, ctx.blocks, doing), None, None
 
 
+def _reduce_scatter(g: _Group, x: torch.Tensor, dim: int, blocks: int, collective: str) -> torch.Tensor:
+    """This rank's shard of x summed over the group: every rank's shard flattened into one
+    contiguous chunk of a buffer, so one reduce_scatter serves any dim and blocks (lanes:
+    the in-order sum, then this lane's shard)."""
+    if g.lanes is not None:
+        return _mine(g, g.lanes.exchange(g.rank, x.detach(), collective, _add_in_order), dim, blocks)
+    shards = [local_shard(x.detach(), dim, r, g.size, blocks) for r in range(g.size)]
+    flat = torch.cat([t.reshape(-1) for t in shards])
+    out = torch.empty(shards[0].numel(), dtype=x.dtype, device=x.device)
+    doing = _doing(g, collective)
+    with guard(doing):
+        work = dist.reduce_scatter_tensor(out, flat, group=g.handle, async_op=True)
+    wait(work, g.timeout_s, doing)
+    return out.view(shards[0].shape)
+
+
 class _ReduceScatter(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, dim: int, blocks: int) -> torch.Tensor:
         ctx.group, ctx.dim, ctx.blocks = _current(), dim, blocks
-        return _mine(ctx.group, _sum(ctx.group, x, "the tensor-parallel reduce_scatter"), dim, blocks)
+        return _reduce_scatter(ctx.group, x, dim, blocks, "the tensor-parallel reduce_scatter")
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
@@ -369,8 +385,8 @@ def scatter(x: torch.Tensor, dim: int, blocks: int = 1) -> torch.Tensor:
 
 
 def reduce_scatter(x: torch.Tensor, dim: int, blocks: int = 1) -> torch.Tensor:
-    """Forward: this rank's shard (along `dim`, as `scatter` cuts) of x summed over the group;
-    backward: the gradient all-gathered.  (An all_reduce and a slice, on every backend.)"""
+    """Forward: this rank's shard (along `dim`, as `scatter` cuts) of x summed over the group
+    (half an all_reduce's traffic); backward: the gradient all-gathered."""
     return _ReduceScatter.apply(x, dim, blocks) if _active() else x  # type: ignore[no-any-return]
 
 

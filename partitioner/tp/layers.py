@@ -19,7 +19,7 @@ import torch
 import torch.fx
 import torch.nn.functional as F
 
-from ..ir import REPLICATED, Layout
+from ..ir import PARTIAL, REPLICATED, Layout
 from .rules import SplitContext, Strategy, insert, split_rule
 
 __all__: list[str] = []
@@ -83,10 +83,27 @@ def linear(ctx: SplitContext) -> list[Strategy]:
             layouts = {w: Layout(out_dim, blocks)} | ({b: Layout(0, blocks)} if b is not None else {})
             name = "linear.column" + (f"x{blocks}" if blocks > 1 else "")
             found.append(ctx.strategy(name, Layout(ctx.ndim() - 1, blocks), layouts))
-    if ctx.divides(ins):  # row: the input features split, partial sums all-reduced
+    if ctx.divides(ins):  # row: the input features split, partial sums all-reduced ...
         found.append(ctx.strategy("linear.row", REPLICATED, {x: Layout(last), w: Layout(1 - out_dim)},
                                   reduce=True, rewrite=_row_rewrite))
+        # ... or left partial, for the solver to reduce (all_reduce) or reduce-scatter later
+        found.append(ctx.strategy("linear.row_partial", PARTIAL, {x: Layout(last), w: Layout(1 - out_dim)},
+                                  rewrite=_bias_once if b is not None else None))
     return found
+
+
+def _bias_once(node: torch.fx.Node, strategy: Strategy, tp: int) -> None:
+    """A partial sum gets the bias once: on the group's first rank (`tp.first_rank`)."""
+    tpc = _collectives()
+    at = 0 if node.target is aten.addmm.default else 2
+    if at < len(node.args):
+        bias = node.args[at]
+        once = _add(node, tpc.first_rank, (bias,), "bias", bias)  # type: ignore[arg-type]
+        node.args = (*node.args[:at], once, *node.args[at + 1:])
+    else:
+        bias = node.kwargs["bias"]
+        once = _add(node, tpc.first_rank, (bias,), "bias", bias)  # type: ignore[arg-type]
+        node.kwargs = {**node.kwargs, "bias": once}
 
 
 def _row_rewrite(node: torch.fx.Node, strategy: Strategy, tp: int) -> None:

@@ -27,6 +27,9 @@ __all__ = ["Posed", "pose", "collective_s", "needs_grad", "tp_link", "value_byte
 
 #: seconds per byte of parameter left whole: a tie-break towards sharding weights (memory)
 _MEMORY_TIE_S_PER_BYTE = 1e-15
+#: a partial sum only where it is strictly cheaper: on a tie the plain row split, which
+#: reduces at once, reads simpler
+_PARTIAL_TIE_S = 1e-12
 
 
 @dataclass
@@ -47,13 +50,14 @@ def tp_link(hardware: Hardware, tp: int = 1) -> tuple[float, float]:
 
 def collective_s(kind: str, nbytes: float, tp: int, hardware: Hardware) -> float:
     """Seconds of one collective over `tp` ranks; `nbytes` is the whole tensor's size
-    (all_gather: (p-1) steps of n/p; all_reduce: 2(p-1) steps of n/p, Patarasuk & Yuan 2009)."""
+    (all_gather and reduce_scatter: (p-1) steps of n/p; all_reduce: 2(p-1) steps of n/p,
+    Patarasuk & Yuan 2009)."""
     if tp <= 1 or nbytes <= 0:
         return 0.0
     alpha, beta = tp_link(hardware, tp)
     if kind == "all_reduce":
         return ring_allreduce_s(nbytes, tp, alpha, beta)
-    if kind == "all_gather":
+    if kind in ("all_gather", "reduce_scatter"):
         return (tp - 1) * alpha + (tp - 1) / tp * nbytes * beta
     if kind == "scatter":
         return 0.0
@@ -117,7 +121,7 @@ def pose(gm: torch.fx.GraphModule, costs: dict[str, NodeCost], tp: int, hardware
 
 
 def _order(layout: Layout) -> tuple[int, int, int]:
-    return (0, 0, 0) if layout.replicated else (1, layout.dim or 0, layout.blocks)
+    return (0, 0, 0) if layout.replicated else (2 if layout.partial else 1, layout.dim or 0, layout.blocks)
 
 
 def _reachable(s: Strategy, node: torch.fx.Node, made: dict[torch.fx.Node, set[Layout]]) -> bool:
@@ -192,6 +196,8 @@ def _strategy_s(node: torch.fx.Node | None, s: Strategy, costs: dict[str, NodeCo
     seconds = cost.time_s / tp if s.sharded else cost.time_s
     if s.reduce:
         seconds += collective_s("all_reduce", value_bytes(node), tp, hardware)
+    if s.output.partial:
+        seconds += _PARTIAL_TIE_S
     return seconds + _MEMORY_TIE_S_PER_BYTE * cost.param_bytes / (tp if s.sharded else 1)
 
 
@@ -203,6 +209,13 @@ def _convert_s(value: torch.fx.Node, have: Layout, want: Layout, tp: int, hardwa
         return math.inf  # parameters take one layout; tuples cannot be converted
     nbytes = value_bytes(value)
     grad = needs_grad(value)
+    if want.partial:
+        return math.inf  # a partial sum is made by a node, not by a conversion
+    if have.partial:  # all_reduce (backward: the gradient as is), or reduce_scatter (backward: all_gather)
+        if want.replicated:
+            return collective_s("all_reduce", nbytes, tp, hardware)
+        return collective_s("reduce_scatter", nbytes, tp, hardware) + (
+            collective_s("all_gather", nbytes, tp, hardware) if grad else 0.0)
     if have.replicated:  # slice forward, all_gather the gradient backward
         return collective_s("all_gather", nbytes, tp, hardware) if grad else 0.0
     if want.replicated:  # all_gather forward, slice backward

@@ -91,7 +91,15 @@ def _once(made: dict[tuple[str, object], torch.fx.Node], key: tuple[str, object]
 
 def _converted(a: torch.fx.Node, have: Layout, want: Layout, reader: torch.fx.Node, tp: int,
                made: dict[tuple[str, object], torch.fx.Node], collectives: Any) -> torch.fx.Node:
-    """`a` in layout `want`: gathered whole, then this rank's shard taken, as needed."""
+    """`a` in layout `want`: gathered whole, then this rank's shard taken, as needed; a
+    partial sum all-reduced, or reduce-scattered straight into the shard."""
+    if have.partial and not want.replicated:
+        return _once(made, (a.name, want), lambda: insert(
+            reader, collectives.reduce_scatter, (a, want.dim), f"{a.name}_shard",
+            _local_meta(a.meta.get("tensor_meta"), want, tp), kwargs={"blocks": want.blocks} if want.blocks > 1 else None))
+    if have.partial:
+        return _once(made, (a.name, REPLICATED), lambda: insert(
+            reader, collectives.all_reduce, (a,), f"{a.name}_sum", a.meta.get("tensor_meta")))
     whole = a
     if not have.replicated:
         whole = _once(made, (a.name, REPLICATED), lambda: insert(
@@ -152,7 +160,7 @@ def _local_costs(gm: torch.fx.GraphModule, costs: dict[str, NodeCost], strategy_
     return out
 
 
-_KINDS = ("all_reduce", "copy", "all_gather", "scatter", "vocab_shard")
+_KINDS = ("all_reduce", "copy", "all_gather", "scatter", "reduce_scatter", "vocab_shard", "first_rank")
 
 
 def _kind(node: torch.fx.Node, collectives: Any) -> str | None:
@@ -167,9 +175,11 @@ def _collective_cost(node: torch.fx.Node, kind: str, tp: int, hardware: Hardware
     whole = value_bytes(node) if kind in ("all_reduce", "copy", "all_gather") else value_bytes(source)
     grad = needs_grad(source)
     forward = {"all_reduce": collective_s("all_reduce", whole, tp, hardware),
-               "all_gather": collective_s("all_gather", whole, tp, hardware)}.get(kind, 0.0)
+               "all_gather": collective_s("all_gather", whole, tp, hardware),
+               "reduce_scatter": collective_s("reduce_scatter", whole, tp, hardware)}.get(kind, 0.0)
     backward = {"copy": collective_s("all_reduce", whole, tp, hardware) if grad else 0.0,
-                "scatter": collective_s("all_gather", whole, tp, hardware) if grad else 0.0}.get(kind, 0.0)
+                "scatter": collective_s("all_gather", whole, tp, hardware) if grad else 0.0,
+                "reduce_scatter": collective_s("all_gather", whole, tp, hardware) if grad else 0.0}.get(kind, 0.0)
     return NodeCost(node.name, forward_s=forward, backward_s=backward, output_bytes=value_bytes(node))
 
 
@@ -177,6 +187,6 @@ def _count(gm: torch.fx.GraphModule, collectives: Any) -> dict[str, int]:
     counts: dict[str, int] = {}
     for n in gm.graph.nodes:
         kind = _kind(n, collectives)
-        if kind is not None and kind != "vocab_shard":
+        if kind is not None and kind not in ("vocab_shard", "first_rank"):
             counts[kind] = counts.get(kind, 0) + 1
     return dict(sorted(counts.items()))

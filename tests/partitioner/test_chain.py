@@ -123,7 +123,10 @@ def test_identical_layers_share_one_table(monkeypatch: pytest.MonkeyPatch) -> No
     assert len(tables) <= 12, f"{len(tables)} tables for {cut} segments"
     plain, report = choose(problem, method="cpsat", time_limit_s=30.0)
     assert report.status == "OPTIMAL"
-    assert objective(problem, found) == pytest.approx(objective(problem, plain), rel=1e-6)
+    # CP-SAT's integer objective rounds each cost to 1e-7 of the replicated total, so it
+    # cannot see the tie-breaks below that; the exact DP may come out a hair lower
+    assert objective(problem, found) == pytest.approx(objective(problem, plain), rel=1e-5)
+    assert objective(problem, found) <= objective(problem, plain) * (1 + 1e-9)
 
 
 def test_the_tied_embedding_is_a_global_variable() -> None:

@@ -3,6 +3,7 @@ Megatron's pattern where it pays, the rewrite into one rank's graph."""
 
 from __future__ import annotations
 
+import copy
 import itertools
 import json
 import math
@@ -95,10 +96,10 @@ def _mlp_graph() -> tuple[torch.fx.GraphModule, dict[str, NodeCost]]:
     return _traced(Block())
 
 
-def _traced(model: torch.nn.Module) -> tuple[torch.fx.GraphModule, dict[str, NodeCost]]:
-    """`model` on a (4, 8) input, traced through its modules as the compiler does; a linear
-    costs 1 ms forward and 2 ms backward, any other node 1 us."""
-    x = torch.randn(4, 8)
+def _traced(model: torch.nn.Module, rows: int = 4) -> tuple[torch.fx.GraphModule, dict[str, NodeCost]]:
+    """`model` on a (rows, 8) input, traced through its modules as the compiler does; a
+    linear costs 1 ms forward and 2 ms backward, any other node 1 us."""
+    x = torch.randn(rows, 8)
     gm = trace(model, (x,), {}, "fx").gm
     specialize(gm, propagate(gm, [x]))
     scale = {True: 1e-3, False: 1e-6}
@@ -233,3 +234,87 @@ def test_brute_force_is_exhaustive() -> None:
                               (EdgeCost(0, 1, ((0.0, 0.4), (0.6, 0.0))),))
     values = {c: objective(problem, c) for c in itertools.product(range(2), range(2))}
     assert brute_force(problem) == (min(values, key=values.__getitem__), min(values.values()))
+
+
+# -- partial sums ------------------------------------------------------------------------------
+
+
+def test_converting_a_partial_sum_costs_an_all_reduce_or_a_reduce_scatter() -> None:
+    from partitioner.ir import PARTIAL
+    from partitioner.tp.pose import _convert_s, collective_s
+
+    gm, _ = _mlp_graph()
+    node = next(n for n in gm.graph.nodes if n.name == "linear_1")  # (4, 8) float32, needs a gradient
+    hw = load_hardware("a100")
+    whole = 4 * 8 * 4
+    assert _convert_s(node, PARTIAL, REPLICATED, 2, hw) == collective_s("all_reduce", whole, 2, hw)
+    assert _convert_s(node, PARTIAL, Layout(0), 2, hw) == pytest.approx(
+        collective_s("reduce_scatter", whole, 2, hw) + collective_s("all_gather", whole, 2, hw))
+    assert collective_s("reduce_scatter", whole, 2, hw) < collective_s("all_reduce", whole, 2, hw)
+    assert _convert_s(node, REPLICATED, PARTIAL, 2, hw) == math.inf
+
+
+class _RowThenTanh(torch.nn.Module):
+    def __init__(self, bias: bool, width: int) -> None:
+        super().__init__()
+        self.up = torch.nn.Linear(8, width)
+        self.down = torch.nn.Linear(width, width, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.down(F.gelu(self.up(x))))
+
+
+@pytest.mark.parametrize("bias, rows, width", [(False, 4, 16), (True, 1024, 1024)],
+                         ids=["bias-free (Llama)", "with a bias, added once"])
+def test_a_partial_sum_is_reduce_scattered_for_a_split_reader_and_stays_exact(bias: bool, rows: int,
+                                                                              width: int) -> None:
+    """A row-split linear whose reader is worth splitting (an expensive tanh): its partial
+    sum goes straight to shards by reduce_scatter (half an all_reduce).  A bias is added
+    once (`tp.first_rank`), which costs its gradient an all_reduce, so that pays only for
+    a large output.  Run on two in-process lanes, the result and every gradient equal
+    the original's."""
+    import threading
+
+    from runtime import tp as collectives
+
+    torch.manual_seed(0)
+    model = _RowThenTanh(bias, width)
+    gm, costs = _traced(model, rows)
+    costs["tanh"] = NodeCost("tanh", forward_s=1e-3, backward_s=1e-3, output_bytes=128)
+    split = shard(gm, costs, 2, load_hardware("a100"))
+    assert split.rules["linear_1"] == "linear.row_partial"
+    assert split.collectives.get("reduce_scatter") == 1 and split.rules["tanh"].startswith("pointwise")
+    x = torch.randn(rows, 8)
+    want = model(x)
+    want.pow(2).sum().backward()
+    lanes, results = collectives.Lanes(2, timeout_s=20.0), [None, None]
+
+    def lane(t: int) -> None:
+        local = copy.deepcopy(split.gm)
+        for target, layout in split.params.items():
+            module, name = target.rsplit(".", 1)
+            whole = dict(model.named_parameters())[target].detach()
+            piece = collectives.local_shard(whole, layout.dim, t, 2, layout.blocks).clone()
+            setattr(local.get_submodule(module), name, torch.nn.Parameter(piece))
+        with collectives.lane(lanes, t):
+            out = local(x)
+            out.pow(2).sum().backward()
+        results[t] = (out.detach(), {n: p.grad for n, p in local.named_parameters()})
+
+    threads = [threading.Thread(target=lane, args=(t,)) for t in range(2)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(30)
+    grads = dict(model.named_parameters())
+    for t, result in enumerate(results):
+        assert result is not None, f"lane {t} failed"
+        out, got = result
+        torch.testing.assert_close(out, want.detach(), rtol=1e-5, atol=1e-6)
+        for name, g in got.items():
+            layout = split.params.get(name, REPLICATED)
+            ref = grads[name].grad
+            expected = ref if layout.replicated else collectives.local_shard(ref, layout.dim, t, 2, layout.blocks)
+            scale = float(ref.abs().max())  # sums over 1024 rows: rounding is relative to the largest entry
+            torch.testing.assert_close(g, expected, rtol=1e-5, atol=1e-6 * max(1.0, scale),
+                                       msg=lambda m: f"lane {t} {name}: {m}")

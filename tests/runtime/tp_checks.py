@@ -121,6 +121,10 @@ def check_partial_sums(r: int, n: int) -> None:
     (y * tp.local_shard(up, 0, r, n)).sum().backward()
     for name, a, want in zip(["x", "w", "b"], (x, w, b), ref):
         _close(a.grad, want.grad, f"grad of {name} through reduce_scatter")  # type: ignore[arg-type]
+    # any dimension, with blocks: each rank's shard flattened into one chunk of the buffer
+    parts = [torch.randn(6, 4, generator=g) for _ in range(n)]
+    got = tp.reduce_scatter(parts[r], 1, blocks=2)
+    _close(got, tp.local_shard(sum(parts), 1, r, n, blocks=2), "reduce_scatter along dim 1 with blocks")  # type: ignore[arg-type]
 
 
 def check_rank_and_size(r: int, n: int) -> None:
