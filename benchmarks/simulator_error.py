@@ -78,10 +78,11 @@ def compile_case(example: str, schedule: str, work: Path) -> dict[str, Any]:
             "edges": [[a, b, n] for (a, b), n in sorted(sent.items())]}
 
 
-def replay_ms(case: dict[str, Any], measured: dict[str, float], alpha_s: float, beta_s: float) -> float | None:
+def replay_ms(case: dict[str, Any], measured: dict[str, float], hw: Any) -> float | None:
     """The simulator fed with the stage times the runtime really took (traced F and B
-    medians, the loss included) and the profile's links: what is left of the error is
-    the simulator's structure and its message model, not the node costs."""
+    medians, the loss included) and the profile's links, send cost, final all-reduce and
+    message model: what is left of the error is the simulator's structure, not the node
+    costs."""
     from partitioner.simulate import simulate
 
     n = len(case["stages"])
@@ -90,8 +91,11 @@ def replay_ms(case: dict[str, Any], measured: dict[str, float], alpha_s: float, 
         bwd = [measured[f"B{k}"] / 1e3 for k in range(n)]
     except KeyError:
         return None
-    links = {(a, b): alpha_s + nbytes * beta_s for a, b, nbytes in case["edges"]}
-    return 1e3 * simulate(fwd, bwd, links, case["schedule"], n, case["microbatches"]).step_time_s
+    alpha, beta = hw.p2p_alpha_s, hw.p2p_beta_s_per_byte
+    links = {(a, b): alpha + nbytes * beta for a, b, nbytes in case["edges"]}
+    final = hw.allreduce_latency_s or alpha
+    return 1e3 * simulate(fwd, bwd, links, case["schedule"], n, case["microbatches"], send_s=alpha, final_s=final,
+                          moves_when_waiting=not hw.overlaps_comm).step_time_s
 
 
 # -- run -----------------------------------------------------------------------------------
@@ -210,7 +214,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for case, got in zip(cases, measured):
         step = got["median_ms"] - got["barrier_ms"]
-        replay = replay_ms(case, got["stage_ms"], hw.p2p_alpha_s, hw.p2p_beta_s_per_byte)
+        replay = replay_ms(case, got["stage_ms"], hw)
         ordered = sorted(got["samples_ms"])
         q1, q3 = ordered[len(ordered) // 4], ordered[(3 * len(ordered)) // 4]
         n = len(case["stages"])

@@ -76,7 +76,7 @@ def simulate_plan(gm: torch.fx.GraphModule, plan: Plan, costs: dict[str, NodeCos
     # The step ends with the all-reduce of the 0-dim loss over every rank: its latency.
     final = (hardware.allreduce_latency_s or hardware.p2p_alpha_s) if plan.pp * plan.tp * plan.dp > 1 else 0.0
     sim = simulate(forward, backward, links, plan.schedule, plan.pp, plan.microbatches, plan.virtual_stages,
-                   send_s=alpha, loss_s=loss, final_s=final)
+                   send_s=alpha, loss_s=loss, final_s=final, moves_when_waiting=not hardware.overlaps_comm)
     if plan.dp == 1:
         return sim
     # Gradients are all-reduced in buckets during the last microbatch's backward: what the

@@ -17,6 +17,15 @@ them and sends posted right after the compute that made them.  The model:
   about the all-reduce latency for a 0-dim tensor) runs on all ranks together, so the
   step is max over ranks of their last action's end, plus final_s.
 
+[Note: messages on a busy CPU]
+    With gloo on a CPU whose cores the ranks' compute fills (2 ranks, 2 cores), a message
+    does not move while its sender computes: gloo's own thread gets a core only when the
+    sender's main thread blocks.  Traces show it (a receive ends right after its sender
+    posts its next receive, not after alpha + n beta).  With `moves_when_waiting` a
+    message is released when its sender next posts a receive, or ends its step, and the
+    receiver takes it from then on; profiles whose collectives overlap compute (NCCL on
+    GPUs: `overlaps_comm`) keep the plain model.
+
 Stages on the same rank (interleaved) hand values over for free.  The result is the step's
 makespan, each rank's compute, and each stage's peak number of microbatches in flight
 (forwards done whose backward has not run), which sets its activation memory.
@@ -56,11 +65,14 @@ def simulate(
     send_s: float = 0.0,
     loss_s: tuple[float, float] = (0.0, 0.0),
     final_s: float = 0.0,
+    moves_when_waiting: bool = False,
 ) -> Simulation:
     """Simulate one step; `links[(a, b)]` (a < b) is the seconds of one message from stage
     a to stage b, which is also what its gradient takes back.  `send_s` is what posting one
     send costs its sender, `loss_s` the loss's (forward, backward) per microbatch on the
-    last stage, `final_s` the collective that ends the step (the loss all-reduce)."""
+    last stage, `final_s` the collective that ends the step (the loss all-reduce).
+    `moves_when_waiting`: a message leaves its sender only once the sender waits (posts its
+    next receive, or ends its step), see [Note: messages on a busy CPU]."""
     stages = len(forward_s)
     last = stages - 1
     plan = make_schedule(schedule, pp, microbatches, virtual)
@@ -76,6 +88,14 @@ def simulate(
 
     done: dict[tuple[Any, ...], float] = {}  # (kind, stage, mb): compute end
     posted: dict[tuple[Any, ...], float] = {}  # (kind, stage, mb, peer): send posted
+    released: dict[tuple[Any, ...], float] = {}  # the same key: when the message may move
+    pending: list[list[tuple[Any, ...]]] = [[] for _ in range(pp)]  # sends not yet released
+
+    def release(rank: int) -> None:
+        for key in pending[rank]:
+            released[key] = free[rank]
+        pending[rank].clear()
+
     free = [0.0] * pp
     cursor = [0] * pp
     inflight = [0] * stages
@@ -95,21 +115,28 @@ def simulate(
                     needs = [(("F", a.stage, a.microbatch), a.stage, 0.0)]
                     needs += [(("B", c, a.microbatch), c, links[(a.stage, c)]) for c in consumers[a.stage]]
                     peers = producers[a.stage]
-                local = [(done, key, 0.0) if peer % pp == rank else (posted, key + (a.stage,), message)
+                local = [(done, key, 0.0) if peer % pp == rank else (released, key + (a.stage,), message)
                          for key, peer, message in needs]
+                if any(peer % pp != rank for _, peer, _ in needs):
+                    release(rank)  # it posts a receive and waits: its own sends may move
                 if any(key not in table for table, key, _ in local):
                     break
                 t = free[rank]
                 for table, key, message in local:
                     # a local value is there when made; a receive, posted at t, waits for
-                    # the send and then takes the message
+                    # the send (and its release) and then takes the message
                     t = max(t, table[key]) + message
                 t += duration(a.kind, a.stage)
                 busy[rank] += duration(a.kind, a.stage)
                 done[(a.kind, a.stage, a.microbatch)] = t
                 for peer in peers:
                     if peer % pp != rank:
-                        posted[(a.kind, a.stage, a.microbatch, peer)] = t
+                        key = (a.kind, a.stage, a.microbatch, peer)
+                        posted[key] = t
+                        if moves_when_waiting:
+                            pending[rank].append(key)
+                        else:
+                            released[key] = t
                         t += send_s
                 free[rank] = t
                 inflight[a.stage] += 1 if a.kind == "F" else -1
@@ -117,6 +144,8 @@ def simulate(
                 cursor[rank] += 1
                 remaining -= 1
                 progressed = True
+            if cursor[rank] == len(actions):
+                release(rank)  # the step's end: it waits in the loss all-reduce
         if not progressed:
             raise ValueError(f"the {schedule} schedule deadlocks in simulation")
     return Simulation(max(free) + final_s, tuple(busy), tuple(peak))

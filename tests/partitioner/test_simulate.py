@@ -113,3 +113,17 @@ def test_the_data_parallel_all_reduce_hides_behind_backward_only_where_comm_over
     alpha, beta = gpu.ring_link()
     whole = ring_allreduce_s(compiled.plan.stages[0].param_bytes, 2, alpha, beta)
     assert 0 < exposed - overlapped <= whole * (1 + 1e-9)  # at most the whole all-reduce was hidden
+
+
+def test_on_a_busy_cpu_a_message_moves_once_its_sender_waits() -> None:
+    """GPipe, 2 stages, 2 microbatches, F = B = 1 s, messages 0.5 s.
+
+        plain:              0F0 0F1 .......... 0B0 0B1          rank 1 takes F0 at 1.5
+                                1F0 . 1F1 1B0 1B1               and ends at 8.0
+        moves when waiting: F0 and F1 leave rank 0 when it waits for B0 (t = 2);
+                            B0 and B1 leave rank 1 when its step ends (t = 7):
+                            rank 0 runs B0 at 7.5 and B1 at 9, ending at 10.0
+    """
+    links = {(0, 1): 0.5}
+    assert simulate([1, 1], [1, 1], links, "gpipe", 2, 2).step_time_s == pytest.approx(8.0)
+    assert simulate([1, 1], [1, 1], links, "gpipe", 2, 2, moves_when_waiting=True).step_time_s == pytest.approx(10.0)
