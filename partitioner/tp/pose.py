@@ -23,7 +23,7 @@ from . import layers, shapes  # noqa: F401  (registers the built-in rules)
 from .choose import CopyCost, EdgeCost, ShardingProblem
 from .rules import SplitContext, Strategy, replicate, rule_for
 
-__all__ = ["Posed", "pose", "collective_s", "needs_grad", "tp_link", "value_bytes"]
+__all__ = ["Posed", "pose", "call_s", "collective_s", "conversion", "needs_grad", "tp_link", "value_bytes"]
 
 #: seconds per byte of parameter left whole: a tie-break towards sharding weights (memory)
 _MEMORY_TIE_S_PER_BYTE = 1e-15
@@ -64,12 +64,44 @@ def collective_s(kind: str, nbytes: float, tp: int, hardware: Hardware) -> float
     raise ValueError(kind)
 
 
+#: the collective each runtime.tp function runs forward, and the one its backward runs
+#: (the Megatron pairs, runtime/tp.py); the others (vocab_shard, first_rank) run none
+PAIRS: dict[str, tuple[str | None, str | None]] = {
+    "all_reduce": ("all_reduce", None),
+    "copy": (None, "all_reduce"),
+    "all_gather": ("all_gather", None),
+    "scatter": (None, "all_gather"),
+    "reduce_scatter": ("reduce_scatter", "all_gather"),
+}
+
+
+def call_s(function: str, nbytes: float, grad: bool, tp: int, hardware: Hardware) -> tuple[float, float]:
+    """(forward, backward) seconds of one call of `tp.<function>` on a value of `nbytes`
+    whole bytes; the backward's collective runs only when a gradient flows."""
+    forward, backward = PAIRS.get(function, (None, None))
+    return (collective_s(forward, nbytes, tp, hardware) if forward else 0.0,
+            collective_s(backward, nbytes, tp, hardware) if backward and grad else 0.0)
+
+
+def conversion(have: Layout, want: Layout) -> tuple[str, ...] | None:
+    """The tp.* calls that turn layout `have` into `want` (None: no conversion exists)."""
+    if have == want:
+        return ()
+    if want.partial:
+        return None  # a partial sum is made by a node, not by a conversion
+    if have.partial:
+        return ("all_reduce",) if want.replicated else ("reduce_scatter",)
+    if have.replicated:
+        return ("scatter",)
+    return ("all_gather",) if want.replicated else ("all_gather", "scatter")
+
+
 def value_bytes(node: torch.fx.Node) -> int:
     meta = node.meta.get("tensor_meta")
     shape = getattr(meta, "shape", None)
     if meta is None or shape is None:
         return 0
-    return math.prod(int(d) for d in shape) * torch.empty((), dtype=meta.dtype).element_size()
+    return math.prod(int(d) for d in shape) * meta.dtype.itemsize
 
 
 def needs_grad(node: torch.fx.Node) -> bool:
@@ -169,7 +201,7 @@ def _costs(nodes: list[torch.fx.Node], costs: dict[str, NodeCost], tp: int, hard
             if pairs:
                 node = by_name.get(variables[u])
                 nbytes = value_bytes(node) if node is not None else _param_bytes(nodes, variables[u])
-                copies.append(CopyCost(u, collective_s("all_reduce", nbytes, tp, hardware), tuple(pairs)))
+                copies.append(CopyCost(u, call_s("copy", nbytes, True, tp, hardware)[1], tuple(pairs)))
     return ShardingProblem(tuple(variables), tuple(cost_s), tuple(edges), tuple(_merge(copies)))
 
 
@@ -195,7 +227,7 @@ def _strategy_s(node: torch.fx.Node | None, s: Strategy, costs: dict[str, NodeCo
     cost = costs[name]
     seconds = cost.time_s / tp if s.sharded else cost.time_s
     if s.reduce:
-        seconds += collective_s("all_reduce", value_bytes(node), tp, hardware)
+        seconds += call_s("all_reduce", value_bytes(node), needs_grad(node), tp, hardware)[0]
     if s.output.partial:
         seconds += _PARTIAL_TIE_S
     return seconds + _MEMORY_TIE_S_PER_BYTE * cost.param_bytes / (tp if s.sharded else 1)
@@ -203,21 +235,10 @@ def _strategy_s(node: torch.fx.Node | None, s: Strategy, costs: dict[str, NodeCo
 
 def _convert_s(value: torch.fx.Node, have: Layout, want: Layout, tp: int, hardware: Hardware) -> float:
     """Seconds to turn `value` from layout `have` into `want` (forward and backward)."""
-    if have == want:
+    calls = conversion(have, want)
+    if calls == ():
         return 0.0
-    if value.op == "get_attr" or value.meta.get("tensor_meta") is None:
+    if calls is None or value.op == "get_attr" or value.meta.get("tensor_meta") is None:
         return math.inf  # parameters take one layout; tuples cannot be converted
-    nbytes = value_bytes(value)
-    grad = needs_grad(value)
-    if want.partial:
-        return math.inf  # a partial sum is made by a node, not by a conversion
-    if have.partial:  # all_reduce (backward: the gradient as is), or reduce_scatter (backward: all_gather)
-        if want.replicated:
-            return collective_s("all_reduce", nbytes, tp, hardware)
-        return collective_s("reduce_scatter", nbytes, tp, hardware) + (
-            collective_s("all_gather", nbytes, tp, hardware) if grad else 0.0)
-    if have.replicated:  # slice forward, all_gather the gradient backward
-        return collective_s("all_gather", nbytes, tp, hardware) if grad else 0.0
-    if want.replicated:  # all_gather forward, slice backward
-        return collective_s("all_gather", nbytes, tp, hardware)
-    return collective_s("all_gather", nbytes, tp, hardware) * (2 if grad else 1)
+    nbytes, grad = value_bytes(value), needs_grad(value)
+    return sum(sum(call_s(f, nbytes, grad, tp, hardware)) for f in calls)

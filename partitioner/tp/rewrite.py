@@ -24,7 +24,7 @@ import torch.fx
 from ..hardware import Hardware
 from ..ir import REPLICATED, Layout, NodeCost
 from .choose import ShardingReport
-from .pose import Posed, collective_s, needs_grad, value_bytes
+from .pose import PAIRS, Posed, call_s, needs_grad, value_bytes
 from .rules import Strategy, insert
 
 __all__ = ["Sharded", "rewrite"]
@@ -160,7 +160,7 @@ def _local_costs(gm: torch.fx.GraphModule, costs: dict[str, NodeCost], strategy_
     return out
 
 
-_KINDS = ("all_reduce", "copy", "all_gather", "scatter", "reduce_scatter", "vocab_shard", "first_rank")
+_KINDS = (*PAIRS, "vocab_shard", "first_rank")
 
 
 def _kind(node: torch.fx.Node, collectives: Any) -> str | None:
@@ -170,16 +170,11 @@ def _kind(node: torch.fx.Node, collectives: Any) -> str | None:
 
 
 def _collective_cost(node: torch.fx.Node, kind: str, tp: int, hardware: Hardware) -> NodeCost:
-    """Forward and backward seconds of one inserted collective (whole-tensor bytes)."""
+    """Forward and backward seconds of one inserted tp.* call (whole-tensor bytes: the
+    output of the calls that make a value whole, the input of those that shard one)."""
     source = node.all_input_nodes[0] if node.all_input_nodes else node
     whole = value_bytes(node) if kind in ("all_reduce", "copy", "all_gather") else value_bytes(source)
-    grad = needs_grad(source)
-    forward = {"all_reduce": collective_s("all_reduce", whole, tp, hardware),
-               "all_gather": collective_s("all_gather", whole, tp, hardware),
-               "reduce_scatter": collective_s("reduce_scatter", whole, tp, hardware)}.get(kind, 0.0)
-    backward = {"copy": collective_s("all_reduce", whole, tp, hardware) if grad else 0.0,
-                "scatter": collective_s("all_gather", whole, tp, hardware) if grad else 0.0,
-                "reduce_scatter": collective_s("all_gather", whole, tp, hardware) if grad else 0.0}.get(kind, 0.0)
+    forward, backward = call_s(kind, whole, needs_grad(source), tp, hardware)
     return NodeCost(node.name, forward_s=forward, backward_s=backward, output_bytes=value_bytes(node))
 
 
