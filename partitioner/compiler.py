@@ -188,9 +188,6 @@ def apply_tp(traced: Traced, costs: dict[str, NodeCost], tp: int, hardware: Hard
     if not sharded.rules:
         say(f"warning: --tp {tp} splits nothing (no width divides by {tp}, or on {hardware.name} every collective "
             f"costs more than the split saves): the {tp} ranks of each group repeat the same work; use --tp 1.")
-    for n in sharded.gm.graph.nodes:
-        if n.name in sharded.costs:
-            n.meta["cost"] = sharded.costs[n.name]
     return dataclasses.replace(traced, gm=sharded.gm, output_leaves=_local_leaves(traced, sharded.gm)), \
         sharded.costs, sharded
 

@@ -7,7 +7,8 @@ For the chosen strategy of every node, in graph order:
   2. pass an R input that the node reads for a partial gradient through `tp.copy`, once
      per value (see [Note: layouts and gradients] in rules.py);
   3. let the strategy rewrite the node (local shape arguments; a row split's all_reduce);
-  4. give the node its local shape (`tensor_meta`) and its cost on one rank.
+  4. give the node its local shape (`tensor_meta`) and, once all are written, its cost
+     on one rank (`node.meta["cost"]`, as cost.annotate writes it).
 The output is made whole (the loss reads it).  Parameters keep their names; the layout
 of each is returned, for the code generator to build shards and the runtime to load them.
 """
@@ -139,25 +140,28 @@ def _localize(node: torch.fx.Node, lay: Layout, tp: int) -> None:
 
 def _local_costs(gm: torch.fx.GraphModule, costs: dict[str, NodeCost], strategy_of: dict[str, Strategy], tp: int,
                  hardware: Hardware, collectives: Any) -> dict[str, NodeCost]:
+    """Each compute node's cost on one rank, also written to its `meta["cost"]`."""
     out: dict[str, NodeCost] = {}
     for n in gm.graph.nodes:
-        if n.op not in ("call_function", "call_method", "call_module"):
-            continue
-        kind = _kind(n, collectives)
-        if kind is not None:
-            out[n.name] = _collective_cost(n, kind, tp, hardware)
-            continue
-        origin, share = n.meta.get("tp_origin", (n.name, 1.0))
-        base = costs.get(origin)
-        s = strategy_of.get(origin)
-        if base is None or s is None:
-            out[n.name] = NodeCost(n.name, output_bytes=value_bytes(n))
-            continue
-        f = share / tp if s.sharded else share
-        out[n.name] = NodeCost(n.name, forward_s=base.forward_s * f, backward_s=base.backward_s * f,
-                               flops=int(base.flops * f), param_bytes=int(base.param_bytes * f),
-                               activation_bytes=int(base.activation_bytes * f), output_bytes=value_bytes(n))
+        if n.op in ("call_function", "call_method", "call_module"):
+            n.meta["cost"] = out[n.name] = _local_cost(n, costs, strategy_of, tp, hardware, collectives)
     return out
+
+
+def _local_cost(n: torch.fx.Node, costs: dict[str, NodeCost], strategy_of: dict[str, Strategy], tp: int,
+                hardware: Hardware, collectives: Any) -> NodeCost:
+    kind = _kind(n, collectives)
+    if kind is not None:
+        return _collective_cost(n, kind, tp, hardware)
+    origin, share = n.meta.get("tp_origin", (n.name, 1.0))
+    base = costs.get(origin)
+    s = strategy_of.get(origin)
+    if base is None or s is None:
+        return NodeCost(n.name, output_bytes=value_bytes(n))
+    f = share / tp if s.sharded else share
+    return NodeCost(n.name, forward_s=base.forward_s * f, backward_s=base.backward_s * f,
+                    flops=int(base.flops * f), param_bytes=int(base.param_bytes * f),
+                    activation_bytes=int(base.activation_bytes * f), output_bytes=value_bytes(n))
 
 
 _KINDS = (*PAIRS, "vocab_shard", "first_rank")
