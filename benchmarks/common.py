@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import platform
 import re
 import socket
+import tempfile
 import time
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
@@ -27,6 +30,26 @@ def load_package(directory: str | Path) -> Any:
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+@contextlib.contextmanager
+def profiled_here() -> Iterator[Path]:
+    """A temporary work folder with a private profile cache and torch on one thread: the
+    cpu profile (its gloo alpha-beta included) and the node costs are measured now,
+    under the conditions the ranks then run in (one thread each).  Both are restored after."""
+    old_cache, old_threads = os.environ.get("PARTITIONER_CACHE"), torch.get_num_threads()
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            work = Path(tmp)
+            os.environ["PARTITIONER_CACHE"] = str(work / "cache")
+            torch.set_num_threads(1)
+            yield work
+    finally:
+        torch.set_num_threads(old_threads)
+        if old_cache is None:
+            os.environ.pop("PARTITIONER_CACHE", None)
+        else:
+            os.environ["PARTITIONER_CACHE"] = old_cache
 
 
 def free_port() -> int:

@@ -20,14 +20,13 @@ import json
 import os
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from .common import barrier_timed, ROOT, free_port, save, spawn_ranks, table, update_readme
+from .common import ROOT, barrier_timed, free_port, profiled_here, save, spawn_ranks, table, update_readme
 
 MODEL = str(ROOT / "benchmarks" / "models" / "wide_mlp.py")
 DEADLINE_S = 1200.0
@@ -119,40 +118,29 @@ def main(argv: list[str] | None = None) -> int:
     warmup, steps = (2, 6) if ns.quick else (3, 24)
     rows: list[dict[str, Any]] = []
     verdicts = []
-    old_cache, old_threads = os.environ.get("PARTITIONER_CACHE"), torch.get_num_threads()
-    try:
-        with tempfile.TemporaryDirectory() as tmp:
-            work = Path(tmp)
-            os.environ["PARTITIONER_CACHE"] = str(work / "cache")  # profiled now, one thread, as ranks run
-            torch.set_num_threads(1)
-            for devices in (int(d) for d in ns.devices.split(",")):
-                chosen = _compile(work / f"chosen-{devices}", devices, None)
-                cases = []
-                for mesh in _meshes(devices):
-                    try:
-                        cases.append(_compile(work / f"mesh-{devices}-{'x'.join(map(str, mesh))}", devices, mesh))
-                    except Exception as exc:  # a mesh that does not fit or splits nothing
-                        print(f"mesh {mesh}: {str(exc).splitlines()[0][:120]}", file=sys.stderr)
-                print(f"{devices} devices: chosen pp={chosen['pp']} tp={chosen['tp']} dp={chosen['dp']}; "
-                      f"measuring {len(cases)} meshes", file=sys.stderr, flush=True)
-                measured = _run(devices, [c["dir"] for c in cases], warmup, steps, work)
-                fastest = min(m["median_ms"] for m in measured)
-                key = (chosen["pp"], chosen["tp"], chosen["dp"])
-                for case, got in zip(cases, measured):
-                    mine = (case["pp"], case["tp"], case["dp"]) == key
-                    rows.append({"devices": devices, "pp": case["pp"], "tp": case["tp"], "dp": case["dp"],
-                                 "microbatches": case["microbatches"], "chosen": "yes" if mine else "",
-                                 "predicted_ms": case["predicted_ms"], "measured_ms": got["median_ms"],
-                                 "spread_pct": got["spread_pct"], "vs_fastest": got["median_ms"] / fastest,
-                                 "tp_nodes_split": case["split"]})
-                mine_ms = next((r["measured_ms"] for r in rows if r["devices"] == devices and r["chosen"]), None)
-                verdicts.append((devices, None if mine_ms is None else mine_ms / fastest))
-    finally:
-        torch.set_num_threads(old_threads)
-        if old_cache is None:
-            os.environ.pop("PARTITIONER_CACHE", None)
-        else:
-            os.environ["PARTITIONER_CACHE"] = old_cache
+    with profiled_here() as work:  # profiled now, one thread, as the ranks run
+        for devices in (int(d) for d in ns.devices.split(",")):
+            chosen = _compile(work / f"chosen-{devices}", devices, None)
+            cases = []
+            for mesh in _meshes(devices):
+                try:
+                    cases.append(_compile(work / f"mesh-{devices}-{'x'.join(map(str, mesh))}", devices, mesh))
+                except Exception as exc:  # a mesh that does not fit or splits nothing
+                    print(f"mesh {mesh}: {str(exc).splitlines()[0][:120]}", file=sys.stderr)
+            print(f"{devices} devices: chosen pp={chosen['pp']} tp={chosen['tp']} dp={chosen['dp']}; "
+                  f"measuring {len(cases)} meshes", file=sys.stderr, flush=True)
+            measured = _run(devices, [c["dir"] for c in cases], warmup, steps, work)
+            fastest = min(m["median_ms"] for m in measured)
+            key = (chosen["pp"], chosen["tp"], chosen["dp"])
+            for case, got in zip(cases, measured):
+                mine = (case["pp"], case["tp"], case["dp"]) == key
+                rows.append({"devices": devices, "pp": case["pp"], "tp": case["tp"], "dp": case["dp"],
+                             "microbatches": case["microbatches"], "chosen": "yes" if mine else "",
+                             "predicted_ms": case["predicted_ms"], "measured_ms": got["median_ms"],
+                             "spread_pct": got["spread_pct"], "vs_fastest": got["median_ms"] / fastest,
+                             "tp_nodes_split": case["split"]})
+            mine_ms = next((r["measured_ms"] for r in rows if r["devices"] == devices and r["chosen"]), None)
+            verdicts.append((devices, None if mine_ms is None else mine_ms / fastest))
     text = table(rows, ["devices", "pp", "tp", "dp", "microbatches", "chosen", "predicted_ms", "measured_ms",
                         "spread_pct", "vs_fastest", "tp_nodes_split"])
     for devices, ratio in verdicts:

@@ -33,14 +33,13 @@ import json
 import os
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from .common import barrier_timed, free_port, save, spawn_ranks, table, update_readme
+from .common import barrier_timed, free_port, profiled_here, save, spawn_ranks, table, update_readme
 
 EXAMPLES = ("mlp", "gpt", "bert", "ncf", "skip", "hf_gpt2", "hf_bert")
 SCHEDULES = ("gpipe", "1f1b")
@@ -184,33 +183,19 @@ def main(argv: list[str] | None = None) -> int:
     warmup, steps = (2, 9) if ns.quick else (3, 31)
     examples = [e for e in ns.examples.split(",") if e]
     schedules = [s for s in ns.schedules.split(",") if s]
-    old_cache, old_threads = os.environ.get("PARTITIONER_CACHE"), torch.get_num_threads()
-    try:
-        with tempfile.TemporaryDirectory() as tmp:
-            work = Path(tmp)
-            # A private cache: the cpu profile (its gloo alpha-beta included) is measured now,
-            # under the conditions the steps then run in, as the node costs are (reprofile);
-            # one thread, as each rank runs with.
-            os.environ["PARTITIONER_CACHE"] = str(work / "cache")
-            torch.set_num_threads(1)
-            from partitioner.hardware import load_hardware
+    with profiled_here() as work:  # the cpu profile and node costs (reprofile) measured now, one thread
+        from partitioner.hardware import load_hardware
 
-            hw = load_hardware("cpu")
-            cases = []
-            for example in examples:
-                for schedule in schedules:
-                    cases.append(compile_case(example, schedule, work))
-                    print(f"compiled {example} {schedule}: predicted {cases[-1]['predicted_ms']:.2f} ms "
-                          f"({cases[-1]['compile_s']:.1f} s)", file=sys.stderr, flush=True)
-            load_before = os.getloadavg()[0]
-            measured = run_all([c["dir"] for c in cases], warmup, steps, work)
-            load = [load_before, os.getloadavg()[0]]
-    finally:
-        torch.set_num_threads(old_threads)
-        if old_cache is None:
-            os.environ.pop("PARTITIONER_CACHE", None)
-        else:
-            os.environ["PARTITIONER_CACHE"] = old_cache
+        hw = load_hardware("cpu")
+        cases = []
+        for example in examples:
+            for schedule in schedules:
+                cases.append(compile_case(example, schedule, work))
+                print(f"compiled {example} {schedule}: predicted {cases[-1]['predicted_ms']:.2f} ms "
+                      f"({cases[-1]['compile_s']:.1f} s)", file=sys.stderr, flush=True)
+        load_before = os.getloadavg()[0]
+        measured = run_all([c["dir"] for c in cases], warmup, steps, work)
+        load = [load_before, os.getloadavg()[0]]
     rows = []
     for case, got in zip(cases, measured):
         step = got["median_ms"] - got["barrier_ms"]
