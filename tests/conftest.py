@@ -10,6 +10,9 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
+#: a hardware profile whose links cost nothing: the tensor-parallel solver splits all it can
+#: (on a real profile the tiny examples stay whole), so the tests exercise every split
+FREE_LINKS = str(ROOT / "tests" / "profiles" / "free_links.json")
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -47,6 +50,23 @@ def compile_example(path: str, out: Path, **options: Any) -> Any:
     options.setdefault("quiet", True)
     options.setdefault("time_limit", 5.0)
     return compile_model(CompileOptions(model=path, out=str(out), **options))
+
+
+def train_pipeline(pipe: Any, path: str, steps: int, lr: float) -> list[float]:
+    """`pipe` (weights loaded) trained `steps` SGD steps on the model file's example batch:
+    the losses."""
+    from partitioner import model_file
+
+    mf = model_file.load(path)
+    args, kwargs = mf.example_inputs()
+    inputs, target = (kwargs if kwargs else args), mf.example_target()
+    opt = torch.optim.SGD(pipe.parameters(), lr=lr)
+    losses = []
+    for _ in range(steps):
+        opt.zero_grad()
+        losses.append(float(pipe.train_step(inputs, target)))
+        opt.step()
+    return losses
 
 
 def train_original(path: str, steps: int, lr: float) -> tuple[list[float], dict[str, Any]]:

@@ -14,13 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from .conftest import ROOT, compile_example
+from .conftest import FREE_LINKS as FREE, ROOT, compile_example
 from .runtime.test_distributed import _ok, launch
-
-
-#: links that cost nothing, so the tensor-parallel solver takes every split its rules allow
-#: (on a real profile these tiny models stay whole: tests/partitioner/test_tp.py)
-FREE = "tests/profiles/free_links.json"
 
 
 @pytest.mark.multiproc

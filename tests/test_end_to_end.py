@@ -15,7 +15,7 @@ import torch
 import runtime
 from partitioner import model_file
 
-from .conftest import compile_example, train_original
+from .conftest import compile_example, train_original, train_pipeline
 
 EXAMPLES = ["mlp", "gpt", "bert", "ncf", "skip", "hf_gpt2", "hf_bert"]
 STEPS, LR = 3, 0.05
@@ -31,16 +31,7 @@ def _partitioned(path: str, out: Path, **options: Any) -> tuple[list[float], dic
     mf = model_file.load(path)
     pipe = runtime.LocalPipeline(str(out))
     pipe.load_state_dict(mf.build(0).state_dict())
-    args, kwargs = mf.example_inputs()
-    inputs = kwargs if kwargs else args
-    target = mf.example_target()
-    opt = torch.optim.SGD(pipe.parameters(), lr=LR)
-    losses = []
-    for _ in range(STEPS):
-        opt.zero_grad()
-        losses.append(float(pipe.train_step(inputs, target)))
-        opt.step()
-    return losses, pipe.state_dict()
+    return train_pipeline(pipe, path, STEPS, LR), pipe.state_dict()
 
 
 @pytest.mark.parametrize("stages", [2, 3])

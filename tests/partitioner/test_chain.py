@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import math
 import random
-from pathlib import Path
 
 import pytest
 import torch
@@ -16,9 +15,8 @@ from partitioner.hardware import load_hardware
 from partitioner.tp import CopyCost, EdgeCost, ShardingProblem, brute_force, choose, objective, pose
 from partitioner.tp import chain
 
+from ..conftest import FREE_LINKS as FREE
 from .test_tp import _mlp_graph, _random_problem
-
-FREE = str(Path(__file__).resolve().parents[1] / "profiles" / "free_links.json")
 
 
 def _layered_problem(rng: random.Random, layers: int) -> ShardingProblem:

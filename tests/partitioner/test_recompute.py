@@ -20,8 +20,6 @@ from partitioner.tp import collective_s
 from ..conftest import compile_example
 from .test_solve import CHAIN, DIAMOND, MiB, _random_problem, brute_force, problem
 
-FREE = str(Path(__file__).resolve().parents[1] / "profiles" / "free_links.json")
-
 
 def test_recompute_keeps_inputs_per_microbatch_and_one_microbatch_of_activations() -> None:
     assert stage_memory_bytes(100, 10, inflight=3, optimizer_factor=2) == 100 * 4 + 10 * 3

@@ -23,9 +23,7 @@ from partitioner.tp import (CopyCost, EdgeCost, ShardingProblem, SplitContext, b
                             shard, split_rule)
 from partitioner.tp.shapes import view_map
 
-from ..conftest import compile_example
-
-FREE = "tests/profiles/free_links.json"
+from ..conftest import FREE_LINKS as FREE, compile_example
 
 
 # -- layouts and views --------------------------------------------------------------------

@@ -21,12 +21,11 @@ from partitioner import model_file
 from runtime import package, tp
 from runtime.errors import PeerError, PipelineError
 
-from ..conftest import compile_example
+from ..conftest import FREE_LINKS as FREE, compile_example
 from . import tp_checks
 from .tp_package import write_tp_package
 
 RTOL, ATOL = 1e-5, 1e-6
-FREE = "tests/profiles/free_links.json"  # links that cost nothing: the solver splits what it can
 
 
 def in_lanes(n: int, fn: Callable[[int, int], Any], timeout_s: float = 20.0) -> list[Any]:

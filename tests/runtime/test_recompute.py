@@ -12,22 +12,9 @@ import torch
 import runtime
 from partitioner import model_file
 
-from ..conftest import compile_example, train_original
+from ..conftest import FREE_LINKS as FREE, compile_example, train_original, train_pipeline
 
 STEPS, LR = 3, 0.05
-FREE = str(Path(__file__).resolve().parents[1] / "profiles" / "free_links.json")
-
-
-def _train(pipe: Any, mf: model_file.ModelFile, steps: int = STEPS) -> list[float]:
-    args, kwargs = mf.example_inputs()
-    inputs, target = (kwargs if kwargs else args), mf.example_target()
-    opt = torch.optim.SGD(pipe.parameters(), lr=LR)
-    losses = []
-    for _ in range(steps):
-        opt.zero_grad()
-        losses.append(float(pipe.train_step(inputs, target)))
-        opt.step()
-    return losses
 
 
 @pytest.mark.parametrize("example, options", [
@@ -46,7 +33,7 @@ def test_recomputed_training_matches_the_original(example: str, options: dict[st
     if "tp" in options:
         assert pipe.manifest["tensor_parallel"]["rules"], "the free links split the model"
     pipe.load_state_dict(mf.build(0).state_dict())
-    got_losses = _train(pipe, mf)
+    got_losses = train_pipeline(pipe, example, STEPS, LR)
     torch.testing.assert_close(torch.tensor(got_losses), torch.tensor(want_losses), rtol=1e-5, atol=1e-6)
     got = pipe.state_dict()
     for name in want:
@@ -63,7 +50,7 @@ def test_each_stage_runs_its_forward_again_in_backward(tmp_path: Path) -> None:
             r.module.register_forward_pre_hook(lambda *_a, k=k: calls.__setitem__(k, calls[k] + 1))
         mf = model_file.load("examples/gpt.py")
         pipe.load_state_dict(mf.build(0).state_dict())
-        _train(pipe, mf, steps=1)
+        train_pipeline(pipe, "examples/gpt.py", 1, LR)
         args, _ = mf.example_inputs()
         with torch.no_grad():
             pipe(args)  # forward only: never recomputed
