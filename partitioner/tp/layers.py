@@ -96,13 +96,12 @@ def _bias_once(node: torch.fx.Node, strategy: Strategy, tp: int) -> None:
     """A partial sum gets the bias once: on the group's first rank (`tp.first_rank`)."""
     tpc = _collectives()
     at = 0 if node.target is aten.addmm.default else 2
-    if at < len(node.args):
-        bias = node.args[at]
-        once = _add(node, tpc.first_rank, (bias,), "bias", bias)  # type: ignore[arg-type]
+    positional = at < len(node.args)
+    bias = node.args[at] if positional else node.kwargs["bias"]
+    once = _add(node, tpc.first_rank, (bias,), "bias", bias)  # type: ignore[arg-type]
+    if positional:
         node.args = (*node.args[:at], once, *node.args[at + 1:])
     else:
-        bias = node.kwargs["bias"]
-        once = _add(node, tpc.first_rank, (bias,), "bias", bias)  # type: ignore[arg-type]
         node.kwargs = {**node.kwargs, "bias": once}
 
 

@@ -97,7 +97,7 @@ def _converted(a: torch.fx.Node, have: Layout, want: Layout, reader: torch.fx.No
     if have.partial and not want.replicated:
         return _once(made, (a.name, want), lambda: insert(
             reader, collectives.reduce_scatter, (a, want.dim), f"{a.name}_shard",
-            _local_meta(a.meta.get("tensor_meta"), want, tp), kwargs={"blocks": want.blocks} if want.blocks > 1 else None))
+            _local_meta(a.meta.get("tensor_meta"), want, tp), kwargs=_blocks(want)))
     if have.partial:
         return _once(made, (a.name, REPLICATED), lambda: insert(
             reader, collectives.all_reduce, (a,), f"{a.name}_sum", a.meta.get("tensor_meta")))
@@ -105,13 +105,18 @@ def _converted(a: torch.fx.Node, have: Layout, want: Layout, reader: torch.fx.No
     if not have.replicated:
         whole = _once(made, (a.name, REPLICATED), lambda: insert(
             reader, collectives.all_gather, (a, have.dim), f"{a.name}_whole", a.meta.get("tensor_meta"),
-            kwargs={"blocks": have.blocks} if have.blocks > 1 else None))
+            kwargs=_blocks(have)))
         whole.meta["tensor_meta"] = _global_meta(a, have, tp)
     if want.replicated:
         return whole
     return _once(made, (a.name, want), lambda: insert(
         reader, collectives.scatter, (whole, want.dim), f"{a.name}_shard",
-        _local_meta(whole.meta.get("tensor_meta"), want, tp), kwargs={"blocks": want.blocks} if want.blocks > 1 else None))
+        _local_meta(whole.meta.get("tensor_meta"), want, tp), kwargs=_blocks(want)))
+
+
+def _blocks(layout: Layout) -> dict[str, int] | None:
+    """The `blocks=` keyword of a tp.* call, written only when it is not 1."""
+    return {"blocks": layout.blocks} if layout.blocks > 1 else None
 
 
 def _global_meta(a: torch.fx.Node, have: Layout, tp: int) -> Any:
