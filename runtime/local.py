@@ -103,7 +103,7 @@ class LocalPipeline:
         for lane in self.lanes:
             for r in lane.runners:
                 tensors = package.stage_tensors(r.module, r.entry, lane.index)
-                package.load_stage_state(tensors, state_dict, self.manifest, lane.index)
+                package.load_stage_state(tensors, state_dict, self.manifest)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The full original state_dict (original names and alias keys), reassembled."""

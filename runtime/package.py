@@ -104,7 +104,7 @@ def _check_fields(m: dict[str, Any], file: Path) -> None:
     copies: dict[str, set[str]] = {}
     for stage in m["stages"]:
         for spec in stage["parameters"]:
-            copies.setdefault(spec.get("source_name"), set()).add(json.dumps([spec.get("shape"), _layout(spec, 0)]))
+            copies.setdefault(spec.get("source_name"), set()).add(json.dumps([spec.get("shape"), _layout(_resolve(spec, 0))]))
     odd = sorted(str(n) for n, layouts in copies.items() if len(layouts) > 1)
     need(not odd, f"the copies of tied parameter(s) {', '.join(odd)} differ in shape or shard")
     m.setdefault("virtual_stages", 1)
@@ -190,11 +190,16 @@ def stage_tensors(module: torch.nn.Module, entry: dict[str, Any],
         if not isinstance(tensor, torch.Tensor):
             raise ManifestError(f"stage {entry['index']} ({entry['class']}) has no tensor attribute {spec['name']!r} "
                                 f"for {spec['source_name']}: compile the model again.")
-        shard = spec.get("shard")
-        if shard is not None and shard.get("index") == "tp":
-            spec = {**spec, "shard": {**shard, "index": tp_rank}}
-        out.append((spec, tensor))
+        out.append((_resolve(spec, tp_rank), tensor))
     return out
+
+
+def _resolve(spec: dict[str, Any], tp_rank: int) -> dict[str, Any]:
+    """`spec`, or a copy whose shard index "tp" is `tp_rank` ([Note: shards])."""
+    shard = spec.get("shard")
+    if shard is not None and shard.get("index") == "tp":
+        return {**spec, "shard": {**shard, "index": tp_rank}}
+    return spec
 
 
 def _expected_keys(manifest: dict[str, Any]) -> dict[str, list[str]]:
@@ -225,15 +230,14 @@ def check_state_dict(state_dict: Mapping[str, Any], manifest: dict[str, Any]) ->
                              f"model's state_dict (build_model().state_dict()), or load_state_dict(sd, strict=False).")
 
 
-def _layout(spec: dict[str, Any], tp_rank: int | None) -> tuple[int, int, int, int]:
-    """(dim, index, count, blocks) of a parameter's shard ([Note: shards]); count 1: whole."""
+def _layout(spec: dict[str, Any]) -> tuple[int, int, int, int]:
+    """(dim, index, count, blocks) of a parameter's shard ([Note: shards]); count 1: whole.
+    The index must be resolved already (`stage_tensors`)."""
     shard = spec.get("shard") or {}
     count, blocks = int(shard.get("count") or 1), int(shard.get("blocks") or 1)
     if count == 1:
         return 0, 0, 1, 1
     index = shard.get("index", 0)
-    if index == "tp" and tp_rank is not None:
-        index = tp_rank
     if not isinstance(index, int) or not isinstance(shard.get("dim"), int):
         raise ManifestError(f"{spec['source_name']} ({spec['name']}) has shard {shard}, which needs an integer 'dim' "
                             f"and an 'index' (an integer, or \"tp\" resolved by stage_tensors(..., tp_rank)): "
@@ -242,9 +246,10 @@ def _layout(spec: dict[str, Any], tp_rank: int | None) -> tuple[int, int, int, i
 
 
 def load_stage_state(tensors: list[tuple[dict[str, Any], torch.Tensor]], state_dict: Mapping[str, Any],
-                     manifest: dict[str, Any], tp_rank: int = 0) -> None:
-    """Copy each stage tensor's value (its shard when `shard.count` > 1, index "tp" being
-    `tp_rank`) from the original state_dict; keys absent from `state_dict` are left as they are."""
+                     manifest: dict[str, Any]) -> None:
+    """Copy each stage tensor's value (its shard when `shard.count` > 1) from the original
+    state_dict; `tensors` as `stage_tensors` gives them (the shard index resolved); keys
+    absent from `state_dict` are left as they are."""
     keys = _expected_keys(manifest)
     with torch.no_grad():
         for spec, tensor in tensors:
@@ -252,7 +257,7 @@ def load_stage_state(tensors: list[tuple[dict[str, Any], torch.Tensor]], state_d
             if name is None:
                 continue
             value = torch.as_tensor(state_dict[name])
-            dim, index, count, blocks = _layout(spec, tp_rank)
+            dim, index, count, blocks = _layout(spec)
             full = list(tensor.shape)
             if count > 1:
                 full[dim] *= count
@@ -274,7 +279,7 @@ def assemble_state_dict(pieces: Iterable[tuple[dict[str, Any], torch.Tensor]], m
     shards: dict[str, dict[int, torch.Tensor]] = {}
     layouts: dict[str, tuple[int, int, int, int]] = {}
     for spec, tensor in pieces:
-        layout = _layout(spec, None)
+        layout = _layout(spec)
         shards.setdefault(spec["source_name"], {}).setdefault(layout[1], tensor.detach())
         layouts[spec["source_name"]] = layout
     out: dict[str, torch.Tensor] = {}
