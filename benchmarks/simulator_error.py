@@ -79,8 +79,8 @@ def compile_case(example: str, schedule: str, work: Path) -> dict[str, Any]:
 
 def replay_ms(case: dict[str, Any], measured: dict[str, float], hw: Any) -> float | None:
     """The simulator fed with the stage times the runtime really took (traced F and B
-    medians, the loss included) and the profile's links, send cost, final all-reduce and
-    message model: what is left of the error is the simulator's structure, not the node
+    medians, the loss included) and the profile's links, post costs and final all-reduce:
+    what is left of the error is the simulator's structure, not the node
     costs."""
     from partitioner.simulate import simulate
 
@@ -93,8 +93,8 @@ def replay_ms(case: dict[str, Any], measured: dict[str, float], hw: Any) -> floa
     alpha, beta = hw.p2p_alpha_s, hw.p2p_beta_s_per_byte
     links = {(a, b): alpha + nbytes * beta for a, b, nbytes in case["edges"]}
     final = hw.allreduce_latency_s or alpha
-    return 1e3 * simulate(fwd, bwd, links, case["schedule"], n, case["microbatches"], send_s=alpha, final_s=final,
-                          moves_when_waiting=not hw.overlaps_comm).step_time_s
+    return 1e3 * simulate(fwd, bwd, links, case["schedule"], n, case["microbatches"], send_s=hw.send_post_s,
+                          recv_s=hw.p2p_recv_post_s, final_s=final).step_time_s
 
 
 # -- run -----------------------------------------------------------------------------------
@@ -180,7 +180,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--schedules", default=",".join(SCHEDULES))
     parser.add_argument("--no-readme", action="store_true", help="do not rewrite the README block")
     ns = parser.parse_args(argv)
-    warmup, steps = (2, 9) if ns.quick else (3, 31)
+    warmup, steps = (2, 9) if ns.quick else (3, 61)
     examples = [e for e in ns.examples.split(",") if e]
     schedules = [s for s in ns.schedules.split(",") if s]
     with profiled_here() as work:  # the cpu profile and node costs (reprofile) measured now, one thread

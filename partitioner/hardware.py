@@ -58,6 +58,10 @@ class Hardware:
     #: collectives run beside compute (NCCL on its own stream); not on the CPU, where
     #: gloo's threads take the cores the ranks compute on
     overlaps_comm: bool = True
+    #: what posting one pipeline send / receive costs the rank that posts it, on average
+    #: (0: a send costs the link's alpha, a receive nothing); see `_loaded_exchange`
+    p2p_send_post_s: float = 0.0
+    p2p_recv_post_s: float = 0.0
     sources: tuple[str, ...] = field(default_factory=tuple)
 
     @property
@@ -67,6 +71,11 @@ class Hardware:
     @property
     def p2p_beta_s_per_byte(self) -> float:
         return 1.0 / self.intra_node_bandwidth if self.intra_node_bandwidth > 0 else 0.0
+
+    @property
+    def send_post_s(self) -> float:
+        """What posting one pipeline send costs its sender."""
+        return self.p2p_send_post_s or self.p2p_alpha_s
 
     def ring_link(self, across_nodes: bool = False) -> tuple[float, float]:
         """(alpha s, beta s/byte) of one step of a ring collective: the inter-node link when
@@ -142,7 +151,7 @@ def _this_machine() -> str:
 
 
 #: bump when the measurement changes, so profiles cached by older code are measured again
-_CPU_PROFILE_VERSION = 4
+_CPU_PROFILE_VERSION = 5
 
 
 def _cpu() -> Hardware:
@@ -179,6 +188,7 @@ def _measure_cpu() -> Hardware:
     bandwidth = 5 * 2 * big.numel() * 4 / (time.perf_counter() - start)
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     link = _measure_gloo()
+    send_post = recv_post = 0.0
     if link is None:
         # gloo over loopback TCP: typical latency and bandwidth on a small VM
         p2p_alpha, p2p_bw, ar_alpha, ar_bw = _DEFAULT_ALPHA_S, _DEFAULT_BANDWIDTH, 0.0, 0.0
@@ -186,15 +196,24 @@ def _measure_cpu() -> Hardware:
                 f"{_DEFAULT_BANDWIDTH / 1e9:g} GB/s): the two-process measurement failed")
     else:
         (p2p_alpha, p2p_beta), (ar_alpha, ar_beta) = link.late, link.allreduce
-        # a fit whose latency clamped to 0 (below the timer's reach) keeps a 1 us floor
-        p2p_alpha, p2p_bw = float(f"{max(p2p_alpha, 1e-6):.3g}"), float(f"{1 / p2p_beta:.3g}")
         ar_alpha, ar_bw = float(f"{max(ar_alpha, 1e-6):.3g}"), float(f"{1 / ar_beta:.3g}")
         note = (f"measured: gloo between 2 processes on 127.0.0.1, {_SIZES[0] >> 10} KiB..."
                 f"{_SIZES[-1] >> 20} MiB, alpha + n * beta by least squares on relative error: "
                 f"p2p as the runtime posts it (receive after send) {p2p_alpha * 1e6:.3g} us + n / "
-                f"{p2p_bw / 1e9:.3g} GB/s (classic ping-pong {link.eager[0] * 1e6:.3g} us + n / "
+                f"{1e-9 / p2p_beta:.3g} GB/s (classic ping-pong {link.eager[0] * 1e6:.3g} us + n / "
                 f"{1e-9 / link.eager[1]:.3g} GB/s); 2-rank all-reduce {ar_alpha * 1e6:.3g} us + n / "
                 f"{ar_bw / 1e9:.3g} GB/s")
+        if link.loaded is not None:
+            # the pipeline's messages are paid as they are under load (see _loaded_exchange)
+            send_post, recv_post, wait = link.loaded
+            p2p_alpha = max(wait - _LOADED_BYTES * p2p_beta, 0.0)
+            send_post, recv_post = float(f"{send_post:.3g}"), float(f"{recv_post:.3g}")
+            note += (f"; under a 2-rank 1F1B exchange with {_LOADED_BURST_S * 1e3:g} ms of compute between "
+                     f"messages: posting a send {send_post * 1e6:.3g} us, a receive {recv_post * 1e6:.3g} us, "
+                     f"the message once both are posted {wait * 1e6:.3g} us (means, stalls included): the "
+                     f"pipeline link's alpha")
+        # a fit whose latency clamped to 0 (below the timer's reach) keeps a 1 us floor
+        p2p_alpha, p2p_bw = float(f"{max(p2p_alpha, 1e-6):.3g}"), float(f"{1 / p2p_beta:.3g}")
     return Hardware(
         name="cpu",
         description=f"this machine's CPU ({os.cpu_count()} cores), measured",
@@ -207,6 +226,8 @@ def _measure_cpu() -> Hardware:
         allreduce_latency_s=ar_alpha,
         allreduce_bandwidth=ar_bw,
         overlaps_comm=False,
+        p2p_send_post_s=send_post,
+        p2p_recv_post_s=recv_post,
         efficiency=1.0,
         sources=("measured: 512x512 float32 matmul, 32 MiB copy, sysconf physical pages", note),
     )
@@ -222,13 +243,20 @@ _POST_LATE_S = 0.5e-3  # a late receiver posts this long after its peer posted t
 _TIMEOUT_S = 10.0  # the whole measurement; each wait has its own smaller timeout
 
 
+_LOADED_BYTES = 4 << 10  # one message of the loaded exchange
+_LOADED_BURST_S = 0.5e-3  # compute between its messages, about an example stage's
+_LOADED_STEPS = (3, 60)  # warm-up and timed steps of 4 microbatches
+
+
 @dataclass(frozen=True)
 class _Links:
-    """Least-squares (alpha s, beta s/byte) of three patterns between two gloo processes."""
+    """Least-squares (alpha s, beta s/byte) of three patterns between two gloo processes,
+    and the means of a loaded exchange."""
 
     eager: tuple[float, float]  # classic ping-pong: the receive is posted before the send
     late: tuple[float, float]  # the runtime's pattern: the receive is posted after the send
     allreduce: tuple[float, float]  # 2-rank all-reduce of an n-byte float32 buffer
+    loaded: tuple[float, float, float] | None = None  # send post, receive post, message (s)
 
 
 def _measure_gloo(timeout_s: float = _TIMEOUT_S) -> _Links | None:
@@ -269,10 +297,11 @@ def _measure_gloo(timeout_s: float = _TIMEOUT_S) -> _Links | None:
         timings = _gloo_rank(store, 0, timeout_s)
         if not mine.poll(max(0.1, deadline - time.monotonic())) or mine.recv() != "ok":
             return None
-        fits = [_fit(_SIZES, timings[k]) for k in ("eager", "late", "allreduce")]
-        if any(f is None for f in fits):
+        eager, late, allreduce = (_fit(_SIZES, timings[k]) for k in ("eager", "late", "allreduce"))
+        if eager is None or late is None or allreduce is None:
             return None
-        return _Links(*fits)  # type: ignore[arg-type]
+        loaded = timings["loaded"]
+        return _Links(eager, late, allreduce, (loaded[0], loaded[1], loaded[2]) if len(loaded) == 3 else None)
     except Exception:
         return None
     finally:
@@ -344,8 +373,88 @@ def _gloo_rank(store: Any, rank: int, timeout_s: float) -> dict[str, list[float]
             if i:
                 samples.append(time.perf_counter() - start)
         out["allreduce"].append(_typical(samples))
+    out["loaded"] = _loaded_exchange(pg, store, rank, wait)
     pg.barrier().wait(wait)
     return out
+
+
+def _loaded_exchange(pg: Any, store: Any, rank: int, wait: timedelta) -> list[float]:
+    """Rank 0: the mean seconds of posting a send, posting a receive, and a message from the
+    moment both sides have posted it to its arrival, in a 2-stage 1F1B schedule lowered as
+    the runtime lowers it, with `_LOADED_BURST_S` of matmuls for every forward and
+    backward (so both cores compute while the messages move); rank 1: [].
+
+    [Note: messages on a busy CPU]
+        With 2 ranks on 2 cores, gloo's I/O threads have no core of their own.  Most
+        messages still cost tens of microseconds, but some wait for a scheduler tick
+        (CONFIG_HZ=250 and no kernel preemption on this project's machines: up to 4 ms,
+        with ~0 CPU time spent): a send or a receive blocks while its pair's lock is held
+        by an I/O thread queued behind a computing thread, and a payload waits for its
+        sender's I/O thread to run.  On our 2-core VM, 5-7% of posts and messages
+        stalled, 1-5 ms each, often two opposite sends posted at the same moment.  A step
+        pays every stall on its critical path, so the means (stalls included) are what
+        the simulator charges per message, not the typical (median) message.
+
+    Events are wall-clock (time.time_ns, one clock for both processes of this machine);
+    rank 1 hands its events to rank 0 through the store."""
+    from runtime.schedule import StageGraph, lower, make_schedule
+
+    peer = 1 - rank
+    plan = lower(make_schedule("1f1b", 2, 4), StageGraph.chain(2))[rank]
+    a = torch.randn(128, 128)
+    start = time.perf_counter()
+    for _ in range(20):
+        a @ a
+    burst = max(1, round(_LOADED_BURST_S / ((time.perf_counter() - start) / 20)))
+    payload = torch.zeros(_LOADED_BYTES, dtype=torch.uint8)
+    warmup, timed = _LOADED_STEPS
+    events: list[tuple[str, int, int, int]] = []  # (action, start, posted, done) in ns
+    for step in range(warmup + timed):
+        pg.barrier().wait(wait)
+        sends, log = [], []
+        for act in plan:
+            begin = time.time_ns()
+            if act.kind in ("F", "B"):
+                for _ in range(burst):
+                    a @ a
+                continue
+            tag = 2 * act.microbatch + act.kind.endswith("_B")
+            if act.kind.startswith("SEND"):
+                sends.append(pg.send([payload], peer, tag))
+                log.append((repr(act), begin, time.time_ns(), 0))
+            else:
+                work = pg.recv([torch.empty_like(payload)], peer, tag)
+                posted = time.time_ns()
+                work.wait(wait)
+                log.append((repr(act), begin, posted, time.time_ns()))
+        for work in sends:
+            work.wait(wait)
+        if step >= warmup:
+            events += log
+    if rank == 1:
+        store.set("loaded-exchange", json.dumps(events))
+        return []
+    theirs = json.loads(store.get("loaded-exchange"))
+    send_posted = {}  # (kind, microbatch, n-th step) -> when the peer's send was posted
+    counts: dict[str, int] = {}
+    for name, _, posted, _ in theirs + events:
+        if "SEND" in name:
+            counts[name] = counts.get(name, 0) + 1
+            send_posted[(name, counts[name])] = posted
+    sends = [(posted - begin) / 1e9 for name, begin, posted, _ in theirs + events if "SEND" in name]
+    receives, messages = [], []
+    counts = {}
+    for name, begin, posted, done in theirs + events:
+        if "RECV" not in name:
+            continue
+        receives.append((posted - begin) / 1e9)
+        # "1RECV_F2<0" receives what "0SEND_F2>1" sent
+        stage, rest = name.split("RECV_", 1)
+        kind, source = rest.split("<")
+        send = f"{source}SEND_{kind}>{stage}"
+        counts[send] = counts.get(send, 0) + 1
+        messages.append(max(0.0, (done - max(posted, send_posted[(send, counts[send])])) / 1e9))
+    return [statistics.fmean(sends), statistics.fmean(receives), statistics.fmean(messages)]
 
 
 def _typical(samples: list[float]) -> float:

@@ -21,7 +21,7 @@ from .ir import NodeCost, Plan
 from .roofline import BACKWARD_FLOP_FACTOR, mfu, ring_allreduce_s
 from .simulate import Simulation, simulate
 
-__all__ = ["pipeline_link", "predict", "simulate_plan"]
+__all__ = ["pipeline_link", "pipeline_posts", "predict", "simulate_plan"]
 
 
 def predict(gm: torch.fx.GraphModule, plan: Plan, costs: dict[str, NodeCost], hardware: Hardware,
@@ -49,7 +49,7 @@ def predict(gm: torch.fx.GraphModule, plan: Plan, costs: dict[str, NodeCost], ha
 
 def simulate_plan(gm: torch.fx.GraphModule, plan: Plan, costs: dict[str, NodeCost], hardware: Hardware) -> Simulation:
     """The step as the schedule will run it: stage compute and the loss, one message per stage
-    pair (alpha paid by the sender too), the loss all-reduce, and the data-parallel all-reduce
+    pair (and what posting it costs both ends), the loss all-reduce, and the data-parallel all-reduce
     of each stage's gradients where the backward cannot hide it."""
     stage_of = plan.stage_of()
     forward = [sum(costs[n].forward_s for n in s.nodes) for s in plan.stages]
@@ -75,8 +75,9 @@ def simulate_plan(gm: torch.fx.GraphModule, plan: Plan, costs: dict[str, NodeCos
             max(stream, statistics.median(costs[n.name].backward_s for n in nodes)) if nodes else stream)
     # The step ends with the all-reduce of the 0-dim loss over every rank: its latency.
     final = (hardware.allreduce_latency_s or hardware.p2p_alpha_s) if plan.pp * plan.tp * plan.dp > 1 else 0.0
+    send, receive = pipeline_posts(hardware, plan.pp, plan.tp)
     sim = simulate(forward, backward, links, plan.schedule, plan.pp, plan.microbatches, plan.virtual_stages,
-                   send_s=alpha, loss_s=loss, final_s=final, moves_when_waiting=not hardware.overlaps_comm)
+                   send_s=send, recv_s=receive, loss_s=loss, final_s=final)
     if plan.dp == 1:
         return sim
     # Gradients are all-reduced in buckets during the last microbatch's backward: what the
@@ -94,6 +95,15 @@ def pipeline_link(hardware: Hardware, pp: int, tp: int) -> tuple[float, float]:
     ranks are neighbours in rank order, so the pipeline leaves a node once pp x tp ranks
     outgrow it."""
     return _link(hardware, across_nodes=pp * tp > hardware.devices_per_node)
+
+
+def pipeline_posts(hardware: Hardware, pp: int, tp: int) -> tuple[float, float]:
+    """What posting one pipeline send and one receive costs the rank that posts it: the
+    profile's measured costs inside a node (`Hardware.p2p_send_post_s`, on the CPU), else
+    the link's latency for a send and nothing for a receive."""
+    if pp * tp > hardware.devices_per_node and hardware.inter_node_bandwidth > 0:
+        return hardware.inter_node_latency_s, 0.0
+    return hardware.send_post_s, hardware.p2p_recv_post_s
 
 
 def _link(hardware: Hardware, across_nodes: bool) -> tuple[float, float]:

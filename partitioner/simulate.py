@@ -9,22 +9,17 @@ them and sends posted right after the compute that made them.  The model:
 - compute: F or B of stage s takes forward_s[s] or backward_s[s]; the last stage's also
   takes the loss's forward or backward (`loss_s`);
 - receive (rendezvous): gloo moves a message only once both sides have posted it, and
-  the receiver waits in it, so a receive posted at r for a send posted at p ends at
+  the receiver waits in it, so a receive posted by r for a send posted by p ends at
   max(p, r) + links[(a, b)] (alpha + bytes * beta), not at p + message;
 - send: posting one costs the sender `send_s` seconds on its own timeline (about the
   link's alpha), after the compute and before its next action;
+- receive: posting one costs the receiver `recv_s` before it waits;
 - end of step: after the last action of every rank, the loss all-reduce (`final_s`,
   about the all-reduce latency for a 0-dim tensor) runs on all ranks together, so the
   step is max over ranks of their last action's end, plus final_s.
 
-[Note: messages on a busy CPU]
-    With gloo on a CPU whose cores the ranks' compute fills (2 ranks, 2 cores), a message
-    does not move while its sender computes: gloo's own thread gets a core only when the
-    sender's main thread blocks.  Traces show it (a receive ends right after its sender
-    posts its next receive, not after alpha + n beta).  With `moves_when_waiting` a
-    message is released when its sender next posts a receive, or ends its step, and the
-    receiver takes it from then on; profiles whose collectives overlap compute (NCCL on
-    GPUs: `overlaps_comm`) keep the plain model.
+On the CPU the three message costs are means measured under a loaded 1F1B exchange
+(`hardware._loaded_exchange`), stalls included: see [Note: messages on a busy CPU] there.
 
 Stages on the same rank (interleaved) hand values over for free.  The result is the step's
 makespan, each rank's compute, and each stage's peak number of microbatches in flight
@@ -64,15 +59,14 @@ def simulate(
     *,
     send_s: float = 0.0,
     loss_s: tuple[float, float] = (0.0, 0.0),
+    recv_s: float = 0.0,
     final_s: float = 0.0,
-    moves_when_waiting: bool = False,
 ) -> Simulation:
     """Simulate one step; `links[(a, b)]` (a < b) is the seconds of one message from stage
-    a to stage b, which is also what its gradient takes back.  `send_s` is what posting one
-    send costs its sender, `loss_s` the loss's (forward, backward) per microbatch on the
-    last stage, `final_s` the collective that ends the step (the loss all-reduce).
-    `moves_when_waiting`: a message leaves its sender only once the sender waits (posts its
-    next receive, or ends its step), see [Note: messages on a busy CPU]."""
+    a to stage b, which is also what its gradient takes back.  `send_s` and `recv_s` are
+    what posting one send or receive costs the rank that posts it, `loss_s` the loss's
+    (forward, backward) per microbatch on the last stage, `final_s` the collective that
+    ends the step (the loss all-reduce)."""
     stages = len(forward_s)
     last = stages - 1
     plan = make_schedule(schedule, pp, microbatches, virtual)
@@ -88,13 +82,6 @@ def simulate(
 
     done: dict[tuple[Any, ...], float] = {}  # (kind, stage, mb): compute end
     posted: dict[tuple[Any, ...], float] = {}  # (kind, stage, mb, peer): send posted
-    released: dict[tuple[Any, ...], float] = {}  # the same key: when the message may move
-    pending: list[list[tuple[Any, ...]]] = [[] for _ in range(pp)]  # sends not yet released
-
-    def release(rank: int) -> None:
-        for key in pending[rank]:
-            released[key] = free[rank]
-        pending[rank].clear()
 
     free = [0.0] * pp
     cursor = [0] * pp
@@ -115,37 +102,28 @@ def simulate(
                     needs = [(("F", a.stage, a.microbatch), a.stage, 0.0)]
                     needs += [(("B", c, a.microbatch), c, links[(a.stage, c)]) for c in consumers[a.stage]]
                     peers = producers[a.stage]
-                local = [(done, key, 0.0) if peer % pp == rank else (released, key + (a.stage,), message)
+                local = [(done, key, 0.0) if peer % pp == rank else (posted, key + (a.stage,), message)
                          for key, peer, message in needs]
-                if any(peer % pp != rank for _, peer, _ in needs):
-                    release(rank)  # it posts a receive and waits: its own sends may move
                 if any(key not in table for table, key, _ in local):
                     break
-                t = free[rank]
+                t = free[rank] + recv_s * sum(table is posted for table, _, _ in local)
                 for table, key, message in local:
-                    # a local value is there when made; a receive, posted at t, waits for
-                    # the send (and its release) and then takes the message
+                    # a local value is there when made; a receive, posted by t, waits for
+                    # the send to be posted and then takes the message
                     t = max(t, table[key]) + message
                 t += duration(a.kind, a.stage)
                 busy[rank] += duration(a.kind, a.stage)
                 done[(a.kind, a.stage, a.microbatch)] = t
                 for peer in peers:
                     if peer % pp != rank:
-                        key = (a.kind, a.stage, a.microbatch, peer)
-                        posted[key] = t
-                        if moves_when_waiting:
-                            pending[rank].append(key)
-                        else:
-                            released[key] = t
                         t += send_s
+                        posted[(a.kind, a.stage, a.microbatch, peer)] = t
                 free[rank] = t
                 inflight[a.stage] += 1 if a.kind == "F" else -1
                 peak[a.stage] = max(peak[a.stage], inflight[a.stage])
                 cursor[rank] += 1
                 remaining -= 1
                 progressed = True
-            if cursor[rank] == len(actions):
-                release(rank)  # the step's end: it waits in the loss all-reduce
         if not progressed:
             raise ValueError(f"the {schedule} schedule deadlocks in simulation")
     return Simulation(max(free) + final_s, tuple(busy), tuple(peak))

@@ -43,10 +43,11 @@ def test_a_receive_waits_for_both_sides_then_takes_the_message() -> None:
 
 
 def test_a_send_costs_its_sender() -> None:
-    """Free links but each send costs its sender 0.25: 2 stages, F 1, B 2, M = 1.  0F0 ends
-    at 1, its send to 1.25; 1F0 1..2, 1B0 2..4 and its send 4..4.25; 0B0 4..6."""
+    """Free links but each send costs its sender 0.25, and its message leaves once posted:
+    2 stages, F 1, B 2, M = 1.  0F0 ends at 1, its send is posted by 1.25; 1F0 1.25..2.25,
+    1B0 2.25..4.25 and its send by 4.5; 0B0 4.5..6.5."""
     sim = simulate([1.0, 1.0], [2.0, 2.0], {(0, 1): 0.0}, "1f1b", 2, 1, send_s=0.25)
-    assert sim.step_time_s == pytest.approx(6.0)
+    assert sim.step_time_s == pytest.approx(6.5)
     sim = simulate([1.0, 1.0], [2.0, 2.0], {(0, 1): 0.0}, "1f1b", 2, 2, send_s=0.25)
     free = simulate([1.0, 1.0], [2.0, 2.0], {(0, 1): 0.0}, "1f1b", 2, 2)
     assert sim.step_time_s > free.step_time_s
@@ -115,15 +116,17 @@ def test_the_data_parallel_all_reduce_hides_behind_backward_only_where_comm_over
     assert 0 < exposed - overlapped <= whole * (1 + 1e-9)  # at most the whole all-reduce was hidden
 
 
-def test_on_a_busy_cpu_a_message_moves_once_its_sender_waits() -> None:
-    """GPipe, 2 stages, 2 microbatches, F = B = 1 s, messages 0.5 s.
+def test_a_receive_costs_its_receiver() -> None:
+    """GPipe, 2 stages, 2 microbatches, F = B = 1 s, messages 0.5 s, posting a receive 0.25 s.
 
-        plain:              0F0 0F1 .......... 0B0 0B1          rank 1 takes F0 at 1.5
-                                1F0 . 1F1 1B0 1B1               and ends at 8.0
-        moves when waiting: F0 and F1 leave rank 0 when it waits for B0 (t = 2);
-                            B0 and B1 leave rank 1 when its step ends (t = 7):
-                            rank 0 runs B0 at 7.5 and B1 at 9, ending at 10.0
+        rank 0: 0F0 0..1, 0F1 1..2; posts the receive of B0 by 2.25
+        rank 1: posts F0's by 0.25, takes it 1..1.5, 1F0 1.5..2.5; F1's posted by 2.75,
+                taken (sent at 2) by 3.25, 1F1 ..4.25; 1B0 ..5.25, 1B1 ..6.25
+        rank 0: B0 (sent at 5.25) arrives 5.75, 0B0 ..6.75; B1's posted by 7, arrives
+                6.75 vs 7: 7.5, 0B1 ..8.5 (without the receive's cost: 8.0)
     """
     links = {(0, 1): 0.5}
     assert simulate([1, 1], [1, 1], links, "gpipe", 2, 2).step_time_s == pytest.approx(8.0)
-    assert simulate([1, 1], [1, 1], links, "gpipe", 2, 2, moves_when_waiting=True).step_time_s == pytest.approx(10.0)
+    sim = simulate([1, 1], [1, 1], links, "gpipe", 2, 2, recv_s=0.25)
+    assert sim.step_time_s == pytest.approx(8.5)
+    assert sim.busy_s == (4.0, 4.0)  # posts are not compute
