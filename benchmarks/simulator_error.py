@@ -9,13 +9,19 @@ warm-up steps, with a barrier before and after each step.  The cost of an empty 
 (the two barriers alone) is measured the same way and subtracted, so the figure is the
 step, not the harness.
 
-The workers are spawned once and run every package in turn, so the processes' start-up
-(importing torch, transformers) is paid once.  Next to the step, each rank records the
-median forward and backward of its own stage per microbatch (one traced step after the
-timed ones), so a large error can be traced to compute or to communication.  Columns:
+The workers are spawned once, so the processes' start-up (importing torch, transformers)
+is paid once, and run the packages in rounds (STEPS_PER_ROUND steps of each in turn): on
+a shared VM the cost of a message drifts over seconds, and rounds let every package meet
+the same slow and fast spells.  After the timed steps the workers measure the messages'
+costs again, as the cpu profile did before (`hardware._loaded_exchange`), to show that
+drift.  Next to the step, each rank records the median forward and backward of its own
+stage per microbatch (TRACED_STEPS traced steps after the timed ones), so a large error
+can be traced to compute or to communication.  Columns:
 
 - `error_pct`: (predicted - measured) / measured;
 - `spread_pct`: the interquartile range of the timed steps over their median (the noise);
+- `halves_pct`: how far apart the medians of the even and the odd rounds are, over the
+  median (how well one run pins the step down: the error cannot be trusted below it);
 - `compute_x`: the stages' forward+backward per microbatch as the runtime ran them
   (traced; the last stage's loss included) over the profile's prediction;
 - `replay_error_pct`: the simulator fed with those measured stage times and the profile's
@@ -45,6 +51,8 @@ EXAMPLES = ("mlp", "gpt", "bert", "ncf", "skip", "hf_gpt2", "hf_bert")
 SCHEDULES = ("gpipe", "1f1b")
 WORLD = 2
 DEADLINE_S = 900.0  # the workers, all packages together: killed after this
+STEPS_PER_ROUND = 8  # timed steps of one package before the next one's
+TRACED_STEPS = 4  # traced steps per package for the stage times
 
 
 # -- compile -------------------------------------------------------------------------------
@@ -100,74 +108,88 @@ def replay_ms(case: dict[str, Any], measured: dict[str, float], hw: Any) -> floa
 # -- run -----------------------------------------------------------------------------------
 
 
-def _worker(rank: int, port: int, dirs: list[str], warmup: int, steps: int, out: str) -> None:
+def _worker(rank: int, port: int, store_port: int, dirs: list[str], warmup: int, steps: int, out: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(WORLD),
                       LOCAL_RANK=str(rank), PIPELINE_TIMEOUT_S="60")
     torch.set_num_threads(1)
     import torch.distributed as dist
     from datetime import timedelta
 
+    from partitioner.hardware import _loaded_exchange
+
     dist.init_process_group("gloo", rank=rank, world_size=WORLD, timeout=timedelta(seconds=60))
-    results = [_measure(rank, d, warmup, steps, Path(out).with_suffix(f".{i}.trace.json")) for i, d in enumerate(dirs)]
+    runs = [_Run(rank, d) for d in dirs]
+    for run in runs:
+        for _ in range(warmup):
+            run.step()
+    empty = [barrier_timed(lambda: None) for _ in range(max(steps, 10))]
+    rounds = max(1, steps // STEPS_PER_ROUND)
+    for _ in range(rounds):  # in rounds: every package meets the machine's slow and fast spells alike
+        for run in runs:
+            for _ in range(STEPS_PER_ROUND):
+                run.samples.append(run.step())
+    store = dist.TCPStore("127.0.0.1", store_port, WORLD, rank == 0, timedelta(seconds=60))
+    group: Any = dist.group.WORLD
+    link = _loaded_exchange(group, store, rank, timedelta(seconds=60))  # the messages' costs now
+    results = [run.traced(Path(out).with_suffix(f".{i}.trace.json")) for i, run in enumerate(runs)]
     if rank == 0:
-        Path(out).write_text(json.dumps(results))
+        Path(out).write_text(json.dumps({"runs": results, "barrier_ms": 1e3 * statistics.median(empty),
+                                         "link_us": [1e6 * x for x in link]}))
     dist.barrier()
     dist.destroy_process_group()
 
 
-def _measure(rank: int, directory: str, warmup: int, steps: int, trace: Path) -> dict[str, Any]:
-    """Median step of one package on this rank (and, on rank 0, the traced stage times of both)."""
+class _Run:
+    """One package on this rank: its pipeline, inputs and timed steps."""
 
-    import runtime
-    from runtime import package
+    def __init__(self, rank: int, directory: str) -> None:
+        import runtime
+        from runtime import package
 
-    pipe = runtime.DistributedPipeline(directory)
-    source = pipe.manifest["source"]
-    model_file = package.load_model_file(pipe.manifest, directory)
-    torch.manual_seed(int(source.get("seed", 0)))
-    model = getattr(model_file, source.get("entry", "build_model"))()
-    pipe.load_state_dict(model.state_dict())
-    del model
-    inputs, target = model_file.example_inputs(), model_file.example_target()
-    params = pipe.parameters()
+        self.rank, self.directory = rank, directory
+        self.pipe = runtime.DistributedPipeline(directory)
+        source = self.pipe.manifest["source"]
+        model_file = package.load_model_file(self.pipe.manifest, directory)
+        torch.manual_seed(int(source.get("seed", 0)))
+        model = getattr(model_file, source.get("entry", "build_model"))()
+        self.pipe.load_state_dict(model.state_dict())
+        self.inputs, self.target = model_file.example_inputs(), model_file.example_target()
+        self.params = self.pipe.parameters()
+        self.samples: list[float] = []
 
-    def step() -> None:
-        pipe.train_step(inputs, target)
-
-    empty = statistics.median(barrier_timed(lambda: None) for _ in range(max(steps, 10)))
-    samples = []
-    for k in range(warmup + steps):
-        for p in params:  # as optimizer.zero_grad(set_to_none=True) leaves them
+    def step(self) -> float:
+        """Seconds of one train_step between barriers, gradients cleared first."""
+        for p in self.params:  # as optimizer.zero_grad(set_to_none=True) leaves them
             p.grad = None
-        t = barrier_timed(step)
-        if k >= warmup:
-            samples.append(t)
-    first = samples[0]
-    # one traced step for the stage times (the tracer's gather would distort the timed ones)
-    traced = runtime.DistributedPipeline(directory, trace=str(trace))
-    traced.load_state_dict(dict(pipe.state_dict()))
-    for _ in range(2):
-        traced.train_step(inputs, target)
-    stage_ms: dict[str, float] = {}
-    if rank == 0:
-        events = [e for e in json.loads(trace.read_text())["traceEvents"] if e.get("ph") == "X" and e["args"]["step"] == 1]
-        for kind in ("F", "B"):
-            for s in sorted({e["tid"] for e in events}):
-                durs = [e["dur"] / 1e3 for e in events if e["cat"] == kind and e["tid"] == s]
-                if durs:
-                    stage_ms[f"{kind}{s}"] = statistics.median(durs)
-        recv = [e["dur"] / 1e3 for e in events if e["cat"].startswith("RECV")]
-        stage_ms["recv_total"] = sum(recv)
-        stage_ms["recv_count"] = len(recv)
-    return {"samples_ms": [1e3 * s for s in samples], "median_ms": 1e3 * statistics.median(samples),
-            "barrier_ms": 1e3 * empty, "first_ms": 1e3 * first, "stage_ms": stage_ms}
+        return barrier_timed(lambda: self.pipe.train_step(self.inputs, self.target))
+
+    def traced(self, trace: Path) -> dict[str, Any]:
+        """The timed steps, and (rank 0) the median forward and backward of each stage per
+        microbatch over TRACED_STEPS traced steps, run by a second pipeline (the tracer's
+        gather would distort the timed ones)."""
+        import runtime
+
+        traced = runtime.DistributedPipeline(self.directory, trace=str(trace))
+        traced.load_state_dict(dict(self.pipe.state_dict()))
+        for _ in range(TRACED_STEPS + 1):
+            traced.train_step(self.inputs, self.target)
+        stage_ms: dict[str, float] = {}
+        if self.rank == 0:
+            events = [e for e in json.loads(trace.read_text())["traceEvents"] if e.get("ph") == "X" and e["args"]["step"] >= 1]
+            for kind in ("F", "B"):
+                for s in sorted({e["tid"] for e in events}):
+                    durs = [e["dur"] / 1e3 for e in events if e["cat"] == kind and e["tid"] == s]
+                    if durs:
+                        stage_ms[f"{kind}{s}"] = statistics.median(durs)
+        return {"samples_ms": [1e3 * s for s in self.samples], "median_ms": 1e3 * statistics.median(self.samples),
+                "stage_ms": stage_ms}
 
 
-def run_all(dirs: list[str], warmup: int, steps: int, work: Path) -> list[dict[str, Any]]:
-    """Spawn the 2 ranks once; every package in turn; killed at the deadline."""
+def run_all(dirs: list[str], warmup: int, steps: int, work: Path) -> dict[str, Any]:
+    """Spawn the 2 ranks once; every package in rounds; killed at the deadline."""
     out = work / "times.json"
-    spawn_ranks(_worker, WORLD, (free_port(), dirs, warmup, steps, str(out)), DEADLINE_S)
-    return list(json.loads(out.read_text()))
+    spawn_ranks(_worker, WORLD, (free_port(), free_port(), dirs, warmup, steps, str(out)), DEADLINE_S)
+    return dict(json.loads(out.read_text()))
 
 
 # -- report --------------------------------------------------------------------------------
@@ -180,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--schedules", default=",".join(SCHEDULES))
     parser.add_argument("--no-readme", action="store_true", help="do not rewrite the README block")
     ns = parser.parse_args(argv)
-    warmup, steps = (2, 9) if ns.quick else (3, 61)
+    warmup, steps = (2, 2 * STEPS_PER_ROUND) if ns.quick else (3, 8 * STEPS_PER_ROUND)
     examples = [e for e in ns.examples.split(",") if e]
     schedules = [s for s in ns.schedules.split(",") if s]
     with profiled_here() as work:  # the cpu profile and node costs (reprofile) measured now, one thread
@@ -197,11 +219,14 @@ def main(argv: list[str] | None = None) -> int:
         measured = run_all([c["dir"] for c in cases], warmup, steps, work)
         load = [load_before, os.getloadavg()[0]]
     rows = []
-    for case, got in zip(cases, measured):
-        step = got["median_ms"] - got["barrier_ms"]
+    barrier_ms = measured["barrier_ms"]
+    for case, got in zip(cases, measured["runs"]):
+        step = got["median_ms"] - barrier_ms
         replay = replay_ms(case, got["stage_ms"], hw)
         ordered = sorted(got["samples_ms"])
         q1, q3 = ordered[len(ordered) // 4], ordered[(3 * len(ordered)) // 4]
+        rounds = [got["samples_ms"][i:i + STEPS_PER_ROUND] for i in range(0, len(got["samples_ms"]), STEPS_PER_ROUND)]
+        halves = [statistics.median([t for r in rounds[k::2] for t in r]) for k in (0, 1)] if len(rounds) > 1 else None
         n = len(case["stages"])
         traced = [got["stage_ms"].get(f"{kind}{k}") for kind in "FB" for k in range(n)]
         compute_x = (sum(traced) / sum(st["forward_ms"] + st["backward_ms"] for st in case["stages"])
@@ -210,26 +235,37 @@ def main(argv: list[str] | None = None) -> int:
                      "predicted_ms": case["predicted_ms"], "measured_ms": step,
                      "error_pct": 100.0 * (case["predicted_ms"] - step) / step,
                      "spread_pct": 100.0 * (q3 - q1) / step,
+                     "halves_pct": None if halves is None else 100.0 * abs(halves[0] - halves[1]) / step,
                      "replay_ms": replay, "replay_error_pct": None if replay is None else 100.0 * (replay - step) / step,
                      "compute_x": compute_x,
-                     "raw_median_ms": got["median_ms"], "barrier_ms": got["barrier_ms"], "first_ms": got["first_ms"],
+                     "raw_median_ms": got["median_ms"], "barrier_ms": barrier_ms,
                      "samples_ms": got["samples_ms"],
                      "stage_ms": {"predicted": case["stages"], "measured": got["stage_ms"]}})
     mean_abs = statistics.fmean(abs(r["error_pct"]) for r in rows) if rows else 0.0
+    halves = [r["halves_pct"] for r in rows if r["halves_pct"] is not None]
+    mean_halves = statistics.fmean(halves) if halves else float("nan")
     text = table(rows, ["example", "schedule", "predicted_ms", "measured_ms", "error_pct", "spread_pct",
-                        "compute_x", "replay_error_pct"])
+                        "halves_pct", "compute_x", "replay_error_pct"])
     replays = [abs(r["replay_error_pct"]) for r in rows if r["replay_error_pct"] is not None]
     mean_replay = statistics.fmean(replays) if replays else float("nan")
+    send_us, recv_us, message_us = measured["link_us"]
     text += (f"\n\nMean absolute error of the prediction: **{mean_abs:.1f}%** over {len(rows)} runs; of the "
-             f"simulator replaying the stage times the runtime measured: {mean_replay:.1f}%. Measured: median of "
-             f"{steps} steps after {warmup} warm-up, barrier cost subtracted; cpu profile: gloo p2p "
-             f"{hw.p2p_alpha_s * 1e6:.0f} us + n / {hw.intra_node_bandwidth / 1e9:.2f} GB/s; load average "
-             f"{load[0]:.1f} on {os.cpu_count()} CPUs.")
+             f"simulator replaying the stage times the runtime measured: {mean_replay:.1f}%; between the two halves "
+             f"of the measurement: {mean_halves:.1f}%. Measured: median of "
+             f"{steps} steps per package after {warmup} warm-up, in rounds of {STEPS_PER_ROUND} (every package in "
+             f"turn), barrier cost subtracted; load average {load[0]:.1f} on {os.cpu_count()} CPUs. "
+             f"Pipeline messages under load (posting a send / a receive / the message), as the cpu profile "
+             f"measured them before the run: {hw.send_post_s * 1e6:.0f} / {hw.p2p_recv_post_s * 1e6:.0f} / "
+             f"{hw.p2p_alpha_s * 1e6:.0f} us; measured again by the workers after the timed steps: "
+             f"{send_us:.0f} / {recv_us:.0f} / {message_us:.0f} us.")
     print(text)
-    save("simulator_error", rows, mean_abs_error_pct=mean_abs, mean_abs_replay_error_pct=mean_replay, steps=steps,
+    save("simulator_error", rows, mean_abs_error_pct=mean_abs, mean_abs_replay_error_pct=mean_replay,
+         mean_halves_pct=mean_halves, steps=steps,
          warmup=warmup,
          load_average=load, cpus=os.cpu_count(),
+         link_after_us=measured["link_us"],
          hardware={"p2p_alpha_s": hw.p2p_alpha_s, "p2p_bandwidth": hw.intra_node_bandwidth,
+                   "p2p_send_post_s": hw.p2p_send_post_s, "p2p_recv_post_s": hw.p2p_recv_post_s,
                    "allreduce_alpha_s": hw.allreduce_latency_s, "allreduce_bandwidth": hw.allreduce_bandwidth,
                    "peak_flops": hw.peak_flops, "sources": list(hw.sources)})
     if not ns.no_readme:

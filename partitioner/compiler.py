@@ -20,7 +20,7 @@ import torch.fx
 import torch.utils._pytree as pytree
 
 from . import cache, model_file
-from .cost import PROFILE_VERSION, annotate, compute_nodes, storage_key
+from .cost import PROFILE_VERSION, annotate, calibrate_stages, compute_nodes, storage_key
 from .errors import PlanError
 from .hardware import Hardware, load_hardware
 from .ir import NodeCost, PartitionProblem, Plan, SolverReport, StagePlan
@@ -72,6 +72,7 @@ class Prepared:
     whole: tuple[Traced, dict[str, NodeCost]] | None = None
     sharded: Sharded | None = None
     coarse: Coarse | None = None  # the blocks `problem` was posed from
+    values: dict[torch.fx.Node, Any] | None = None  # one microbatch's value of every node (tp = 1)
 
 
 @dataclass
@@ -159,7 +160,7 @@ def prepare(opts: CompileOptions, say: Callable[[str], None] = lambda _m: None, 
     problem = pose(coarse, pp * virtual, microbatches, hardware, opts)
     phase("coarsen")
     return Prepared(opts, mf, model, traced, costs, hardware, problem, coarse.blocks, batch, rows, args, kwargs,
-                    pp, virtual, microbatches, timings, whole, sharded, coarse)
+                    pp, virtual, microbatches, timings, whole, sharded, coarse, values if sharded is None else None)
 
 
 def _trace(src: Source, margs: tuple[Any, ...], mkwargs: dict[str, Any], opts: CompileOptions, rows: int,
@@ -217,12 +218,40 @@ def _emit(p: Prepared, plan: Plan, extra: dict[str, Any] | None = None) -> Compi
     from codegen import emit
 
     start = time.perf_counter()
-    info = _package_info(p.opts, p.mf, p.model, p.traced, p.batch, p.args, p.kwargs, p.rows, plan, p.costs, p.hardware,
+    costs = _stage_costs(p, plan)
+    info = _package_info(p.opts, p.mf, p.model, p.traced, p.batch, p.args, p.kwargs, p.rows, plan, costs, p.hardware,
                          p.sharded, model_flops(p))
     info.predicted.update(extra or {})
     manifest = emit(p.opts.out, p.traced.gm, plan, info)
     p.timings["emit"] = time.perf_counter() - start
-    return Compiled(manifest, plan, p.traced, p.costs, dict(p.timings))
+    return Compiled(manifest, plan, p.traced, costs, dict(p.timings))
+
+
+def _stage_costs(p: Prepared, plan: Plan) -> dict[str, NodeCost]:
+    """The node costs the prediction uses: where costs are measured and stages wait for
+    messages on the cores they compute on (the cpu profile), calibrated stage by stage as
+    a rank runs them (`cost.calibrate_stages`), cached per plan so that compiles on one
+    machine stay byte-identical; else the costs as they are."""
+    wait = _wait_s(p.hardware)
+    if p.opts.analytic or not wait or p.values is None or plan.num_stages < 2 or plan.recompute:
+        return p.costs
+    stage_of = plan.stage_of()
+    key = "stages-" + hashlib.sha256(json.dumps(
+        [PROFILE_VERSION, p.traced.gm.code, sorted(stage_of.items()), wait, p.opts.repeats, torch.__version__,
+         torch.get_num_threads(), sorted((n, asdict(c)) for n, c in p.costs.items())]).encode()).hexdigest()[:32]
+    cached = None if p.opts.reprofile else cache.get(key)
+    if isinstance(cached, dict) and set(cached) == set(p.costs):
+        return {name: NodeCost(**c) for name, c in cached.items()}
+    costs = calibrate_stages(p.traced.gm, p.values, p.costs, stage_of, p.opts.repeats, wait)
+    cache.put(key, {name: asdict(c) for name, c in costs.items()})
+    return costs
+
+
+def _wait_s(hardware: Hardware) -> float:
+    """How long a stage idles before a forward or backward, as the profile is measured:
+    a message's wait where compute and communication share the cores (cost.py, [Note:
+    compute after a wait]), else 0 (GPUs: NCCL on its own streams)."""
+    return 0.0 if hardware.overlaps_comm else hardware.message_wait_s
 
 
 def assign_nodes(prepared: Prepared, stage_of: dict[str, int]) -> Compiled:
@@ -271,9 +300,11 @@ def _is_meta(model: torch.nn.Module) -> bool:
 def _costs(gm: torch.fx.GraphModule, values: dict[torch.fx.Node, Any], hardware: Hardware,
            opts: CompileOptions, say: Callable[[str], None]) -> dict[str, NodeCost]:
     measure = not opts.analytic
+    wait = _wait_s(hardware)
     key = "profile-" + hashlib.sha256(
         json.dumps([PROFILE_VERSION, gm.code, [str(n.meta.get("tensor_meta")) for n in gm.graph.nodes],
-                    hardware.name, measure, opts.repeats, torch.__version__, torch.get_num_threads()]).encode()
+                    hardware.name, measure, opts.repeats, torch.__version__, torch.get_num_threads(),
+                    wait]).encode()
     ).hexdigest()[:32]
     cached = None if (opts.reprofile or not measure) else cache.get(key)
     nodes = compute_nodes(gm)
@@ -284,7 +315,7 @@ def _costs(gm: torch.fx.GraphModule, values: dict[torch.fx.Node, Any], hardware:
         say(f"costs: {len(costs)} nodes from the profile cache (--reprofile to measure again)")
         return costs
     say(f"costs: {'profiling' if measure else 'estimating'} {len(nodes)} nodes on {hardware.name}")
-    costs = annotate(gm, values, hardware, measure, opts.repeats, _progress(opts, len(nodes)))
+    costs = annotate(gm, values, hardware, measure, opts.repeats, _progress(opts, len(nodes)), wait)
     if measure:
         cache.put(key, {name: asdict(c) for name, c in costs.items()})
     return costs

@@ -34,11 +34,12 @@ from .hardware import Hardware
 from .ir import NodeCost
 from .roofline import BACKWARD_FLOP_FACTOR, roofline_s
 
-__all__ = ["PROFILE_VERSION", "annotate", "compute_nodes", "param_names", "storage_key"]
+__all__ = ["PROFILE_VERSION", "annotate", "calibrate_stages", "compute_nodes", "param_names", "storage_key"]
 
 #: what a measured profile means; part of a profile cache key, so that profiles measured
-#: by older code (forward under no_grad, no whole-graph calibration) are measured again
-PROFILE_VERSION = 3
+#: by older code (forward under no_grad, no whole-graph calibration, calibration without
+#: the wait before each pass) are measured again
+PROFILE_VERSION = 4
 
 #: the most per-op overhead (dispatch, autograd bookkeeping) calibration adds to one node
 OP_OVERHEAD_S = 25e-6
@@ -60,8 +61,11 @@ def annotate(
     measure: bool,
     repeats: int = 5,
     progress: Callable[[Iterable[torch.fx.Node]], Iterable[torch.fx.Node]] = iter,
+    wait_s: float = 0.0,
 ) -> dict[str, NodeCost]:
-    """Write `node.meta["cost"]` on every compute node; return the costs by node name."""
+    """Write `node.meta["cost"]` on every compute node; return the costs by node name.
+    `wait_s`: how long a pipeline stage idles before each forward and backward (waiting
+    for its input), which the calibration reproduces; see [Note: compute after a wait]."""
     params = {name: p for name, p in gm.named_parameters(remove_duplicate=False)}
     param_storages = {storage_key(p) for p in params.values()}
     costs: dict[str, NodeCost] = {}
@@ -96,7 +100,7 @@ def annotate(
         node.meta["cost"] = cost
         costs[node.name] = cost
     if measure:
-        costs = _calibrate(gm, values, costs, repeats)
+        costs = _calibrate(gm, values, costs, repeats, wait_s)
         for node in compute_nodes(gm):
             node.meta["cost"] = costs[node.name]
     return costs
@@ -239,11 +243,12 @@ def _backward_overhead(repeats: int) -> float:
 
 
 def _calibrate(gm: torch.fx.GraphModule, values: dict[torch.fx.Node, Any], costs: dict[str, NodeCost],
-               repeats: int) -> dict[str, NodeCost]:
+               repeats: int, wait_s: float = 0.0) -> dict[str, NodeCost]:
     """Node times made to add up to the whole graph's.
 
     The graph is run as a stage runs it: one forward (autograd recording) and one
-    backward from every output that needs a gradient, parameters' `.grad` accumulated;
+    backward from every output that needs a gradient, parameters' `.grad` accumulated,
+    each after idling `wait_s` as a stage waits for its input (see below);
     median of 3 x `repeats` (at least 15).  Where the whole takes longer than the sum of its
     nodes alone, the difference is partly per-op overhead that isolation cannot see (the
     generated code's dispatch, the engine's bookkeeping, AccumulateGrad), added to every
@@ -270,14 +275,20 @@ def _calibrate(gm: torch.fx.GraphModule, values: dict[torch.fx.Node, Any], costs
     try:
         forwards, backwards = [], []
         for i in range(max(3 * repeats, 15) + 1):  # the whole graph is cheap: more samples, less noise
+            if wait_s:
+                time.sleep(wait_s)
             start = time.perf_counter()
             outs = forward()
-            middle = time.perf_counter()
+            forwarded = time.perf_counter() - start
+            grads = [torch.ones_like(t) for t in outs]
+            if wait_s:
+                time.sleep(wait_s)
+            start = time.perf_counter()
             if outs:
-                torch.autograd.backward(outs, [torch.ones_like(t) for t in outs])
+                torch.autograd.backward(outs, grads)
             if i:  # the first is a warm-up
-                forwards.append(middle - start)
-                backwards.append(time.perf_counter() - middle if outs else 0.0)
+                forwards.append(forwarded)
+                backwards.append(time.perf_counter() - start if outs else 0.0)
         fwd, bwd = statistics.median(forwards), statistics.median(backwards)
     except Exception:  # in-place ops on inputs, and whatever else only the whole graph meets
         return costs
@@ -301,6 +312,55 @@ def _calibrate(gm: torch.fx.GraphModule, values: dict[torch.fx.Node, Any], costs
             t = getattr(out[name], attr)
             out[name] = dataclasses.replace(out[name], **{attr: t * scale + share})
     return out
+
+
+def calibrate_stages(gm: torch.fx.GraphModule, values: dict[torch.fx.Node, Any], costs: dict[str, NodeCost],
+                     stage_of: dict[str, int], repeats: int, wait_s: float) -> dict[str, NodeCost]:
+    """Node times made to add up to each stage's, run as a rank runs it.
+
+    `_calibrate` on each stage's own graph: its inputs from other stages become leaves
+    (as `runtime.stage.as_leaf` makes them), its outputs are what other stages read, and
+    each forward and backward follows a `wait_s` idle, as a pipeline rank's do.  A stage
+    costs more than its share of the whole graph's time: it starts autograd's engine on
+    its own, and it pays the slow start after a wait once per stage, not once per model
+    ([Note: compute after a wait]).  The plan is not changed, only its predicted times.
+    """
+    out = dict(costs)
+    for stage in sorted(set(stage_of.values())):
+        names = {name for name, s in stage_of.items() if s == stage}
+        sub, sub_values = _stage_graph(gm, values, names)
+        out = _calibrate(sub, sub_values, out, repeats, wait_s)
+    return out
+
+
+def _stage_graph(gm: torch.fx.GraphModule, values: dict[torch.fx.Node, Any],
+                 names: set[str]) -> tuple[torch.fx.GraphModule, dict[torch.fx.Node, Any]]:
+    """The graph of the compute nodes `names` (same node names), a placeholder per value
+    they read from outside, and every value another stage (or the output) reads as its
+    outputs; with the example values of its nodes, inputs as fresh leaves."""
+    graph = torch.fx.Graph()
+    env: dict[torch.fx.Node, torch.fx.Node] = {}
+    sub_values: dict[torch.fx.Node, Any] = {}
+    members = [n for n in gm.graph.nodes if n.name in names]
+    for node in members:  # a value made outside the stage arrives as an input
+        for x in node.all_input_nodes:
+            if x not in env and x.name not in names and x.op != "get_attr":
+                env[x] = graph.placeholder(x.name)
+                value = values.get(x)
+                if isinstance(value, torch.Tensor) and value.is_floating_point():
+                    value = value.detach().requires_grad_(value.requires_grad)
+                sub_values[env[x]] = value
+
+    def read(x: torch.fx.Node) -> torch.fx.Node:
+        if x not in env:  # a parameter or buffer
+            env[x] = graph.node_copy(x)
+        return env[x]
+
+    for node in members:
+        env[node] = graph.node_copy(node, read)
+        sub_values[env[node]] = values.get(node)
+    graph.output(tuple(env[n] for n in members if any(u.name not in names for u in n.users)))
+    return torch.fx.GraphModule(gm, graph), sub_values
 
 
 def _plain(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:

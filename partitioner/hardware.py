@@ -73,6 +73,12 @@ class Hardware:
         return 1.0 / self.intra_node_bandwidth if self.intra_node_bandwidth > 0 else 0.0
 
     @property
+    def message_wait_s(self) -> float:
+        """How long a pipeline stage idles waiting for one message: posting the receive,
+        the peer posting its send, and the message."""
+        return self.p2p_recv_post_s + self.send_post_s + self.p2p_alpha_s
+
+    @property
     def send_post_s(self) -> float:
         """What posting one pipeline send costs its sender."""
         return self.p2p_send_post_s or self.p2p_alpha_s
@@ -245,7 +251,7 @@ _TIMEOUT_S = 10.0  # the whole measurement; each wait has its own smaller timeou
 
 _LOADED_BYTES = 4 << 10  # one message of the loaded exchange
 _LOADED_BURST_S = 0.5e-3  # compute between its messages, about an example stage's
-_LOADED_STEPS = (3, 60)  # warm-up and timed steps of 4 microbatches
+_LOADED_STEPS = (3, 150)  # warm-up and timed steps of 4 microbatches (~1.5 s)
 
 
 @dataclass(frozen=True)
@@ -381,8 +387,8 @@ def _gloo_rank(store: Any, rank: int, timeout_s: float) -> dict[str, list[float]
 def _loaded_exchange(pg: Any, store: Any, rank: int, wait: timedelta) -> list[float]:
     """Rank 0: the mean seconds of posting a send, posting a receive, and a message from the
     moment both sides have posted it to its arrival, in a 2-stage 1F1B schedule lowered as
-    the runtime lowers it, with `_LOADED_BURST_S` of matmuls for every forward and
-    backward (so both cores compute while the messages move); rank 1: [].
+    the runtime lowers it, with `_LOADED_BURST_S` of a small MLP's forward and backward for
+    every forward and backward (so both cores compute while the messages move); rank 1: [].
 
     [Note: messages on a busy CPU]
         With 2 ranks on 2 cores, gloo's I/O threads have no core of their own.  Most
@@ -393,18 +399,39 @@ def _loaded_exchange(pg: Any, store: Any, rank: int, wait: timedelta) -> list[fl
         sender's I/O thread to run.  On our 2-core VM, 5-7% of posts and messages
         stalled, 1-5 ms each, often two opposite sends posted at the same moment.  A step
         pays every stall on its critical path, so the means (stalls included) are what
-        the simulator charges per message, not the typical (median) message.
+        the simulator charges per message, not the typical (median) message.  The compute
+        matters: between bursts of autograd over small ops (as stages run) posts cost
+        2-3x what they cost between bursts of one big matmul, and about what the runtime's
+        posts cost (means of 250-450 us on our VM); so the exchange computes the former.
+        The stall rate also drifts over seconds on a shared VM: the means of two runs
+        differ by up to 2x.
 
     Events are wall-clock (time.time_ns, one clock for both processes of this machine);
     rank 1 hands its events to rank 0 through the store."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as every rank computes (runtime/launch.py)
+    try:
+        return _exchange(pg, store, rank, wait)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _exchange(pg: Any, store: Any, rank: int, wait: timedelta) -> list[float]:
     from runtime.schedule import StageGraph, lower, make_schedule
 
     peer = 1 - rank
     plan = lower(make_schedule("1f1b", 2, 4), StageGraph.chain(2))[rank]
-    a = torch.randn(128, 128)
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(*(torch.nn.Linear(64, 64) for _ in range(12)))
+    x = torch.randn(16, 64)
+
+    def compute() -> None:  # what a stage runs: many small ops, autograd, allocations
+        net(x).sum().backward()
+
+    compute()
     start = time.perf_counter()
     for _ in range(20):
-        a @ a
+        compute()
     burst = max(1, round(_LOADED_BURST_S / ((time.perf_counter() - start) / 20)))
     payload = torch.zeros(_LOADED_BYTES, dtype=torch.uint8)
     warmup, timed = _LOADED_STEPS
@@ -416,7 +443,7 @@ def _loaded_exchange(pg: Any, store: Any, rank: int, wait: timedelta) -> list[fl
             begin = time.time_ns()
             if act.kind in ("F", "B"):
                 for _ in range(burst):
-                    a @ a
+                    compute()
                 continue
             tag = 2 * act.microbatch + act.kind.endswith("_B")
             if act.kind.startswith("SEND"):

@@ -2,9 +2,10 @@
 
 `simulate_plan` turns a Plan and its node costs into the simulator's inputs: each stage's
 forward and backward time per microbatch (the loss's added to the last), one alpha-beta
-message per stage pair that exchanges values (whose alpha the sender also pays), the loss
-all-reduce that ends every step, and the data-parallel ring all-reduce of each stage's
-gradients that the last microbatch's backward cannot hide.  `predict` adds MFU and the per-stage figures.
+message per stage pair that exchanges values (and what posting it costs both ends), the
+loss all-reduce that ends every step, the all-reduce of each tied parameter's gradient
+among its copies, and the data-parallel ring all-reduce of each stage's gradients that
+the last microbatch's backward cannot hide.  `predict` adds MFU and the per-stage figures.
 """
 
 from __future__ import annotations
@@ -15,13 +16,14 @@ from typing import Any
 
 import torch.fx
 
-from .cost import compute_nodes
+from .cost import compute_nodes, storage_key
 from .hardware import Hardware
 from .ir import NodeCost, Plan
+from .passes import get_attr
 from .roofline import BACKWARD_FLOP_FACTOR, mfu, ring_allreduce_s
 from .simulate import Simulation, simulate
 
-__all__ = ["pipeline_link", "pipeline_posts", "predict", "simulate_plan"]
+__all__ = ["pipeline_link", "pipeline_posts", "predict", "simulate_plan", "tied_allreduce_s"]
 
 
 def predict(gm: torch.fx.GraphModule, plan: Plan, costs: dict[str, NodeCost], hardware: Hardware,
@@ -49,8 +51,9 @@ def predict(gm: torch.fx.GraphModule, plan: Plan, costs: dict[str, NodeCost], ha
 
 def simulate_plan(gm: torch.fx.GraphModule, plan: Plan, costs: dict[str, NodeCost], hardware: Hardware) -> Simulation:
     """The step as the schedule will run it: stage compute and the loss, one message per stage
-    pair (and what posting it costs both ends), the loss all-reduce, and the data-parallel all-reduce
-    of each stage's gradients where the backward cannot hide it."""
+    pair (and what posting it costs both ends), the loss all-reduce, the all-reduce of tied
+    parameters' gradients, and the data-parallel all-reduce of each stage's gradients where
+    the backward cannot hide it."""
     stage_of = plan.stage_of()
     forward = [sum(costs[n].forward_s for n in s.nodes) for s in plan.stages]
     backward = [sum(costs[n].backward_s for n in s.nodes) for s in plan.stages]
@@ -78,6 +81,7 @@ def simulate_plan(gm: torch.fx.GraphModule, plan: Plan, costs: dict[str, NodeCos
     send, receive = pipeline_posts(hardware, plan.pp, plan.tp)
     sim = simulate(forward, backward, links, plan.schedule, plan.pp, plan.microbatches, plan.virtual_stages,
                    send_s=send, recv_s=receive, loss_s=loss, final_s=final)
+    sim = dataclasses.replace(sim, step_time_s=sim.step_time_s + tied_allreduce_s(gm, plan, hardware))
     if plan.dp == 1:
         return sim
     # Gradients are all-reduced in buckets during the last microbatch's backward: what the
@@ -95,6 +99,25 @@ def pipeline_link(hardware: Hardware, pp: int, tp: int) -> tuple[float, float]:
     ranks are neighbours in rank order, so the pipeline leaves a node once pp x tp ranks
     outgrow it."""
     return _link(hardware, across_nodes=pp * tp > hardware.devices_per_node)
+
+
+def tied_allreduce_s(gm: torch.fx.GraphModule, plan: Plan, hardware: Hardware) -> float:
+    """The all-reduces that end a step by summing the gradient of each parameter read on
+    several pipeline positions (tied embeddings) over every copy (`runtime.comm.TiedGrads`:
+    one collective per parameter, after the last backward, so nothing hides it)."""
+    stage_of = plan.stage_of()
+    held: dict[int, tuple[int, set[int]]] = {}  # storage -> (bytes, positions holding a copy)
+    for node in compute_nodes(gm):
+        for x in node.all_input_nodes:
+            if x.op != "get_attr":
+                continue
+            t = get_attr(gm, str(x.target))
+            if isinstance(t, torch.nn.Parameter) and t.requires_grad:
+                _, positions = held.setdefault(storage_key(t), (t.numel() * t.element_size(), set()))
+                positions.add(stage_of[node.name] % plan.pp)
+    alpha, beta = hardware.ring_link(across_nodes=plan.pp * plan.tp * plan.dp > hardware.devices_per_node)
+    return sum(ring_allreduce_s(nbytes, len(positions) * plan.dp, alpha, beta)
+               for nbytes, positions in held.values() if len(positions) > 1)
 
 
 def pipeline_posts(hardware: Hardware, pp: int, tp: int) -> tuple[float, float]:

@@ -81,6 +81,12 @@ def test_cpu_profile_measures_gloo_once_and_caches_it(tmp_path: Path, monkeypatc
     assert hw.intra_node_latency_s > 0 and hw.intra_node_bandwidth > 0
     assert hw.allreduce_latency_s >= 0 and hw.allreduce_bandwidth > 0
     assert any(s.startswith("measured: gloo between 2 processes") for s in hw.sources), hw.sources
+    # the pipeline's messages under load: both posts cost something, and a stage waits for
+    # a message at least as long as the message itself
+    assert hw.p2p_send_post_s > 0 and hw.p2p_recv_post_s > 0
+    assert hw.send_post_s == hw.p2p_send_post_s
+    assert hw.message_wait_s == pytest.approx(hw.p2p_send_post_s + hw.p2p_recv_post_s + hw.p2p_alpha_s)
+    assert any("under a 2-rank 1F1B exchange" in s for s in hw.sources), hw.sources
     assert measured_in < 8.0, f"the cpu profile took {measured_in:.1f} s to measure"
     # the second load is the cached profile, field for field: compiles stay byte-identical
     monkeypatch.setattr(hardware, "_measure_cpu", lambda: pytest.fail("measured twice"))
@@ -94,6 +100,8 @@ def test_cpu_profile_falls_back_when_gloo_fails(tmp_path: Path, monkeypatch: pyt
     hw = load_hardware("cpu")
     assert (hw.intra_node_latency_s, hw.intra_node_bandwidth) == (hardware._DEFAULT_ALPHA_S, hardware._DEFAULT_BANDWIDTH)
     assert any("fallback estimate" in s for s in hw.sources), hw.sources
+    assert (hw.p2p_send_post_s, hw.p2p_recv_post_s) == (0.0, 0.0)
+    assert hw.send_post_s == hw.p2p_alpha_s  # a send then costs its sender the link's latency
 
 
 def _silent_peer(conn: object, timeout_s: float) -> None:
