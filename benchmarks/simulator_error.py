@@ -61,6 +61,8 @@ TRACED_STEPS = 4  # traced steps per package for the stage times
 def compile_case(example: str, schedule: str, work: Path) -> dict[str, Any]:
     """Compile one example into 2 stages with measured costs; what the prediction says."""
     from partitioner.compiler import CompileOptions, compile_model
+    from partitioner.hardware import load_hardware
+    from partitioner.predict import tied_allreduce_s
 
     directory = work / f"{example}_{schedule}"
     start = time.perf_counter()
@@ -82,12 +84,14 @@ def compile_case(example: str, schedule: str, work: Path) -> dict[str, Any]:
                "nodes": len(s.nodes)} for s in compiled.plan.stages]
     return {"example": example, "schedule": schedule, "dir": str(directory), "microbatches": m["microbatches"],
             "predicted_ms": 1e3 * m["predicted"]["step_time_s"], "compile_s": seconds, "stages": stages,
+            "tied_ms": 1e3 * tied_allreduce_s(compiled.traced.gm, compiled.plan, load_hardware("cpu")),
             "edges": [[a, b, n] for (a, b), n in sorted(sent.items())]}
 
 
 def replay_ms(case: dict[str, Any], measured: dict[str, float], hw: Any) -> float | None:
     """The simulator fed with the stage times the runtime really took (traced F and B
-    medians, the loss included) and the profile's links, post costs and final all-reduce:
+    medians, the loss included) and the profile's links, post costs, final all-reduce and
+    tied-gradient all-reduces:
     what is left of the error is the simulator's structure, not the node
     costs."""
     from partitioner.simulate import simulate
@@ -101,8 +105,8 @@ def replay_ms(case: dict[str, Any], measured: dict[str, float], hw: Any) -> floa
     alpha, beta = hw.p2p_alpha_s, hw.p2p_beta_s_per_byte
     links = {(a, b): alpha + nbytes * beta for a, b, nbytes in case["edges"]}
     final = hw.allreduce_latency_s or alpha
-    return 1e3 * simulate(fwd, bwd, links, case["schedule"], n, case["microbatches"], send_s=hw.send_post_s,
-                          recv_s=hw.p2p_recv_post_s, final_s=final).step_time_s
+    return case["tied_ms"] + 1e3 * simulate(fwd, bwd, links, case["schedule"], n, case["microbatches"],
+                                            send_s=hw.send_post_s, recv_s=hw.p2p_recv_post_s, final_s=final).step_time_s
 
 
 # -- run -----------------------------------------------------------------------------------
