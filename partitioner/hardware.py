@@ -435,10 +435,10 @@ def _exchange(pg: Any, store: Any, rank: int, wait: timedelta) -> list[float]:
     burst = max(1, round(_LOADED_BURST_S / ((time.perf_counter() - start) / 20)))
     payload = torch.zeros(_LOADED_BYTES, dtype=torch.uint8)
     warmup, timed = _LOADED_STEPS
-    events: list[tuple[str, int, int, int]] = []  # (action, start, posted, done) in ns
+    events: list[tuple[int, str, int, int, int]] = []  # (step, action, start, posted, done) in ns
     for step in range(warmup + timed):
         pg.barrier().wait(wait)
-        sends, log = [], []
+        sends = []
         for act in plan:
             begin = time.time_ns()
             if act.kind in ("F", "B"):
@@ -448,40 +448,32 @@ def _exchange(pg: Any, store: Any, rank: int, wait: timedelta) -> list[float]:
             tag = 2 * act.microbatch + act.kind.endswith("_B")
             if act.kind.startswith("SEND"):
                 sends.append(pg.send([payload], peer, tag))
-                log.append((repr(act), begin, time.time_ns(), 0))
+                posted = done = time.time_ns()
             else:
                 work = pg.recv([torch.empty_like(payload)], peer, tag)
                 posted = time.time_ns()
                 work.wait(wait)
-                log.append((repr(act), begin, posted, time.time_ns()))
+                done = time.time_ns()
+            if step >= warmup:
+                events.append((step, repr(act), begin, posted, done))
         for work in sends:
             work.wait(wait)
-        if step >= warmup:
-            events += log
     if rank == 1:
         store.set("loaded-exchange", json.dumps(events))
         return []
-    theirs = json.loads(store.get("loaded-exchange"))
-    send_posted = {}  # (kind, microbatch, n-th step) -> when the peer's send was posted
-    counts: dict[str, int] = {}
-    for name, _, posted, _ in theirs + events:
+    both = [tuple(e) for e in json.loads(store.get("loaded-exchange"))] + events
+    send_posted = {(step, name): posted for step, name, _, posted, _ in both if "SEND" in name}
+    send_posts, receives, messages = [], [], []
+    for step, name, begin, posted, done in both:
         if "SEND" in name:
-            counts[name] = counts.get(name, 0) + 1
-            send_posted[(name, counts[name])] = posted
-    sends = [(posted - begin) / 1e9 for name, begin, posted, _ in theirs + events if "SEND" in name]
-    receives, messages = [], []
-    counts = {}
-    for name, begin, posted, done in theirs + events:
-        if "RECV" not in name:
+            send_posts.append((posted - begin) / 1e9)
             continue
         receives.append((posted - begin) / 1e9)
-        # "1RECV_F2<0" receives what "0SEND_F2>1" sent
-        stage, rest = name.split("RECV_", 1)
+        stage, rest = name.split("RECV_", 1)  # "1RECV_F2<0" receives what "0SEND_F2>1" sent
         kind, source = rest.split("<")
-        send = f"{source}SEND_{kind}>{stage}"
-        counts[send] = counts.get(send, 0) + 1
-        messages.append(max(0.0, (done - max(posted, send_posted[(send, counts[send])])) / 1e9))
-    return [statistics.fmean(sends), statistics.fmean(receives), statistics.fmean(messages)]
+        sent = send_posted[(step, f"{source}SEND_{kind}>{stage}")]
+        messages.append(max(0.0, (done - max(posted, sent)) / 1e9))
+    return [statistics.fmean(send_posts), statistics.fmean(receives), statistics.fmean(messages)]
 
 
 def _typical(samples: list[float]) -> float:
