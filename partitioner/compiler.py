@@ -33,6 +33,8 @@ from .solve import solve
 from .tp import Sharded, shard
 from .trace import Traced, by_input_key, copy_traced, trace
 
+from runtime.affinity import binding_enabled, bound_as_local_rank
+
 __all__ = ["CompileOptions", "Compiled", "Prepared", "Source", "assign_nodes", "compile_model", "finish", "load_source",
            "prepare", "split_batch"]
 
@@ -230,19 +232,23 @@ def _emit(p: Prepared, plan: Plan, extra: dict[str, Any] | None = None) -> Compi
 def _stage_costs(p: Prepared, plan: Plan) -> dict[str, NodeCost]:
     """The node costs the prediction uses: where costs are measured and stages wait for
     messages on the cores they compute on (the cpu profile), calibrated stage by stage as
-    a rank runs them (`cost.calibrate_stages`), cached per plan so that compiles on one
-    machine stay byte-identical; else the costs as they are."""
+    a rank runs them (`cost.calibrate_stages`: after a message's wait, on one core as the
+    runtime binds a rank), cached per plan so that compiles on one machine stay
+    byte-identical; else the costs as they are."""
     wait = _wait_s(p.hardware)
     if p.opts.analytic or not wait or p.values is None or plan.num_stages < 2 or plan.recompute:
         return p.costs
     stage_of = plan.stage_of()
+    ranks = plan.pp * plan.tp * plan.dp
     key = "stages-" + hashlib.sha256(json.dumps(
         [PROFILE_VERSION, p.traced.gm.code, sorted(stage_of.items()), wait, p.opts.repeats, torch.__version__,
-         torch.get_num_threads(), sorted((n, asdict(c)) for n, c in p.costs.items())]).encode()).hexdigest()[:32]
+         torch.get_num_threads(), binding_enabled() and ranks, sorted((n, asdict(c)) for n, c in p.costs.items())]
+    ).encode()).hexdigest()[:32]
     cached = None if p.opts.reprofile else cache.get(key)
     if isinstance(cached, dict) and set(cached) == set(p.costs):
         return {name: NodeCost(**c) for name, c in cached.items()}
-    costs = calibrate_stages(p.traced.gm, p.values, p.costs, stage_of, p.opts.repeats, wait)
+    with bound_as_local_rank(0, ranks):  # on one core, as a rank computes (runtime/affinity.py)
+        costs = calibrate_stages(p.traced.gm, p.values, p.costs, stage_of, p.opts.repeats, wait)
     cache.put(key, {name: asdict(c) for name, c in costs.items()})
     return costs
 

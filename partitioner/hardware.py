@@ -157,14 +157,16 @@ def _this_machine() -> str:
 
 
 #: bump when the measurement changes, so profiles cached by older code are measured again
-_CPU_PROFILE_VERSION = 5
+_CPU_PROFILE_VERSION = 6
 
 
 def _cpu() -> Hardware:
     """This CPU, measured once per machine and cached (the cached value is reused, so
     compiles on one machine stay byte-identical)."""
+    from runtime.affinity import binding_enabled
+
     key = (f"hardware-cpu-v{_CPU_PROFILE_VERSION}-{socket.gethostname()}-{torch.__version__}-"
-           f"{torch.get_num_threads()}")
+           f"{torch.get_num_threads()}-{'bound' if binding_enabled() else 'free'}")
     raw = cache.get(key)
     try:
         if isinstance(raw, dict):
@@ -338,6 +340,13 @@ def _gloo_peer(conn: Any, timeout_s: float) -> None:
 def _gloo_rank(store: Any, rank: int, timeout_s: float) -> dict[str, list[float]]:
     """Both ranks run this; rank 0's timings are the result: seconds per size for each
     pattern."""
+    from runtime.affinity import bound_as_local_rank
+
+    with bound_as_local_rank(rank, 2):  # on a core of its own, as the runtime's ranks are
+        return _gloo_patterns(store, rank, timeout_s)
+
+
+def _gloo_patterns(store: Any, rank: int, timeout_s: float) -> dict[str, list[float]]:
     pg_cls: Any = torch.distributed.ProcessGroupGloo  # (its type stubs lack send, recv...)
     opts = pg_cls._Options()
     opts._timeout = timedelta(seconds=timeout_s)

@@ -30,6 +30,7 @@ from typing import Any, Callable, Iterator
 import torch
 import torch.distributed as dist
 
+from .affinity import bind_local_rank
 from .errors import MeshError, PeerError, PipelineError
 
 __all__ = ["init_from_env", "timeout_from_env", "guard", "wait", "GradBuckets", "TiedGrads", "BUCKET_BYTES"]
@@ -51,7 +52,8 @@ def timeout_from_env(timeout_s: float | None = None) -> float:
 
 def init_from_env(timeout_s: float) -> torch.device:
     """Start torch.distributed from torchrun's environment unless someone already has
-    (gloo on CPU, nccl with CUDA); return this rank's device."""
+    (gloo on CPU, nccl with CUDA); return this rank's device.  A CPU rank is bound to
+    cores of its own ([Note: binding CPU ranks to cores] in affinity.py)."""
     cuda = torch.cuda.is_available()
     if cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
@@ -66,7 +68,11 @@ def init_from_env(timeout_s: float) -> torch.device:
             raise MeshError(f"rank {os.environ['RANK']} could not join the process group within {timeout_s:g} s "
                             f"({type(exc).__name__}: {_short(exc)}): start every rank, or raise PIPELINE_TIMEOUT_S.") from None
     backend = dist.get_backend()
-    return torch.device("cuda", torch.cuda.current_device()) if cuda and backend == "nccl" else torch.device("cpu")
+    if cuda and backend == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    local_rank = int(os.environ.get("LOCAL_RANK", dist.get_rank()))
+    bind_local_rank(local_rank, int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size())))
+    return torch.device("cpu")
 
 
 def _short(exc: BaseException) -> str:

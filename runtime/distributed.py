@@ -70,6 +70,13 @@ class _Step:
     results: list[Any] = field(default_factory=list)
 
 
+@dataclass
+class _Now:
+    """The action this rank is running (None between steps)."""
+
+    action: Action | None = None
+
+
 class DistributedPipeline:
     """Run this rank's stages of package DIR; every rank calls every method (collectively)."""
 
@@ -93,7 +100,8 @@ class DistributedPipeline:
         self.replica, self.position, self.tp_index = self.mesh.coords(self.rank)
         _check_ranks(m, self.mesh)
         self.stages = [s for s in range(g.num_stages) if g.rank_of(s) == self.position]
-        self._action: Action | None = None  # the action running now, for tp's error messages
+        self._describe = _describer(self.rank, self.stages)  # (holds no self: see _describer)
+        self._now = _Now()  # the action running now, for tp's error messages
         self.groups = make_groups(m, g, self.rank)
         self._set_tp_group()
         # 3. this rank's stages (tied copies within the rank are one shared Parameter)
@@ -197,7 +205,7 @@ class DistributedPipeline:
         if self._fault is not None:
             self._fault.check(self.rank, a)
         s, i = a.stage, a.microbatch
-        self._action = a
+        self._now.action = a
         with self.tracer.span(repr(a), s, a.kind, i, **({"peer": a.peer} if a.peer is not None else {})):
             if a.kind == "F":
                 self._forward(s, i, step, mb_inputs, targets, loss_fn)
@@ -330,7 +338,8 @@ class DistributedPipeline:
         groups = self.groups
         mine = dict(self.named_parameters())
         tied = [(mine[n], group, n) for n, (group, _) in groups.ties.items() if n in mine and mine[n].requires_grad]
-        self._ties = TiedGrads(tied, self.dp, self.timeout_s, lambda name, t, why: self._describe(
+        describe = self._describe
+        self._ties = TiedGrads(tied, self.dp, self.timeout_s, lambda name, t, why: describe(
             f"the gradient sum of tied parameter {name}", groups.ties[name][1])(t, why))
         plain = [p for n, p in mine.items() if p.requires_grad and n not in groups.ties]
         self._buckets = (GradBuckets(plain, groups.dp, self.dp, self.timeout_s,
@@ -350,19 +359,22 @@ class DistributedPipeline:
     # -- helpers -----------------------------------------------------------------------------
 
     def _set_tp_group(self) -> None:
-        """Point tp.* at this (replica, position)'s tensor-parallel group (none when tp == 1)."""
+        """Point tp.* at this (replica, position)'s tensor-parallel group (none when tp == 1).
+        Its error wording reads the action running now from `self._now`, not from the
+        pipeline, which tp's module state would otherwise keep alive (see _describer)."""
         if self.tp == 1:
             tp.reset()
             return
-        tp.set_group(self.groups.tp, self.tp_index, self.tp, self.timeout_s, self._tp_doing)
+        now, rank, index, timeout = self._now, self.rank, self.tp_index, self.timeout_s
+        others = ", ".join(f"rank {r} (tp index {u})" for u, r in enumerate(self.groups.tp_ranks) if r != rank)
 
-    def _tp_doing(self, collective: str, timed_out: bool, reason: str) -> str:
-        a = self._action
-        during = f" during {a!r} (stage {a.stage}, microbatch {a.microbatch})" if a is not None else ""
-        others = ", ".join(f"rank {r} (tp index {u})" for u, r in enumerate(self.groups.tp_ranks) if r != self.rank)
-        return (f"rank {self.rank} (tp index {self.tp_index}) {'timed out' if timed_out else 'failed'} in {collective}"
-                f"{during}: {others} of its tensor-parallel group stopped or failed ({reason}). Look at that rank's "
-                f"own error; if it is only slow, raise PIPELINE_TIMEOUT_S (now {self.timeout_s:g} s).")
+        def doing(collective: str, timed_out: bool, reason: str) -> str:
+            a = now.action
+            during = f" during {a!r} (stage {a.stage}, microbatch {a.microbatch})" if a is not None else ""
+            return (f"rank {rank} (tp index {index}) {'timed out' if timed_out else 'failed'} in {collective}"
+                    f"{during}: {others} of its tensor-parallel group stopped or failed ({reason}). Look at that "
+                    f"rank's own error; if it is only slow, raise PIPELINE_TIMEOUT_S (now {timeout:g} s).")
+        tp.set_group(self.groups.tp, index, self.tp, timeout, doing)
 
     def _tensors(self, runner: StageRunner) -> list[tuple[dict[str, Any], torch.Tensor]]:
         return package.stage_tensors(runner.module, runner.entry, self.tp_index)
@@ -384,19 +396,32 @@ class DistributedPipeline:
                     f"(now {self.timeout_s:g} s).")
         return say
 
-    def _describe(self, what: str, ranks: Any) -> Callable[[bool, str], str]:
-        others = [r for r in ranks if r != self.rank]
-
-        def say(timed_out: bool, reason: str) -> str:
-            who = f"one of ranks {others}" if others else "another rank"
-            return (f"rank {self.rank} (stage {', '.join(map(str, self.stages))}) {'timed out' if timed_out else 'failed'} "
-                    f"in {what}: {who} stopped or failed ({reason}). Look at that rank's own error.")
-        return say
 
     def _default_loss_fn(self) -> LossFn:
         if self._loss_fn is None:
             self._loss_fn = package.load_loss_fn(self.manifest, self.directory)
         return self._loss_fn
+
+
+def _describer(rank: int, stages: list[int]) -> Callable[[str, Any], Callable[[bool, str], str]]:
+    """`describe(what, ranks)`: the words for a failed collective `what` among `ranks`.
+
+    It closes over this rank's numbers, not over the pipeline: error callbacks the pipeline
+    keeps (tied gradients, buckets) would otherwise hold it in a reference cycle, and a
+    pipeline in a cycle is freed, process groups and all, only by the garbage collection at
+    interpreter exit, when a gloo thread still freeing a finished barrier cannot take the
+    GIL any more: std::terminate (pytorch/pytorch#179291)."""
+    where = ", ".join(map(str, stages))
+
+    def describe(what: str, ranks: Any) -> Callable[[bool, str], str]:
+        others = [r for r in ranks if r != rank]
+
+        def say(timed_out: bool, reason: str) -> str:
+            who = f"one of ranks {others}" if others else "another rank"
+            return (f"rank {rank} (stage {where}) {'timed out' if timed_out else 'failed'} in {what}: {who} "
+                    f"stopped or failed ({reason}). Look at that rank's own error.")
+        return say
+    return describe
 
 
 def _row(lowered: Schedule, g: StageGraph, microbatches: int, position: int) -> list[Action]:

@@ -15,12 +15,14 @@ Once a rank fails, the others are killed after GRACE_S (as torchrun does).
 
 from __future__ import annotations
 
+import gc
 import importlib.util
 import os
 import signal
 import sys
 import time
 import traceback
+import weakref
 from pathlib import Path
 
 import torch
@@ -60,13 +62,14 @@ def _check(pkg: str, model_path: str) -> None:
     ref = mf.loss_fn(_call(model, inputs), target)
     ref.backward()
     want = {n: p.grad for n, p in model.named_parameters(remove_duplicate=False)}
+    tp_index = pipe.tp_index
     loss = pipe.train_step(inputs, target)
     torch.testing.assert_close(loss, ref.detach(), rtol=RTOL, atol=ATOL)
     for spec, p in _my_parameters(pipe):
         expected = torch.zeros_like(p)  # this rank's shard of the reference gradient, cut as weights are
         package.load_stage_state([(spec, expected)], {spec["source_name"]: want[spec["source_name"]]}, pipe.manifest)
         torch.testing.assert_close(p.grad, expected, rtol=RTOL, atol=ATOL,
-                                   msg=lambda m: f"grad {spec['source_name']} (tp index {pipe.tp_index}): {m}")
+                                   msg=lambda m: f"grad {spec['source_name']} (tp index {tp_index}): {m}")
     # forward only, on every rank
     with torch.no_grad():
         got_out, want_out = torch.utils._pytree.tree_leaves(pipe(inputs)), torch.utils._pytree.tree_leaves(_call(model, inputs))
@@ -88,7 +91,18 @@ def _check(pkg: str, model_path: str) -> None:
     assert set(got) == set(ref_sd), sorted(set(got) ^ set(ref_sd))
     for name in ref_sd:
         torch.testing.assert_close(got[name], ref_sd[name], rtol=RTOL, atol=ATOL, msg=lambda m: f"{name}: {m}")
-    print(f"{pipe.rank} ok", flush=True)
+    rank = pipe.rank
+    print(f"{rank} cpus {','.join(map(str, sorted(os.sched_getaffinity(0))))}", flush=True)
+    # dropped, the pipeline is freed at once, process groups included: not left in a cycle
+    # for the collection at exit (see runtime/distributed.py, _describer)
+    held = weakref.ref(pipe)
+    gc.disable()
+    try:
+        del pipe, params, opt
+        assert held() is None, "the DistributedPipeline outlived its last reference (a reference cycle)"
+    finally:
+        gc.enable()
+    print(f"{rank} ok", flush=True)
 
 
 def _call(model: torch.nn.Module, inputs: object) -> object:

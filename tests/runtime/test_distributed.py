@@ -81,7 +81,14 @@ def _ok(ranks: list[Rank]) -> None:
 @pytest.mark.timeout(120)
 def test_two_stages(make_tiny: Callable[..., Tiny]) -> None:
     t = make_tiny(stages=2, schedule="1f1b", microbatches=4)
-    _ok(launch(2, "check", [t.dir], t.dir.parent / "tiny.py"))
+    ranks = launch(2, "check", [t.dir], t.dir.parent / "tiny.py")
+    _ok(ranks)
+    cores = sorted(os.sched_getaffinity(0))
+    cpus = [re.search(rf"^{r} cpus (.*)$", rank.out, re.M) for r, rank in enumerate(ranks)]
+    assert all(cpus), [rank.out for rank in ranks]
+    if len(cores) >= 2:  # each rank on its own half of the cores (runtime/affinity.py)
+        halves = [",".join(map(str, cores[r * (len(cores) // 2):(r + 1) * (len(cores) // 2)])) for r in range(2)]
+        assert [m.group(1) for m in cpus if m] == halves
 
 
 @multiproc
