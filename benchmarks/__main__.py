@@ -13,7 +13,8 @@ import sys
 import time
 import traceback
 
-ALL = ["partition_quality", "solver_scaling", "runtime_vs_peer", "simulator_error", "mesh_search", "scale"]
+ALL = ["partition_quality", "solver_scaling", "runtime_vs_peer", "cpu_binding", "simulator_error", "mesh_search",
+       "scale"]
 
 
 def main(argv: list[str] | None = None) -> int:

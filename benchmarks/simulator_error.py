@@ -19,13 +19,22 @@ stage per microbatch (TRACED_STEPS traced steps after the timed ones), so a larg
 can be traced to compute or to communication.  Columns:
 
 - `error_pct`: (predicted - measured) / measured;
-- `spread_pct`: the interquartile range of the timed steps over their median (the noise);
+- `drift_x`: the stages' forward+backward per microbatch, timed on their own between the
+  rounds exactly as the compile timed them (`cost.time_forward_backward`, after the same
+  idle), over what the compile measured: how much faster or slower the machine ran during
+  the measurement than during the compile (a shared VM's speed drifts by a fifth over
+  seconds; the compile times each stage for a few tens of milliseconds);
+- `reprofiled_error_pct`: the compile's own simulation fed with those stage times instead
+  (`replay_ms`): the error of the cost model and simulator when the profile is taken on
+  the machine the steps ran on, drift taken out;
+- `compute_x`: the stages' forward+backward as the runtime ran them inside the pipeline
+  (traced; the last stage's loss included) over the same stages timed on their own during
+  the run;
+- `replay_error_pct`: the simulator fed with the traced stage times: what remains is the
+  simulator's structure and message model, not node costs;
 - `halves_pct`: how far apart the medians of the even and the odd rounds are, over the
-  median (how well one run pins the step down: the error cannot be trusted below it);
-- `compute_x`: the stages' forward+backward per microbatch as the runtime ran them
-  (traced; the last stage's loss included) over the profile's prediction;
-- `replay_error_pct`: the simulator fed with those measured stage times and the profile's
-  links: what remains is the simulator's structure and message model, not node costs.
+  median (how well one run pins the step down: no error can be trusted below it);
+- `spread_pct`: the interquartile range of the timed steps over their median (the noise).
 
 `stage_ms` in the JSON holds the per-stage numbers, `samples_ms` every timed step.
 
@@ -53,6 +62,7 @@ WORLD = 2
 DEADLINE_S = 900.0  # the workers, all packages together: killed after this
 STEPS_PER_ROUND = 8  # timed steps of one package before the next one's
 TRACED_STEPS = 4  # traced steps per package for the stage times
+PROFILE_SAMPLES = 15  # per round, of each stage on its own (as calibrate_stages takes)
 
 
 # -- compile -------------------------------------------------------------------------------
@@ -89,11 +99,10 @@ def compile_case(example: str, schedule: str, work: Path) -> dict[str, Any]:
 
 
 def replay_ms(case: dict[str, Any], measured: dict[str, float], hw: Any) -> float | None:
-    """The simulator fed with the stage times the runtime really took (traced F and B
-    medians, the loss included) and the profile's links, post costs, final all-reduce and
-    tied-gradient all-reduces:
-    what is left of the error is the simulator's structure, not the node
-    costs."""
+    """The simulator fed with other stage times (`measured`: F0, B0, F1... in ms, the
+    forward and backward of each stage per microbatch) and the profile's links, post
+    costs, final all-reduce and tied-gradient all-reduces, as the compile predicted with
+    its own stage times: what changes is only where the stage times come from."""
     from partitioner.simulate import simulate
 
     n = len(case["stages"])
@@ -112,7 +121,8 @@ def replay_ms(case: dict[str, Any], measured: dict[str, float], hw: Any) -> floa
 # -- run -----------------------------------------------------------------------------------
 
 
-def _worker(rank: int, port: int, store_port: int, dirs: list[str], warmup: int, steps: int, out: str) -> None:
+def _worker(rank: int, port: int, store_port: int, dirs: list[str], warmup: int, steps: int, wait_s: float,
+            out: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(WORLD),
                       LOCAL_RANK=str(rank), PIPELINE_TIMEOUT_S="60")
     torch.set_num_threads(1)
@@ -132,10 +142,15 @@ def _worker(rank: int, port: int, store_port: int, dirs: list[str], warmup: int,
         for run in runs:
             for _ in range(STEPS_PER_ROUND):
                 run.samples.append(run.step())
+            run.profile_now(wait_s)  # this rank's stages, timed as the compile timed them
     store = dist.TCPStore("127.0.0.1", store_port, WORLD, rank == 0, timedelta(seconds=60))
     group: Any = dist.group.WORLD
     link = _loaded_exchange(group, store, rank, timedelta(seconds=60))  # the messages' costs now
     results = [run.traced(Path(out).with_suffix(f".{i}.trace.json")) for i, run in enumerate(runs)]
+    profiles: list[Any] = [None] * WORLD
+    dist.all_gather_object(profiles, [run.profiled() for run in runs])
+    for i, result in enumerate(results):
+        result["profile_ms"] = {k: v for mine in profiles for k, v in mine[i].items()}
     if rank == 0:
         Path(out).write_text(json.dumps({"runs": results, "barrier_ms": 1e3 * statistics.median(empty),
                                          "link_us": [1e6 * x for x in link]}))
@@ -160,6 +175,38 @@ class _Run:
         self.inputs, self.target = model_file.example_inputs(), model_file.example_target()
         self.params = self.pipe.parameters()
         self.samples: list[float] = []
+        # each stage's arguments of one microbatch, caught on their way in, to time the
+        # stage on its own between rounds (profile_now)
+        self.args: dict[int, tuple[Any, ...]] = {}
+        self.profiles: dict[str, list[float]] = {}
+        self._hooks = [runner.module.register_forward_pre_hook(self._catch(s))
+                       for s, runner in self.pipe.runners.items()]
+
+    def _catch(self, stage: int) -> Any:
+        def hook(_module: Any, args: tuple[Any, ...]) -> None:
+            if stage not in self.args:
+                self.args[stage] = tuple(a.detach().requires_grad_(a.requires_grad)
+                                         if isinstance(a, torch.Tensor) else a for a in args)
+        return hook
+
+    def profile_now(self, wait_s: float) -> None:
+        """Time this rank's stages on their own, as the compile's `calibrate_stages` timed
+        their graphs (`cost.time_forward_backward`, same idle before each): the profile the
+        compile would have measured had it run now.  Gradients it leaves are cleared by the
+        next step."""
+        from partitioner.cost import time_forward_backward
+
+        for s, runner in self.pipe.runners.items():
+            args = self.args.get(s)
+            if args is None:
+                continue
+            fwd, bwd = time_forward_backward(lambda: runner.module(*args), PROFILE_SAMPLES, wait_s)
+            self.profiles.setdefault(f"F{s}", []).append(1e3 * fwd)
+            self.profiles.setdefault(f"B{s}", []).append(1e3 * bwd)
+
+    def profiled(self) -> dict[str, float]:
+        """The median over rounds of `profile_now`'s times (ms), F{s} and B{s}."""
+        return {k: statistics.median(v) for k, v in self.profiles.items()}
 
     def step(self) -> float:
         """Seconds of one train_step between barriers, gradients cleared first."""
@@ -189,10 +236,10 @@ class _Run:
                 "stage_ms": stage_ms}
 
 
-def run_all(dirs: list[str], warmup: int, steps: int, work: Path) -> dict[str, Any]:
+def run_all(dirs: list[str], warmup: int, steps: int, wait_s: float, work: Path) -> dict[str, Any]:
     """Spawn the 2 ranks once; every package in rounds; killed at the deadline."""
     out = work / "times.json"
-    spawn_ranks(_worker, WORLD, (free_port(), free_port(), dirs, warmup, steps, str(out)), DEADLINE_S)
+    spawn_ranks(_worker, WORLD, (free_port(), free_port(), dirs, warmup, steps, wait_s, str(out)), DEADLINE_S)
     return dict(json.loads(out.read_text()))
 
 
@@ -220,7 +267,9 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"compiled {example} {schedule}: predicted {cases[-1]['predicted_ms']:.2f} ms "
                       f"({cases[-1]['compile_s']:.1f} s)", file=sys.stderr, flush=True)
         load_before = os.getloadavg()[0]
-        measured = run_all([c["dir"] for c in cases], warmup, steps, work)
+        from partitioner.compiler import _wait_s
+
+        measured = run_all([c["dir"] for c in cases], warmup, steps, _wait_s(hw), work)
         load = [load_before, os.getloadavg()[0]]
     rows = []
     barrier_ms = measured["barrier_ms"]
@@ -231,31 +280,42 @@ def main(argv: list[str] | None = None) -> int:
         q1, q3 = ordered[len(ordered) // 4], ordered[(3 * len(ordered)) // 4]
         rounds = [got["samples_ms"][i:i + STEPS_PER_ROUND] for i in range(0, len(got["samples_ms"]), STEPS_PER_ROUND)]
         halves = [statistics.median([t for r in rounds[k::2] for t in r]) for k in (0, 1)] if len(rounds) > 1 else None
+        reprofiled = replay_ms(case, got["profile_ms"], hw)
         n = len(case["stages"])
-        traced = [got["stage_ms"].get(f"{kind}{k}") for kind in "FB" for k in range(n)]
-        compute_x = (sum(traced) / sum(st["forward_ms"] + st["backward_ms"] for st in case["stages"])
-                     if None not in traced else None)
+        compiled = sum(st["forward_ms"] + st["backward_ms"] for st in case["stages"])
+        now, traced = ([got[key].get(f"{kind}{k}") for kind in "FB" for k in range(n)] for key in ("profile_ms", "stage_ms"))
+        drift_x = sum(now) / compiled if None not in now else None
+        compute_x = sum(traced) / sum(now) if None not in traced and None not in now else None
         rows.append({"example": case["example"], "schedule": case["schedule"], "microbatches": case["microbatches"],
                      "predicted_ms": case["predicted_ms"], "measured_ms": step,
                      "error_pct": 100.0 * (case["predicted_ms"] - step) / step,
                      "spread_pct": 100.0 * (q3 - q1) / step,
                      "halves_pct": None if halves is None else 100.0 * abs(halves[0] - halves[1]) / step,
+                     "drift_x": drift_x, "reprofiled_ms": reprofiled,
+                     "reprofiled_error_pct": None if reprofiled is None else 100.0 * (reprofiled - step) / step,
                      "replay_ms": replay, "replay_error_pct": None if replay is None else 100.0 * (replay - step) / step,
                      "compute_x": compute_x,
                      "raw_median_ms": got["median_ms"], "barrier_ms": barrier_ms,
                      "samples_ms": got["samples_ms"],
-                     "stage_ms": {"predicted": case["stages"], "measured": got["stage_ms"]}})
+                     "stage_ms": {"predicted": case["stages"], "profiled_in_run": got["profile_ms"],
+                                  "measured": got["stage_ms"]},
+                     "edges": case["edges"], "tied_ms": case["tied_ms"]})
     mean_abs = statistics.fmean(abs(r["error_pct"]) for r in rows) if rows else 0.0
     halves = [r["halves_pct"] for r in rows if r["halves_pct"] is not None]
     mean_halves = statistics.fmean(halves) if halves else float("nan")
-    text = table(rows, ["example", "schedule", "predicted_ms", "measured_ms", "error_pct", "spread_pct",
-                        "halves_pct", "compute_x", "replay_error_pct"])
-    replays = [abs(r["replay_error_pct"]) for r in rows if r["replay_error_pct"] is not None]
-    mean_replay = statistics.fmean(replays) if replays else float("nan")
+    text = table(rows, ["example", "schedule", "predicted_ms", "measured_ms", "error_pct", "drift_x",
+                        "reprofiled_error_pct", "compute_x", "replay_error_pct", "halves_pct", "spread_pct"])
+
+    def mean_abs_of(column: str) -> float:
+        values = [abs(r[column]) for r in rows if r[column] is not None]
+        return statistics.fmean(values) if values else float("nan")
+
+    mean_replay, mean_reprofiled = mean_abs_of("replay_error_pct"), mean_abs_of("reprofiled_error_pct")
     send_us, recv_us, message_us = measured["link_us"]
-    text += (f"\n\nMean absolute error of the prediction: **{mean_abs:.1f}%** over {len(rows)} runs; of the "
-             f"simulator replaying the stage times the runtime measured: {mean_replay:.1f}%; between the two halves "
-             f"of the measurement: {mean_halves:.1f}%. Measured: median of "
+    text += (f"\n\nMean absolute error of the prediction: **{mean_abs:.1f}%** over {len(rows)} runs; with the "
+             f"stages profiled again during the run: **{mean_reprofiled:.1f}%**; of the simulator replaying the "
+             f"stage times the runtime measured: {mean_replay:.1f}%; between the two halves of the measurement: "
+             f"{mean_halves:.1f}%. Measured: median of "
              f"{steps} steps per package after {warmup} warm-up, in rounds of {STEPS_PER_ROUND} (every package in "
              f"turn), barrier cost subtracted; load average {load[0]:.1f} on {os.cpu_count()} CPUs. "
              f"Pipeline messages under load (posting a send / a receive / the message), as the cpu profile "
@@ -264,6 +324,7 @@ def main(argv: list[str] | None = None) -> int:
              f"{send_us:.0f} / {recv_us:.0f} / {message_us:.0f} us.")
     print(text)
     save("simulator_error", rows, mean_abs_error_pct=mean_abs, mean_abs_replay_error_pct=mean_replay,
+         mean_abs_reprofiled_error_pct=mean_reprofiled,
          mean_halves_pct=mean_halves, steps=steps,
          warmup=warmup,
          load_average=load, cpus=os.cpu_count(),

@@ -34,7 +34,8 @@ from .hardware import Hardware
 from .ir import NodeCost
 from .roofline import BACKWARD_FLOP_FACTOR, roofline_s
 
-__all__ = ["PROFILE_VERSION", "annotate", "calibrate_stages", "compute_nodes", "param_names", "storage_key"]
+__all__ = ["PROFILE_VERSION", "annotate", "calibrate_stages", "compute_nodes", "param_names", "storage_key",
+           "time_forward_backward"]
 
 #: what a measured profile means; part of a profile cache key, so that profiles measured
 #: by older code (forward under no_grad, no whole-graph calibration, calibration without
@@ -268,28 +269,9 @@ def _calibrate(gm: torch.fx.GraphModule, values: dict[torch.fx.Node, Any], costs
     except Exception:
         return costs
 
-    def forward() -> list[torch.Tensor]:
-        with torch.enable_grad():
-            return [t for t in _tensors(plain(*inputs)) if t.requires_grad and (t.is_floating_point() or t.is_complex())]
-
     try:
-        forwards, backwards = [], []
-        for i in range(max(3 * repeats, 15) + 1):  # the whole graph is cheap: more samples, less noise
-            if wait_s:
-                time.sleep(wait_s)
-            start = time.perf_counter()
-            outs = forward()
-            forwarded = time.perf_counter() - start
-            grads = [torch.ones_like(t) for t in outs]
-            if wait_s:
-                time.sleep(wait_s)
-            start = time.perf_counter()
-            if outs:
-                torch.autograd.backward(outs, grads)
-            if i:  # the first is a warm-up
-                forwards.append(forwarded)
-                backwards.append(time.perf_counter() - start if outs else 0.0)
-        fwd, bwd = statistics.median(forwards), statistics.median(backwards)
+        # the whole graph is cheap: more samples, less noise
+        fwd, bwd = time_forward_backward(lambda: plain(*inputs), max(3 * repeats, 15), wait_s)
     except Exception:  # in-place ops on inputs, and whatever else only the whole graph meets
         return costs
     finally:
@@ -312,6 +294,32 @@ def _calibrate(gm: torch.fx.GraphModule, values: dict[torch.fx.Node, Any], costs
             t = getattr(out[name], attr)
             out[name] = dataclasses.replace(out[name], **{attr: t * scale + share})
     return out
+
+
+def time_forward_backward(forward: Callable[[], Any], samples: int, wait_s: float = 0.0) -> tuple[float, float]:
+    """Median seconds of `forward()` (autograd recording) and of the backward from every
+    floating output that needs a gradient (ones as their gradients), each after idling
+    `wait_s`, over `samples` samples after one warm-up: a stage's forward and backward as a
+    rank runs them.  `benchmarks/simulator_error.py` times the generated stages with it
+    during the run, as the compile timed their graphs."""
+    forwards, backwards = [], []
+    for i in range(samples + 1):
+        if wait_s:
+            time.sleep(wait_s)
+        start = time.perf_counter()
+        with torch.enable_grad():
+            outs = [t for t in _tensors(forward()) if t.requires_grad and (t.is_floating_point() or t.is_complex())]
+        forwarded = time.perf_counter() - start
+        grads = [torch.ones_like(t) for t in outs]
+        if wait_s:
+            time.sleep(wait_s)
+        start = time.perf_counter()
+        if outs:
+            torch.autograd.backward(outs, grads)
+        if i:  # the first is a warm-up
+            forwards.append(forwarded)
+            backwards.append(time.perf_counter() - start if outs else 0.0)
+    return statistics.median(forwards), statistics.median(backwards)
 
 
 def calibrate_stages(gm: torch.fx.GraphModule, values: dict[torch.fx.Node, Any], costs: dict[str, NodeCost],

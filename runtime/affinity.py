@@ -6,8 +6,9 @@
     the scheduler, a rank's threads move between cores: a woken thread may land on the
     core the other rank is computing on and wait there, and a main thread that moved
     computes with a cold L1/L2.  Binding each rank's threads to a core of its own made
-    2-stage steps of every example 6-38% faster on the project's 2-core VM, the two
-    conditions interleaved in rounds (`python -m benchmarks.cpu_binding`; README).
+    2-stage steps 12% faster on geometric mean on the project's 2-core VM (from 26% faster
+    to 1% slower per example), the two conditions interleaved in rounds
+    (`python -m benchmarks.cpu_binding`; README).
 
     So on CPU, when the cores the process may use divide among the local ranks (at least
     one each), `bind_local_rank` gives local rank r the r-th contiguous share and binds

@@ -86,3 +86,22 @@ def test_a_tied_parameter_on_two_stages_costs_one_all_reduce(tmp_path: Path) -> 
     assert tied_allreduce_s(one.traced.gm, one.plan, hw) == 0.0
     mlp = compile_example("examples/mlp.py", tmp_path / "mlp", stages=2, hardware="a100")
     assert tied_allreduce_s(mlp.traced.gm, mlp.plan, hw) == 0.0
+
+
+def test_a_forward_and_backward_are_timed_without_the_wait_before_them() -> None:
+    """`time_forward_backward` idles before each half but times only the work; the backward
+    runs from the outputs that need a gradient, and is 0 where none does."""
+    linear = torch.nn.Linear(64, 64)
+    x = torch.randn(8, 64)
+    calls = []
+
+    def forward() -> Any:
+        calls.append(1)
+        return linear(x), x.sum()  # the second output needs no gradient
+
+    fwd, bwd = cost.time_forward_backward(forward, samples=3, wait_s=0.02)
+    assert len(calls) == 4  # one warm-up
+    assert 0 < fwd < 0.02 and 0 < bwd < 0.02
+    assert linear.weight.grad is not None  # the backward ran
+    _, none = cost.time_forward_backward(lambda: x * 2, samples=2)
+    assert none == 0.0
