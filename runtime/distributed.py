@@ -72,7 +72,7 @@ class _Step:
 
 @dataclass
 class _Now:
-    """The action this rank is running (None between steps)."""
+    """The action this rank is running, or ran last (None before the first)."""
 
     action: Action | None = None
 
