@@ -179,15 +179,8 @@ class _Run:
         # stage on its own between rounds (profile_now)
         self.args: dict[int, tuple[Any, ...]] = {}
         self.profiles: dict[str, list[float]] = {}
-        self._hooks = [runner.module.register_forward_pre_hook(self._catch(s))
-                       for s, runner in self.pipe.runners.items()]
-
-    def _catch(self, stage: int) -> Any:
-        def hook(_module: Any, args: tuple[Any, ...]) -> None:
-            if stage not in self.args:
-                self.args[stage] = tuple(a.detach().requires_grad_(a.requires_grad)
-                                         if isinstance(a, torch.Tensor) else a for a in args)
-        return hook
+        for s, runner in self.pipe.runners.items():
+            runner.module.register_forward_pre_hook(_catch(self.args, s))
 
     def profile_now(self, wait_s: float) -> None:
         """Time this rank's stages on their own, as the compile's `calibrate_stages` timed
@@ -234,6 +227,17 @@ class _Run:
                         stage_ms[f"{kind}{s}"] = statistics.median(durs)
         return {"samples_ms": [1e3 * s for s in self.samples], "median_ms": 1e3 * statistics.median(self.samples),
                 "stage_ms": stage_ms}
+
+
+def _catch(caught: dict[int, tuple[Any, ...]], stage: int) -> Any:
+    """A forward pre-hook keeping the first arguments `stage` meets in `caught` (detached).
+    It holds the dict, not the _Run: a hook on the pipeline's module that held its owner
+    would put the pipeline in a reference cycle (see runtime/distributed.py, _describer)."""
+    def hook(_module: Any, args: tuple[Any, ...]) -> None:
+        if stage not in caught:
+            caught[stage] = tuple(a.detach().requires_grad_(a.requires_grad) if isinstance(a, torch.Tensor) else a
+                                  for a in args)
+    return hook
 
 
 def run_all(dirs: list[str], warmup: int, steps: int, wait_s: float, work: Path) -> dict[str, Any]:
