@@ -31,14 +31,6 @@ ROUND_STEPS = 6
 DEADLINE_S = 900.0
 
 
-def _all_threads(cpus: set[int]) -> None:
-    for tid in os.listdir("/proc/self/task"):
-        try:
-            os.sched_setaffinity(int(tid), cpus)
-        except OSError:  # the thread has exited meanwhile
-            pass
-
-
 def _worker(rank: int, port: int, dirs: list[str], rounds: int, out: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(WORLD),
                       LOCAL_RANK=str(rank), PIPELINE_TIMEOUT_S="60", PIPELINE_CPU_BIND="0")
@@ -47,7 +39,7 @@ def _worker(rank: int, port: int, dirs: list[str], rounds: int, out: str) -> Non
     import torch
     import torch.distributed as dist
 
-    from runtime.affinity import cpu_share
+    from runtime.affinity import bind_threads, cpu_share
 
     from .simulator_error import _Run
 
@@ -62,7 +54,7 @@ def _worker(rank: int, port: int, dirs: list[str], rounds: int, out: str) -> Non
     times: dict[str, dict[str, list[float]]] = {d: {"bound": [], "free": []} for d in dirs}
     for k in range(rounds):
         for condition in ("bound", "free") if k % 2 == 0 else ("free", "bound"):
-            _all_threads(bound if condition == "bound" else free)
+            bind_threads(bound if condition == "bound" else free)
             for directory, run in zip(dirs, runs):
                 run.step()  # the first step after a switch settles the threads
                 times[directory][condition] += [1e3 * run.step() for _ in range(ROUND_STEPS)]

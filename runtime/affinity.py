@@ -27,7 +27,7 @@ import os
 from pathlib import Path
 from typing import Iterator
 
-__all__ = ["bind_local_rank", "binding_enabled", "bound_as_local_rank", "cpu_share"]
+__all__ = ["bind_local_rank", "bind_threads", "binding_enabled", "bound_as_local_rank", "cpu_share"]
 
 
 def binding_enabled() -> bool:
@@ -55,7 +55,7 @@ def bind_local_rank(local_rank: int, local_world: int) -> set[int] | None:
     share = cpu_share(allowed, local_rank, local_world)
     if share is None or share == allowed:
         return None
-    _bind_threads(share)
+    bind_threads(share)
     return share
 
 
@@ -69,10 +69,11 @@ def bound_as_local_rank(local_rank: int, local_world: int) -> Iterator[set[int] 
         yield share
     finally:
         if share is not None and before is not None:
-            _bind_threads(before)
+            bind_threads(before)
 
 
-def _bind_threads(cpus: set[int]) -> None:
+def bind_threads(cpus: set[int]) -> None:
+    """Bind every thread this process has now to `cpus`."""
     for tid in _threads():
         try:
             os.sched_setaffinity(tid, cpus)

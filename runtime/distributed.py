@@ -396,7 +396,6 @@ class DistributedPipeline:
                     f"(now {self.timeout_s:g} s).")
         return say
 
-
     def _default_loss_fn(self) -> LossFn:
         if self._loss_fn is None:
             self._loss_fn = package.load_loss_fn(self.manifest, self.directory)
