@@ -68,7 +68,26 @@ PROFILE_SAMPLES = 15  # per round, of each stage on its own (as calibrate_stages
 # -- compile -------------------------------------------------------------------------------
 
 
-def compile_case(example: str, schedule: str, work: Path) -> dict[str, Any]:
+def model_file(example: str, batch: int | None, work: Path) -> str:
+    """The example's model file; at another batch, a file of ours that imports the
+    example and sets its `BATCH` (every example's inputs and target are made of it)."""
+    source = Path("examples") / f"{example}.py"
+    if batch is None:
+        return str(source)
+    wrapper = work / f"{example}_batch{batch}.py"
+    wrapper.write_text(
+        f'"""{source} at batch {batch} (written by benchmarks.simulator_error)."""\n'
+        "import importlib.util\n\n"
+        f"_spec = importlib.util.spec_from_file_location('_example_{example}', {str(source.resolve())!r})\n"
+        "_example = importlib.util.module_from_spec(_spec)\n"
+        "_spec.loader.exec_module(_example)\n"
+        f"_example.BATCH = {batch}\n"
+        "build_model, example_inputs = _example.build_model, _example.example_inputs\n"
+        "example_target, loss_fn = _example.example_target, _example.loss_fn\n")
+    return str(wrapper)
+
+
+def compile_case(example: str, schedule: str, work: Path, batch: int | None = None) -> dict[str, Any]:
     """Compile one example into 2 stages with measured costs; what the prediction says."""
     from partitioner.compiler import CompileOptions, compile_model
     from partitioner.hardware import load_hardware
@@ -76,7 +95,7 @@ def compile_case(example: str, schedule: str, work: Path) -> dict[str, Any]:
 
     directory = work / f"{example}_{schedule}"
     start = time.perf_counter()
-    compiled = compile_model(CompileOptions(model=f"examples/{example}.py", out=str(directory), stages=WORLD,
+    compiled = compile_model(CompileOptions(model=model_file(example, batch, work), out=str(directory), stages=WORLD,
                                             schedule=schedule, quiet=True, reprofile=True))
     seconds = time.perf_counter() - start
     m = compiled.manifest
@@ -255,6 +274,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="fewer timed steps")
     parser.add_argument("--examples", default=",".join(EXAMPLES), help="comma-separated examples/ names")
     parser.add_argument("--schedules", default=",".join(SCHEDULES))
+    parser.add_argument("--batch", type=int, default=None, help="run the examples at this batch instead of their own")
     parser.add_argument("--no-readme", action="store_true", help="do not rewrite the README block")
     ns = parser.parse_args(argv)
     warmup, steps = (2, 2 * STEPS_PER_ROUND) if ns.quick else (3, 8 * STEPS_PER_ROUND)
@@ -267,7 +287,7 @@ def main(argv: list[str] | None = None) -> int:
         cases = []
         for example in examples:
             for schedule in schedules:
-                cases.append(compile_case(example, schedule, work))
+                cases.append(compile_case(example, schedule, work, ns.batch))
                 print(f"compiled {example} {schedule}: predicted {cases[-1]['predicted_ms']:.2f} ms "
                       f"({cases[-1]['compile_s']:.1f} s)", file=sys.stderr, flush=True)
         load_before = os.getloadavg()[0]

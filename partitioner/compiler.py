@@ -22,7 +22,7 @@ import torch.utils._pytree as pytree
 from . import cache, model_file
 from .cost import PROFILE_VERSION, annotate, calibrate_stages, compute_nodes, storage_key
 from .errors import PlanError
-from .hardware import Hardware, load_hardware
+from .hardware import RANK_THREADS, Hardware, load_hardware, rank_threads
 from .ir import NodeCost, PartitionProblem, Plan, SolverReport, StagePlan
 from .options import (CompileOptions, batch_size, check, default_microbatches, fixed_tp, rows_per_microbatch,
                       split_batch)
@@ -151,7 +151,8 @@ def prepare(opts: CompileOptions, say: Callable[[str], None] = lambda _m: None, 
     phase("trace")
     # 3. Cost every node, measured (cached) or analytic.
     hardware = load_hardware(opts.hardware)
-    costs = _costs(traced.gm, values, hardware, opts, say)
+    with rank_threads():  # measured as a rank will compute
+        costs = _costs(traced.gm, values, hardware, opts, say)
     phase("cost")
     # 4. Tensor parallelism: the split per node, and the graph one rank runs.
     whole = (traced, costs)
@@ -242,12 +243,12 @@ def _stage_costs(p: Prepared, plan: Plan) -> dict[str, NodeCost]:
     ranks = plan.pp * plan.tp * plan.dp
     key = "stages-" + hashlib.sha256(json.dumps(
         [PROFILE_VERSION, p.traced.gm.code, sorted(stage_of.items()), wait, p.opts.repeats, torch.__version__,
-         torch.get_num_threads(), binding_enabled() and ranks, sorted((n, asdict(c)) for n, c in p.costs.items())]
+         RANK_THREADS, binding_enabled() and ranks, sorted((n, asdict(c)) for n, c in p.costs.items())]
     ).encode()).hexdigest()[:32]
     cached = None if p.opts.reprofile else cache.get(key)
     if isinstance(cached, dict) and set(cached) == set(p.costs):
         return {name: NodeCost(**c) for name, c in cached.items()}
-    with bound_as_local_rank(0, ranks):  # on one core, as a rank computes (runtime/affinity.py)
+    with bound_as_local_rank(0, ranks), rank_threads():  # on a rank's cores and threads (runtime/affinity.py)
         costs = calibrate_stages(p.traced.gm, p.values, p.costs, stage_of, p.opts.repeats, wait)
     cache.put(key, {name: asdict(c) for name, c in costs.items()})
     return costs
@@ -309,7 +310,7 @@ def _costs(gm: torch.fx.GraphModule, values: dict[torch.fx.Node, Any], hardware:
     wait = _wait_s(hardware)
     key = "profile-" + hashlib.sha256(
         json.dumps([PROFILE_VERSION, gm.code, [str(n.meta.get("tensor_meta")) for n in gm.graph.nodes],
-                    hardware.name, measure, opts.repeats, torch.__version__, torch.get_num_threads(),
+                    hardware.name, measure, opts.repeats, torch.__version__, RANK_THREADS,
                     wait]).encode()
     ).hexdigest()[:32]
     cached = None if (opts.reprofile or not measure) else cache.get(key)

@@ -13,6 +13,7 @@ estimates are kept and `sources` says so.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import multiprocessing
@@ -23,7 +24,7 @@ import time
 from dataclasses import asdict, dataclass, field, fields
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 
@@ -159,10 +160,34 @@ def _this_machine() -> str:
 #: bump when the measurement changes, so profiles cached by older code are measured again
 _CPU_PROFILE_VERSION = 6
 
+# The intra-op threads a rank computes on: `partitioner run` sets OMP_NUM_THREADS=1 for its
+# ranks (runtime/launch.py), as torchrun does whenever it starts more than one process.
+RANK_THREADS = 1
+
+
+@contextlib.contextmanager
+def rank_threads() -> Iterator[None]:
+    """torch on `RANK_THREADS` intra-op threads for the duration: what the compile measures
+    (the cpu profile, node costs, stage calibration) is then what a rank will run.  Timed
+    on all of the machine's threads, a matmul is several times faster than a rank computes
+    it; and bound to one core, as a stage is calibrated, several threads take turns on it
+    at a hundredfold cost."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(RANK_THREADS)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
 
 def _cpu() -> Hardware:
-    """This CPU, measured once per machine and cached (the cached value is reused, so
-    compiles on one machine stay byte-identical)."""
+    """This CPU as one rank computes on it (`rank_threads`), measured once per machine and
+    cached (the cached value is reused, so compiles on one machine stay byte-identical)."""
+    with rank_threads():
+        return _cpu_profile()
+
+
+def _cpu_profile() -> Hardware:
     from runtime.affinity import binding_enabled
 
     key = (f"hardware-cpu-v{_CPU_PROFILE_VERSION}-{socket.gethostname()}-{torch.__version__}-"
@@ -324,7 +349,7 @@ def _measure_gloo(timeout_s: float = _TIMEOUT_S) -> _Links | None:
 def _gloo_peer(conn: Any, timeout_s: float) -> None:
     """Rank 1, in the forked child: the other half of every pattern."""
     try:
-        torch.set_num_threads(1)
+        torch.set_num_threads(RANK_THREADS)
         if not conn.poll(timeout_s):
             return
         store = torch.distributed.TCPStore("127.0.0.1", conn.recv(), 2, False, timedelta(seconds=timeout_s))
@@ -417,12 +442,8 @@ def _loaded_exchange(pg: Any, store: Any, rank: int, wait: timedelta) -> list[fl
 
     Events are wall-clock (time.time_ns, one clock for both processes of this machine);
     rank 1 hands its events to rank 0 through the store."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # as every rank computes (runtime/launch.py)
-    try:
+    with rank_threads():
         return _exchange(pg, store, rank, wait)
-    finally:
-        torch.set_num_threads(threads)
 
 
 def _exchange(pg: Any, store: Any, rank: int, wait: timedelta) -> list[float]:

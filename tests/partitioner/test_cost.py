@@ -105,3 +105,32 @@ def test_a_forward_and_backward_are_timed_without_the_wait_before_them() -> None
     assert linear.weight.grad is not None  # the backward ran
     _, none = cost.time_forward_backward(lambda: x * 2, samples=2)
     assert none == 0.0
+
+
+def test_measured_costs_are_taken_on_the_threads_a_rank_computes_on(tmp_path: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """Node costs and stage calibration run on RANK_THREADS threads whatever the compiling
+    process has (the ranks run OMP_NUM_THREADS=1): timed on more, a stage bound to one core
+    for its calibration had its threads take turns on it, at a hundredfold cost."""
+    from partitioner import compiler
+    from partitioner.hardware import RANK_THREADS
+
+    seen: list[tuple[str, int]] = []
+
+    def spy(name: str, real: Any) -> Any:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            seen.append((name, torch.get_num_threads()))
+            return real(*args, **kwargs)
+        return call
+
+    monkeypatch.setattr(compiler, "annotate", spy("nodes", compiler.annotate))
+    monkeypatch.setattr(compiler, "calibrate_stages", spy("stages", compiler.calibrate_stages))
+    before = torch.get_num_threads()
+    torch.set_num_threads(RANK_THREADS + 1)
+    try:
+        compile_example("examples/mlp.py", tmp_path / "pkg", stages=2, hardware="cpu", analytic=False,
+                        reprofile=True, repeats=1)
+        assert torch.get_num_threads() == RANK_THREADS + 1
+    finally:
+        torch.set_num_threads(before)
+    assert seen == [("nodes", RANK_THREADS), ("stages", RANK_THREADS)]

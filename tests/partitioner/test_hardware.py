@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from partitioner import hardware
 from partitioner.errors import PartitionerError
@@ -130,3 +131,22 @@ def test_cached_profile_of_another_shape_is_measured_again(tmp_path: Path, monke
     assert load_hardware("cpu").sources == ("again",)
     stored = cache.get(entry.stem)
     assert stored is not None and stored["sources"] == ["again"]
+
+
+def test_cpu_profile_is_measured_on_a_ranks_threads(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The ranks compute on RANK_THREADS threads (OMP_NUM_THREADS=1 under torchrun): so is
+    the matmul the cpu profile times, whatever the compiling process has; and its own
+    thread count is given back."""
+    monkeypatch.setenv("PARTITIONER_CACHE", str(tmp_path / "cache"))
+    seen: list[int] = []
+    fake = Hardware(name="cpu", peak_flops=1e9, memory_bandwidth=1e9, memory_bytes=1, intra_node_bandwidth=1e9,
+                    intra_node_latency_s=1e-5, sources=("fake",))
+    monkeypatch.setattr(hardware, "_measure_cpu", lambda: (seen.append(torch.get_num_threads()), fake)[1])
+    before = torch.get_num_threads()
+    torch.set_num_threads(hardware.RANK_THREADS + 1)
+    try:
+        load_hardware("cpu")
+        assert torch.get_num_threads() == hardware.RANK_THREADS + 1
+    finally:
+        torch.set_num_threads(before)
+    assert seen == [hardware.RANK_THREADS]
