@@ -20,7 +20,7 @@ import torch.fx
 import torch.utils._pytree as pytree
 
 from . import cache, model_file
-from .cost import PROFILE_VERSION, annotate, calibrate_stages, compute_nodes, storage_key
+from .cost import PROFILE_VERSION, CalibrationError, annotate, calibrate_stages, compute_nodes, storage_key
 from .errors import PlanError
 from .hardware import RANK_THREADS, Hardware, load_hardware, rank_threads
 from .ir import NodeCost, PartitionProblem, Plan, SolverReport, StagePlan
@@ -33,7 +33,7 @@ from .solve import solve
 from .tp import Sharded, shard
 from .trace import Traced, by_input_key, copy_traced, trace
 
-from runtime.affinity import binding_enabled, bound_as_local_rank
+from runtime.affinity import binding_enabled, bound_as_local_rank, cpu_share
 
 __all__ = ["CompileOptions", "Compiled", "Prepared", "Source", "assign_nodes", "compile_model", "finish", "load_source",
            "prepare", "split_batch"]
@@ -75,6 +75,7 @@ class Prepared:
     sharded: Sharded | None = None
     coarse: Coarse | None = None  # the blocks `problem` was posed from
     values: dict[torch.fx.Node, Any] | None = None  # one microbatch's value of every node (tp = 1)
+    say: Callable[[str], None] = field(default=lambda _m: None, repr=False)  # progress and warnings
 
 
 @dataclass
@@ -163,7 +164,7 @@ def prepare(opts: CompileOptions, say: Callable[[str], None] = lambda _m: None, 
     problem = pose(coarse, pp * virtual, microbatches, hardware, opts)
     phase("coarsen")
     return Prepared(opts, mf, model, traced, costs, hardware, problem, coarse.blocks, batch, rows, args, kwargs,
-                    pp, virtual, microbatches, timings, whole, sharded, coarse, values if sharded is None else None)
+                    pp, virtual, microbatches, timings, whole, sharded, coarse, values if sharded is None else None, say)
 
 
 def _trace(src: Source, margs: tuple[Any, ...], mkwargs: dict[str, Any], opts: CompileOptions, rows: int,
@@ -233,25 +234,55 @@ def _emit(p: Prepared, plan: Plan, extra: dict[str, Any] | None = None) -> Compi
 def _stage_costs(p: Prepared, plan: Plan) -> dict[str, NodeCost]:
     """The node costs the prediction uses: where costs are measured and stages wait for
     messages on the cores they compute on (the cpu profile), calibrated stage by stage as
-    a rank runs them (`cost.calibrate_stages`: after a message's wait, on one core as the
-    runtime binds a rank), cached per plan so that compiles on one machine stay
-    byte-identical; else the costs as they are."""
+    a rank runs them (`cost.calibrate_stages`: after a message's wait, on a rank's thread
+    and cores, every rank beside the others when each has cores of its own), cached per
+    plan so that compiles on one machine stay byte-identical; else the costs as they are."""
     wait = _wait_s(p.hardware)
     if p.opts.analytic or not wait or p.values is None or plan.num_stages < 2 or plan.recompute:
         return p.costs
     stage_of = plan.stage_of()
     ranks = plan.pp * plan.tp * plan.dp
+    side_by_side = _rank_cores(plan)
     key = "stages-" + hashlib.sha256(json.dumps(
         [PROFILE_VERSION, p.traced.gm.code, sorted(stage_of.items()), wait, p.opts.repeats, torch.__version__,
-         RANK_THREADS, binding_enabled() and ranks, sorted((n, asdict(c)) for n, c in p.costs.items())]
+         RANK_THREADS, binding_enabled() and ranks, [(stages, sorted(cores)) for stages, cores in side_by_side],
+         sorted((n, asdict(c)) for n, c in p.costs.items())]
     ).encode()).hexdigest()[:32]
     cached = None if p.opts.reprofile else cache.get(key)
     if isinstance(cached, dict) and set(cached) == set(p.costs):
         return {name: NodeCost(**c) for name, c in cached.items()}
-    with bound_as_local_rank(0, ranks), rank_threads():  # on a rank's cores and threads (runtime/affinity.py)
-        costs = calibrate_stages(p.traced.gm, p.values, p.costs, stage_of, p.opts.repeats, wait)
+    p.say(f"calibrating {plan.num_stages} stages as the ranks run them"
+          + (f", {len(side_by_side)} ranks side by side" if side_by_side else ""))
+    with rank_threads():  # on a rank's threads and cores (runtime/affinity.py)
+        if side_by_side:
+            try:
+                costs = calibrate_stages(p.traced.gm, p.values, p.costs, stage_of, p.opts.repeats, wait, side_by_side)
+                cache.put(key, {name: asdict(c) for name, c in costs.items()})
+                return costs
+            except CalibrationError as e:  # not cached: the next compile tries again
+                p.say(f"warning: timing the stages side by side failed ({e}); timing them one at a time")
+                with bound_as_local_rank(0, ranks):
+                    return calibrate_stages(p.traced.gm, p.values, p.costs, stage_of, p.opts.repeats, wait)
+        with bound_as_local_rank(0, ranks):
+            costs = calibrate_stages(p.traced.gm, p.values, p.costs, stage_of, p.opts.repeats, wait)
     cache.put(key, {name: asdict(c) for name, c in costs.items()})
     return costs
+
+
+def _rank_cores(plan: Plan) -> list[tuple[list[int], set[int]]]:
+    """Each rank's stages and the cores the runtime binds it to, when every rank gets
+    cores of its own on this machine (`runtime.affinity.cpu_share`); else none.  Rank r
+    holds the stages at position r // tp % pp (runtime/groups.py)."""
+    ranks = plan.pp * plan.tp * plan.dp
+    if not binding_enabled() or ranks < 2 or not hasattr(os, "sched_getaffinity"):
+        return []
+    allowed = os.sched_getaffinity(0)
+    shares = [cpu_share(allowed, r, ranks) for r in range(ranks)]
+    if any(share is None for share in shares):
+        return []
+    count = len(plan.stages)
+    return [([s for s in range(count) if s % plan.pp == r // plan.tp % plan.pp], share)
+            for r, share in enumerate(shares) if share is not None]
 
 
 def _wait_s(hardware: Hardware) -> float:

@@ -22,9 +22,10 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import multiprocessing
 import statistics
 import time
-from typing import Any, Callable, Hashable, Iterable
+from typing import Any, Callable, Hashable, Iterable, Sequence
 
 import torch
 import torch.fx
@@ -34,7 +35,7 @@ from .hardware import Hardware
 from .ir import NodeCost
 from .roofline import BACKWARD_FLOP_FACTOR, roofline_s
 
-__all__ = ["PROFILE_VERSION", "annotate", "calibrate_stages", "compute_nodes", "param_names", "storage_key",
+__all__ = ["PROFILE_VERSION", "CalibrationError", "annotate", "calibrate_stages", "compute_nodes", "param_names", "storage_key",
            "time_forward_backward"]
 
 #: what a measured profile means; part of a profile cache key, so that profiles measured
@@ -323,7 +324,8 @@ def time_forward_backward(forward: Callable[[], Any], samples: int, wait_s: floa
 
 
 def calibrate_stages(gm: torch.fx.GraphModule, values: dict[torch.fx.Node, Any], costs: dict[str, NodeCost],
-                     stage_of: dict[str, int], repeats: int, wait_s: float) -> dict[str, NodeCost]:
+                     stage_of: dict[str, int], repeats: int, wait_s: float,
+                     ranks: Sequence[tuple[Sequence[int], set[int]]] = ()) -> dict[str, NodeCost]:
     """Node times made to add up to each stage's, run as a rank runs it.
 
     `_calibrate` on each stage's own graph: its inputs from other stages become leaves
@@ -332,13 +334,117 @@ def calibrate_stages(gm: torch.fx.GraphModule, values: dict[torch.fx.Node, Any],
     costs more than its share of the whole graph's time: it starts autograd's engine on
     its own, and it pays the slow start after a wait once per stage, not once per model
     ([Note: compute after a wait]).  The plan is not changed, only its predicted times.
+
+    `ranks`, one (stages, cores) per rank, calibrates the ranks side by side, as they
+    compute ([Note: stages timed side by side]); without it the stages are timed one
+    after the other in this process.
     """
+    if ranks:
+        return _calibrate_side_by_side(gm, values, costs, stage_of, repeats, wait_s, ranks)
     out = dict(costs)
     for stage in sorted(set(stage_of.values())):
-        names = {name for name, s in stage_of.items() if s == stage}
-        sub, sub_values = _stage_graph(gm, values, names)
-        out = _calibrate(sub, sub_values, out, repeats, wait_s)
+        out = _calibrate_stage(gm, values, out, stage_of, stage, repeats, wait_s)
     return out
+
+
+def _calibrate_stage(gm: torch.fx.GraphModule, values: dict[torch.fx.Node, Any], costs: dict[str, NodeCost],
+                     stage_of: dict[str, int], stage: int, repeats: int, wait_s: float) -> dict[str, NodeCost]:
+    sub, sub_values = _stage_graph(gm, values, {name for name, s in stage_of.items() if s == stage})
+    return _calibrate(sub, sub_values, costs, repeats, wait_s)
+
+
+class CalibrationError(RuntimeError):
+    """Timing the stages side by side failed (a rank's process died or overran)."""
+
+
+# [Note: stages timed side by side]
+#     On one CPU machine the pipeline's ranks compute at the same time, each on its own
+#     cores, and share the rest: the last-level cache and the memory bandwidth.  A stage
+#     timed alone, the other cores idle, runs faster than it does beside the others: on
+#     our 2-core VM the examples' stages at batch 192 took 1.1-1.3x longer beside each
+#     other (and a matmul loop 1.1x).  So each rank gets a process of its own, forked,
+#     bound to the rank's cores; they start together, each times its stages, then keeps
+#     running its last one until every rank has finished timing: every sample is taken
+#     with the others computing, as in the schedule's steady state.  (The fill and drain
+#     of the pipeline, where a rank computes alone, are then slightly overestimated.)
+
+
+def _calibrate_side_by_side(gm: torch.fx.GraphModule, values: dict[torch.fx.Node, Any], costs: dict[str, NodeCost],
+                            stage_of: dict[str, int], repeats: int, wait_s: float,
+                            ranks: Sequence[tuple[Sequence[int], set[int]]]) -> dict[str, NodeCost]:
+    ctx = multiprocessing.get_context("fork")  # the children share the graph and its values, copy-on-write
+    start = ctx.Barrier(len(ranks))
+    finished = ctx.Value("i", 0)
+    pipes, children = [], []
+    try:
+        for stages, cores in ranks:
+            mine, theirs = ctx.Pipe(duplex=False)
+            child = ctx.Process(target=_time_rank, daemon=True,
+                                args=(theirs, gm, values, costs, stage_of, list(stages), cores, repeats, wait_s,
+                                      start, finished, len(ranks)))
+            child.start()
+            theirs.close()
+            pipes.append(mine)
+            children.append(child)
+        deadline = time.monotonic() + _SIDE_BY_SIDE_TIMEOUT_S
+        out = dict(costs)
+        timed: set[int] = set()
+        for (stages, _cores), pipe in zip(ranks, pipes):
+            if not pipe.poll(max(0.0, deadline - time.monotonic())):
+                raise CalibrationError(f"a rank timing stages {list(stages)} gave no answer in "
+                                       f"{_SIDE_BY_SIDE_TIMEOUT_S:.0f} s")
+            got = pipe.recv()
+            if isinstance(got, str):
+                raise CalibrationError(got)
+            for stage in stages:  # data-parallel replicas time the same stages: the first answer counts
+                if stage not in timed:
+                    timed.add(stage)
+                    out.update({name: got[name] for name, s in stage_of.items() if s == stage})
+        return out
+    except (EOFError, OSError) as e:
+        raise CalibrationError(f"a rank timing its stages died: {e}") from e
+    finally:
+        for child in children:
+            child.join(1.0)
+            if child.is_alive():
+                child.kill()
+                child.join(1.0)
+
+
+_SIDE_BY_SIDE_TIMEOUT_S = 300.0
+
+
+def _time_rank(conn: Any, gm: torch.fx.GraphModule, values: dict[torch.fx.Node, Any], costs: dict[str, NodeCost],
+               stage_of: dict[str, int], stages: list[int], cores: set[int], repeats: int, wait_s: float,
+               start: Any, finished: Any, ranks: int) -> None:
+    """One rank's side of `_calibrate_side_by_side`, in its forked process."""
+    from runtime.affinity import bind_threads
+
+    done = False
+
+    def finish() -> None:
+        nonlocal done
+        if not done:
+            done = True
+            with finished.get_lock():
+                finished.value += 1
+
+    try:
+        bind_threads(cores)
+        start.wait(_SIDE_BY_SIDE_TIMEOUT_S)
+        out = dict(costs)
+        for stage in stages:
+            out = _calibrate_stage(gm, values, out, stage_of, stage, repeats, wait_s)
+        finish()
+        while finished.value < ranks:  # beside the ranks still timing theirs
+            _calibrate_stage(gm, values, costs, stage_of, stages[-1], 1, wait_s)
+        conn.send({name: out[name] for name, s in stage_of.items() if s in stages})
+    except Exception as e:  # told to the parent, which falls back to timing alone
+        start.abort()  # nobody waits for this rank to start
+        finish()  # nor to finish
+        conn.send(f"{type(e).__name__}: {e}")
+    finally:
+        conn.close()
 
 
 def _stage_graph(gm: torch.fx.GraphModule, values: dict[torch.fx.Node, Any],

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
+import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -134,3 +137,101 @@ def test_measured_costs_are_taken_on_the_threads_a_rank_computes_on(tmp_path: Pa
     finally:
         torch.set_num_threads(before)
     assert seen == [("nodes", RANK_THREADS), ("stages", RANK_THREADS)]
+
+
+def test_ranks_are_calibrated_side_by_side_until_the_last_is_done(tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each rank times its stages in a process of its own, all at once, and keeps running
+    its last stage until every rank has finished timing: the slow stage is never timed
+    alone.  The answers come back to the parent, stage by stage."""
+    compiled = compile_example("examples/mlp.py", tmp_path / "pkg", stages=2, hardware="a100")
+    p = _prepared(tmp_path, "examples/mlp.py")
+    stage_of = compiled.plan.stage_of()
+    log = tmp_path / "log"
+
+    def fake(gm: torch.fx.GraphModule, values: Any, costs: Any, repeats: int, wait_s: float = 0.0) -> Any:
+        import os
+        import time
+        names = {n.name for n in cost.compute_nodes(gm)}
+        stage = stage_of[next(iter(names))]
+        start = time.monotonic()
+        time.sleep(0.4 if stage == 0 else 0.05)
+        with log.open("a") as f:
+            f.write(f"{stage} {repeats} {start} {time.monotonic()} {os.getpid()}\n")
+        return {n: (dataclasses.replace(c, forward_s=float(stage + 1)) if n in names else c) for n, c in costs.items()}
+
+    monkeypatch.setattr(cost, "_calibrate", fake)
+    cores = set(os.sched_getaffinity(0))
+    out = cost.calibrate_stages(p.traced.gm, p.values, p.costs, stage_of, 3, 0.0, [([0], cores), ([1], cores)])
+    assert {n: c.forward_s for n, c in out.items()} == {n: float(s + 1) for n, s in stage_of.items()}
+    rows = [line.split() for line in log.read_text().splitlines()]
+    timed = {int(r[0]): (float(r[2]), float(r[3]), r[4]) for r in rows if r[1] == "3"}
+    assert timed[0][2] != timed[1][2] != str(os.getpid())  # two processes, neither this one
+    assert timed[1][0] < timed[0][1] and timed[0][0] < timed[1][1]  # at the same time
+    fillers = [float(r[3]) for r in rows if r[0] == "1" and r[1] == "1"]
+    assert fillers and max(fillers) >= timed[0][1]  # stage 1 ran on until stage 0 was timed
+
+
+def test_a_rank_that_fails_its_calibration_fails_it_for_all_at_once(tmp_path: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    compiled = compile_example("examples/mlp.py", tmp_path / "pkg", stages=2, hardware="a100")
+    p = _prepared(tmp_path, "examples/mlp.py")
+
+    def broken(gm: torch.fx.GraphModule, values: Any, costs: Any, repeats: int, wait_s: float = 0.0) -> Any:
+        raise ValueError("no stage today")
+
+    monkeypatch.setattr(cost, "_calibrate", broken)
+    cores = set(os.sched_getaffinity(0))
+    start = time.monotonic()
+    with pytest.raises(cost.CalibrationError, match="no stage today"):
+        cost.calibrate_stages(p.traced.gm, p.values, p.costs, compiled.plan.stage_of(), 3, 0.0,
+                              [([0], cores), ([1], cores)])
+    assert time.monotonic() - start < 30
+
+
+def test_the_compile_falls_back_to_one_stage_at_a_time(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Side by side failing (say, no fork) costs a warning, not the compile."""
+    from partitioner import compiler
+
+    real = compiler.calibrate_stages
+    calls: list[bool] = []
+
+    def flaky(*args: Any, **kwargs: Any) -> Any:
+        side_by_side = bool(args[6:] and args[6])
+        calls.append(side_by_side)
+        if side_by_side:
+            raise cost.CalibrationError("a rank died")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(compiler, "calibrate_stages", flaky)
+    monkeypatch.setattr(compiler, "_rank_cores", lambda plan: [([0], {0}), ([1], {0})])
+    said: list[str] = []
+    compiler.compile_model(CompileOptions(model="examples/mlp.py", out=str(tmp_path / "pkg"), stages=2,
+                                          hardware="cpu", reprofile=True, repeats=1), log=said.append)
+    assert calls == [True, False]
+    assert any("side by side failed (a rank died)" in line for line in said), said
+
+
+@pytest.mark.parametrize(("pp", "tp", "dp", "stages", "cores", "want"), [
+    (2, 1, 1, 2, 2, [[0], [1]]),
+    (2, 1, 1, 4, 4, [[0, 2], [1, 3]]),  # interleaved: stage s on position s % pp
+    (2, 1, 2, 2, 4, [[0], [1], [0], [1]]),  # replicas
+    (2, 1, 1, 2, 1, None),  # fewer cores than ranks: not bound, so not side by side
+])
+def test_each_rank_is_calibrated_on_the_cores_it_is_bound_to(monkeypatch: pytest.MonkeyPatch, pp: int, tp: int,
+                                                             dp: int, stages: int, cores: int,
+                                                             want: list[list[int]] | None) -> None:
+    from types import SimpleNamespace
+
+    from partitioner import compiler
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda _pid: set(range(cores)))
+    plan = SimpleNamespace(pp=pp, tp=tp, dp=dp, stages=[None] * stages)
+    got = compiler._rank_cores(plan)  # type: ignore[arg-type]
+    if want is None:
+        assert got == []
+    else:
+        per = cores // (pp * tp * dp)
+        assert got == [(w, set(range(r * per, (r + 1) * per))) for r, w in enumerate(want)]
+    monkeypatch.setenv("PIPELINE_CPU_BIND", "0")
+    assert compiler._rank_cores(plan) == []  # type: ignore[arg-type]
