@@ -38,7 +38,12 @@ can be traced to compute or to communication.  Columns:
 
 `stage_ms` in the JSON holds the per-stage numbers, `samples_ms` every timed step.
 
-    python -m benchmarks.simulator_error [--quick] [--examples mlp,gpt] [--schedules 1f1b]
+Twice: at the examples' own batch (24 rows: steps of 7-25 ms, where a 1-4 ms stall of
+one message on this VM is a large share), and at LARGE_BATCH (`simulator_error_batch192`:
+the same models with 8x the rows, through a model file of ours that sets the example's
+`BATCH`), where the stages' compute outweighs the messages as it does in real training.
+
+    python -m benchmarks.simulator_error [--quick] [--batch N] [--examples mlp,gpt] [--schedules 1f1b]
 """
 
 from __future__ import annotations
@@ -63,6 +68,7 @@ DEADLINE_S = 900.0  # the workers, all packages together: killed after this
 STEPS_PER_ROUND = 8  # timed steps of one package before the next one's
 TRACED_STEPS = 4  # traced steps per package for the stage times
 PROFILE_SAMPLES = 15  # per round, of each stage on its own (as calibrate_stages takes)
+LARGE_BATCH = 192  # the second table: 8x the examples' batch, so that compute outweighs messages
 
 
 # -- compile -------------------------------------------------------------------------------
@@ -112,7 +118,7 @@ def compile_case(example: str, schedule: str, work: Path, batch: int | None = No
                "backward_ms": 1e3 * sum(costs[n].backward_s for n in s.nodes),
                "nodes": len(s.nodes)} for s in compiled.plan.stages]
     return {"example": example, "schedule": schedule, "dir": str(directory), "microbatches": m["microbatches"],
-            "predicted_ms": 1e3 * m["predicted"]["step_time_s"], "compile_s": seconds, "stages": stages,
+            "predicted_ms": 1e3 * m["predicted"]["step_time_s"], "compile_s": seconds, "batch": m["batch_size"], "stages": stages,
             "tied_ms": 1e3 * tied_allreduce_s(compiled.traced.gm, compiled.plan, load_hardware("cpu")),
             "edges": [[a, b, n] for (a, b), n in sorted(sent.items())]}
 
@@ -274,12 +280,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="fewer timed steps")
     parser.add_argument("--examples", default=",".join(EXAMPLES), help="comma-separated examples/ names")
     parser.add_argument("--schedules", default=",".join(SCHEDULES))
-    parser.add_argument("--batch", type=int, default=None, help="run the examples at this batch instead of their own")
+    parser.add_argument("--batch", type=int, default=None,
+                        help=f"only this batch (default: the examples' own, then {LARGE_BATCH})")
     parser.add_argument("--no-readme", action="store_true", help="do not rewrite the README block")
     ns = parser.parse_args(argv)
-    warmup, steps = (2, 2 * STEPS_PER_ROUND) if ns.quick else (3, 8 * STEPS_PER_ROUND)
     examples = [e for e in ns.examples.split(",") if e]
     schedules = [s for s in ns.schedules.split(",") if s]
+    for batch in [ns.batch] if ns.batch else [None, LARGE_BATCH]:
+        measure(examples, schedules, batch, ns.quick, not ns.no_readme)
+    return 0
+
+
+def measure(examples: list[str], schedules: list[str], batch: int | None, quick: bool, readme: bool) -> None:
+    """Compile, run and compare every example and schedule at `batch` (None: the
+    examples' own); print the table, save it and (`readme`) put it in the README as
+    `simulator_error`, or `simulator_error_batch{batch}`."""
+    name = "simulator_error" if batch is None else f"simulator_error_batch{batch}"
+    warmup, steps = (2, 2 * STEPS_PER_ROUND) if quick else (3, 8 * STEPS_PER_ROUND)
     with profiled_here() as work:  # the cpu profile and node costs (reprofile) measured now, one thread
         from partitioner.hardware import load_hardware
 
@@ -287,7 +304,7 @@ def main(argv: list[str] | None = None) -> int:
         cases = []
         for example in examples:
             for schedule in schedules:
-                cases.append(compile_case(example, schedule, work, ns.batch))
+                cases.append(compile_case(example, schedule, work, batch))
                 print(f"compiled {example} {schedule}: predicted {cases[-1]['predicted_ms']:.2f} ms "
                       f"({cases[-1]['compile_s']:.1f} s)", file=sys.stderr, flush=True)
         load_before = os.getloadavg()[0]
@@ -336,7 +353,9 @@ def main(argv: list[str] | None = None) -> int:
 
     mean_replay, mean_reprofiled = mean_abs_of("replay_error_pct"), mean_abs_of("reprofiled_error_pct")
     send_us, recv_us, message_us = measured["link_us"]
-    text += (f"\n\nMean absolute error of the prediction: **{mean_abs:.1f}%** over {len(rows)} runs; with the "
+    sizes = sorted({c["batch"] for c in cases})
+    at = f"the examples' own batch ({', '.join(map(str, sizes))})" if batch is None else f"batch {batch}"
+    text += (f"\n\nAt {at}: mean absolute error of the prediction: **{mean_abs:.1f}%** over {len(rows)} runs; with the "
              f"stages profiled again during the run: **{mean_reprofiled:.1f}%**; of the simulator replaying the "
              f"stage times the runtime measured: {mean_replay:.1f}%; between the two halves of the measurement: "
              f"{mean_halves:.1f}%. Measured: median of "
@@ -347,7 +366,7 @@ def main(argv: list[str] | None = None) -> int:
              f"{hw.p2p_alpha_s * 1e6:.0f} us; measured again by the workers after the timed steps: "
              f"{send_us:.0f} / {recv_us:.0f} / {message_us:.0f} us.")
     print(text)
-    save("simulator_error", rows, mean_abs_error_pct=mean_abs, mean_abs_replay_error_pct=mean_replay,
+    save(name, rows, batch=batch, mean_abs_error_pct=mean_abs, mean_abs_replay_error_pct=mean_replay,
          mean_abs_reprofiled_error_pct=mean_reprofiled,
          mean_halves_pct=mean_halves, steps=steps,
          warmup=warmup,
@@ -357,9 +376,8 @@ def main(argv: list[str] | None = None) -> int:
                    "p2p_send_post_s": hw.p2p_send_post_s, "p2p_recv_post_s": hw.p2p_recv_post_s,
                    "allreduce_alpha_s": hw.allreduce_latency_s, "allreduce_bandwidth": hw.allreduce_bandwidth,
                    "peak_flops": hw.peak_flops, "sources": list(hw.sources)})
-    if not ns.no_readme:
-        update_readme("simulator_error", text)
-    return 0
+    if readme:
+        update_readme(name, text)
 
 
 if __name__ == "__main__":

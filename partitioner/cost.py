@@ -361,9 +361,11 @@ class CalibrationError(RuntimeError):
 #     On one CPU machine the pipeline's ranks compute at the same time, each on its own
 #     cores, and share the rest: the last-level cache and the memory bandwidth.  A stage
 #     timed alone, the other cores idle, runs faster than it does beside the others: on
-#     our 2-core VM the examples' stages at batch 192 took 1.1-1.3x longer beside each
-#     other (and a matmul loop 1.1x).  So each rank gets a process of its own, forked,
-#     bound to the rank's cores; they start together, each times its stages, then keeps
+#     our 2-core VM the examples' stages at batch 192 ran 1.2-1.5x slower during a
+#     2-rank run than the compile had timed them one at a time (`drift_x` of
+#     benchmarks.simulator_error), and a matmul loop 1.1x slower beside another.  So each
+#     rank gets a process of its own, forked, bound to the rank's cores and keeping freed
+#     memory as a rank does (runtime/malloc.py); they start together, each times its stages, then keeps
 #     running its last one until every rank has finished timing: every sample is taken
 #     with the others computing, as in the schedule's steady state.  (The fill and drain
 #     of the pipeline, where a rank computes alone, are then slightly overestimated.)
@@ -419,6 +421,7 @@ def _time_rank(conn: Any, gm: torch.fx.GraphModule, values: dict[torch.fx.Node, 
                start: Any, finished: Any, ranks: int) -> None:
     """One rank's side of `_calibrate_side_by_side`, in its forked process."""
     from runtime.affinity import bind_threads
+    from runtime.malloc import keep_freed_memory
 
     done = False
 
@@ -431,6 +434,7 @@ def _time_rank(conn: Any, gm: torch.fx.GraphModule, values: dict[torch.fx.Node, 
 
     try:
         bind_threads(cores)
+        keep_freed_memory()  # as a rank does (runtime/malloc.py); this process is the rank's stand-in
         start.wait(_SIDE_BY_SIDE_TIMEOUT_S)
         out = dict(costs)
         for stage in stages:

@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from .affinity import bind_local_rank
+from .malloc import keep_freed_memory
 from .errors import MeshError, PeerError, PipelineError
 
 __all__ = ["init_from_env", "timeout_from_env", "guard", "wait", "GradBuckets", "TiedGrads", "BUCKET_BYTES"]
@@ -53,7 +54,8 @@ def timeout_from_env(timeout_s: float | None = None) -> float:
 def init_from_env(timeout_s: float) -> torch.device:
     """Start torch.distributed from torchrun's environment unless someone already has
     (gloo on CPU, nccl with CUDA); return this rank's device.  A CPU rank is bound to
-    cores of its own ([Note: binding CPU ranks to cores] in affinity.py)."""
+    cores of its own ([Note: binding CPU ranks to cores] in affinity.py) and keeps the
+    memory it frees for its next step ([Note: keeping freed memory] in malloc.py)."""
     cuda = torch.cuda.is_available()
     if cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
@@ -72,6 +74,7 @@ def init_from_env(timeout_s: float) -> torch.device:
         return torch.device("cuda", torch.cuda.current_device())
     local_rank = int(os.environ.get("LOCAL_RANK", dist.get_rank()))
     bind_local_rank(local_rank, int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size())))
+    keep_freed_memory()
     return torch.device("cpu")
 
 
