@@ -9,7 +9,9 @@ one trace and their stages timed on real microbatches (forward + backward, media
 - uniform:    DeepSpeed PipelineModule partition_method='uniform' (equal layers per stage)
 - parameters: DeepSpeed partition_method='parameters' (balanced parameter counts)
 
-It also times the compile of a 48-layer GPT, profiling included.
+Stages are timed on one thread, as a rank computes them (`partitioner.hardware.rank_threads`)
+and as the compile measured its costs.  It also times the compile of a 48-layer GPT,
+profiling included.
 
     python -m benchmarks.partition_quality [--quick]
 """
@@ -28,6 +30,7 @@ import torch
 
 from partitioner.compiler import CompileOptions, Prepared, assign_nodes, compile_model, prepare
 from partitioner.cost import compute_nodes
+from partitioner.hardware import rank_threads
 from partitioner.passes import node_module
 
 from .common import load_package, save, table, update_readme
@@ -197,7 +200,7 @@ def main(argv: list[str] | None = None) -> int:
     ns = parser.parse_args(argv)
     repeats = 5 if ns.quick else 15
     rows = []
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory() as tmp, rank_threads():
         for path in MODELS:
             for stages in ([2] if ns.quick else [2, 4]):
                 row = run_model(path, stages, repeats, Path(tmp) / f"{Path(path).stem}{stages}")
