@@ -253,19 +253,19 @@ def _stage_costs(p: Prepared, plan: Plan) -> dict[str, NodeCost]:
         return {name: NodeCost(**c) for name, c in cached.items()}
     p.say(f"calibrating {plan.num_stages} stages as the ranks run them"
           + (f", {len(side_by_side)} ranks side by side" if side_by_side else ""))
+    failed = False
     with rank_threads():  # on a rank's threads and cores (runtime/affinity.py)
-        if side_by_side:
-            try:
+        try:
+            if side_by_side:
                 costs = calibrate_stages(p.traced.gm, p.values, p.costs, stage_of, p.opts.repeats, wait, side_by_side)
-                cache.put(key, {name: asdict(c) for name, c in costs.items()})
-                return costs
-            except CalibrationError as e:  # not cached: the next compile tries again
-                p.say(f"warning: timing the stages side by side failed ({e}); timing them one at a time")
-                with bound_as_local_rank(0, ranks):
-                    return calibrate_stages(p.traced.gm, p.values, p.costs, stage_of, p.opts.repeats, wait)
-        with bound_as_local_rank(0, ranks):
-            costs = calibrate_stages(p.traced.gm, p.values, p.costs, stage_of, p.opts.repeats, wait)
-    cache.put(key, {name: asdict(c) for name, c in costs.items()})
+        except CalibrationError as e:
+            failed = True
+            p.say(f"warning: timing the stages side by side failed ({e}); timing them one at a time")
+        if failed or not side_by_side:
+            with bound_as_local_rank(0, ranks):
+                costs = calibrate_stages(p.traced.gm, p.values, p.costs, stage_of, p.opts.repeats, wait)
+    if not failed:  # a fallback is not cached: the next compile tries side by side again
+        cache.put(key, {name: asdict(c) for name, c in costs.items()})
     return costs
 
 

@@ -205,11 +205,15 @@ def test_the_compile_falls_back_to_one_stage_at_a_time(tmp_path: Path, monkeypat
 
     monkeypatch.setattr(compiler, "calibrate_stages", flaky)
     monkeypatch.setattr(compiler, "_rank_cores", lambda plan: [([0], {0}), ([1], {0})])
+    put = compiler.cache.put
+    stored: list[str] = []
+    monkeypatch.setattr(compiler.cache, "put", lambda key, value: (stored.append(key), put(key, value)))
     said: list[str] = []
     compiler.compile_model(CompileOptions(model="examples/mlp.py", out=str(tmp_path / "pkg"), stages=2,
                                           hardware="cpu", reprofile=True, repeats=1), log=said.append)
     assert calls == [True, False]
     assert any("side by side failed (a rank died)" in line for line in said), said
+    assert not [key for key in stored if key.startswith("stages-")]  # the fallback is not cached
 
 
 @pytest.mark.parametrize(("pp", "tp", "dp", "stages", "cores", "want"), [
