@@ -343,14 +343,12 @@ def calibrate_stages(gm: torch.fx.GraphModule, values: dict[torch.fx.Node, Any],
         return _calibrate_side_by_side(gm, values, costs, stage_of, repeats, wait_s, ranks)
     out = dict(costs)
     for stage in sorted(set(stage_of.values())):
-        out = _calibrate_stage(gm, values, out, stage_of, stage, repeats, wait_s)
+        out = _calibrate(*_stage_graph(gm, values, _members(stage_of, stage)), out, repeats, wait_s)
     return out
 
 
-def _calibrate_stage(gm: torch.fx.GraphModule, values: dict[torch.fx.Node, Any], costs: dict[str, NodeCost],
-                     stage_of: dict[str, int], stage: int, repeats: int, wait_s: float) -> dict[str, NodeCost]:
-    sub, sub_values = _stage_graph(gm, values, {name for name, s in stage_of.items() if s == stage})
-    return _calibrate(sub, sub_values, costs, repeats, wait_s)
+def _members(stage_of: dict[str, int], stage: int) -> set[str]:
+    return {name for name, s in stage_of.items() if s == stage}
 
 
 class CalibrationError(RuntimeError):
@@ -435,13 +433,14 @@ def _time_rank(conn: Any, gm: torch.fx.GraphModule, values: dict[torch.fx.Node, 
     try:
         bind_threads(cores)
         keep_freed_memory()  # as a rank does (runtime/malloc.py); this process is the rank's stand-in
+        graphs = [_stage_graph(gm, values, _members(stage_of, stage)) for stage in stages]  # before the start
         start.wait(_SIDE_BY_SIDE_TIMEOUT_S)
         out = dict(costs)
-        for stage in stages:
-            out = _calibrate_stage(gm, values, out, stage_of, stage, repeats, wait_s)
+        for sub, sub_values in graphs:
+            out = _calibrate(sub, sub_values, out, repeats, wait_s)
         finish()
         while finished.value < ranks:  # beside the ranks still timing theirs
-            _calibrate_stage(gm, values, costs, stage_of, stages[-1], 1, wait_s)
+            _calibrate(*graphs[-1], costs, 1, wait_s)
         conn.send({name: out[name] for name, s in stage_of.items() if s in stages})
     except Exception as e:  # told to the parent, which falls back to timing alone
         start.abort()  # nobody waits for this rank to start

@@ -191,7 +191,7 @@ def _cpu_profile() -> Hardware:
     from runtime.affinity import binding_enabled
 
     key = (f"hardware-cpu-v{_CPU_PROFILE_VERSION}-{socket.gethostname()}-{torch.__version__}-"
-           f"{torch.get_num_threads()}-{'bound' if binding_enabled() else 'free'}")
+           f"{RANK_THREADS}-{'bound' if binding_enabled() else 'free'}")
     raw = cache.get(key)
     try:
         if isinstance(raw, dict):

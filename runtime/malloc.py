@@ -23,7 +23,6 @@
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import os
 
 __all__ = ["keep_freed_memory", "malloc_thresholds", "MMAP_THRESHOLD_BYTES", "GLIBC_DEFAULT_BYTES"]
@@ -48,7 +47,7 @@ def malloc_thresholds(mmap_bytes: int, trim_bytes: int) -> bool:
     """Set glibc's M_MMAP_THRESHOLD and M_TRIM_THRESHOLD (-1: never trim) for this
     process; False where the C library is not glibc or refuses the values."""
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        libc = ctypes.CDLL(None)  # the C library this process already runs on (no ldconfig lookup)
         mallopt = libc.mallopt
         libc.gnu_get_libc_version  # glibc only: another libc's mallopt takes other numbers
     except (OSError, AttributeError):
