@@ -23,7 +23,9 @@ from __future__ import annotations
 import dataclasses
 import math
 import multiprocessing
+import multiprocessing.connection
 import statistics
+import threading
 import time
 from typing import Any, Callable, Hashable, Iterable, Sequence
 
@@ -386,16 +388,10 @@ def _calibrate_side_by_side(gm: torch.fx.GraphModule, values: dict[torch.fx.Node
             theirs.close()
             pipes.append(mine)
             children.append(child)
-        deadline = time.monotonic() + _SIDE_BY_SIDE_TIMEOUT_S
+        answers = _answers(pipes, [list(stages) for stages, _cores in ranks])
         out = dict(costs)
         timed: set[int] = set()
-        for (stages, _cores), pipe in zip(ranks, pipes):
-            if not pipe.poll(max(0.0, deadline - time.monotonic())):
-                raise CalibrationError(f"a rank timing stages {list(stages)} gave no answer in "
-                                       f"{_SIDE_BY_SIDE_TIMEOUT_S:.0f} s")
-            got = pipe.recv()
-            if isinstance(got, str):
-                raise CalibrationError(got)
+        for (stages, _cores), got in zip(ranks, answers):
             for stage in stages:  # data-parallel replicas time the same stages: the first answer counts
                 if stage not in timed:
                     timed.add(stage)
@@ -412,6 +408,32 @@ def _calibrate_side_by_side(gm: torch.fx.GraphModule, values: dict[torch.fx.Node
 
 
 _SIDE_BY_SIDE_TIMEOUT_S = 300.0
+
+
+def _answers(pipes: list[Any], stages: list[list[int]]) -> list[dict[str, NodeCost]]:
+    """Every rank's timings, in rank order.  A rank that fails breaks the start barrier
+    for the others, which then report only that; so the failure named is the rank's own
+    ("failed"), and a broken barrier ("aborted") only when no rank says why."""
+    answers: dict[int, dict[str, NodeCost]] = {}
+    aborted = ""
+    deadline = time.monotonic() + _SIDE_BY_SIDE_TIMEOUT_S
+    while len(answers) < len(pipes):
+        waiting = {i: pipe for i, pipe in enumerate(pipes) if i not in answers}
+        ready = multiprocessing.connection.wait(list(waiting.values()), max(0.0, deadline - time.monotonic()))
+        if not ready:
+            late = [stages[i] for i in waiting]
+            raise CalibrationError(f"ranks timing stages {late} gave no answer in {_SIDE_BY_SIDE_TIMEOUT_S:.0f} s")
+        for i, pipe in waiting.items():
+            if pipe in ready:
+                kind, got = pipe.recv()
+                if kind == "failed":
+                    raise CalibrationError(got)
+                if kind == "aborted":
+                    aborted, got = got, {}
+                answers[i] = got
+    if aborted:
+        raise CalibrationError(aborted)
+    return [answers[i] for i in range(len(pipes))]
 
 
 def _time_rank(conn: Any, gm: torch.fx.GraphModule, values: dict[torch.fx.Node, Any], costs: dict[str, NodeCost],
@@ -441,11 +463,14 @@ def _time_rank(conn: Any, gm: torch.fx.GraphModule, values: dict[torch.fx.Node, 
         finish()
         while finished.value < ranks:  # beside the ranks still timing theirs
             _calibrate(*graphs[-1], costs, 1, wait_s)
-        conn.send({name: out[name] for name, s in stage_of.items() if s in stages})
+        conn.send(("timed", {name: out[name] for name, s in stage_of.items() if s in stages}))
+    except threading.BrokenBarrierError:  # another rank failed; it says why
+        finish()
+        conn.send(("aborted", "a rank failed before the start"))
     except Exception as e:  # told to the parent, which falls back to timing alone
         start.abort()  # nobody waits for this rank to start
         finish()  # nor to finish
-        conn.send(f"{type(e).__name__}: {e}")
+        conn.send(("failed", f"{type(e).__name__}: {e}"))
     finally:
         conn.close()
 

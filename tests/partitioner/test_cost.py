@@ -189,6 +189,23 @@ def test_a_rank_that_fails_its_calibration_fails_it_for_all_at_once(tmp_path: Pa
     assert time.monotonic() - start < 30
 
 
+def test_the_failing_rank_is_named_rather_than_the_barrier_it_broke() -> None:
+    """The rank that fails aborts the start barrier; a rank woken by that reports only
+    the broken barrier, and may well answer first (CI saw it)."""
+    import multiprocessing
+
+    ends = [multiprocessing.Pipe(duplex=False) for _ in range(2)]
+    ends[0][1].send(("aborted", "a rank failed before the start"))
+    ends[1][1].send(("failed", "ValueError: no stage today"))
+    with pytest.raises(cost.CalibrationError, match="no stage today"):
+        cost._answers([mine for mine, _ in ends], [[0], [1]])
+    ends = [multiprocessing.Pipe(duplex=False) for _ in range(2)]
+    ends[0][1].send(("aborted", "a rank failed before the start"))
+    ends[1][1].send(("timed", {}))
+    with pytest.raises(cost.CalibrationError, match="before the start"):
+        cost._answers([mine for mine, _ in ends], [[0], [1]])
+
+
 def test_the_compile_falls_back_to_one_stage_at_a_time(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Side by side failing (say, no fork) costs a warning, not the compile."""
     from partitioner import compiler
