@@ -464,9 +464,9 @@ def _time_rank(conn: Any, gm: torch.fx.GraphModule, values: dict[torch.fx.Node, 
         while finished.value < ranks:  # beside the ranks still timing theirs
             _calibrate(*graphs[-1], costs, 1, wait_s)
         conn.send(("timed", {name: out[name] for name, s in stage_of.items() if s in stages}))
-    except threading.BrokenBarrierError:  # another rank failed; it says why
+    except threading.BrokenBarrierError:  # another rank failed (it says why) or never reached the start
         finish()
-        conn.send(("aborted", "a rank failed before the start"))
+        conn.send(("aborted", "the ranks' start barrier broke: a rank failed or did not reach it in time"))
     except Exception as e:  # told to the parent, which falls back to timing alone
         start.abort()  # nobody waits for this rank to start
         finish()  # nor to finish

@@ -195,14 +195,14 @@ def test_the_failing_rank_is_named_rather_than_the_barrier_it_broke() -> None:
     import multiprocessing
 
     ends = [multiprocessing.Pipe(duplex=False) for _ in range(2)]
-    ends[0][1].send(("aborted", "a rank failed before the start"))
+    ends[0][1].send(("aborted", "the ranks' start barrier broke"))
     ends[1][1].send(("failed", "ValueError: no stage today"))
     with pytest.raises(cost.CalibrationError, match="no stage today"):
         cost._answers([mine for mine, _ in ends], [[0], [1]])
     ends = [multiprocessing.Pipe(duplex=False) for _ in range(2)]
-    ends[0][1].send(("aborted", "a rank failed before the start"))
+    ends[0][1].send(("aborted", "the ranks' start barrier broke"))
     ends[1][1].send(("timed", {}))
-    with pytest.raises(cost.CalibrationError, match="before the start"):
+    with pytest.raises(cost.CalibrationError, match="start barrier broke"):
         cost._answers([mine for mine, _ in ends], [[0], [1]])
 
 
