@@ -308,9 +308,7 @@ def measure(examples: list[str], schedules: list[str], batch: int | None, quick:
                 print(f"compiled {example} {schedule}: predicted {cases[-1]['predicted_ms']:.2f} ms "
                       f"({cases[-1]['compile_s']:.1f} s)", file=sys.stderr, flush=True)
         load_before = os.getloadavg()[0]
-        from partitioner.compiler import _wait_s
-
-        measured = run_all([c["dir"] for c in cases], warmup, steps, _wait_s(hw), work)
+        measured = run_all([c["dir"] for c in cases], warmup, steps, hw.idle_before_compute_s, work)
         load = [load_before, os.getloadavg()[0]]
     rows = []
     barrier_ms = measured["barrier_ms"]

@@ -237,7 +237,7 @@ def _stage_costs(p: Prepared, plan: Plan) -> dict[str, NodeCost]:
     a rank runs them (`cost.calibrate_stages`: after a message's wait, on a rank's thread
     and cores, every rank beside the others when each has cores of its own), cached per
     plan so that compiles on one machine stay byte-identical; else the costs as they are."""
-    wait = _wait_s(p.hardware)
+    wait = p.hardware.idle_before_compute_s
     if p.opts.analytic or not wait or p.values is None or plan.num_stages < 2 or plan.recompute:
         return p.costs
     stage_of = plan.stage_of()
@@ -283,13 +283,6 @@ def _rank_cores(plan: Plan) -> list[tuple[list[int], set[int]]]:
     count = len(plan.stages)
     return [([s for s in range(count) if s % plan.pp == r // plan.tp % plan.pp], share)
             for r, share in enumerate(shares) if share is not None]
-
-
-def _wait_s(hardware: Hardware) -> float:
-    """How long a stage idles before a forward or backward, as the profile is measured:
-    a message's wait where compute and communication share the cores (cost.py, [Note:
-    compute after a wait]), else 0 (GPUs: NCCL on its own streams)."""
-    return 0.0 if hardware.overlaps_comm else hardware.message_wait_s
 
 
 def assign_nodes(prepared: Prepared, stage_of: dict[str, int]) -> Compiled:
@@ -338,7 +331,7 @@ def _is_meta(model: torch.nn.Module) -> bool:
 def _costs(gm: torch.fx.GraphModule, values: dict[torch.fx.Node, Any], hardware: Hardware,
            opts: CompileOptions, say: Callable[[str], None]) -> dict[str, NodeCost]:
     measure = not opts.analytic
-    wait = _wait_s(hardware)
+    wait = hardware.idle_before_compute_s
     key = "profile-" + hashlib.sha256(
         json.dumps([PROFILE_VERSION, gm.code, [str(n.meta.get("tensor_meta")) for n in gm.graph.nodes],
                     hardware.name, measure, opts.repeats, torch.__version__, RANK_THREADS,

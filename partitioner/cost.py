@@ -299,6 +299,20 @@ def _calibrate(gm: torch.fx.GraphModule, values: dict[torch.fx.Node, Any], costs
     return out
 
 
+# [Note: compute after a wait]
+#     A pipeline rank seldom computes back to back: before most forwards and backwards it
+#     waits for a message.  On the CPU the compute that follows an idle runs slower than
+#     the same compute looped: a stage of the GPT example 1.25-1.5x after sleeps of
+#     0.5-2 ms, a BERT stage 1.2x after 0.2 ms, 1.35x after 1 ms, 1.55x after 3 ms and 1.8x
+#     after 8 ms (our 2-core VM).  Caches and predictors cooled by other threads explain
+#     part; on a VM whose idle vCPUs halt (no guest halt polling) so does waking one.  A
+#     profile taken in a tight loop would so underestimate every stage.  Where gloo's
+#     threads share the cores (`Hardware.idle_before_compute_s`), each forward and
+#     backward is therefore timed after idling one message's wait, the typical idle of a
+#     rank; longer stalls in a real run still cost more than that (`compute_x` of
+#     benchmarks.simulator_error).
+
+
 def time_forward_backward(forward: Callable[[], Any], samples: int, wait_s: float = 0.0) -> tuple[float, float]:
     """Median seconds of `forward()` (autograd recording) and of the backward from every
     floating output that needs a gradient (ones as their gradients), each after idling

@@ -80,6 +80,14 @@ class Hardware:
         return self.p2p_recv_post_s + self.send_post_s + self.p2p_alpha_s
 
     @property
+    def idle_before_compute_s(self) -> float:
+        """How long a stage is profiled idling before each forward and backward: one
+        message's wait where gloo's threads share the cores the ranks compute on (compute
+        right after an idle runs slower: cost.py, [Note: compute after a wait]), else 0
+        (GPUs: NCCL on its own streams)."""
+        return 0.0 if self.overlaps_comm else self.message_wait_s
+
+    @property
     def send_post_s(self) -> float:
         """What posting one pipeline send costs its sender."""
         return self.p2p_send_post_s or self.p2p_alpha_s

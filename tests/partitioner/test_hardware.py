@@ -28,6 +28,13 @@ def test_builtin_profile_loads_with_its_sources(name: str) -> None:
     assert hw.p2p_beta_s_per_byte == pytest.approx(1 / hw.intra_node_bandwidth)
 
 
+def test_stages_are_profiled_idle_only_where_communication_shares_the_cores() -> None:
+    gpu = load_hardware("h100")
+    assert gpu.overlaps_comm and gpu.idle_before_compute_s == 0.0  # NCCL on its own streams
+    cpu = dataclasses.replace(gpu, overlaps_comm=False, p2p_send_post_s=3e-4, p2p_recv_post_s=1e-4)
+    assert cpu.idle_before_compute_s == pytest.approx(3e-4 + 1e-4 + gpu.p2p_alpha_s)
+
+
 def test_user_profile_loads_from_a_path(tmp_path: Path) -> None:
     raw = json.loads((Path(hardware.__file__).with_name("profiles") / "h100.json").read_text())
     raw.update(name="my-gpu", peak_flops=1e15, intra_node_latency_s=2e-6, sources=["my own numbers"])
