@@ -13,9 +13,10 @@ its own stage files and interprets its own row of the lowered schedule:
                             The stage code's tp.* collectives (tp.py) run inside, over
                             this position's tensor-parallel group: every tp rank runs the
                             same row, so they meet in the same order
-           SEND_F / SEND_B  isend each value (shape, dtype from the manifest; tp rank t
-                            sends its own local tensor to tp rank t), wait at 7
-           RECV_F / RECV_B  irecv into fresh buffers and wait, with the timeout
+           SEND_F / SEND_B  isend the edge's values (shape, dtype from the manifest; tp
+                            rank t sends its own local tensors to tp rank t) as one
+                            message (messages.py), wait at 7
+           RECV_F / RECV_B  irecv into a fresh buffer and wait, with the timeout
            before the last B of each stage: arm its dp gradient buckets (comm.py)
       3. wait for the dp buckets: gradients averaged over the replicas
       4. tied parameters across ranks: sum the copies' contributions (comm.TiedGrads)
@@ -41,7 +42,7 @@ import torch
 import torch.distributed as dist
 import torch.utils._pytree as pytree
 
-from . import package, tp
+from . import messages, package, tp
 from .comm import GradBuckets, TiedGrads, guard, init_from_env, timeout_from_env, wait
 from .errors import ManifestError, MeshError, PipelineError
 from .faults import parse_fault
@@ -262,7 +263,8 @@ class DistributedPipeline:
         forward = a.kind == "SEND_F"
         specs = package.edge_values(self.manifest, a.stage, a.peer) if forward else package.edge_grads(self.manifest, a.peer, a.stage)
         group, dst = self.groups.edges[(a.stage, a.peer) if forward else (a.peer, a.stage)], self._rank_of(a.peer)
-        for j, spec in enumerate(specs):
+        tensors = []
+        for spec in specs:
             if forward:
                 tensor = step.outputs[(a.stage, a.microbatch)][spec["name"]].detach()
             else:
@@ -272,29 +274,37 @@ class DistributedPipeline:
                 raise PipelineError(f"stage {a.stage} sends {spec['name']!r} of microbatch {a.microbatch} with shape "
                                     f"{list(tensor.shape)} {tensor.dtype} but the manifest says {spec['shape']} "
                                     f"{spec['dtype']}: compile the model again (the runtime sends no shapes).")
-            tensor = tensor.contiguous()
-            with guard(self._doing(a)):
-                work = dist.isend(tensor, dst=dst, group=group, tag=self._tag(a.microbatch, forward, j))
-            step.sends.append((work, a, tensor))
+            tensors.append(tensor.contiguous())
+        if not tensors:
+            return  # no gradient flows back on this edge
+        message = tensors[0] if len(tensors) == 1 else messages.pack(tensors)  # [Note: one message per hand-over]
+        with guard(self._doing(a)):
+            work = dist.isend(message, dst=dst, group=group, tag=self._tag(a.microbatch, forward))
+        step.sends.append((work, a, message))
 
     def _recv(self, a: Action, step: _Step) -> None:
         assert a.peer is not None
         forward = a.kind == "RECV_F"
         specs = package.edge_values(self.manifest, a.peer, a.stage) if forward else package.edge_grads(self.manifest, a.stage, a.peer)
+        if not specs:
+            return
         group, src = self.groups.edges[(a.peer, a.stage) if forward else (a.stage, a.peer)], self._rank_of(a.peer)
-        posted = []
-        for j, spec in enumerate(specs):
-            buf = torch.empty(spec["shape"], dtype=package.dtype_of(spec), device=self.device)
-            with guard(self._doing(a)):
-                posted.append((dist.irecv(buf, src=src, group=group, tag=self._tag(a.microbatch, forward, j)), spec, buf))
+        shapes, dtypes = [spec["shape"] for spec in specs], [package.dtype_of(spec) for spec in specs]
+        if len(specs) == 1:
+            buffer = torch.empty(shapes[0], dtype=dtypes[0], device=self.device)
+        else:  # the edge's values packed in one message (messages.py)
+            buffer = torch.empty(messages.layout(shapes, dtypes)[1], dtype=torch.uint8, device=self.device)
+        with guard(self._doing(a)):
+            work = dist.irecv(buffer, src=src, group=group, tag=self._tag(a.microbatch, forward))
+        wait(work, self.timeout_s, self._doing(a))
+        values = [buffer] if len(specs) == 1 else messages.unpack(buffer, shapes, dtypes)
         key = (a.stage, a.microbatch)
-        for work, spec, buf in posted:
-            wait(work, self.timeout_s, self._doing(a))
+        for spec, value in zip(specs, values):
             if forward:
-                step.received.setdefault(key, {})[spec["name"]] = as_leaf(buf, bool(spec.get("requires_grad")))
+                step.received.setdefault(key, {})[spec["name"]] = as_leaf(value, bool(spec.get("requires_grad")))
             else:
                 have = step.out_grads.setdefault(key, {})
-                have[spec["name"]] = buf if spec["name"] not in have else have[spec["name"]] + buf
+                have[spec["name"]] = value if spec["name"] not in have else have[spec["name"]] + value
 
     def _wait_sends(self, step: _Step) -> None:
         for work, a, _ in step.sends:
@@ -382,8 +392,8 @@ class DistributedPipeline:
     def _rank_of(self, stage: int) -> int:
         return self.mesh.rank(self.replica, self.graph.rank_of(stage), self.tp_index)
 
-    def _tag(self, microbatch: int, forward: bool, j: int) -> int:
-        return (microbatch * 2 + (0 if forward else 1)) * 256 + j
+    def _tag(self, microbatch: int, forward: bool) -> int:
+        return microbatch * 2 + (0 if forward else 1)
 
     def _doing(self, a: Action) -> Callable[[bool, str], str]:
         peer = self._rank_of(a.peer) if a.peer is not None else -1
