@@ -20,7 +20,7 @@ import torch.fx
 import torch.utils._pytree as pytree
 
 from . import cache, model_file
-from .cost import PROFILE_VERSION, CalibrationError, annotate, calibrate_stages, compute_nodes, storage_key
+from .cost import CALIBRATION_MIN_S, PROFILE_VERSION, CalibrationError, annotate, calibrate_stages, compute_nodes, storage_key
 from .errors import PlanError
 from .hardware import RANK_THREADS, Hardware, load_hardware, rank_threads
 from .ir import NodeCost, PartitionProblem, Plan, SolverReport, StagePlan
@@ -244,7 +244,7 @@ def _stage_costs(p: Prepared, plan: Plan) -> dict[str, NodeCost]:
     ranks = plan.pp * plan.tp * plan.dp
     side_by_side = _rank_cores(plan)
     key = "stages-" + hashlib.sha256(json.dumps(
-        [PROFILE_VERSION, p.traced.gm.code, sorted(stage_of.items()), wait, p.opts.repeats, torch.__version__,
+        [PROFILE_VERSION, p.traced.gm.code, sorted(stage_of.items()), wait, p.opts.repeats, CALIBRATION_MIN_S, torch.__version__,
          RANK_THREADS, binding_enabled() and ranks, [(stages, sorted(cores)) for stages, cores in side_by_side],
          sorted((n, asdict(c)) for n, c in p.costs.items())]
     ).encode()).hexdigest()[:32]

@@ -48,6 +48,11 @@ PROFILE_VERSION = 4
 #: the most per-op overhead (dispatch, autograd bookkeeping) calibration adds to one node
 OP_OVERHEAD_S = 25e-6
 
+#: how long each stage is timed at least by `calibrate_stages` (its samples' median): on a
+#: shared VM a stage's median over 15 samples (~50 ms) varies 1.40x between the 10th and
+#: 90th percentile of such snapshots, over ~0.9 s 1.16x (NCF's first stage, 20 s of them)
+CALIBRATION_MIN_S = 1.0
+
 
 def compute_nodes(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
     return [n for n in gm.graph.nodes if n.op in ("call_function", "call_method", "call_module")]
@@ -247,13 +252,13 @@ def _backward_overhead(repeats: int) -> float:
 
 
 def _calibrate(gm: torch.fx.GraphModule, values: dict[torch.fx.Node, Any], costs: dict[str, NodeCost],
-               repeats: int, wait_s: float = 0.0) -> dict[str, NodeCost]:
+               repeats: int, wait_s: float = 0.0, min_s: float = 0.0) -> dict[str, NodeCost]:
     """Node times made to add up to the whole graph's.
 
     The graph is run as a stage runs it: one forward (autograd recording) and one
     backward from every output that needs a gradient, parameters' `.grad` accumulated,
     each after idling `wait_s` as a stage waits for its input (see below);
-    median of 3 x `repeats` (at least 15).  Where the whole takes longer than the sum of its
+    median of 3 x `repeats` (at least 15), and of more while under `min_s` seconds.  Where the whole takes longer than the sum of its
     nodes alone, the difference is partly per-op overhead that isolation cannot see (the
     generated code's dispatch, the engine's bookkeeping, AccumulateGrad), added to every
     node in equal shares of at most OP_OVERHEAD_S, and partly the ops running slower
@@ -274,7 +279,7 @@ def _calibrate(gm: torch.fx.GraphModule, values: dict[torch.fx.Node, Any], costs
 
     try:
         # the whole graph is cheap: more samples, less noise
-        fwd, bwd = time_forward_backward(lambda: plain(*inputs), max(3 * repeats, 15), wait_s)
+        fwd, bwd = time_forward_backward(lambda: plain(*inputs), max(3 * repeats, 15), wait_s, min_s)
     except Exception:  # in-place ops on inputs, and whatever else only the whole graph meets
         return costs
     finally:
@@ -313,14 +318,19 @@ def _calibrate(gm: torch.fx.GraphModule, values: dict[torch.fx.Node, Any], costs
 #     benchmarks.simulator_error).
 
 
-def time_forward_backward(forward: Callable[[], Any], samples: int, wait_s: float = 0.0) -> tuple[float, float]:
+def time_forward_backward(forward: Callable[[], Any], samples: int, wait_s: float = 0.0,
+                          min_s: float = 0.0) -> tuple[float, float]:
     """Median seconds of `forward()` (autograd recording) and of the backward from every
     floating output that needs a gradient (ones as their gradients), each after idling
-    `wait_s`, over `samples` samples after one warm-up: a stage's forward and backward as a
-    rank runs them.  `benchmarks/simulator_error.py` times the generated stages with it
-    during the run, as the compile timed their graphs."""
-    forwards, backwards = [], []
-    for i in range(samples + 1):
+    `wait_s`, over `samples` samples after one warm-up, and more until `min_s` seconds have
+    passed: a stage's forward and backward as a rank runs them.
+    `benchmarks/simulator_error.py` times the generated stages with it during the run, as
+    the compile timed their graphs."""
+    forwards: list[float] = []
+    backwards: list[float] = []
+    until = time.perf_counter() + min_s
+    i = 0
+    while i <= samples or time.perf_counter() < until:
         if wait_s:
             time.sleep(wait_s)
         start = time.perf_counter()
@@ -336,6 +346,7 @@ def time_forward_backward(forward: Callable[[], Any], samples: int, wait_s: floa
         if i:  # the first is a warm-up
             forwards.append(forwarded)
             backwards.append(time.perf_counter() - start if outs else 0.0)
+        i += 1
     return statistics.median(forwards), statistics.median(backwards)
 
 
@@ -359,7 +370,7 @@ def calibrate_stages(gm: torch.fx.GraphModule, values: dict[torch.fx.Node, Any],
         return _calibrate_side_by_side(gm, values, costs, stage_of, repeats, wait_s, ranks)
     out = dict(costs)
     for stage in sorted(set(stage_of.values())):
-        out = _calibrate(*_stage_graph(gm, values, _members(stage_of, stage)), out, repeats, wait_s)
+        out = _calibrate(*_stage_graph(gm, values, _members(stage_of, stage)), out, repeats, wait_s, CALIBRATION_MIN_S)
     return out
 
 
@@ -473,7 +484,7 @@ def _time_rank(conn: Any, gm: torch.fx.GraphModule, values: dict[torch.fx.Node, 
         start.wait(_SIDE_BY_SIDE_TIMEOUT_S)
         out = dict(costs)
         for sub, sub_values in graphs:
-            out = _calibrate(sub, sub_values, out, repeats, wait_s)
+            out = _calibrate(sub, sub_values, out, repeats, wait_s, CALIBRATION_MIN_S)
         finish()
         while finished.value < ranks:  # beside the ranks still timing theirs
             _calibrate(*graphs[-1], costs, 1, wait_s)

@@ -50,16 +50,17 @@ def test_a_stage_graph_computes_what_the_stage_computes(tmp_path: Path) -> None:
 def test_each_stage_is_calibrated_on_its_own_after_a_wait(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     compiled = compile_example("examples/mlp.py", tmp_path / "pkg", stages=2, hardware="a100")
     p = _prepared(tmp_path, "examples/mlp.py")
-    calls: list[tuple[set[str], float]] = []
+    calls: list[tuple[set[str], float, float]] = []
 
-    def record(gm: torch.fx.GraphModule, values: Any, costs: Any, repeats: int, wait_s: float = 0.0) -> Any:
-        calls.append(({n.name for n in cost.compute_nodes(gm)}, wait_s))
+    def record(gm: torch.fx.GraphModule, values: Any, costs: Any, repeats: int, wait_s: float = 0.0,
+               min_s: float = 0.0) -> Any:
+        calls.append(({n.name for n in cost.compute_nodes(gm)}, wait_s, min_s))
         return costs
 
     monkeypatch.setattr(cost, "_calibrate", record)
     stage_of = compiled.plan.stage_of()
     cost.calibrate_stages(p.traced.gm, p.values, p.costs, stage_of, 3, 5e-4)
-    assert calls == [({n for n, s in stage_of.items() if s == k}, 5e-4) for k in (0, 1)]
+    assert calls == [({n for n, s in stage_of.items() if s == k}, 5e-4, cost.CALIBRATION_MIN_S) for k in (0, 1)]
 
 
 def test_measured_stage_calibration_keeps_every_node_and_the_weights(tmp_path: Path) -> None:
@@ -110,6 +111,23 @@ def test_a_forward_and_backward_are_timed_without_the_wait_before_them() -> None
     assert none == 0.0
 
 
+def test_a_stage_is_timed_for_at_least_min_s() -> None:
+    """Past its samples, `time_forward_backward` goes on sampling until `min_s` has passed
+    (a median over a longer stretch of a shared machine's fast and slow spells)."""
+    linear = torch.nn.Linear(8, 8)
+    x = torch.randn(2, 8)
+    calls = []
+
+    def forward() -> Any:
+        calls.append(1)
+        return linear(x)
+
+    start = time.perf_counter()
+    cost.time_forward_backward(forward, samples=3, min_s=0.2)
+    assert time.perf_counter() - start >= 0.2
+    assert len(calls) > 4
+
+
 def test_measured_costs_are_taken_on_the_threads_a_rank_computes_on(tmp_path: Path,
                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     """Node costs and stage calibration run on RANK_THREADS threads whatever the compiling
@@ -149,7 +167,8 @@ def test_ranks_are_calibrated_side_by_side_until_the_last_is_done(tmp_path: Path
     stage_of = compiled.plan.stage_of()
     log = tmp_path / "log"
 
-    def fake(gm: torch.fx.GraphModule, values: Any, costs: Any, repeats: int, wait_s: float = 0.0) -> Any:
+    def fake(gm: torch.fx.GraphModule, values: Any, costs: Any, repeats: int, wait_s: float = 0.0,
+             min_s: float = 0.0) -> Any:
         import os
         import time
         names = {n.name for n in cost.compute_nodes(gm)}
@@ -157,7 +176,7 @@ def test_ranks_are_calibrated_side_by_side_until_the_last_is_done(tmp_path: Path
         start = time.monotonic()
         time.sleep(0.4 if stage == 0 else 0.05)
         with log.open("a") as f:
-            f.write(f"{stage} {repeats} {start} {time.monotonic()} {os.getpid()}\n")
+            f.write(f"{stage} {repeats} {start} {time.monotonic()} {os.getpid()} {min_s}\n")
         return {n: (dataclasses.replace(c, forward_s=float(stage + 1)) if n in names else c) for n, c in costs.items()}
 
     monkeypatch.setattr(cost, "_calibrate", fake)
@@ -168,8 +187,10 @@ def test_ranks_are_calibrated_side_by_side_until_the_last_is_done(tmp_path: Path
     timed = {int(r[0]): (float(r[2]), float(r[3]), r[4]) for r in rows if r[1] == "3"}
     assert timed[0][2] != timed[1][2] != str(os.getpid())  # two processes, neither this one
     assert timed[1][0] < timed[0][1] and timed[0][0] < timed[1][1]  # at the same time
-    fillers = [float(r[3]) for r in rows if r[0] == "1" and r[1] == "1"]
-    assert fillers and max(fillers) >= timed[0][1]  # stage 1 ran on until stage 0 was timed
+    assert all(float(r[5]) == cost.CALIBRATION_MIN_S for r in rows if r[1] == "3")  # timed for long enough
+    fillers = [(float(r[3]), float(r[5])) for r in rows if r[0] == "1" and r[1] == "1"]
+    assert fillers and max(end for end, _ in fillers) >= timed[0][1]  # stage 1 ran on until stage 0 was timed
+    assert all(min_s == 0.0 for _, min_s in fillers)  # in short bursts, so that it stops soon after
 
 
 def test_a_rank_that_fails_its_calibration_fails_it_for_all_at_once(tmp_path: Path,
@@ -177,7 +198,8 @@ def test_a_rank_that_fails_its_calibration_fails_it_for_all_at_once(tmp_path: Pa
     compiled = compile_example("examples/mlp.py", tmp_path / "pkg", stages=2, hardware="a100")
     p = _prepared(tmp_path, "examples/mlp.py")
 
-    def broken(gm: torch.fx.GraphModule, values: Any, costs: Any, repeats: int, wait_s: float = 0.0) -> Any:
+    def broken(gm: torch.fx.GraphModule, values: Any, costs: Any, repeats: int, wait_s: float = 0.0,
+               min_s: float = 0.0) -> Any:
         raise ValueError("no stage today")
 
     monkeypatch.setattr(cost, "_calibrate", broken)
