@@ -436,10 +436,13 @@ def _loaded_exchange(pg: Any, store: Any, rank: int, wait: timedelta) -> list[fl
         With 2 ranks on 2 cores, gloo's I/O threads have no core of their own.  Most
         messages still cost tens of microseconds, but some wait for a scheduler tick
         (CONFIG_HZ=250 and no kernel preemption on this project's machines: up to 4 ms,
-        with ~0 CPU time spent): a send or a receive blocks while its pair's lock is held
-        by an I/O thread queued behind a computing thread, and a payload waits for its
-        sender's I/O thread to run.  On our 2-core VM, 5-7% of posts and messages
-        stalled, 1-5 ms each, often two opposite sends posted at the same moment.  A step
+        with ~0 CPU time spent by the stalled thread): a reply from the peer that wakes
+        gloo's I/O thread while the main thread holds the pair's lock inside a post lets
+        it preempt the main thread and spin on that lock (gloo only try-locks there, and
+        the still-readable socket wakes epoll at once) until the tick preempts it (ftrace
+        and perf; runtime/messages.py), and a payload waits for its sender's I/O thread
+        to run.  On our 2-core VM, 5-7% of posts and messages stalled, 1-5 ms each, often
+        two opposite sends posted at the same moment.  A step
         pays every stall on its critical path, so the means (stalls included) are what
         the simulator charges per message, not the typical (median) message.  The compute
         matters: between bursts of autograd over small ops (as stages run) posts cost
