@@ -12,9 +12,9 @@ step, not the harness.
 The workers are spawned once, so the processes' start-up (importing torch, transformers)
 is paid once, and run the packages in rounds (STEPS_PER_ROUND steps of each in turn): on
 a shared VM the cost of a message drifts over seconds, and rounds let every package meet
-the same slow and fast spells.  After the timed steps the workers measure the messages'
-costs again, as the cpu profile did before (`hardware._loaded_exchange`), to show that
-drift.  Next to the step, each rank records the median forward and backward of its own
+the same slow and fast spells.  After every round the workers also measure the messages'
+costs again, as the cpu profile did before the compile (`hardware._loaded_exchange`).
+Next to the step, each rank records the median forward and backward of its own
 stage per microbatch (TRACED_STEPS traced steps after the timed ones), so a large error
 can be traced to compute or to communication.  Columns:
 
@@ -23,10 +23,12 @@ can be traced to compute or to communication.  Columns:
   rounds exactly as the compile timed them (`cost.time_forward_backward`, after the same
   idle), over what the compile measured: how much faster or slower the machine ran during
   the measurement than during the compile (a shared VM's speed drifts by a fifth over
-  seconds; the compile times each stage for a few tens of milliseconds);
-- `reprofiled_error_pct`: the compile's own simulation fed with those stage times instead
-  (`replay_ms`): the error of the cost model and simulator when the profile is taken on
-  the machine the steps ran on, drift taken out;
+  seconds);
+- `reprofiled_error_pct`: the compile's own simulation fed with the profile taken during
+  the run instead (`reprofiled_ms`): those stage times and the messages' costs measured
+  between the rounds (medians over the rounds): the error of the cost model and
+  simulator when the profile is taken in the same minutes as the steps, the machine's
+  drift between compile and run taken out;
 - `compute_x`: the stages' forward+backward as the runtime ran them inside the pipeline
   (traced; the last stage's loss included) over the same stages timed on their own during
   the run;
@@ -49,6 +51,7 @@ the same models with 8x the rows, through a model file of ours that sets the exa
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -162,15 +165,17 @@ def _worker(rank: int, port: int, store_port: int, dirs: list[str], warmup: int,
         for _ in range(warmup):
             run.step()
     empty = [barrier_timed(lambda: None) for _ in range(max(steps, 10))]
+    store = dist.TCPStore("127.0.0.1", store_port, WORLD, rank == 0, timedelta(seconds=60))
+    group: Any = dist.group.WORLD
+    links = []
     rounds = max(1, steps // STEPS_PER_ROUND)
     for _ in range(rounds):  # in rounds: every package meets the machine's slow and fast spells alike
         for run in runs:
             for _ in range(STEPS_PER_ROUND):
                 run.samples.append(run.step())
             run.profile_now(wait_s)  # this rank's stages, timed as the compile timed them
-    store = dist.TCPStore("127.0.0.1", store_port, WORLD, rank == 0, timedelta(seconds=60))
-    group: Any = dist.group.WORLD
-    link = _loaded_exchange(group, store, rank, timedelta(seconds=60))  # the messages' costs now
+        links.append(_loaded_exchange(group, store, rank, timedelta(seconds=60)))  # the messages, as the cpu profile
+    link = [statistics.median(column) for column in zip(*links)] if rank == 0 else []
     results = [run.traced(Path(out).with_suffix(f".{i}.trace.json")) for i, run in enumerate(runs)]
     profiles: list[Any] = [None] * WORLD
     dist.all_gather_object(profiles, [run.profiled() for run in runs])
@@ -310,6 +315,9 @@ def measure(examples: list[str], schedules: list[str], batch: int | None, quick:
         load_before = os.getloadavg()[0]
         measured = run_all([c["dir"] for c in cases], warmup, steps, hw.idle_before_compute_s, work)
         load = [load_before, os.getloadavg()[0]]
+    send_us, recv_us, message_us = measured["link_us"]
+    hw_run = dataclasses.replace(hw, p2p_send_post_s=send_us / 1e6, p2p_recv_post_s=recv_us / 1e6,
+                                 intra_node_latency_s=message_us / 1e6)  # the messages as the run met them
     rows = []
     barrier_ms = measured["barrier_ms"]
     for case, got in zip(cases, measured["runs"]):
@@ -319,7 +327,7 @@ def measure(examples: list[str], schedules: list[str], batch: int | None, quick:
         q1, q3 = ordered[len(ordered) // 4], ordered[(3 * len(ordered)) // 4]
         rounds = [got["samples_ms"][i:i + STEPS_PER_ROUND] for i in range(0, len(got["samples_ms"]), STEPS_PER_ROUND)]
         halves = [statistics.median([t for r in rounds[k::2] for t in r]) for k in (0, 1)] if len(rounds) > 1 else None
-        reprofiled = replay_ms(case, got["profile_ms"], hw)
+        reprofiled = replay_ms(case, got["profile_ms"], hw_run)
         n = len(case["stages"])
         compiled = sum(st["forward_ms"] + st["backward_ms"] for st in case["stages"])
         now, traced = ([got[key].get(f"{kind}{k}") for kind in "FB" for k in range(n)] for key in ("profile_ms", "stage_ms"))
@@ -350,18 +358,20 @@ def measure(examples: list[str], schedules: list[str], batch: int | None, quick:
         return statistics.fmean(values) if values else float("nan")
 
     mean_replay, mean_reprofiled = mean_abs_of("replay_error_pct"), mean_abs_of("reprofiled_error_pct")
-    send_us, recv_us, message_us = measured["link_us"]
+    bias = statistics.fmean(r["error_pct"] for r in rows) if rows else 0.0
+    around = statistics.fmean(abs(r["error_pct"] - bias) for r in rows) if rows else 0.0
     sizes = sorted({c["batch"] for c in cases})
     at = f"the examples' own batch ({', '.join(map(str, sizes))})" if batch is None else f"batch {batch}"
-    text += (f"\n\nAt {at}: mean absolute error of the prediction: **{mean_abs:.1f}%** over {len(rows)} runs; with the "
-             f"stages profiled again during the run: **{mean_reprofiled:.1f}%**; of the simulator replaying the "
+    text += (f"\n\nAt {at}: mean absolute error of the prediction: **{mean_abs:.1f}%** over {len(rows)} runs (mean "
+             f"signed error {bias:+.1f}%, and {around:.1f}% around it); with the stages and messages profiled again "
+             f"during the run: **{mean_reprofiled:.1f}%**; of the simulator replaying the "
              f"stage times the runtime measured: {mean_replay:.1f}%; between the two halves of the measurement: "
              f"{mean_halves:.1f}%. Measured: median of "
              f"{steps} steps per package after {warmup} warm-up, in rounds of {STEPS_PER_ROUND} (every package in "
              f"turn), barrier cost subtracted; load average {load[0]:.1f} on {os.cpu_count()} CPUs. "
              f"Pipeline messages under load (posting a send / a receive / the message), as the cpu profile "
              f"measured them before the run: {hw.send_post_s * 1e6:.0f} / {hw.p2p_recv_post_s * 1e6:.0f} / "
-             f"{hw.p2p_alpha_s * 1e6:.0f} us; measured again by the workers after the timed steps: "
+             f"{hw.p2p_alpha_s * 1e6:.0f} us; measured again by the workers between the rounds (medians): "
              f"{send_us:.0f} / {recv_us:.0f} / {message_us:.0f} us.")
     print(text)
     save(name, rows, batch=batch, mean_abs_error_pct=mean_abs, mean_abs_replay_error_pct=mean_replay,
@@ -369,7 +379,7 @@ def measure(examples: list[str], schedules: list[str], batch: int | None, quick:
          mean_halves_pct=mean_halves, steps=steps,
          warmup=warmup,
          load_average=load, cpus=os.cpu_count(),
-         link_after_us=measured["link_us"],
+         link_in_run_us=measured["link_us"], mean_error_pct=bias, mean_abs_around_mean_pct=around,
          hardware={"p2p_alpha_s": hw.p2p_alpha_s, "p2p_bandwidth": hw.intra_node_bandwidth,
                    "p2p_send_post_s": hw.p2p_send_post_s, "p2p_recv_post_s": hw.p2p_recv_post_s,
                    "allreduce_alpha_s": hw.allreduce_latency_s, "allreduce_bandwidth": hw.allreduce_bandwidth,
