@@ -442,12 +442,12 @@ def _loaded_exchange(pg: Any, store: Any, rank: int, wait: timedelta) -> list[fl
         the still-readable socket wakes epoll at once) until the tick preempts it (ftrace
         and perf; runtime/messages.py), and a payload waits for its sender's I/O thread
         to run.  On our 2-core VM, 5-7% of posts and messages stalled, 1-5 ms each, often
-        two opposite sends posted at the same moment.  A step
-        pays every stall on its critical path, so the means (stalls included) are what
-        the simulator charges per message, not the typical (median) message.  The compute
-        matters: between bursts of autograd over small ops (as stages run) posts cost
-        2-3x what they cost between bursts of one big matmul, and about what the runtime's
-        posts cost (means of 250-450 us on our VM); so the exchange computes the former.
+        two opposite sends posted at the same moment.  A step pays every stall on its
+        critical path, so the means (stalls included) are what the simulator charges per
+        message, not the typical (median) message.  The compute matters: between bursts
+        of autograd over small ops (as stages run) posts cost 2-3x what they cost between
+        bursts of one big matmul, and about what the runtime's posts cost (means of
+        250-450 us on our VM); so the exchange computes the former.
         The stall rate also drifts over seconds on a shared VM: the means of two runs
         differ by up to 2x.
 
