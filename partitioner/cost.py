@@ -255,16 +255,16 @@ def _calibrate(gm: torch.fx.GraphModule, values: dict[torch.fx.Node, Any], costs
                repeats: int, wait_s: float = 0.0, min_s: float = 0.0) -> dict[str, NodeCost]:
     """Node times made to add up to the whole graph's.
 
-    The graph is run as a stage runs it: one forward (autograd recording) and one
-    backward from every output that needs a gradient, parameters' `.grad` accumulated,
-    each after idling `wait_s` as a stage waits for its input (see below);
-    median of 3 x `repeats` (at least 15), and of more while under `min_s` seconds.
-    Where the whole takes longer than the sum of its nodes alone, the difference is partly per-op overhead that isolation cannot see (the
-    generated code's dispatch, the engine's bookkeeping, AccumulateGrad), added to every
-    node in equal shares of at most OP_OVERHEAD_S, and partly the ops running slower
-    together than alone, which scales every node in proportion; where the whole takes
-    less, the node times are scaled down in proportion.  Forward and backward separately.  Any failure (an
-    in-place op on an input, say) leaves the isolated times as they are.
+    The graph is run as a stage runs it: one forward (autograd recording) and one backward
+    from every output that needs a gradient, parameters' `.grad` accumulated, each after
+    idling `wait_s` as a stage waits for its input (see below); median of 3 x `repeats` (at
+    least 15), and of more while under `min_s` seconds. Where the whole takes longer than
+    the sum of its nodes alone, the difference is partly per-op overhead that isolation
+    cannot see (the generated code's dispatch, the engine's bookkeeping, AccumulateGrad),
+    added to every node in equal shares of at most OP_OVERHEAD_S, and partly the ops running
+    slower together than alone, which scales every node in proportion; where the whole takes
+    less, the node times are scaled down in proportion. Forward and backward separately. Any
+    failure (an in-place op on an input, say) leaves the isolated times as they are.
     """
     timed = [n for n in compute_nodes(gm) if costs[n.name].forward_s > 0]
     if not timed:
@@ -311,11 +311,10 @@ def _calibrate(gm: torch.fx.GraphModule, values: dict[torch.fx.Node, Any], costs
 #     0.5-2 ms, a BERT stage 1.2x after 0.2 ms, 1.35x after 1 ms, 1.55x after 3 ms and 1.8x
 #     after 8 ms (our 2-core VM).  Why is not settled (caches and branch predictors
 #     cooled by the threads that ran meanwhile are one candidate), but a profile taken
-#     in a tight loop would underestimate every stage.  Where gloo's
-#     threads share the cores (`Hardware.idle_before_compute_s`), each forward and
-#     backward is therefore timed after idling one message's wait, the typical idle of a
-#     rank; longer stalls in a real run still cost more than that (`compute_x` of
-#     benchmarks.simulator_error).
+#     in a tight loop would underestimate every stage.  Where gloo's threads share the
+#     cores (`Hardware.idle_before_compute_s`), each forward and backward is therefore
+#     timed after idling one message's wait, the typical idle of a rank; longer stalls
+#     in a real run still cost more than that (`compute_x` of benchmarks.simulator_error).
 
 
 def time_forward_backward(forward: Callable[[], Any], samples: int, wait_s: float = 0.0,

@@ -22,6 +22,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Sequence
 
 import torch
@@ -38,7 +39,7 @@ def layout(shapes: Sequence[Sequence[int]], dtypes: Sequence[torch.dtype]) -> tu
     for shape, dtype in zip(shapes, dtypes):
         start = -(-end // ALIGN) * ALIGN
         offsets.append(start)
-        end = start + _numel(shape) * dtype.itemsize
+        end = start + math.prod(shape) * dtype.itemsize
     return offsets, end
 
 
@@ -57,7 +58,7 @@ def unpack(buffer: torch.Tensor, shapes: Sequence[Sequence[int]], dtypes: Sequen
     offsets, _ = layout(shapes, dtypes)
     out = []
     for shape, dtype, start in zip(shapes, dtypes, offsets):
-        nbytes = _numel(shape) * dtype.itemsize
+        nbytes = math.prod(shape) * dtype.itemsize
         out.append(_alone(buffer[start:start + nbytes].view(dtype).view(tuple(shape))))
     return out
 
@@ -70,10 +71,3 @@ def _alone(view: torch.Tensor) -> torch.Tensor:
     """`view`'s memory as a tensor that is nobody's view (its own version counter)."""
     return torch.empty(0, dtype=view.dtype, device=view.device).set_(
         view.untyped_storage(), view.storage_offset(), view.shape, view.stride())
-
-
-def _numel(shape: Sequence[int]) -> int:
-    n = 1
-    for d in shape:
-        n *= int(d)
-    return n
