@@ -101,7 +101,8 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     rounds = 4 if ns.quick else 12
     examples = [e for e in ns.examples.split(",") if e]
-    from partitioner.compiler import CompileOptions, compile_model
+    from driver.compile import compile_model
+    from driver.options import CompileOptions
 
     with tempfile.TemporaryDirectory() as tmp:
         dirs = []

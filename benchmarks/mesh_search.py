@@ -33,7 +33,8 @@ DEADLINE_S = 1200.0
 
 
 def _compile(out: Path, devices: int, mesh: tuple[int, int, int] | None) -> dict[str, Any]:
-    from partitioner.compiler import CompileOptions, compile_model
+    from driver.compile import compile_model
+    from driver.options import CompileOptions
 
     stages, tp, dp = mesh if mesh is not None else (None, None, 1)
     start = time.perf_counter()

@@ -9,7 +9,7 @@ one trace and their stages timed on real microbatches (forward + backward, media
 - uniform:    DeepSpeed PipelineModule partition_method='uniform' (equal layers per stage)
 - parameters: DeepSpeed partition_method='parameters' (balanced parameter counts)
 
-Stages are timed on one thread, as a rank computes them (`partitioner.hardware.rank_threads`)
+Stages are timed on one thread, as a rank computes them (`partitioner.cost.measure.rank_threads`)
 and as the compile measured its costs.  It also times the compile of a 48-layer GPT,
 profiling included.
 
@@ -28,10 +28,13 @@ from typing import Any, Sequence
 
 import torch
 
-from partitioner.compiler import CompileOptions, Prepared, assign_nodes, compile_model, prepare
-from partitioner.cost import compute_nodes
-from partitioner.hardware import rank_threads
-from partitioner.passes import node_module
+from driver.compile import compile_model
+from driver.options import CompileOptions
+from driver.phases import assign_nodes, prepare
+from driver.prepared import Prepared
+from partitioner.cost.nodes import compute_nodes
+from partitioner.cost.measure import rank_threads
+from partitioner.trace.passes import node_module
 
 from .common import load_package, save, table, update_readme
 
@@ -104,7 +107,7 @@ def measure_stages(directory: Path, prepared: Prepared, repeats: int) -> list[fl
     manifest = pkg.MANIFEST
     state = prepared.model.state_dict()
     aliases = {v: k for k, v in manifest["state_dict_aliases"].items()}
-    from partitioner.compiler import split_batch
+    from driver.options import split_batch
 
     args, kwargs = split_batch(prepared.args, prepared.kwargs, prepared.mf.batch_dims, prepared.rows)
     given = {**dict(enumerate(args)), **kwargs}

@@ -40,7 +40,7 @@ def _worker(rank: int, world: int, port: int, directory: str, schedule: str, ste
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     import runtime
-    from partitioner import model_file
+    from partitioner.trace import model_file
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
     mf = model_file.load(MODEL)
@@ -97,7 +97,8 @@ def _stage_time(module: torch.nn.Module, entry: dict[str, Any], rank: int, micro
 
 
 def run(schedule: str, stages: int, steps: int, work: Path) -> dict[str, Any]:
-    from partitioner.compiler import CompileOptions, compile_model
+    from driver.compile import compile_model
+    from driver.options import CompileOptions
 
     directory = work / f"{schedule}{stages}"
     compile_model(CompileOptions(model=MODEL, out=str(directory), stages=stages, schedule=schedule, quiet=True))

@@ -13,14 +13,14 @@ The workers are spawned once, so the processes' start-up (importing torch, trans
 is paid once, and run the packages in rounds (STEPS_PER_ROUND steps of each in turn): on
 a shared VM the cost of a message drifts over seconds, and rounds let every package meet
 the same slow and fast spells.  After every round the workers also measure the messages'
-costs again, as the cpu profile did before the compile (`hardware._loaded_exchange`).
+costs again, as the cpu profile did before the compile (`partitioner.cost.measure._loaded_exchange`).
 Next to the step, each rank records the median forward and backward of its own
 stage per microbatch (TRACED_STEPS traced steps after the timed ones), so a large error
 can be traced to compute or to communication.  Columns:
 
 - `error_pct`: (predicted - measured) / measured;
 - `drift_x`: the stages' forward+backward per microbatch, timed on their own between the
-  rounds exactly as the compile timed them (`cost.time_forward_backward`, after the same
+  rounds exactly as the compile timed them (`cost.calibrate.time_forward_backward`, after the same
   idle), over what the compile measured: how much faster or slower the machine ran during
   the measurement than during the compile (a shared VM's speed drifts by a fifth over
   seconds);
@@ -98,9 +98,10 @@ def model_file(example: str, batch: int | None, work: Path) -> str:
 
 def compile_case(example: str, schedule: str, work: Path, batch: int | None = None) -> dict[str, Any]:
     """Compile one example into 2 stages with measured costs; what the prediction says."""
-    from partitioner.compiler import CompileOptions, compile_model
-    from partitioner.hardware import load_hardware
-    from partitioner.predict import tied_allreduce_s
+    from driver.compile import compile_model
+    from driver.options import CompileOptions
+    from partitioner.cost.hardware import load_hardware
+    from partitioner.predict.predict import tied_allreduce_s
 
     directory = work / f"{example}_{schedule}"
     start = time.perf_counter()
@@ -131,7 +132,7 @@ def replay_ms(case: dict[str, Any], measured: dict[str, float], hw: Any) -> floa
     forward and backward of each stage per microbatch) and the profile's links, post
     costs, final all-reduce and tied-gradient all-reduces, as the compile predicted with
     its own stage times: what changes is only where the stage times come from."""
-    from partitioner.simulate import simulate
+    from partitioner.predict.simulate import simulate
 
     n = len(case["stages"])
     try:
@@ -157,7 +158,7 @@ def _worker(rank: int, port: int, store_port: int, dirs: list[str], warmup: int,
     import torch.distributed as dist
     from datetime import timedelta
 
-    from partitioner.hardware import _loaded_exchange
+    from partitioner.cost.measure import _loaded_exchange
 
     dist.init_process_group("gloo", rank=rank, world_size=WORLD, timeout=timedelta(seconds=60))
     runs = [_Run(rank, d) for d in dirs]
@@ -214,10 +215,10 @@ class _Run:
 
     def profile_now(self, wait_s: float) -> None:
         """Time this rank's stages on their own, as the compile's `calibrate_stages` timed
-        their graphs (`cost.time_forward_backward`, same idle before each): the profile the
+        their graphs (`cost.calibrate.time_forward_backward`, same idle before each): the profile the
         compile would have measured had it run now.  Gradients it leaves are cleared by the
         next step."""
-        from partitioner.cost import time_forward_backward
+        from partitioner.cost.calibrate import time_forward_backward
 
         for s, runner in self.pipe.runners.items():
             args = self.args.get(s)
@@ -303,7 +304,7 @@ def measure(examples: list[str], schedules: list[str], batch: int | None, quick:
     name = "simulator_error" if batch is None else f"simulator_error_batch{batch}"
     warmup, steps = (2, 2 * STEPS_PER_ROUND) if quick else (3, 8 * STEPS_PER_ROUND)
     with profiled_here() as work:  # the cpu profile and node costs (reprofile) measured now, one thread
-        from partitioner.hardware import load_hardware
+        from partitioner.cost.hardware import load_hardware
 
         hw = load_hardware("cpu")
         cases = []

@@ -24,9 +24,9 @@ import sys
 import time
 from typing import Any, Sequence
 
-from partitioner.coarsen import build_problem, coarsen, param_sizes
+from partitioner.solve.coarsen import build_problem, coarsen, param_sizes
 from partitioner.ir import BlockCost, Edge, GraphNode, NodeCost, PartitionProblem
-from partitioner.solve import objective, solve, solve_cpsat
+from partitioner.solve.solve import objective, solve, solve_cpsat
 
 from .common import save, table, update_readme
 

@@ -22,7 +22,7 @@ import torch.fx
 import torch.utils._pytree as pytree
 
 from partitioner.ir import REPLICATED, Layout, Plan
-from partitioner.passes import get_attr, node_module
+from partitioner.trace.passes import get_attr, node_module
 
 from .layout import StageLayout, lay_out
 from .report import format_plan

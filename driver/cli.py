@@ -1,4 +1,4 @@
-"""The command line: `python -m partitioner compile | show | run` (CONTRACT.md section 2).
+"""The command line: `python -m partitioner compile | show | run` (README.md, "Use").
 
 Exit status: 0 done; 2 the user's input is wrong (one paragraph on stderr naming the thing
 and the fix, no traceback); 1 an internal error (with its traceback, for a bug report).
@@ -17,7 +17,11 @@ from typing import Any, Sequence
 
 from runtime.errors import PipelineError
 
-from .errors import PackageError, PartitionerError, PlanError
+from codegen import format_plan
+from partitioner.errors import PackageError, PartitionerError, PlanError
+
+from .compile import compile_model
+from .options import CompileOptions
 
 __all__ = ["main", "parse_size"]
 
@@ -77,8 +81,6 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _compile(ns: argparse.Namespace) -> int:
-    from .compiler import CompileOptions, compile_model
-
     out = Path(ns.out)
     if out.exists() and not out.is_dir():
         raise PlanError(f"--out {ns.out} is a file, not a directory: give a new or existing directory.")
@@ -112,8 +114,6 @@ def read_manifest(directory: str) -> dict[str, Any]:
 
 
 def _show(ns: argparse.Namespace) -> int:
-    from codegen import format_plan
-
     manifest = read_manifest(ns.dir)
     try:
         print(format_plan(manifest), end="")

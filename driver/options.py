@@ -1,4 +1,4 @@
-"""The compile options (CONTRACT.md section 2), their checks, and the example batch.
+"""The compile options (the command line of README.md), their checks, and the example batch.
 
 `check` turns the options into (stages per rank, virtual stages, microbatches) or a
 PlanError naming the option and the fix; the batch helpers find the batch size and cut one
@@ -12,16 +12,18 @@ from typing import Any
 
 import torch
 
-from . import model_file
-from .errors import PlanError
-from .ir import SCHEDULES
+from partitioner.errors import PlanError
+from partitioner.ir import SCHEDULES
+from partitioner.solve.problem import Mesh
+from partitioner.trace import model_file
 
-__all__ = ["CompileOptions", "batch_size", "check", "fixed_tp", "default_microbatches", "rows_per_microbatch", "split_batch"]
+__all__ = ["CompileOptions", "batch_size", "check", "fixed_tp", "default_microbatches", "mesh_of", "rows_per_microbatch",
+           "split_batch"]
 
 
 @dataclass
 class CompileOptions:
-    """The command line's options (CONTRACT.md section 2)."""
+    """The command line's options (`python -m partitioner compile --help`)."""
 
     model: str
     out: str
@@ -85,6 +87,13 @@ def check(opts: CompileOptions) -> tuple[int, int, int]:
 def fixed_tp(opts: CompileOptions) -> CompileOptions:
     """The options with `tp` set: as given, else 1."""
     return opts if opts.tp is not None else replace(opts, tp=1)
+
+
+def mesh_of(opts: CompileOptions, pp: int, virtual: int, microbatches: int) -> Mesh:
+    """What the solver's problem is posed for, out of the options (`tp` fixed): `pp`
+    pipeline ranks of `virtual` stages each, `microbatches`, and the limits."""
+    return Mesh(pp=pp, microbatches=microbatches, schedule=opts.schedule, tp=opts.tp or 1, dp=opts.dp,
+                virtual_stages=virtual, memory=opts.memory, optimizer=opts.optimizer, recompute=opts.recompute)
 
 
 def batch_size(mf: model_file.ModelFile, args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:

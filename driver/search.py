@@ -23,14 +23,18 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Callable
 
-from .compiler import CompileOptions, Compiled, Prepared, Source, apply_tp, finish, load_source, model_flops, prepare
-from .errors import InfeasiblePlanError, PlanError
-from .hardware import Hardware, load_hardware
-from .ir import Plan, SolverReport
-from .predict import simulate_plan
-from .problem import coarse_graph, make_plan, pose
-from .roofline import BACKWARD_FLOP_FACTOR, mfu
-from .solve import solve
+from partitioner.cost.hardware import Hardware, load_hardware
+from partitioner.cost.roofline import BACKWARD_FLOP_FACTOR, mfu
+from partitioner.errors import InfeasiblePlanError, PlanError
+from partitioner.ir import Plan, SolverReport
+from partitioner.predict.predict import simulate_plan
+from partitioner.solve.problem import coarse_graph, make_plan, pose
+from partitioner.solve.solve import solve
+
+from .options import CompileOptions, mesh_of
+from .package_info import model_flops
+from .phases import apply_tp, finish, load_source, prepare
+from .prepared import Compiled, Prepared, Source
 
 __all__ = ["Candidate", "search"]
 
@@ -189,7 +193,7 @@ def _solve(base: Prepared, opts: CompileOptions, pp: int, microbatches: int) -> 
             continue
         except PlanError:
             return None
-        plan = make_plan(prepared.problem, prepared.blocks, assignment, report, sub, pp, prepared.virtual, microbatches)
+        plan = make_plan(prepared.problem, prepared.blocks, assignment, report, prepared.mesh)
         cand = Candidate(pp, opts.dp, opts.tp or 1, microbatches, memory_bytes=max(s.memory_bytes for s in plan.stages),
                          recompute=sub.recompute)
         return _Solved(cand, prepared, assignment, report, plan, _bound(prepared, assignment, plan))
@@ -200,9 +204,10 @@ def _repose(base: Prepared, opts: CompileOptions, pp: int, microbatches: int) ->
     """`base` posed for another stage and microbatch count (same trace, costs, blocks)."""
     assert base.coarse is not None
     virtual = opts.virtual_stages if opts.schedule == "interleaved" else 1
-    problem = pose(base.coarse, pp * virtual, microbatches, base.hardware, opts)
-    return dataclasses.replace(base, opts=opts, problem=problem, blocks=base.coarse.blocks, pp=pp, virtual=virtual,
-                               microbatches=microbatches, rows=base.batch // (microbatches * opts.dp))
+    mesh = mesh_of(opts, pp, virtual, microbatches)
+    problem = pose(base.coarse, mesh, base.hardware)
+    return dataclasses.replace(base, opts=opts, problem=problem, blocks=base.coarse.blocks, mesh=mesh,
+                               rows=base.batch // (microbatches * opts.dp))
 
 
 def _bound(prepared: Prepared, assignment: tuple[int, ...], plan: Plan) -> float:

@@ -2,8 +2,8 @@
 
 This module imports nothing of ours (and nothing but the standard library), so the
 runtime can read a plan on a rank that has neither OR-Tools nor the solver installed.
-A `Plan` names graph nodes by their fx names and holds no `fx.Node`: it round-trips
-through JSON (`Plan.to_json` / `Plan.from_json`).
+A `Plan` names graph nodes by their fx names and holds no `fx.Node`: plain data that
+codegen writes into the package (manifest.json, plan.txt).
 
 [Note: stage boundaries]
     Stages are numbered 0..S-1 in pipeline order.  Data only flows forward: for every
@@ -17,10 +17,7 @@ through JSON (`Plan.to_json` / `Plan.from_json`).
 
 from __future__ import annotations
 
-import dataclasses
-import json
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
 
 __all__ = [
     "PARTIAL",
@@ -278,7 +275,6 @@ class Plan:
     dp: int = 1
     virtual_stages: int = 1
     report: SolverReport | None = None
-    extra: dict[str, Any] = field(default_factory=dict)
     recompute: bool = False  # every stage runs its forward again in backward
 
     @property
@@ -288,19 +284,3 @@ class Plan:
     def stage_of(self) -> dict[str, int]:
         """fx node name -> stage index."""
         return {n: s.index for s in self.stages for n in s.nodes}
-
-    def to_json(self) -> str:
-        return json.dumps(dataclasses.asdict(self), indent=1, sort_keys=True)
-
-    @staticmethod
-    def from_json(text: str) -> "Plan":
-        raw = json.loads(text)
-        stages = tuple(
-            StagePlan(**{**s, "nodes": tuple(s["nodes"])}) for s in raw.pop("stages")
-        )
-        report = raw.pop("report")
-        return Plan(
-            stages=stages,
-            report=SolverReport(**report) if report else None,
-            **raw,
-        )

@@ -43,7 +43,8 @@ def update_golden(request: pytest.FixtureRequest) -> bool:
 
 def compile_example(path: str, out: Path, **options: Any) -> Any:
     """Compile a model file quietly with deterministic (analytic) costs unless told."""
-    from partitioner.compiler import CompileOptions, compile_model
+    from driver.compile import compile_model
+    from driver.options import CompileOptions
 
     options.setdefault("analytic", True)
     options.setdefault("hardware", "a100")
@@ -55,7 +56,7 @@ def compile_example(path: str, out: Path, **options: Any) -> Any:
 def train_pipeline(pipe: Any, path: str, steps: int, lr: float) -> list[float]:
     """`pipe` (weights loaded) trained `steps` SGD steps on the model file's example batch:
     the losses."""
-    from partitioner import model_file
+    from partitioner.trace import model_file
 
     mf = model_file.load(path)
     args, kwargs = mf.example_inputs()
@@ -72,7 +73,7 @@ def train_pipeline(pipe: Any, path: str, steps: int, lr: float) -> list[float]:
 def train_original(path: str, steps: int, lr: float) -> tuple[list[float], dict[str, Any]]:
     """The original model of a model file trained `steps` SGD steps on its whole example
     batch: the losses, and the state_dict after."""
-    from partitioner import model_file
+    from partitioner.trace import model_file
 
     mf = model_file.load(path)
     model = mf.build(0)

@@ -12,7 +12,7 @@ import functools
 from dataclasses import dataclass
 from typing import Callable, TypeVar
 
-from .ir import PartitionProblem
+from ..ir import PartitionProblem
 
 __all__ = ["Value", "shared_params", "values"]
 

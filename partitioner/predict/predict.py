@@ -16,11 +16,11 @@ from typing import Any
 
 import torch.fx
 
-from .cost import compute_nodes, storage_key
-from .hardware import Hardware
-from .ir import NodeCost, Plan
-from .passes import get_attr
-from .roofline import BACKWARD_FLOP_FACTOR, mfu, ring_allreduce_s
+from ..cost.nodes import compute_nodes, storage_key
+from ..cost.hardware import Hardware
+from ..ir import NodeCost, Plan
+from ..trace.passes import get_attr
+from ..cost.roofline import BACKWARD_FLOP_FACTOR, mfu, ring_allreduce_s
 from .simulate import Simulation, simulate
 
 __all__ = ["pipeline_link", "pipeline_posts", "predict", "simulate_plan", "tied_allreduce_s"]

@@ -22,7 +22,7 @@ import itertools
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
-from .ir import BlockCost, Edge, GraphNode, PartitionProblem
+from ..ir import BlockCost, Edge, GraphNode, PartitionProblem
 
 __all__ = ["build_problem", "coarsen", "param_sizes"]
 

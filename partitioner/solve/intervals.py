@@ -29,8 +29,8 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from .costmodel import shared_params, values
-from .ir import PartitionProblem
+from ..cost.costmodel import shared_params, values
+from ..ir import PartitionProblem
 
 __all__ = ["dp_memory", "dp_time"]
 

@@ -1,10 +1,11 @@
 """The partition problem of a traced graph, and the Plan of a solved one.
 
     coarse_graph(traced, costs, sharded) -> Coarse      the blocks (coarsen.py), once per graph
-    pose(coarse, stages, microbatches, hardware, opts)   the PartitionProblem for one stage count
-    make_plan(problem, blocks, assignment, ...) -> Plan  with each stage's cost-model terms
+    pose(coarse, mesh, hardware)                         the PartitionProblem for one `Mesh`
+    make_plan(problem, blocks, assignment, report, mesh) with each stage's cost-model terms
 
-A `Coarse` graph is shared by every stage and microbatch count that `--devices` tries.
+A `Coarse` graph is shared by every stage and microbatch count that `--devices` tries; a
+`Mesh` is what one problem is posed for: the mesh, the schedule and the limits.
 """
 
 from __future__ import annotations
@@ -14,21 +15,40 @@ from typing import Any, Sequence
 
 import torch
 
+from ..cost.hardware import Hardware
+from ..cost.nodes import compute_nodes, param_names
+from ..ir import (BlockCost, Edge, GraphNode, NodeCost, PartitionProblem, Plan, SolverReport, StagePlan,
+                  optimizer_state_factor)
+from ..predict.predict import pipeline_link
+from ..tp import Sharded
+from ..trace.passes import is_tensor_node, node_module
+from ..trace.trace import Traced
 from .coarsen import build_problem, coarsen
-from .cost import compute_nodes, param_names
-from .hardware import Hardware
-from .ir import (BlockCost, Edge, GraphNode, NodeCost, PartitionProblem, Plan, SolverReport, StagePlan,
-                 optimizer_state_factor)
-from .options import CompileOptions
-from .passes import is_tensor_node, node_module
-from .predict import pipeline_link
 from .solve import stage_costs
-from .tp import Sharded
-from .trace import Traced
 
-__all__ = ["Coarse", "MAX_BLOCKS", "coarse_graph", "device_memory", "make_plan", "pose"]
+__all__ = ["Coarse", "MAX_BLOCKS", "Mesh", "coarse_graph", "device_memory", "make_plan", "pose"]
 
 MAX_BLOCKS = 160
+
+
+@dataclass(frozen=True)
+class Mesh:
+    """What one partition problem is posed for: the mesh, the schedule and the limits."""
+
+    pp: int  # pipeline ranks
+    microbatches: int
+    schedule: str
+    tp: int = 1
+    dp: int = 1
+    virtual_stages: int = 1  # stages per pipeline rank (more than 1 only for the interleaved schedule)
+    memory: int | None = None  # bytes per device; None: the device's own (`device_memory`)
+    optimizer: str = "adam"
+    recompute: bool = False
+
+    @property
+    def stages(self) -> int:
+        """The stages the graph is split into: `virtual_stages` per pipeline rank."""
+        return self.pp * self.virtual_stages
 
 
 @dataclass(frozen=True)
@@ -78,18 +98,17 @@ def _mostly_16_bit(named: Sequence[tuple[str, torch.Tensor]]) -> bool:
     return half * 2 > sum(p.numel() for p in seen.values())
 
 
-def pose(coarse: Coarse, stages: int, microbatches: int, hardware: Hardware, opts: CompileOptions) -> PartitionProblem:
-    """The problem of splitting `coarse` into `stages` stages for the options' mesh."""
-    tp = opts.tp or 1
-    alpha, beta = pipeline_link(hardware, stages // _virtual(opts), tp)
+def pose(coarse: Coarse, mesh: Mesh, hardware: Hardware) -> PartitionProblem:
+    """The problem of splitting `coarse` into `mesh.stages` stages for `mesh`."""
+    alpha, beta = pipeline_link(hardware, mesh.pp, mesh.tp)
     return replace(
-        _template(coarse, opts.recompute), stages=stages, microbatches=microbatches,
-        schedule="1f1b" if opts.schedule == "interleaved" else opts.schedule,
-        memory_limit_bytes=opts.memory if opts.memory is not None else device_memory(hardware, stages * tp * opts.dp),
-        optimizer_factor=optimizer_state_factor(opts.optimizer, coarse.mixed_precision),
+        _template(coarse, mesh.recompute), stages=mesh.stages, microbatches=mesh.microbatches,
+        schedule="1f1b" if mesh.schedule == "interleaved" else mesh.schedule,
+        memory_limit_bytes=mesh.memory if mesh.memory is not None else device_memory(hardware, mesh.stages * mesh.tp * mesh.dp),
+        optimizer_factor=optimizer_state_factor(mesh.optimizer, coarse.mixed_precision),
         comm_alpha_s=alpha,
         comm_beta_s_per_byte=beta,
-        virtual_stages=_virtual(opts),
+        virtual_stages=mesh.virtual_stages,
     )
 
 
@@ -106,17 +125,13 @@ def _template(coarse: Coarse, recompute: bool) -> PartitionProblem:
     return coarse.templates[recompute]
 
 
-def _virtual(opts: CompileOptions) -> int:
-    return opts.virtual_stages if opts.schedule == "interleaved" else 1
-
-
 def device_memory(hardware: Hardware, ranks: int) -> int:
     """The default --memory: a device's own; on the CPU every rank shares this machine's RAM."""
     return hardware.memory_bytes // max(1, ranks) if hardware.name == "cpu" else hardware.memory_bytes
 
 
 def make_plan(problem: PartitionProblem, blocks: list[Any], assignment: tuple[int, ...], report: SolverReport | None,
-              opts: CompileOptions, pp: int, virtual: int, microbatches: int) -> Plan:
+              mesh: Mesh) -> Plan:
     """The Plan for a stage per block, with each stage's terms of the solver's cost model."""
     costs = stage_costs(problem, assignment)
     stage_nodes: list[list[str]] = [[] for _ in range(problem.stages)]
@@ -135,5 +150,5 @@ def make_plan(problem: PartitionProblem, blocks: list[Any], assignment: tuple[in
                   activation_bytes=c.activation_bytes, send_bytes=sent[k], recv_bytes=received[k])
         for k, c in enumerate(costs)
     )
-    return Plan(stages=stage_plans, schedule=opts.schedule, microbatches=microbatches, pp=pp,
-                tp=opts.tp or 1, dp=opts.dp, virtual_stages=virtual, report=report, recompute=problem.recompute)
+    return Plan(stages=stage_plans, schedule=mesh.schedule, microbatches=mesh.microbatches, pp=mesh.pp,
+                tp=mesh.tp, dp=mesh.dp, virtual_stages=mesh.virtual_stages, report=report, recompute=problem.recompute)

@@ -1,4 +1,4 @@
-"""Assign the blocks of a `PartitionProblem` to pipeline stages (the only ortools import).
+"""Assign the blocks of a `PartitionProblem` to pipeline stages (with OR-Tools' CP-SAT, as tp/choose.py does).
 
 [Note: the cost model]
     `stage_costs` is the one definition of the model of the `PartitionProblem` docstring;
@@ -29,11 +29,11 @@ from typing import Sequence
 import numpy as np
 from ortools.sat.python import cp_model
 
-from .costmodel import shared_params, values
-from .errors import InfeasiblePlanError, PlanError
+from ..cost.costmodel import shared_params, values
+from ..errors import InfeasiblePlanError, PlanError
 from .intervals import dp_memory, dp_time
-from .ir import PartitionProblem, SolverReport
-from .roofline import stage_memory_bytes
+from ..ir import PartitionProblem, SolverReport
+from ..cost.roofline import stage_memory_bytes
 
 __all__ = ["CpResult", "StageCost", "evaluate", "objective", "solve", "solve_cpsat", "stage_costs", "violations"]
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch.fx
 
-from ..hardware import Hardware
+from ..cost.hardware import Hardware
 from ..ir import REPLICATED, Layout, NodeCost
 from .choose import CopyCost, EdgeCost, ShardingProblem, ShardingReport, brute_force, choose, objective
 from .pose import Posed, collective_s, pose

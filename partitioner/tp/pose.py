@@ -16,9 +16,9 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx
 
-from ..hardware import Hardware
+from ..cost.hardware import Hardware
 from ..ir import REPLICATED, Layout, NodeCost
-from ..roofline import ring_allreduce_s
+from ..cost.roofline import ring_allreduce_s
 from . import layers, shapes  # noqa: F401  (registers the built-in rules)
 from .choose import CopyCost, EdgeCost, ShardingProblem
 from .rules import SplitContext, Strategy, replicate, rule_for

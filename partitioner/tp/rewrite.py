@@ -8,7 +8,7 @@ For the chosen strategy of every node, in graph order:
      per value (see [Note: layouts and gradients] in rules.py);
   3. let the strategy rewrite the node (local shape arguments; a row split's all_reduce);
   4. give the node its local shape (`tensor_meta`) and, once all are written, its cost
-     on one rank (`node.meta["cost"]`, as cost.annotate writes it).
+     on one rank (returned by node name, as cost/profile.py's `annotate` returns them).
 The output is made whole (the loss reads it).  Parameters keep their names; the layout
 of each is returned, for the code generator to build shards and the runtime to load them.
 """
@@ -22,7 +22,7 @@ from typing import Any, Callable
 import torch
 import torch.fx
 
-from ..hardware import Hardware
+from ..cost.hardware import Hardware
 from ..ir import REPLICATED, Layout, NodeCost
 from .choose import ShardingReport
 from .pose import PAIRS, Posed, call_s, needs_grad, value_bytes
@@ -145,11 +145,11 @@ def _localize(node: torch.fx.Node, lay: Layout, tp: int) -> None:
 
 def _local_costs(gm: torch.fx.GraphModule, costs: dict[str, NodeCost], strategy_of: dict[str, Strategy], tp: int,
                  hardware: Hardware, collectives: Any) -> dict[str, NodeCost]:
-    """Each compute node's cost on one rank, also written to its `meta["cost"]`."""
+    """Each compute node's cost on one rank, by node name."""
     out: dict[str, NodeCost] = {}
     for n in gm.graph.nodes:
         if n.op in ("call_function", "call_method", "call_module"):
-            n.meta["cost"] = out[n.name] = _local_cost(n, costs, strategy_of, tp, hardware, collectives)
+            out[n.name] = _local_cost(n, costs, strategy_of, tp, hardware, collectives)
     return out
 
 

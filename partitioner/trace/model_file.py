@@ -1,6 +1,6 @@
 """Load a user's model file and check it against the model-file convention.
 
-The convention (CONTRACT.md section 1): module-level `build_model()` returning an
+The convention (README.md, "Use"; the examples/ follow it): module-level `build_model()` returning an
 `nn.Module`, `example_inputs()` returning a tuple of positional arguments or a dict of
 keyword arguments, and for training `example_target()` and `loss_fn(output, target)`.
 Every way a file can break the convention is a `ModelFileError` naming the file, the
@@ -20,7 +20,7 @@ from typing import Any, Callable
 
 import torch
 
-from .errors import ModelFileError
+from ..errors import ModelFileError
 
 __all__ = ["ModelFile", "load", "user_frame"]
 
@@ -86,7 +86,7 @@ class ModelFile:
         if fn is None:
             raise ModelFileError(
                 f"{self.path} defines no `{name}()`, which {why}: add a module-level "
-                f"`def {name}(...)` (see CONTRACT.md, section 1)."
+                f"`def {name}(...)` (see README.md, \"Use\", and examples/)."
             )
         if not callable(fn):
             raise ModelFileError(f"{self.path}: `{name}` is a {type(fn).__name__}, not a function.")

@@ -18,7 +18,7 @@ import torch
 import torch.fx
 from torch.fx.passes.shape_prop import TensorMetadata, _extract_tensor_metadata
 
-from .errors import TraceError
+from ..errors import TraceError
 
 __all__ = ["get_attr", "inline_higher_order", "propagate", "specialize", "is_tensor_node", "node_module"]
 

@@ -30,7 +30,7 @@ import torch
 import torch.fx
 import torch.utils._pytree as pytree
 
-from .errors import TraceError
+from ..errors import TraceError
 from .model_file import user_frame
 from .passes import inline_higher_order
 

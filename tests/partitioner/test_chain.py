@@ -9,9 +9,10 @@ import random
 import pytest
 import torch
 
-from partitioner import model_file
-from partitioner.compiler import CompileOptions, prepare
-from partitioner.hardware import load_hardware
+from partitioner.trace import model_file
+from driver.options import CompileOptions
+from driver.phases import prepare
+from partitioner.cost.hardware import load_hardware
 from partitioner.tp import CopyCost, EdgeCost, ShardingProblem, brute_force, choose, objective, pose
 from partitioner.tp import chain
 

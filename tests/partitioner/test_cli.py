@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from partitioner.__main__ import main, parse_size
+from driver.cli import main, parse_size
 
 BAD = "tests/model_files"
 GOOD = f"{BAD}/good_tiny.py"

@@ -8,9 +8,9 @@ from typing import Sequence
 
 import pytest
 
-from partitioner.coarsen import build_problem, coarsen, param_sizes
+from partitioner.solve.coarsen import build_problem, coarsen, param_sizes
 from partitioner.ir import BlockCost, GraphNode, NodeCost
-from partitioner.solve import objective, solve
+from partitioner.solve.solve import objective, solve
 
 
 def node(name: str, inputs: Sequence[str] = (), module: str = "", t: float = 1.0, params: Sequence[str] = (),

@@ -1,4 +1,4 @@
-"""Stage calibration (`cost.calibrate_stages`) and the tied-gradient all-reduce in the prediction."""
+"""Stage calibration (`calibrate.calibrate_stages`) and the tied-gradient all-reduce in the prediction."""
 
 from __future__ import annotations
 
@@ -11,11 +11,13 @@ from typing import Any
 import pytest
 import torch
 
-from partitioner import cost
-from partitioner.compiler import CompileOptions, prepare
-from partitioner.hardware import load_hardware
-from partitioner.predict import tied_allreduce_s
-from partitioner.roofline import ring_allreduce_s
+from partitioner.cost import calibrate
+from partitioner.cost.nodes import compute_nodes
+from driver.options import CompileOptions
+from driver.phases import prepare
+from partitioner.cost.hardware import load_hardware
+from partitioner.predict.predict import tied_allreduce_s
+from partitioner.cost.roofline import ring_allreduce_s
 
 from ..conftest import compile_example
 
@@ -32,12 +34,12 @@ def test_a_stage_graph_computes_what_the_stage_computes(tmp_path: Path) -> None:
     p = _prepared(tmp_path, "examples/gpt.py")
     stage_of = compiled.plan.stage_of()
     names = {n for n, s in stage_of.items() if s == 1}
-    sub, values = cost._stage_graph(p.traced.gm, p.values, names)
+    sub, values = calibrate._stage_graph(p.traced.gm, p.values, names)
     placeholders = [n for n in sub.graph.nodes if n.op == "placeholder"]
     outside = {x.name for n in p.traced.gm.graph.nodes if n.name in names for x in n.all_input_nodes
                if x.name not in names and x.op != "get_attr"}
     assert {n.name for n in placeholders} == outside and outside
-    assert {n.name for n in cost.compute_nodes(sub)} == names
+    assert {n.name for n in compute_nodes(sub)} == names
     with torch.no_grad():
         got = sub(*[values[n] for n in placeholders])
     by_name = {n.name: n for n in p.traced.gm.graph.nodes}
@@ -54,13 +56,13 @@ def test_each_stage_is_calibrated_on_its_own_after_a_wait(tmp_path: Path, monkey
 
     def record(gm: torch.fx.GraphModule, values: Any, costs: Any, repeats: int, wait_s: float = 0.0,
                min_s: float = 0.0) -> Any:
-        calls.append(({n.name for n in cost.compute_nodes(gm)}, wait_s, min_s))
+        calls.append(({n.name for n in compute_nodes(gm)}, wait_s, min_s))
         return costs
 
-    monkeypatch.setattr(cost, "_calibrate", record)
+    monkeypatch.setattr(calibrate, "calibrate_graph", record)
     stage_of = compiled.plan.stage_of()
-    cost.calibrate_stages(p.traced.gm, p.values, p.costs, stage_of, 3, 5e-4)
-    assert calls == [({n for n, s in stage_of.items() if s == k}, 5e-4, cost.CALIBRATION_MIN_S) for k in (0, 1)]
+    calibrate.calibrate_stages(p.traced.gm, p.values, p.costs, stage_of, 3, 5e-4)
+    assert calls == [({n for n, s in stage_of.items() if s == k}, 5e-4, calibrate.CALIBRATION_MIN_S) for k in (0, 1)]
 
 
 def test_measured_stage_calibration_keeps_every_node_and_the_weights(tmp_path: Path) -> None:
@@ -69,7 +71,7 @@ def test_measured_stage_calibration_keeps_every_node_and_the_weights(tmp_path: P
     p = _prepared(tmp_path, "examples/mlp.py")
     compiled = compile_example("examples/mlp.py", tmp_path / "pkg2", stages=2, hardware="a100")
     before = {name: t.grad for name, t in p.traced.gm.named_parameters()}
-    out = cost.calibrate_stages(p.traced.gm, p.values, p.costs, compiled.plan.stage_of(), 2, 1e-4)
+    out = calibrate.calibrate_stages(p.traced.gm, p.values, p.costs, compiled.plan.stage_of(), 2, 1e-4)
     assert set(out) == set(p.costs)
     assert all(c.forward_s >= 0 and c.backward_s >= 0 for c in out.values())
     assert {name: t.grad for name, t in p.traced.gm.named_parameters()} == before
@@ -103,11 +105,11 @@ def test_a_forward_and_backward_are_timed_without_the_wait_before_them() -> None
         calls.append(1)
         return linear(x), x.sum()  # the second output needs no gradient
 
-    fwd, bwd = cost.time_forward_backward(forward, samples=3, wait_s=0.02)
+    fwd, bwd = calibrate.time_forward_backward(forward, samples=3, wait_s=0.02)
     assert len(calls) == 4  # one warm-up
     assert 0 < fwd < 0.02 and 0 < bwd < 0.02
     assert linear.weight.grad is not None  # the backward ran
-    _, none = cost.time_forward_backward(lambda: x * 2, samples=2)
+    _, none = calibrate.time_forward_backward(lambda: x * 2, samples=2)
     assert none == 0.0
 
 
@@ -123,7 +125,7 @@ def test_a_stage_is_timed_for_at_least_min_s() -> None:
         return linear(x)
 
     start = time.perf_counter()
-    cost.time_forward_backward(forward, samples=3, min_s=0.2)
+    calibrate.time_forward_backward(forward, samples=3, min_s=0.2)
     assert time.perf_counter() - start >= 0.2
     assert len(calls) > 4
 
@@ -133,8 +135,8 @@ def test_measured_costs_are_taken_on_the_threads_a_rank_computes_on(tmp_path: Pa
     """Node costs and stage calibration run on RANK_THREADS threads whatever the compiling
     process has (the ranks run OMP_NUM_THREADS=1): timed on more, a stage bound to one core
     for its calibration had its threads take turns on it, at a hundredfold cost."""
-    from partitioner import compiler
-    from partitioner.hardware import RANK_THREADS
+    from driver import costs
+    from partitioner.cost.measure import RANK_THREADS
 
     seen: list[tuple[str, int]] = []
 
@@ -144,8 +146,8 @@ def test_measured_costs_are_taken_on_the_threads_a_rank_computes_on(tmp_path: Pa
             return real(*args, **kwargs)
         return call
 
-    monkeypatch.setattr(compiler, "annotate", spy("nodes", compiler.annotate))
-    monkeypatch.setattr(compiler, "calibrate_stages", spy("stages", compiler.calibrate_stages))
+    monkeypatch.setattr(costs, "annotate", spy("nodes", costs.annotate))
+    monkeypatch.setattr(costs, "calibrate_stages", spy("stages", costs.calibrate_stages))
     before = torch.get_num_threads()
     torch.set_num_threads(RANK_THREADS + 1)
     try:
@@ -171,7 +173,7 @@ def test_ranks_are_calibrated_side_by_side_until_the_last_is_done(tmp_path: Path
              min_s: float = 0.0) -> Any:
         import os
         import time
-        names = {n.name for n in cost.compute_nodes(gm)}
+        names = {n.name for n in compute_nodes(gm)}
         stage = stage_of[next(iter(names))]
         start = time.monotonic()
         time.sleep(0.4 if stage == 0 else 0.05)
@@ -179,15 +181,15 @@ def test_ranks_are_calibrated_side_by_side_until_the_last_is_done(tmp_path: Path
             f.write(f"{stage} {repeats} {start} {time.monotonic()} {os.getpid()} {min_s}\n")
         return {n: (dataclasses.replace(c, forward_s=float(stage + 1)) if n in names else c) for n, c in costs.items()}
 
-    monkeypatch.setattr(cost, "_calibrate", fake)
+    monkeypatch.setattr(calibrate, "calibrate_graph", fake)
     cores = set(os.sched_getaffinity(0))
-    out = cost.calibrate_stages(p.traced.gm, p.values, p.costs, stage_of, 3, 0.0, [([0], cores), ([1], cores)])
+    out = calibrate.calibrate_stages(p.traced.gm, p.values, p.costs, stage_of, 3, 0.0, [([0], cores), ([1], cores)])
     assert {n: c.forward_s for n, c in out.items()} == {n: float(s + 1) for n, s in stage_of.items()}
     rows = [line.split() for line in log.read_text().splitlines()]
     timed = {int(r[0]): (float(r[2]), float(r[3]), r[4]) for r in rows if r[1] == "3"}
     assert timed[0][2] != timed[1][2] != str(os.getpid())  # two processes, neither this one
     assert timed[1][0] < timed[0][1] and timed[0][0] < timed[1][1]  # at the same time
-    assert all(float(r[5]) == cost.CALIBRATION_MIN_S for r in rows if r[1] == "3")  # timed for long enough
+    assert all(float(r[5]) == calibrate.CALIBRATION_MIN_S for r in rows if r[1] == "3")  # timed for long enough
     fillers = [(float(r[3]), float(r[5])) for r in rows if r[0] == "1" and r[1] == "1"]
     assert fillers and max(end for end, _ in fillers) >= timed[0][1]  # stage 1 ran on until stage 0 was timed
     assert all(min_s == 0.0 for _, min_s in fillers)  # in short bursts, so that it stops soon after
@@ -202,11 +204,11 @@ def test_a_rank_that_fails_its_calibration_fails_it_for_all_at_once(tmp_path: Pa
                min_s: float = 0.0) -> Any:
         raise ValueError("no stage today")
 
-    monkeypatch.setattr(cost, "_calibrate", broken)
+    monkeypatch.setattr(calibrate, "calibrate_graph", broken)
     cores = set(os.sched_getaffinity(0))
     start = time.monotonic()
-    with pytest.raises(cost.CalibrationError, match="no stage today"):
-        cost.calibrate_stages(p.traced.gm, p.values, p.costs, compiled.plan.stage_of(), 3, 0.0,
+    with pytest.raises(calibrate.CalibrationError, match="no stage today"):
+        calibrate.calibrate_stages(p.traced.gm, p.values, p.costs, compiled.plan.stage_of(), 3, 0.0,
                               [([0], cores), ([1], cores)])
     assert time.monotonic() - start < 30
 
@@ -219,37 +221,38 @@ def test_the_failing_rank_is_named_rather_than_the_barrier_it_broke() -> None:
     ends = [multiprocessing.Pipe(duplex=False) for _ in range(2)]
     ends[0][1].send(("aborted", "the ranks' start barrier broke"))
     ends[1][1].send(("failed", "ValueError: no stage today"))
-    with pytest.raises(cost.CalibrationError, match="no stage today"):
-        cost._answers([mine for mine, _ in ends], [[0], [1]])
+    with pytest.raises(calibrate.CalibrationError, match="no stage today"):
+        calibrate._answers([mine for mine, _ in ends], [[0], [1]])
     ends = [multiprocessing.Pipe(duplex=False) for _ in range(2)]
     ends[0][1].send(("aborted", "the ranks' start barrier broke"))
     ends[1][1].send(("timed", {}))
-    with pytest.raises(cost.CalibrationError, match="start barrier broke"):
-        cost._answers([mine for mine, _ in ends], [[0], [1]])
+    with pytest.raises(calibrate.CalibrationError, match="start barrier broke"):
+        calibrate._answers([mine for mine, _ in ends], [[0], [1]])
 
 
 def test_the_compile_falls_back_to_one_stage_at_a_time(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Side by side failing (say, no fork) costs a warning, not the compile."""
-    from partitioner import compiler
+    from driver import costs
+    from driver.compile import compile_model
 
-    real = compiler.calibrate_stages
+    real = costs.calibrate_stages
     calls: list[bool] = []
 
     def flaky(*args: Any, **kwargs: Any) -> Any:
         side_by_side = bool(args[6:] and args[6])
         calls.append(side_by_side)
         if side_by_side:
-            raise cost.CalibrationError("a rank died")
+            raise calibrate.CalibrationError("a rank died")
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(compiler, "calibrate_stages", flaky)
-    monkeypatch.setattr(compiler, "_rank_cores", lambda plan: [([0], {0}), ([1], {0})])
-    put = compiler.cache.put
+    monkeypatch.setattr(costs, "calibrate_stages", flaky)
+    monkeypatch.setattr(costs, "_rank_cores", lambda plan: [([0], {0}), ([1], {0})])
+    put = costs.cache.put
     stored: list[str] = []
-    monkeypatch.setattr(compiler.cache, "put", lambda key, value: (stored.append(key), put(key, value)))
+    monkeypatch.setattr(costs.cache, "put", lambda key, value: (stored.append(key), put(key, value)))
     said: list[str] = []
-    compiler.compile_model(CompileOptions(model="examples/mlp.py", out=str(tmp_path / "pkg"), stages=2,
-                                          hardware="cpu", reprofile=True, repeats=1), log=said.append)
+    compile_model(CompileOptions(model="examples/mlp.py", out=str(tmp_path / "pkg"), stages=2,
+                                 hardware="cpu", reprofile=True, repeats=1), log=said.append)
     assert calls == [True, False]
     assert any("side by side failed (a rank died)" in line for line in said), said
     assert not [key for key in stored if key.startswith("stages-")]  # the fallback is not cached
@@ -266,15 +269,15 @@ def test_each_rank_is_calibrated_on_the_cores_it_is_bound_to(monkeypatch: pytest
                                                              want: list[list[int]] | None) -> None:
     from types import SimpleNamespace
 
-    from partitioner import compiler
+    from driver import costs
 
     monkeypatch.setattr(os, "sched_getaffinity", lambda _pid: set(range(cores)))
     plan = SimpleNamespace(pp=pp, tp=tp, dp=dp, stages=[None] * stages)
-    got = compiler._rank_cores(plan)  # type: ignore[arg-type]
+    got = costs._rank_cores(plan)  # type: ignore[arg-type]
     if want is None:
         assert got == []
     else:
         per = cores // (pp * tp * dp)
         assert got == [(w, set(range(r * per, (r + 1) * per))) for r, w in enumerate(want)]
     monkeypatch.setenv("PIPELINE_CPU_BIND", "0")
-    assert compiler._rank_cores(plan) == []  # type: ignore[arg-type]
+    assert costs._rank_cores(plan) == []  # type: ignore[arg-type]

@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from partitioner import hardware
+from partitioner.cost import hardware, measure
 from partitioner.errors import PartitionerError
-from partitioner.hardware import BUILTIN, Hardware, load_hardware
+from partitioner.cost.hardware import BUILTIN, Hardware, load_hardware
 
 GPUS = [name for name in BUILTIN if name != "cpu"]
 
@@ -36,7 +36,7 @@ def test_stages_are_profiled_idle_only_where_communication_shares_the_cores() ->
 
 
 def test_user_profile_loads_from_a_path(tmp_path: Path) -> None:
-    raw = json.loads((Path(hardware.__file__).with_name("profiles") / "h100.json").read_text())
+    raw = json.loads((hardware._PROFILES / "h100.json").read_text())
     raw.update(name="my-gpu", peak_flops=1e15, intra_node_latency_s=2e-6, sources=["my own numbers"])
     path = tmp_path / "mine.json"
     path.write_text(json.dumps(raw))
@@ -70,14 +70,14 @@ def test_malformed_profile_is_a_clear_error(tmp_path: Path, text: str, why: str)
 
 def test_fit_recovers_alpha_and_beta() -> None:
     alpha, beta = 80e-6, 1 / 2.5e9
-    sizes = hardware._SIZES
-    got = hardware._fit(sizes, [alpha + n * beta for n in sizes])
+    sizes = measure._SIZES
+    got = measure._fit(sizes, [alpha + n * beta for n in sizes])
     assert got is not None
     assert got[0] == pytest.approx(alpha, rel=1e-6) and got[1] == pytest.approx(beta, rel=1e-6)
     # a latency below the timer's reach: alpha clamps to 0, beta through the origin
-    clamped = hardware._fit(sizes, [n * beta * (0.8 if n == sizes[0] else 1.0) for n in sizes])
+    clamped = measure._fit(sizes, [n * beta * (0.8 if n == sizes[0] else 1.0) for n in sizes])
     assert clamped is not None and clamped[0] == 0.0 and clamped[1] > 0
-    assert hardware._fit(sizes, [1e-3] * len(sizes)) is None  # no bandwidth term: not a link
+    assert measure._fit(sizes, [1e-3] * len(sizes)) is None  # no bandwidth term: not a link
 
 
 def test_cpu_profile_measures_gloo_once_and_caches_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -97,16 +97,16 @@ def test_cpu_profile_measures_gloo_once_and_caches_it(tmp_path: Path, monkeypatc
     assert any("under a 2-rank 1F1B exchange" in s for s in hw.sources), hw.sources
     assert measured_in < 8.0, f"the cpu profile took {measured_in:.1f} s to measure"
     # the second load is the cached profile, field for field: compiles stay byte-identical
-    monkeypatch.setattr(hardware, "_measure_cpu", lambda: pytest.fail("measured twice"))
+    monkeypatch.setattr(hardware, "measure_cpu", lambda: pytest.fail("measured twice"))
     assert load_hardware("cpu") == hw
     assert list((tmp_path / "cache").glob(f"hardware-cpu-v{hardware._CPU_PROFILE_VERSION}-*.json"))
 
 
 def test_cpu_profile_falls_back_when_gloo_fails(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("PARTITIONER_CACHE", str(tmp_path / "cache"))
-    monkeypatch.setattr(hardware, "_measure_gloo", lambda: None)
+    monkeypatch.setattr(measure, "_measure_gloo", lambda: None)
     hw = load_hardware("cpu")
-    assert (hw.intra_node_latency_s, hw.intra_node_bandwidth) == (hardware._DEFAULT_ALPHA_S, hardware._DEFAULT_BANDWIDTH)
+    assert (hw.intra_node_latency_s, hw.intra_node_bandwidth) == (measure._DEFAULT_ALPHA_S, measure._DEFAULT_BANDWIDTH)
     assert any("fallback estimate" in s for s in hw.sources), hw.sources
     assert (hw.p2p_send_post_s, hw.p2p_recv_post_s) == (0.0, 0.0)
     assert hw.send_post_s == hw.p2p_alpha_s  # a send then costs its sender the link's latency
@@ -117,24 +117,24 @@ def _silent_peer(conn: object, timeout_s: float) -> None:
 
 
 def test_gloo_measurement_cannot_hang(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(hardware, "_gloo_peer", _silent_peer)
+    monkeypatch.setattr(measure, "_gloo_peer", _silent_peer)
     start = time.perf_counter()
-    assert hardware._measure_gloo(timeout_s=1.0) is None
+    assert measure._measure_gloo(timeout_s=1.0) is None
     assert time.perf_counter() - start < 6.0
 
 
 def test_cached_profile_of_another_shape_is_measured_again(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from partitioner import cache
+    from partitioner.cost import cache
 
     monkeypatch.setenv("PARTITIONER_CACHE", str(tmp_path / "cache"))
     fake = Hardware(name="cpu", peak_flops=1e9, memory_bandwidth=1e9, memory_bytes=1, intra_node_bandwidth=1e9,
                     intra_node_latency_s=1e-5, sources=("fake",))
-    monkeypatch.setattr(hardware, "_measure_cpu", lambda: fake)
+    monkeypatch.setattr(hardware, "measure_cpu", lambda: dataclasses.asdict(fake))
     hw = load_hardware("cpu")
     assert hw == fake
     entry = next((tmp_path / "cache").glob("hardware-cpu-*.json"))
     entry.write_text(json.dumps({"name": "cpu", "flops": 1}))  # a profile of another shape
-    monkeypatch.setattr(hardware, "_measure_cpu", lambda: dataclasses.replace(fake, sources=("again",)))
+    monkeypatch.setattr(hardware, "measure_cpu", lambda: dataclasses.asdict(dataclasses.replace(fake, sources=("again",))))
     assert load_hardware("cpu").sources == ("again",)
     stored = cache.get(entry.stem)
     assert stored is not None and stored["sources"] == ["again"]
@@ -148,12 +148,12 @@ def test_cpu_profile_is_measured_on_a_ranks_threads(tmp_path: Path, monkeypatch:
     seen: list[int] = []
     fake = Hardware(name="cpu", peak_flops=1e9, memory_bandwidth=1e9, memory_bytes=1, intra_node_bandwidth=1e9,
                     intra_node_latency_s=1e-5, sources=("fake",))
-    monkeypatch.setattr(hardware, "_measure_cpu", lambda: (seen.append(torch.get_num_threads()), fake)[1])
+    monkeypatch.setattr(hardware, "measure_cpu", lambda: (seen.append(torch.get_num_threads()), dataclasses.asdict(fake))[1])
     before = torch.get_num_threads()
-    torch.set_num_threads(hardware.RANK_THREADS + 1)
+    torch.set_num_threads(measure.RANK_THREADS + 1)
     try:
         load_hardware("cpu")
-        assert torch.get_num_threads() == hardware.RANK_THREADS + 1
+        assert torch.get_num_threads() == measure.RANK_THREADS + 1
     finally:
         torch.set_num_threads(before)
-    assert seen == [hardware.RANK_THREADS]
+    assert seen == [measure.RANK_THREADS]

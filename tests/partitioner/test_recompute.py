@@ -9,12 +9,12 @@ from pathlib import Path
 
 import pytest
 
-from partitioner.coarsen import build_problem
+from partitioner.solve.coarsen import build_problem
 from partitioner.errors import InfeasiblePlanError
-from partitioner.hardware import load_hardware
+from partitioner.cost.hardware import load_hardware
 from partitioner.ir import BlockCost, Edge, optimizer_state_factor
-from partitioner.roofline import ring_allreduce_s, stage_memory_bytes
-from partitioner.solve import evaluate, solve, stage_costs
+from partitioner.cost.roofline import ring_allreduce_s, stage_memory_bytes
+from partitioner.solve.solve import evaluate, solve, stage_costs
 from partitioner.tp import collective_s
 
 from ..conftest import compile_example

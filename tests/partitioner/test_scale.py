@@ -17,9 +17,11 @@ import torch
 import torch.fx
 import torch.nn.functional as F
 
-from partitioner import cost, model_file
-from partitioner.compiler import CompileOptions, load_source, prepare
-from partitioner.trace import _ThroughTracer
+from partitioner.cost import profile
+from partitioner.trace import model_file
+from driver.options import CompileOptions
+from driver.phases import load_source, prepare
+from partitioner.trace.trace import _ThroughTracer
 
 from ..conftest import ROOT
 
@@ -62,11 +64,11 @@ def test_one_fx_trace_serves_every_microbatch_shape(meta: bool) -> None:
 def test_equal_calls_on_the_meta_device_are_costed_once(monkeypatch: pytest.MonkeyPatch) -> None:
     opts = _options("examples/gpt48.py", 4, meta=True)
     calls: list[int] = []
-    real = cost._flops_and_saved
-    monkeypatch.setattr(cost, "_flops_and_saved", lambda *a: calls.append(1) or real(*a))
+    real = profile._flops_and_saved
+    monkeypatch.setattr(profile, "_flops_and_saved", lambda *a: calls.append(1) or real(*a))
     counted = prepare(opts).costs
     assert 0 < len(calls) < len(counted) / 10, "48 identical blocks"
-    monkeypatch.setattr(cost, "_meta_signature", lambda *_a: None)
+    monkeypatch.setattr(profile, "_meta_signature", lambda *_a: None)
     assert prepare(opts).costs == counted
 
 

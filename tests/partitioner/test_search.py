@@ -9,10 +9,11 @@ import pytest
 import torch
 
 import runtime
-from partitioner import model_file, search
-from partitioner.compiler import CompileOptions
-from partitioner.hardware import load_hardware
-from partitioner.search import _meshes, _tp_limit
+from driver import search
+from partitioner.trace import model_file
+from driver.options import CompileOptions
+from partitioner.cost.hardware import load_hardware
+from driver.search import _meshes, _tp_limit
 
 from ..conftest import compile_example
 

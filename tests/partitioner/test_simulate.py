@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from partitioner.roofline import message_s, mfu, roofline_s, stage_memory_bytes
-from partitioner.simulate import bubble_fraction, simulate
+from partitioner.cost.roofline import message_s, mfu, roofline_s, stage_memory_bytes
+from partitioner.predict.simulate import bubble_fraction, simulate
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
@@ -100,9 +100,9 @@ def test_the_data_parallel_all_reduce_hides_behind_backward_only_where_comm_over
     gloo takes the cores the ranks compute on, so all of it adds to the step."""
     import dataclasses
 
-    from partitioner.hardware import load_hardware
-    from partitioner.predict import simulate_plan
-    from partitioner.roofline import ring_allreduce_s
+    from partitioner.cost.hardware import load_hardware
+    from partitioner.predict.predict import simulate_plan
+    from partitioner.cost.roofline import ring_allreduce_s
 
     from ..conftest import compile_example
 

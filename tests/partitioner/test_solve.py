@@ -13,7 +13,7 @@ import pytest
 
 from partitioner.errors import InfeasiblePlanError, PlanError
 from partitioner.ir import Edge, PartitionProblem
-from partitioner.solve import evaluate, objective, solve, stage_costs, violations
+from partitioner.solve.solve import evaluate, objective, solve, stage_costs, violations
 
 MiB = 1 << 20
 
@@ -222,7 +222,7 @@ def test_long_chain_is_fast() -> None:
 _SCRIPT = """
 import dataclasses, random
 from partitioner.ir import Edge, PartitionProblem
-from partitioner.solve import solve
+from partitioner.solve.solve import solve
 rng = random.Random(5)
 n = 14
 edges = sorted({(i, j) for j in range(1, n) for i in range(j) if rng.random() < 0.2} | {(n - 2, n - 1)})

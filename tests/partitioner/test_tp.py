@@ -15,9 +15,9 @@ import torch
 import torch.fx
 import torch.nn.functional as F
 
-from partitioner.hardware import load_hardware
-from partitioner.passes import propagate, specialize
-from partitioner.trace import trace
+from partitioner.cost.hardware import load_hardware
+from partitioner.trace.passes import propagate, specialize
+from partitioner.trace.trace import trace
 from partitioner.ir import REPLICATED, Layout, NodeCost
 from partitioner.tp import (CopyCost, EdgeCost, ShardingProblem, SplitContext, brute_force, choose, objective, pose,
                             shard, split_rule)

@@ -10,8 +10,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from partitioner.errors import TraceError
-from partitioner.passes import propagate, specialize
-from partitioner.trace import trace
+from partitioner.trace.passes import propagate, specialize
+from partitioner.trace.trace import trace
 
 
 class WithDefault(nn.Module):

@@ -17,7 +17,7 @@ import torch
 import torch.utils._pytree as pytree
 
 import runtime
-from partitioner import model_file
+from partitioner.trace import model_file
 from runtime import package, tp
 from runtime.errors import PeerError, PipelineError
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import runtime
-from partitioner import model_file
+from partitioner.trace import model_file
 
 from ..conftest import FREE_LINKS as FREE, compile_example, train_original, train_pipeline
 

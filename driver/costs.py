@@ -1,0 +1,116 @@
+"""Node costs as the compile takes them: measured once per graph and machine and cached
+(`node_costs`), and calibrated stage by stage for a plan (`stage_costs`), cached per plan so
+that compiles on one machine stay byte-identical."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sys
+from dataclasses import asdict
+from typing import Any, Callable, Iterable
+
+import torch
+import torch.fx
+
+from partitioner.cost import cache
+from partitioner.cost.calibrate import CALIBRATION_MIN_S, CalibrationError, calibrate_stages
+from partitioner.cost.hardware import Hardware
+from partitioner.cost.measure import RANK_THREADS, rank_threads
+from partitioner.cost.nodes import compute_nodes
+from partitioner.cost.profile import PROFILE_VERSION, annotate
+from partitioner.ir import NodeCost, Plan
+
+from runtime.affinity import binding_enabled, bound_as_local_rank, cpu_share
+
+from .options import CompileOptions
+from .prepared import Prepared
+
+__all__ = ["node_costs", "stage_costs"]
+
+
+def node_costs(gm: torch.fx.GraphModule, values: dict[torch.fx.Node, Any], hardware: Hardware,
+               opts: CompileOptions, say: Callable[[str], None]) -> dict[str, NodeCost]:
+    """Every compute node's cost (`partitioner.cost.profile.annotate`), measured or analytic;
+    measured costs are cached per graph, shapes and machine."""
+    measure = not opts.analytic
+    wait = hardware.idle_before_compute_s
+    key = "profile-" + hashlib.sha256(
+        json.dumps([PROFILE_VERSION, gm.code, [str(n.meta.get("tensor_meta")) for n in gm.graph.nodes],
+                    hardware.name, measure, opts.repeats, torch.__version__, RANK_THREADS,
+                    wait]).encode()
+    ).hexdigest()[:32]
+    cached = None if (opts.reprofile or not measure) else cache.get(key)
+    nodes = compute_nodes(gm)
+    if cached is not None and set(cached) == {n.name for n in nodes}:
+        costs = {name: NodeCost(**c) for name, c in cached.items()}
+        say(f"costs: {len(costs)} nodes from the profile cache (--reprofile to measure again)")
+        return costs
+    say(f"costs: {'profiling' if measure else 'estimating'} {len(nodes)} nodes on {hardware.name}")
+    costs = annotate(gm, values, hardware, measure, opts.repeats, _progress(opts, len(nodes)), wait)
+    if measure:
+        cache.put(key, {name: asdict(c) for name, c in costs.items()})
+    return costs
+
+
+def _progress(opts: CompileOptions, total: int) -> Callable[[Iterable[torch.fx.Node]], Iterable[torch.fx.Node]]:
+    if opts.quiet or not sys.stderr.isatty():
+        return iter
+    from tqdm import tqdm
+
+    return lambda items: tqdm(items, total=total, desc="profiling", unit="node", leave=False)
+
+
+def stage_costs(p: Prepared, plan: Plan) -> dict[str, NodeCost]:
+    """The node costs the prediction uses: where costs are measured and stages wait for
+    messages on the cores they compute on (the cpu profile), calibrated stage by stage as
+    a rank runs them (`partitioner.cost.calibrate.calibrate_stages`: after a message's wait, on a rank's thread
+    and cores, every rank beside the others when each has cores of its own), cached per
+    plan so that compiles on one machine stay byte-identical; else the costs as they are."""
+    wait = p.hardware.idle_before_compute_s
+    if p.opts.analytic or not wait or p.values is None or plan.num_stages < 2 or plan.recompute:
+        return p.costs
+    stage_of = plan.stage_of()
+    ranks = plan.pp * plan.tp * plan.dp
+    side_by_side = _rank_cores(plan)
+    key = "stages-" + hashlib.sha256(json.dumps(
+        [PROFILE_VERSION, p.traced.gm.code, sorted(stage_of.items()), wait, p.opts.repeats, CALIBRATION_MIN_S, torch.__version__,
+         RANK_THREADS, binding_enabled() and ranks, [(stages, sorted(cores)) for stages, cores in side_by_side],
+         sorted((n, asdict(c)) for n, c in p.costs.items())]
+    ).encode()).hexdigest()[:32]
+    cached = None if p.opts.reprofile else cache.get(key)
+    if isinstance(cached, dict) and set(cached) == set(p.costs):
+        return {name: NodeCost(**c) for name, c in cached.items()}
+    p.say(f"calibrating {plan.num_stages} stages as the ranks run them"
+          + (f", {len(side_by_side)} ranks side by side" if side_by_side else ""))
+    failed = False
+    with rank_threads():  # on a rank's threads and cores (runtime/affinity.py)
+        try:
+            if side_by_side:
+                costs = calibrate_stages(p.traced.gm, p.values, p.costs, stage_of, p.opts.repeats, wait, side_by_side)
+        except CalibrationError as e:
+            failed = True
+            p.say(f"warning: timing the stages side by side failed ({e}); timing them one at a time")
+        if failed or not side_by_side:
+            with bound_as_local_rank(0, ranks):
+                costs = calibrate_stages(p.traced.gm, p.values, p.costs, stage_of, p.opts.repeats, wait)
+    if not failed:  # a fallback is not cached: the next compile tries side by side again
+        cache.put(key, {name: asdict(c) for name, c in costs.items()})
+    return costs
+
+
+def _rank_cores(plan: Plan) -> list[tuple[list[int], set[int]]]:
+    """Each rank's stages and the cores the runtime binds it to, when every rank gets
+    cores of its own on this machine (`runtime.affinity.cpu_share`); else none.  Rank r
+    holds the stages at position r // tp % pp (runtime/groups.py)."""
+    ranks = plan.pp * plan.tp * plan.dp
+    if not binding_enabled() or ranks < 2 or not hasattr(os, "sched_getaffinity"):
+        return []
+    allowed = os.sched_getaffinity(0)
+    shares = [cpu_share(allowed, r, ranks) for r in range(ranks)]
+    if any(share is None for share in shares):
+        return []
+    count = len(plan.stages)
+    return [([s for s in range(count) if s % plan.pp == r // plan.tp % plan.pp], share)
+            for r, share in enumerate(shares) if share is not None]

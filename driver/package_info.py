@@ -1,0 +1,77 @@
+"""What the package records beside the graph and the plan (`codegen.PackageInfo`): the
+model file, its inputs, the original state_dict's names, the prediction, the options."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from codegen import PackageInfo
+from partitioner.cost.nodes import storage_key
+from partitioner.ir import Plan
+from partitioner.tp import Sharded
+from partitioner.trace.passes import get_attr
+from partitioner.trace.trace import by_input_key
+
+from .prepared import Prepared
+
+__all__ = ["model_flops", "package_info"]
+
+
+def model_flops(p: Prepared) -> int:
+    """Forward FLOPs of one microbatch of the whole model (before any tensor split)."""
+    costs = p.whole[1] if p.whole is not None else p.costs
+    return sum(c.flops for c in costs.values())
+
+
+def package_info(p: Prepared, plan: Plan, predicted: dict[str, Any]) -> PackageInfo:
+    """The package's record of `p` compiled into `plan`, with the prediction `predicted`."""
+    opts, mf, model, traced, hardware, sharded = p.opts, p.mf, p.model, p.traced, p.hardware, p.sharded
+    batch, args, kwargs = p.batch, p.args, p.kwargs
+    gm = traced.gm
+    by_key = by_input_key(args, kwargs)
+    inputs = []
+    for node in (n for n in gm.graph.nodes if n.op == "placeholder"):
+        key = dict(traced.input_keys)[node.name]
+        value = by_key[key]
+        meta = node.meta.get("tensor_meta")
+        inputs.append({
+            "name": node.name, "key": key, "batch_dim": mf.batch_dims.get(key, 0),
+            "shape": [int(d) for d in meta.shape] if meta is not None else None,
+            "dtype": str(value.dtype).replace("torch.", "") if isinstance(value, torch.Tensor) else None,
+        })
+    graph_tensors = {str(n.target): get_attr(gm, str(n.target)) for n in gm.graph.nodes if n.op == "get_attr"}
+    canonical = {storage_key(t): name for name, t in graph_tensors.items() if isinstance(t, torch.Tensor)}
+    original = model.state_dict(keep_vars=True)
+    aliases = {k: canonical[storage_key(t)] for k, t in original.items()
+               if storage_key(t) in canonical and canonical[storage_key(t)] != k}
+    unused = {k: t for k, t in original.items() if storage_key(t) not in canonical and k not in aliases}
+    options = {"stages": plan.pp, "tp": plan.tp, "microbatches": plan.microbatches, "schedule": plan.schedule,
+               "memory": opts.memory, "hardware": hardware.name, "analytic": opts.analytic,
+               "optimizer": opts.optimizer} | ({"recompute": True} if plan.recompute else {})
+    return PackageInfo(
+        source_path=opts.model, source_sha256=mf.sha256, entry=opts.entry, seed=opts.seed, tracer=traced.tracer,
+        batch_size=batch, inputs=inputs, out_spec=traced.out_spec, output_leaves=traced.output_leaves,
+        persistent=set(original), aliases=aliases, unused={k: t.detach() for k, t in unused.items()},
+        unused_params={k for k, t in unused.items() if isinstance(t, torch.nn.Parameter)},
+        predicted=predicted, options=options, tp=plan.tp,
+        shards=dict(sharded.params) if sharded is not None else {},
+        tensor_parallel=_tp_summary(sharded), recompute=plan.recompute,
+    )
+
+
+def _tp_summary(sharded: Sharded | None) -> dict[str, Any]:
+    """The manifest's `tensor_parallel` block: the rule chosen per split node, the collectives."""
+    if sharded is None:
+        return {}
+    report = sharded.report
+    return {
+        "degree": sharded.tp,
+        "rules": dict(sorted(sharded.rules.items())),
+        "collectives": sharded.collectives,
+        "sharded_parameters": {k: str(v) for k, v in sorted(sharded.params.items())},
+        "solver": {} if report is None else {
+            "method": report.method, "status": report.status, "objective_s": report.objective_s,
+            "replicated_s": report.replicated_s, "lower_bound_s": report.lower_bound_s, "variables": report.variables},
+    }

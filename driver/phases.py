@@ -1,0 +1,209 @@
+"""The phases of one compile, each a call into one package of the planner or into codegen;
+`driver.compile.compile_model` lists them in order, `driver.search` reuses them per mesh.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+from typing import Any, Callable
+
+import torch
+import torch.fx
+import torch.utils._pytree as pytree
+
+from codegen import emit
+from partitioner.cost.hardware import Hardware, load_hardware
+from partitioner.cost.measure import rank_threads
+from partitioner.cost.nodes import compute_nodes
+from partitioner.errors import PlanError
+from partitioner.ir import NodeCost, Plan, SolverReport, StagePlan
+from partitioner.predict.predict import predict
+from partitioner.solve.problem import coarse_graph, make_plan, pose
+from partitioner.solve.solve import solve
+from partitioner.tp import Sharded, shard
+from partitioner.trace import model_file
+from partitioner.trace.passes import propagate, specialize
+from partitioner.trace.trace import Traced, by_input_key, copy_traced, trace
+
+from .costs import node_costs, stage_costs
+from .options import (CompileOptions, batch_size, check, default_microbatches, fixed_tp, mesh_of, rows_per_microbatch,
+                      split_batch)
+from .package_info import model_flops, package_info
+from .prepared import Compiled, Prepared, Source
+
+__all__ = ["apply_tp", "assign_nodes", "emit_plan", "finish", "load_source", "prepare", "solve_problem"]
+
+
+def load_source(opts: CompileOptions, say: Callable[[str], None] = lambda _m: None) -> Source:
+    """Load the model file, build the model (on the meta device when `_build` says so)
+    and take its example batch (moved to the meta device with a meta model)."""
+    mf = model_file.load(opts.model, opts.entry)
+    model = _build(mf, opts, say)
+    args, kwargs = mf.example_inputs()
+    if _is_meta(model):
+        args, kwargs = pytree.tree_map_only(torch.Tensor, lambda t: t.to("meta"), (args, kwargs))
+    return Source(mf, model, args, kwargs, batch_size(mf, args, kwargs))
+
+
+def prepare(opts: CompileOptions, say: Callable[[str], None] = lambda _m: None, source: Source | None = None) -> Prepared:
+    """Phases 1-4 of a compile (`driver.compile.compile_model`) and the problem of phase 5:
+    load, trace, specialise and cost the model; split it for tensor parallelism; pose the
+    partition problem.  `source`: the model file already loaded (`load_source`)."""
+    opts = fixed_tp(opts)
+    timings: dict[str, float] = {}
+    clock = time.perf_counter()
+
+    def phase(name: str) -> None:
+        nonlocal clock
+        now = time.perf_counter()
+        timings[name] = now - clock
+        clock = now
+
+    pp, virtual, microbatches = check(opts)
+    # 1. load: the model file and one microbatch of its example batch (partitioner.trace.model_file).
+    src = source or load_source(opts, say)
+    mf, model, args, kwargs, batch = src.mf, src.model, src.args, src.kwargs, src.batch
+    microbatches = microbatches or default_microbatches(batch, pp, opts)
+    rows = rows_per_microbatch(batch, microbatches, opts.dp)
+    margs, mkwargs = split_batch(args, kwargs, mf.batch_dims, rows)
+    phase("load")
+    # 2. trace, and specialise to the microbatch shape (partitioner.trace).
+    traced = _trace(src, margs, mkwargs, opts, rows, say)
+    by_key = by_input_key(margs, mkwargs)
+    values = propagate(traced.gm, [by_key[key] for _name, key in traced.input_keys], opts.model)
+    specialize(traced.gm, values)
+    phase("trace")
+    # 3. cost every node, measured (cached) or analytic (partitioner.cost).
+    hardware = load_hardware(opts.hardware)
+    with rank_threads():  # measured as a rank will compute
+        costs = node_costs(traced.gm, values, hardware, opts, say)
+    phase("cost")
+    # 4. tp: the split per node, and the graph one rank runs (partitioner.tp).
+    whole = (traced, costs)
+    traced, costs, sharded = apply_tp(traced, costs, opts.tp or 1, hardware, opts, say)
+    phase("tp")
+    # 5. solve, first half: coarsen into blocks, pose the problem for the mesh (partitioner.solve).
+    coarse = coarse_graph(traced, costs, sharded)
+    mesh = mesh_of(opts, pp, virtual, microbatches)
+    problem = pose(coarse, mesh, hardware)
+    phase("coarsen")
+    return Prepared(opts, mf, model, traced, costs, hardware, problem, coarse.blocks, batch, rows, args, kwargs,
+                    mesh, timings, whole, sharded, coarse, values if sharded is None else None, say)
+
+
+def _trace(src: Source, margs: tuple[Any, ...], mkwargs: dict[str, Any], opts: CompileOptions, rows: int,
+           say: Callable[[str], None]) -> Traced:
+    """The model's graph for this microbatch, to specialise: a copy of its fx trace when
+    `src` has one (kept from an earlier shape), else a new trace."""
+    if src.generic is not None:
+        return copy_traced(src.generic)
+    say(f"tracing {opts.model} ({type(src.model).__name__}, microbatch of {rows} rows)")
+    traced = trace(src.model, margs, mkwargs, opts.tracer, opts.model)
+    if traced.tracer == "fx":
+        src.generic = copy_traced(traced)
+    return traced
+
+
+def apply_tp(traced: Traced, costs: dict[str, NodeCost], tp: int, hardware: Hardware, opts: CompileOptions,
+             say: Callable[[str], None] = lambda _m: None) -> tuple[Traced, dict[str, NodeCost], Sharded | None]:
+    """The graph and costs of one tensor-parallel rank (unchanged for tp = 1)."""
+    if tp == 1:
+        return traced, costs, None
+    sharded = shard(traced.gm, costs, tp, hardware, time_limit_s=min(opts.time_limit, 10.0))
+    report = sharded.report
+    saved = f", {(1 - report.objective_s / report.replicated_s) * 100:.0f}% below replicated" if report else ""
+    say(f"tensor parallel x{tp}: {len(sharded.rules)} nodes split, {len(sharded.params)} weights sharded, "
+        f"collectives {sharded.collectives or 'none'}{saved}")
+    if not sharded.rules:
+        say(f"warning: --tp {tp} splits nothing (no width divides by {tp}, or on {hardware.name} every collective "
+            f"costs more than the split saves): the {tp} ranks of each group repeat the same work; use --tp 1.")
+    return dataclasses.replace(traced, gm=sharded.gm, output_leaves=_local_leaves(traced, sharded.gm)), \
+        sharded.costs, sharded
+
+
+def _local_leaves(traced: Traced, local: torch.fx.GraphModule) -> list[Any]:
+    """The output leaves as nodes of the rewritten graph (the output reads gathered values)."""
+    def reads(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
+        out = next(n for n in gm.graph.nodes if n.op == "output")
+        found: list[torch.fx.Node] = []
+        torch.fx.node.map_arg(out.args, found.append)
+        return found
+
+    mapping = dict(zip(reads(traced.gm), reads(local)))
+    return [mapping.get(leaf, leaf) if isinstance(leaf, torch.fx.Node) else leaf for leaf in traced.output_leaves]
+
+
+def solve_problem(p: Prepared) -> tuple[tuple[int, ...], SolverReport]:
+    """Phase 5: the stage of every block of `p.problem` (partitioner.solve)."""
+    start = time.perf_counter()
+    p.say(f"solving: {len(compute_nodes(p.traced.gm))} nodes in {p.problem.num_blocks} blocks "
+          f"into {p.problem.stages} stages")
+    assignment, report = solve(p.problem, time_limit_s=p.opts.time_limit)
+    p.timings["solve"] = time.perf_counter() - start
+    return assignment, report
+
+
+def finish(prepared: Prepared, assignment: tuple[int, ...], report: SolverReport | None = None,
+           extra: dict[str, Any] | None = None) -> Compiled:
+    """Turn a stage per block into a Plan, then phases 6 and 7 (`extra` joins `predicted`)."""
+    p = prepared
+    if report is not None:
+        report = dataclasses.replace(report, nodes=len(compute_nodes(p.traced.gm)), blocks=p.problem.num_blocks)
+    return emit_plan(p, make_plan(p.problem, p.blocks, assignment, report, p.mesh), extra)
+
+
+def emit_plan(p: Prepared, plan: Plan, extra: dict[str, Any] | None = None) -> Compiled:
+    """Phases 6 and 7 for `plan`: predict its step, emit its package."""
+    start = time.perf_counter()
+    # 6. predict the step (partitioner.predict), on node costs calibrated per stage where they are measured.
+    costs = stage_costs(p, plan)
+    predicted = predict(p.traced.gm, plan, costs, p.hardware, cost_source="analytic" if p.opts.analytic else "measured",
+                        model_flops=model_flops(p))
+    predicted.update(extra or {})
+    # 7. emit the package's files (codegen).
+    manifest = emit(p.opts.out, p.traced.gm, plan, package_info(p, plan, predicted))
+    p.timings["emit"] = time.perf_counter() - start
+    return Compiled(manifest, plan, p.traced, costs, dict(p.timings))
+
+
+def assign_nodes(prepared: Prepared, stage_of: dict[str, int]) -> Compiled:
+    """Emit the package for a given stage per compute node (baselines, experiments).
+
+    Predicted stage times are the sums of the nodes' compute times (no traffic).
+    """
+    p = prepared
+    order = [n.name for n in compute_nodes(p.traced.gm)]
+    missing = [n for n in order if n not in stage_of]
+    if missing:
+        raise PlanError(f"assign_nodes: no stage for {len(missing)} nodes, e.g. {missing[:3]}")
+    stages = []
+    count = max(stage_of.values()) + 1
+    for k in range(count):
+        nodes = tuple(n for n in order if stage_of[n] == k)
+        t = sum(p.costs[n].time_s for n in nodes)
+        stages.append(StagePlan(index=k, nodes=nodes, time_s=t, compute_s=t))
+    mesh = p.mesh
+    plan = Plan(stages=tuple(stages), schedule=mesh.schedule, microbatches=mesh.microbatches,
+                pp=count // mesh.virtual_stages, tp=mesh.tp, dp=mesh.dp, virtual_stages=mesh.virtual_stages)
+    return emit_plan(p, plan)
+
+
+def _build(mf: model_file.ModelFile, opts: CompileOptions, say: Callable[[str], None]) -> torch.nn.Module:
+    """The model, on the meta device when asked or when --analytic meets a model too big
+    to build here (over a quarter of this machine's memory)."""
+    if opts.meta is False or not (opts.analytic or opts.meta):
+        return mf.build(opts.seed)
+    with torch.device("meta"):
+        probe = mf.build(opts.seed)
+    size = sum(t.numel() * t.element_size() for t in probe.state_dict().values())
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if opts.meta or size > ram // 4:
+        say(f"building on the meta device ({size / 2**30:.1f} GiB of weights): nothing is executed")
+        return probe
+    return mf.build(opts.seed)
+
+
+def _is_meta(model: torch.nn.Module) -> bool:
+    return any(t.is_meta for t in model.state_dict().values())

@@ -1,0 +1,72 @@
+"""What the driver carries between the phases of one compile: the model file loaded
+(`Source`), the model traced, costed and posed (`Prepared`), and the result (`Compiled`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+import torch.fx
+
+from partitioner.ir import NodeCost, PartitionProblem, Plan
+from partitioner.cost.hardware import Hardware
+from partitioner.solve.problem import Coarse, Mesh
+from partitioner.tp import Sharded
+from partitioner.trace import model_file
+from partitioner.trace.trace import Traced
+
+from .options import CompileOptions
+
+__all__ = ["Compiled", "Prepared", "Source"]
+
+
+@dataclass
+class Compiled:
+    """What a compile produced, for the CLI and for tests."""
+
+    manifest: dict[str, Any]
+    plan: Plan
+    traced: Traced
+    costs: dict[str, NodeCost]
+    timings: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class Prepared:
+    """A model traced, costed and posed as a partition problem: everything before solving."""
+
+    opts: CompileOptions
+    mf: model_file.ModelFile
+    model: torch.nn.Module
+    traced: Traced
+    costs: dict[str, NodeCost]
+    hardware: Hardware
+    problem: PartitionProblem
+    blocks: list[Any]
+    batch: int
+    rows: int
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    mesh: Mesh  # what `problem` was posed for
+    timings: dict[str, float] = field(default_factory=dict)
+    #: the graph before tensor parallelism and its costs (what --devices re-shards)
+    whole: tuple[Traced, dict[str, NodeCost]] | None = None
+    sharded: Sharded | None = None
+    coarse: Coarse | None = None  # the blocks `problem` was posed from
+    values: dict[torch.fx.Node, Any] | None = None  # one microbatch's value of every node (tp = 1)
+    say: Callable[[str], None] = field(default=lambda _m: None, repr=False)  # progress and warnings
+
+
+@dataclass
+class Source:
+    """A model file loaded, its model built and its example batch: what every microbatch
+    shape of one compile (or `--devices` search) shares."""
+
+    mf: model_file.ModelFile
+    model: torch.nn.Module
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    batch: int
+    #: the model's fx trace before specialisation, which serves any microbatch shape
+    generic: Traced | None = None
