@@ -27,7 +27,7 @@ from .ir import NodeCost, PartitionProblem, Plan, SolverReport, StagePlan
 from .options import (CompileOptions, batch_size, check, default_microbatches, fixed_tp, rows_per_microbatch,
                       split_batch)
 from .passes import get_attr, propagate, specialize
-from .predict import predict
+from .predict import predict, rounded
 from .problem import Coarse, coarse_graph, make_plan, pose
 from .solve import solve
 from .tp import Sharded, shard
@@ -225,7 +225,7 @@ def _emit(p: Prepared, plan: Plan, extra: dict[str, Any] | None = None) -> Compi
     costs = _stage_costs(p, plan)
     info = _package_info(p.opts, p.mf, p.model, p.traced, p.batch, p.args, p.kwargs, p.rows, plan, costs, p.hardware,
                          p.sharded, model_flops(p))
-    info.predicted.update(extra or {})
+    info.predicted.update(rounded(extra or {}))
     manifest = emit(p.opts.out, p.traced.gm, plan, info)
     p.timings["emit"] = time.perf_counter() - start
     return Compiled(manifest, plan, p.traced, costs, dict(p.timings))
@@ -418,7 +418,7 @@ def _tp_summary(sharded: Sharded | None) -> dict[str, Any]:
         "rules": dict(sorted(sharded.rules.items())),
         "collectives": sharded.collectives,
         "sharded_parameters": {k: str(v) for k, v in sorted(sharded.params.items())},
-        "solver": {} if report is None else {
+        "solver": {} if report is None else rounded({
             "method": report.method, "status": report.status, "objective_s": report.objective_s,
-            "replicated_s": report.replicated_s, "lower_bound_s": report.lower_bound_s, "variables": report.variables},
+            "replicated_s": report.replicated_s, "lower_bound_s": report.lower_bound_s, "variables": report.variables}),
     }
