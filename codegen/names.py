@@ -23,14 +23,16 @@ from __future__ import annotations
 import builtins
 import keyword
 import re
+from typing import Iterable
 
 import torch.fx
+import torch.utils._pytree as pytree
 
 from partitioner.passes import node_module
 
 from .layout import StageLayout
 
-__all__ = ["attr_name", "attr_names", "section", "value_names"]
+__all__ = ["attr_name", "attr_names", "module_roots", "section", "value_names"]
 
 #: names the generated stage files use themselves
 _RESERVED = frozenset({"self", "torch", "F", "aten", "tp", "os", "Any", "annotations", "constants"}) | frozenset(
@@ -44,10 +46,12 @@ def attr_name(source_name: str) -> str:
     return f"p_{name}" if name[0].isdigit() else name
 
 
-def value_names(graph: torch.fx.Graph, layouts: list[StageLayout]) -> dict[torch.fx.Node, str]:
-    """The name of every node in the stage sources and the manifest ([Note: boundary names])."""
+def value_names(graph: torch.fx.Graph, layouts: list[StageLayout], reserved: Iterable[str] = ()) -> dict[torch.fx.Node, str]:
+    """The name of every node in the stage sources and the manifest ([Note: boundary names]);
+    `reserved`: more names the stages use (the packages they import, `module_roots`)."""
     names = {n: n.name for n in graph.nodes}
-    taken = set(names.values()) | _RESERVED
+    taken = set(names.values()) | _RESERVED | set(reserved)
+    taken |= {str(getattr(n.target, "__module__", None) or "").split(".")[0] for n in graph.nodes if callable(n.target)}
     last = _last_value_of_module(graph)
     order = {n: i for i, n in enumerate(graph.nodes)}
     crossing = sorted({n for layout in layouts for n in layout.outputs}, key=order.__getitem__)
@@ -72,11 +76,18 @@ def attr_names(layout: StageLayout, aliases: dict[str, str]) -> dict[str, str]:
     for attr in layout.attrs:
         target = str(attr.target)
         readers = sorted((u for u in attr.users if u in position), key=position.__getitem__)
-        owner = node_module(readers[0]) if readers else ""
+        owner = node_module(readers[0]) if readers else None  # None: only the output reads it
         chosen[target] = attr_name(next((k for k in keys.get(target, []) if k.rpartition(".")[0] == owner), target))
     if len(set(chosen.values())) < len(chosen):  # two keys that differ only in "." and "_": keep the targets
         return {target: attr_name(target) for target in chosen}
     return chosen
+
+
+def module_roots(spec: pytree.TreeSpec) -> set[str]:
+    """The packages the last stage imports to rebuild the output (`transformers` for a
+    ModelOutput): a value must not be named so."""
+    roots = {spec.type.__module__.split(".")[0]} if isinstance(spec.type, type) else set()
+    return roots.union(*(module_roots(c) for c in spec.children()))
 
 
 def section(node: torch.fx.Node) -> str:

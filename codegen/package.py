@@ -25,7 +25,7 @@ from partitioner.ir import REPLICATED, Layout, Plan
 from partitioner.passes import get_attr, node_module
 
 from .layout import StageLayout, lay_out
-from .names import attr_name, attr_names, value_names
+from .names import attr_name, attr_names, module_roots, value_names
 from .report import format_plan
 from .source import StageSource
 
@@ -63,7 +63,7 @@ class PackageInfo:
 def emit(out: str | Path, gm: torch.fx.GraphModule, plan: Plan, info: PackageInfo) -> dict[str, Any]:
     """Write the package for `plan` into `out`; return the manifest."""
     layouts = lay_out(gm.graph, plan.stage_of(), plan.num_stages)
-    values = value_names(gm.graph, layouts)
+    values = value_names(gm.graph, layouts, module_roots(info.out_spec))
     tensors = _attr_tensors(gm, info)
     files: dict[str, bytes] = {}
     stages = []

@@ -8,9 +8,10 @@ import operator
 
 import torch
 import torch.fx
+import torch.utils._pytree as pytree
 
 from codegen.layout import lay_out
-from codegen.names import attr_names, section, value_names
+from codegen.names import attr_names, module_roots, section, value_names
 
 
 def _node(graph: torch.fx.Graph, module: str, *args: object) -> torch.fx.Node:
@@ -70,3 +71,11 @@ def test_sections_stop_one_level_below_the_layer_index() -> None:
     graph, nodes = _chain(["transformer.h.0.attn.c_attn", "transformer.h.0", "transformer.wte", "enc.q", ""])
     assert [section(n) for n in nodes] == [
         "transformer.h.0.attn", "transformer.h.0", "transformer.wte", "enc.q", "(top level)"]
+
+
+def test_a_boundary_value_is_not_named_after_a_package_the_stage_imports() -> None:
+    graph, nodes = _chain(["transformers", "head"])
+    layouts = lay_out(graph, {nodes[0].name: 0, nodes[1].name: 1}, 2)
+    assert value_names(graph, layouts)[nodes[0]] == "transformers"
+    assert value_names(graph, layouts, {"transformers"})[nodes[0]] == "transformers_1"
+    assert module_roots(pytree.tree_structure((1, {"a": 2}))) == {"builtins"}
