@@ -25,8 +25,9 @@ from partitioner.ir import REPLICATED, Layout, Plan
 from partitioner.trace.passes import get_attr, node_module
 
 from .layout import StageLayout, lay_out
+from .names import attr_name, attr_names, module_roots, value_names
 from .report import format_plan
-from .source import StageSource, attr_name, shape_comment
+from .source import StageSource
 
 __all__ = ["PackageInfo", "emit", "FORMAT_VERSION"]
 
@@ -62,11 +63,12 @@ class PackageInfo:
 def emit(out: str | Path, gm: torch.fx.GraphModule, plan: Plan, info: PackageInfo) -> dict[str, Any]:
     """Write the package for `plan` into `out`; return the manifest."""
     layouts = lay_out(gm.graph, plan.stage_of(), plan.num_stages)
+    values = value_names(gm.graph, layouts, module_roots(info.out_spec))
     tensors = _attr_tensors(gm, info)
     files: dict[str, bytes] = {}
     stages = []
     for layout in layouts:
-        entry, source = _stage(layout, gm, plan, info, tensors)
+        entry, source = _stage(layout, gm, plan, info, tensors, values)
         stages.append(entry)
         files[f"{entry['module']}.py"] = source.encode()
     constants = {
@@ -87,22 +89,24 @@ def emit(out: str | Path, gm: torch.fx.GraphModule, plan: Plan, info: PackageInf
 
 
 def _stage(
-    layout: StageLayout, gm: torch.fx.GraphModule, plan: Plan, info: PackageInfo, tensors: dict[str, torch.Tensor]
+    layout: StageLayout, gm: torch.fx.GraphModule, plan: Plan, info: PackageInfo, tensors: dict[str, torch.Tensor],
+    values: dict[torch.fx.Node, str],
 ) -> tuple[dict[str, Any], str]:
     k, last = layout.index, layout.index == plan.num_stages - 1
     params = {name for name, _ in gm.named_parameters(remove_duplicate=False)}
     held = [str(a.target) for a in layout.attrs]
     if k == 0:
         held += sorted(info.unused)
-    param_entries = [_param(n, tensors[n], info.shards.get(n, REPLICATED), info.tp)
+    attrs = {n: attr_name(n) for n in held} | attr_names(layout, info.aliases)
+    param_entries = [_param(n, tensors[n], info.shards.get(n, REPLICATED), info.tp, attrs[n])
                      for n in held if n in params or n in info.unused_params]
     buffer_entries = [
-        _buffer(n, tensors[n], n in info.persistent) for n in held if not (n in params or n in info.unused_params)
+        _buffer(n, tensors[n], n in info.persistent, attrs[n]) for n in held if not (n in params or n in info.unused_params)
     ]
-    names: dict[torch.fx.Node, str] = {n: n.name for n in layout.inputs + layout.nodes}
-    names.update({a: f"self.{attr_name(str(a.target))}" for a in layout.attrs})
+    names = {n: values[n] for n in layout.inputs + layout.nodes}
+    names.update({a: f"self.{attrs[str(a.target)]}" for a in layout.attrs})
     writer = StageSource(imports=set())
-    body = [f"        {writer.statement(n, names)}{shape_comment(n)}" for n in layout.nodes]
+    body = [f"        {line}" for line in writer.statements(layout.nodes, names)]
     if last:
         body.append(f"        return {writer.build_output(info.out_spec, info.output_leaves, names)}")
     else:
@@ -113,10 +117,10 @@ def _stage(
         "module": f"stage_{k}",
         "class": f"Stage{k}",
         "ranks": _ranks(k, plan),
-        "inputs": [_boundary_in(n, plan) for n in layout.inputs],
+        "inputs": [_boundary_in(n, names[n], plan) for n in layout.inputs],
         "outputs": [{"name": "output", "shape": None, "dtype": None, "to": "output", "requires_grad": True}]
         if last
-        else [_boundary_out(n, layout.consumers[n]) for n in layout.outputs],
+        else [_boundary_out(n, names[n], layout.consumers[n]) for n in layout.outputs],
         "parameters": param_entries,
         "buffers": buffer_entries,
         "nodes": len(layout.nodes),
@@ -135,8 +139,9 @@ def _render(entry: dict[str, Any], layout: StageLayout, plan: Plan, info: Packag
         f"# model: {info.source_path} (sha256 {info.source_sha256[:16]}), {info.entry}(), seed {info.seed}, traced with {info.tracer}",
         f"# plan:  stage {k} of {S} (pp={plan.pp} tp={plan.tp} dp={plan.dp}), {plan.schedule}, "
         f"{plan.microbatches} microbatches of {rows} rows",
-        f"# stage: {entry['nodes']} nodes ({', '.join(entry['modules']) or 'no modules'}); predicted "
-        f"{stage_plan.time_s * 1e3:.3f} ms forward+backward per microbatch",
+        f"# stage: {_count(entry['nodes'], 'node')} ({', '.join(entry['modules']) or 'no modules'})",
+        f"# time:  {stage_plan.time_s * 1e3:.3f} ms predicted for one microbatch: forward+backward"
+        f"{' (the forward twice)' if info.recompute else ''} with its messages",
     ]
     last = k == S - 1
     lines = header + ["", "from __future__ import annotations", ""] + _imports(writer, bool(entry["buffers"]), last)
@@ -145,13 +150,13 @@ def _render(entry: dict[str, Any], layout: StageLayout, plan: Plan, info: Packag
     lines += ["", f"class Stage{k}(torch.nn.Module):", f'    """Stage {k} of {S}: {_summary(entry)}."""', ""]
     lines += ["    def __init__(self) -> None:", "        super().__init__()"]
     for p in entry["parameters"]:
-        lines.append(f"        self.{p['name']} = torch.nn.Parameter({_zeros(p)}{_grad(p)})  # {p['source_name']}")
+        lines.append(f"        self.{p['name']} = torch.nn.Parameter({_zeros(p)}{_grad(p)})  # {_origin(p, info.aliases)}")
     if entry["buffers"]:
         lines.append("        constants = _constants()")
     for b in entry["buffers"]:
         flag = "" if b["persistent"] else ", persistent=False"
         lines.append(f"        self.register_buffer({b['name']!r}, constants[{b['source_name']!r}]{flag})")
-    args = "".join(f", {names}: torch.Tensor" for names in (n.name for n in layout.inputs))
+    args = "".join(f", {spec['name']}: torch.Tensor" for spec in entry["inputs"])
     returns = "Any" if last else "tuple[torch.Tensor, ...]"
     lines += ["", f"    def forward(self{args}) -> {returns}:"] + body
     if entry["buffers"]:
@@ -210,32 +215,32 @@ def _meta(node: torch.fx.Node) -> tuple[list[int], str, bool]:
     return [int(d) for d in meta.shape], str(meta.dtype).replace("torch.", ""), bool(meta.requires_grad)
 
 
-def _boundary_in(node: torch.fx.Node, plan: Plan) -> dict[str, Any]:
+def _boundary_in(node: torch.fx.Node, name: str, plan: Plan) -> dict[str, Any]:
     shape, dtype, grad = _meta(node)
     source: Any = "input" if node.op == "placeholder" else plan.stage_of()[node.name]
-    return {"name": node.name, "shape": shape, "dtype": dtype, "from": source, "requires_grad": grad and source != "input"}
+    return {"name": name, "shape": shape, "dtype": dtype, "from": source, "requires_grad": grad and source != "input"}
 
 
-def _boundary_out(node: torch.fx.Node, readers: list[int]) -> dict[str, Any]:
+def _boundary_out(node: torch.fx.Node, name: str, readers: list[int]) -> dict[str, Any]:
     shape, dtype, grad = _meta(node)
-    return {"name": node.name, "shape": shape, "dtype": dtype, "to": readers, "requires_grad": grad}
+    return {"name": name, "shape": shape, "dtype": dtype, "to": readers, "requires_grad": grad}
 
 
-def _param(name: str, t: torch.Tensor, layout: Layout, tp: int) -> dict[str, Any]:
+def _param(name: str, t: torch.Tensor, layout: Layout, tp: int, attr: str) -> dict[str, Any]:
     """A parameter entry; a sharded one has its local shape and `index` "tp": the rank's
     own tensor-parallel index (one stage file serves every rank of the group)."""
     shard: dict[str, Any] = {"dim": None, "index": 0, "count": 1}
     if not layout.replicated:
         shard = {"dim": layout.dim, "index": "tp", "count": tp, "blocks": layout.blocks}
     return {
-        "name": attr_name(name), "source_name": name, "shape": list(layout.local_shape(tuple(t.shape), tp)),
+        "name": attr, "source_name": name, "shape": list(layout.local_shape(tuple(t.shape), tp)),
         "dtype": str(t.dtype).replace("torch.", ""), "requires_grad": bool(t.requires_grad),
         "shard": shard,
     }
 
 
-def _buffer(name: str, t: torch.Tensor, persistent: bool) -> dict[str, Any]:
-    entry = {"name": attr_name(name), "source_name": name, "shape": list(t.shape),
+def _buffer(name: str, t: torch.Tensor, persistent: bool, attr: str) -> dict[str, Any]:
+    entry = {"name": attr, "source_name": name, "shape": list(t.shape),
              "dtype": str(t.dtype).replace("torch.", ""), "persistent": persistent}
     if t.is_meta:
         entry["meta"] = True
@@ -263,7 +268,21 @@ def _modules(nodes: list[torch.fx.Node]) -> list[str]:
 def _summary(entry: dict[str, Any]) -> str:
     mods = entry["modules"]
     shown = ", ".join(mods[:6]) + (f" and {len(mods) - 6} more" if len(mods) > 6 else "")
-    return f"{shown or 'top-level ops'} ({entry['nodes']} nodes)"
+    return f"{shown or 'top-level ops'} ({_count(entry['nodes'], 'node')})"
+
+
+def _count(n: int, noun: str) -> str:
+    """`1 node`, `2 nodes`."""
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
+
+
+def _origin(p: dict[str, Any], aliases: dict[str, str]) -> str:
+    """Where a parameter comes from: `lm_head.weight`, or for a tied one named after another
+    of its keys, `transformer.wte.weight (= lm_head.weight)`."""
+    if attr_name(p["source_name"]) == p["name"]:
+        return str(p["source_name"])
+    key = next((k for k, c in sorted(aliases.items()) if c == p["source_name"] and attr_name(k) == p["name"]), None)
+    return str(p["source_name"]) if key is None else f"{key} (= {p['source_name']})"
 
 
 def _zeros(p: dict[str, Any]) -> str:

@@ -2,8 +2,9 @@
 
 The emitter walks the stage's fx nodes in order and prints each as the call a person
 would write: `F.linear(x, self.fc1_weight, self.fc1_bias)`, `a + b`, `x[:, -1]`,
-`x.transpose(1, 2)`, `aten.addmm.default(...)` for torch.export's aten ops.  Values keep
-their fx names; parameters become attributes named after their original modules.
+`x.transpose(1, 2)`, `aten.addmm.default(...)` for torch.export's aten ops, under a
+`# -- h.0.attn --` line wherever the module they come from changes.  The names it writes
+are given by `codegen.names`.
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ import torch.fx
 import torch.nn.functional as F
 import torch.utils._pytree as pytree
 
+from .names import attr_name, section
+
 __all__ = ["StageSource", "format_value", "attr_name"]
 
 _BINARY = {
@@ -33,12 +36,6 @@ _UNARY = {operator.neg: "-", operator.pos: "+", operator.invert: "~"}
 
 class EmitError(Exception):
     """A node the code generator cannot write as Python source."""
-
-
-def attr_name(source_name: str) -> str:
-    """`h.0.attn.c_attn.weight` -> `h_0_attn_c_attn_weight`."""
-    name = source_name.replace(".", "_").lstrip("_") or "attr"
-    return f"p_{name}" if name[0].isdigit() else name
 
 
 def format_value(value: Any, names: dict[torch.fx.Node, str]) -> str:
@@ -138,6 +135,18 @@ class StageSource:
         else:
             raise EmitError(f"cannot write node {node.format_node()}: op {node.op!r} is not traced through")
         return f"{names[node]} = {expr}"
+
+    def statements(self, nodes: list[torch.fx.Node], names: dict[torch.fx.Node, str]) -> list[str]:
+        """One line per node, in order, with its shape comment; each run of nodes from one
+        module opens with a `# -- <module> --` line (`names.section`)."""
+        lines: list[str] = []
+        current = None
+        for node in nodes:
+            if section(node) != current:
+                current = section(node)
+                lines.append(f"# -- {current} --")
+            lines.append(f"{self.statement(node, names)}{shape_comment(node)}")
+        return lines
 
     def build_output(self, spec: pytree.TreeSpec, leaves: list[Any], names: dict[torch.fx.Node, str]) -> str:
         """Source that rebuilds the model's output structure from its leaves."""

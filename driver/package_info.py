@@ -9,6 +9,7 @@ import torch
 
 from codegen import PackageInfo
 from partitioner.cost.nodes import storage_key
+from partitioner.predict.predict import rounded
 from partitioner.ir import Plan
 from partitioner.tp import Sharded
 from partitioner.trace.passes import get_attr
@@ -71,7 +72,7 @@ def _tp_summary(sharded: Sharded | None) -> dict[str, Any]:
         "rules": dict(sorted(sharded.rules.items())),
         "collectives": sharded.collectives,
         "sharded_parameters": {k: str(v) for k, v in sorted(sharded.params.items())},
-        "solver": {} if report is None else {
+        "solver": {} if report is None else rounded({
             "method": report.method, "status": report.status, "objective_s": report.objective_s,
-            "replicated_s": report.replicated_s, "lower_bound_s": report.lower_bound_s, "variables": report.variables},
+            "replicated_s": report.replicated_s, "lower_bound_s": report.lower_bound_s, "variables": report.variables}),
     }

@@ -19,7 +19,7 @@ from partitioner.cost.measure import rank_threads
 from partitioner.cost.nodes import compute_nodes
 from partitioner.errors import PlanError
 from partitioner.ir import NodeCost, Plan, SolverReport, StagePlan
-from partitioner.predict.predict import predict
+from partitioner.predict.predict import predict, rounded
 from partitioner.solve.problem import coarse_graph, make_plan, pose
 from partitioner.solve.solve import solve
 from partitioner.tp import Sharded, shard
@@ -161,7 +161,7 @@ def emit_plan(p: Prepared, plan: Plan, extra: dict[str, Any] | None = None) -> C
     costs = stage_costs(p, plan)
     predicted = predict(p.traced.gm, plan, costs, p.hardware, cost_source="analytic" if p.opts.analytic else "measured",
                         model_flops=model_flops(p))
-    predicted.update(extra or {})
+    predicted.update(rounded(extra or {}))
     # 7. emit the package's files (codegen).
     manifest = emit(p.opts.out, p.traced.gm, plan, package_info(p, plan, predicted))
     p.timings["emit"] = time.perf_counter() - start

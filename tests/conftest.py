@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 from pathlib import Path
 from typing import Any, Iterator
@@ -72,7 +73,24 @@ def train_pipeline(pipe: Any, path: str, steps: int, lr: float) -> list[float]:
 
 def train_original(path: str, steps: int, lr: float) -> tuple[list[float], dict[str, Any]]:
     """The original model of a model file trained `steps` SGD steps on its whole example
-    batch: the losses, and the state_dict after."""
+    batch: the losses, and the state_dict after.  It trains once per (path, steps, lr) in a
+    session (every case of an example compares with the same reference); each caller gets
+    its own copies."""
+    losses, state = _trained_original(path, steps, lr)
+    return list(losses), {k: v.clone() for k, v in state.items()}
+
+
+@functools.cache
+def _trained_original(path: str, steps: int, lr: float) -> tuple[tuple[float, ...], dict[str, Any]]:
+    """`train_original`, computed once; never hand these tensors out (see above).  The model
+    is built from its seed (`build(0)`), so the result does not depend on the caller's RNG;
+    the caller's RNG state is left as it was."""
+    with torch.random.fork_rng(devices=[]):
+        losses, state = _train_original(path, steps, lr)
+    return tuple(losses), state
+
+
+def _train_original(path: str, steps: int, lr: float) -> tuple[list[float], dict[str, Any]]:
     from partitioner.trace import model_file
 
     mf = model_file.load(path)

@@ -22,7 +22,8 @@ STEPS, LR = 3, 0.05
 
 
 def _reference(path: str) -> tuple[list[float], dict[str, torch.Tensor]]:
-    """The original model trained for STEPS SGD steps on the whole batch."""
+    """The original model trained for STEPS SGD steps on the whole batch (once per example:
+    `train_original` caches it for every schedule and stage count)."""
     return train_original(path, STEPS, LR)
 
 

@@ -11,6 +11,7 @@ the last microbatch's backward cannot hide.  `predict` adds MFU and the per-stag
 from __future__ import annotations
 
 import dataclasses
+import math
 import statistics
 from typing import Any
 
@@ -23,7 +24,7 @@ from ..trace.passes import get_attr
 from ..cost.roofline import BACKWARD_FLOP_FACTOR, mfu, ring_allreduce_s
 from .simulate import Simulation, simulate
 
-__all__ = ["pipeline_link", "pipeline_posts", "predict", "simulate_plan", "tied_allreduce_s"]
+__all__ = ["pipeline_link", "pipeline_posts", "predict", "rounded", "simulate_plan", "tied_allreduce_s"]
 
 
 def predict(gm: torch.fx.GraphModule, plan: Plan, costs: dict[str, NodeCost], hardware: Hardware,
@@ -34,7 +35,7 @@ def predict(gm: torch.fx.GraphModule, plan: Plan, costs: dict[str, NodeCost], ha
     forward = model_flops if model_flops is not None else sum(c.flops for c in costs.values())
     flops = forward * (1 + BACKWARD_FLOP_FACTOR) * plan.microbatches * plan.dp
     report = plan.report
-    return {
+    return rounded({
         "step_time_s": sim.step_time_s,
         "mfu": mfu(flops, sim.step_time_s, plan.pp * plan.tp * plan.dp, hardware.peak_flops),
         "cost_source": cost_source,
@@ -46,7 +47,22 @@ def predict(gm: torch.fx.GraphModule, plan: Plan, costs: dict[str, NodeCost], ha
         "solver": {} if report is None else {
             "method": report.method, "objective_s": report.objective_s, "lower_bound_s": report.lower_bound_s,
             "gap": report.gap, "status": report.status, "blocks": report.blocks, "nodes": report.nodes},
-    }
+    })
+
+
+def rounded(block: Any, key: str = "") -> Any:
+    """`block` (the manifest's numbers) rounded to what they mean: seconds to 6 significant
+    digits (a step's time is not known to a nanosecond of a second), ratios such as MFU and
+    the solver's gap to 4, byte counts as ints; dicts and lists are rounded through."""
+    if isinstance(block, dict):
+        return {k: rounded(v, k) for k, v in block.items()}
+    if isinstance(block, list):
+        return [rounded(v, key) for v in block]
+    if isinstance(block, float) and key.endswith("_bytes") and block.is_integer():
+        return int(block)
+    if isinstance(block, float) and math.isfinite(block):
+        return float(f"{block:.{6 if key.endswith('_s') else 4}g}")
+    return block
 
 
 def simulate_plan(gm: torch.fx.GraphModule, plan: Plan, costs: dict[str, NodeCost], hardware: Hardware) -> Simulation:
