@@ -1,7 +1,7 @@
 """The plain-data IR that every package shares.
 
-This module imports nothing of ours (and nothing but the standard library), so the
-runtime can read a plan on a rank that has neither OR-Tools nor the solver installed.
+This module imports nothing of ours but the runtime's schedule names (`runtime.manifest`,
+itself standard library only), so the runtime can read a plan on a rank that has neither OR-Tools nor the solver installed.
 A `Plan` names graph nodes by their fx names and holds no `fx.Node`: it round-trips
 through JSON (`Plan.to_json` / `Plan.from_json`).
 
@@ -22,6 +22,8 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+from runtime.manifest import SCHEDULES
+
 __all__ = [
     "PARTIAL",
     "REPLICATED",
@@ -38,8 +40,7 @@ __all__ = [
     "optimizer_state_factor",
 ]
 
-#: The pipeline schedules the runtime can interpret.
-SCHEDULES = ("gpipe", "1f1b", "interleaved")
+# SCHEDULES (imported above): the pipeline schedules the runtime can interpret.
 
 
 def optimizer_state_factor(optimizer: str, mixed_precision: bool = False) -> int:
