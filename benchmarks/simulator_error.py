@@ -198,10 +198,10 @@ class _Run:
 
         self.rank, self.directory = rank, directory
         self.pipe = runtime.DistributedPipeline(directory)
-        source = self.pipe.manifest["source"]
+        source = self.pipe.manifest.source
         model_file = package.load_model_file(self.pipe.manifest, directory)
-        torch.manual_seed(int(source.get("seed", 0)))
-        model = getattr(model_file, source.get("entry", "build_model"))()
+        torch.manual_seed(source.seed)
+        model = getattr(model_file, source.entry)()
         self.pipe.load_state_dict(model.state_dict())
         self.inputs, self.target = model_file.example_inputs(), model_file.example_target()
         self.params = self.pipe.parameters()

@@ -7,6 +7,7 @@ deterministic: the same graph, plan and info give the same bytes.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import io
 import json
@@ -23,6 +24,8 @@ import torch.utils._pytree as pytree
 
 from partitioner.ir import REPLICATED, Layout, Plan
 from partitioner.trace.passes import get_attr, node_module
+from runtime.manifest import (FORMAT_VERSION, BufferSpec, Manifest, Mesh, ModelInput, ParamSpec, Predicted, Shard,
+                              Source, StageInput, StageOutput, StageSpec, TiedParameter)
 
 from .layout import StageLayout, lay_out
 from .names import attr_name, attr_names, module_roots, value_names
@@ -31,7 +34,6 @@ from .source import StageSource
 
 __all__ = ["PackageInfo", "emit", "FORMAT_VERSION"]
 
-FORMAT_VERSION = 1
 GENERATOR = "partitioner 0.1.0"
 
 
@@ -61,7 +63,7 @@ class PackageInfo:
 
 
 def emit(out: str | Path, gm: torch.fx.GraphModule, plan: Plan, info: PackageInfo) -> dict[str, Any]:
-    """Write the package for `plan` into `out`; return the manifest."""
+    """Write the package for `plan` into `out`; return the manifest as its JSON object."""
     layouts = lay_out(gm.graph, plan.stage_of(), plan.num_stages)
     values = value_names(gm.graph, layouts, module_roots(info.out_spec))
     tensors = _attr_tensors(gm, info)
@@ -70,19 +72,19 @@ def emit(out: str | Path, gm: torch.fx.GraphModule, plan: Plan, info: PackageInf
     for layout in layouts:
         entry, source = _stage(layout, gm, plan, info, tensors, values)
         stages.append(entry)
-        files[f"{entry['module']}.py"] = source.encode()
+        files[f"{entry.module}.py"] = source.encode()
     constants = {
-        b["source_name"]: tensors[b["source_name"]] for s in stages for b in s["buffers"]
+        b.source_name: tensors[b.source_name] for s in stages for b in s.buffers
     }
     if constants:
         files["constants.pt"] = _save(dict(sorted(constants.items())))
     manifest = _manifest(plan, info, stages)
-    manifest["hash"] = _hash(manifest, files)
-    files["manifest.json"] = (json.dumps(manifest, indent=1) + "\n").encode()
+    manifest = dataclasses.replace(manifest, hash=_hash(manifest.to_dict(), files))
+    files["manifest.json"] = manifest.to_json().encode()
     files["plan.txt"] = format_plan(manifest).encode()
     files["__init__.py"] = _INIT.format(source=info.source_path).encode()
     _write_atomically(Path(out), files)
-    return manifest
+    return manifest.to_dict()
 
 
 # -- one stage ---------------------------------------------------------------------------
@@ -91,7 +93,7 @@ def emit(out: str | Path, gm: torch.fx.GraphModule, plan: Plan, info: PackageInf
 def _stage(
     layout: StageLayout, gm: torch.fx.GraphModule, plan: Plan, info: PackageInfo, tensors: dict[str, torch.Tensor],
     values: dict[torch.fx.Node, str],
-) -> tuple[dict[str, Any], str]:
+) -> tuple[StageSpec, str]:
     k, last = layout.index, layout.index == plan.num_stages - 1
     params = {name for name, _ in gm.named_parameters(remove_duplicate=False)}
     held = [str(a.target) for a in layout.attrs]
@@ -112,25 +114,24 @@ def _stage(
     else:
         outs = ", ".join(names[n] for n in layout.outputs)
         body.append(f"        return ({outs},)" if len(layout.outputs) == 1 else f"        return ({outs})")
-    entry = {
-        "index": k,
-        "module": f"stage_{k}",
-        "class": f"Stage{k}",
-        "ranks": _ranks(k, plan),
-        "inputs": [_boundary_in(n, names[n], plan) for n in layout.inputs],
-        "outputs": [{"name": "output", "shape": None, "dtype": None, "to": "output", "requires_grad": True}]
-        if last
-        else [_boundary_out(n, names[n], layout.consumers[n]) for n in layout.outputs],
-        "parameters": param_entries,
-        "buffers": buffer_entries,
-        "nodes": len(layout.nodes),
-        "modules": _modules(layout.nodes),
-        **({"recompute": True} if info.recompute else {}),
-    }
+    entry = StageSpec(
+        index=k,
+        module=f"stage_{k}",
+        class_name=f"Stage{k}",
+        ranks=tuple(_ranks(k, plan)),
+        inputs=tuple(_boundary_in(n, names[n], plan) for n in layout.inputs),
+        outputs=(StageOutput("output", None, None, "output", True),) if last
+        else tuple(_boundary_out(n, names[n], layout.consumers[n]) for n in layout.outputs),
+        parameters=tuple(param_entries),
+        buffers=tuple(buffer_entries),
+        nodes=len(layout.nodes),
+        modules=tuple(_modules(layout.nodes)),
+        recompute=info.recompute,
+    )
     return entry, _render(entry, layout, plan, info, writer, body)
 
 
-def _render(entry: dict[str, Any], layout: StageLayout, plan: Plan, info: PackageInfo, writer: StageSource, body: list[str]) -> str:
+def _render(entry: StageSpec, layout: StageLayout, plan: Plan, info: PackageInfo, writer: StageSource, body: list[str]) -> str:
     k, S = layout.index, plan.num_stages
     stage_plan = plan.stages[k]
     rows = info.batch_size // (plan.microbatches * plan.dp)
@@ -139,27 +140,27 @@ def _render(entry: dict[str, Any], layout: StageLayout, plan: Plan, info: Packag
         f"# model: {info.source_path} (sha256 {info.source_sha256[:16]}), {info.entry}(), seed {info.seed}, traced with {info.tracer}",
         f"# plan:  stage {k} of {S} (pp={plan.pp} tp={plan.tp} dp={plan.dp}), {plan.schedule}, "
         f"{plan.microbatches} microbatches of {rows} rows",
-        f"# stage: {_count(entry['nodes'], 'node')} ({', '.join(entry['modules']) or 'no modules'})",
+        f"# stage: {_count(entry.nodes, 'node')} ({', '.join(entry.modules) or 'no modules'})",
         f"# time:  {stage_plan.time_s * 1e3:.3f} ms predicted for one microbatch: forward+backward"
         f"{' (the forward twice)' if info.recompute else ''} with its messages",
     ]
     last = k == S - 1
-    lines = header + ["", "from __future__ import annotations", ""] + _imports(writer, bool(entry["buffers"]), last)
+    lines = header + ["", "from __future__ import annotations", ""] + _imports(writer, bool(entry.buffers), last)
     if "aten" in writer.imports:
         lines += ["aten = torch.ops.aten", ""]
     lines += ["", f"class Stage{k}(torch.nn.Module):", f'    """Stage {k} of {S}: {_summary(entry)}."""', ""]
     lines += ["    def __init__(self) -> None:", "        super().__init__()"]
-    for p in entry["parameters"]:
-        lines.append(f"        self.{p['name']} = torch.nn.Parameter({_zeros(p)}{_grad(p)})  # {_origin(p, info.aliases)}")
-    if entry["buffers"]:
+    for p in entry.parameters:
+        lines.append(f"        self.{p.name} = torch.nn.Parameter({_zeros(p)}{_grad(p)})  # {_origin(p, info.aliases)}")
+    if entry.buffers:
         lines.append("        constants = _constants()")
-    for b in entry["buffers"]:
-        flag = "" if b["persistent"] else ", persistent=False"
-        lines.append(f"        self.register_buffer({b['name']!r}, constants[{b['source_name']!r}]{flag})")
-    args = "".join(f", {spec['name']}: torch.Tensor" for spec in entry["inputs"])
+    for b in entry.buffers:
+        flag = "" if b.persistent else ", persistent=False"
+        lines.append(f"        self.register_buffer({b.name!r}, constants[{b.source_name!r}]{flag})")
+    args = "".join(f", {spec.name}: torch.Tensor" for spec in entry.inputs)
     returns = "Any" if last else "tuple[torch.Tensor, ...]"
     lines += ["", f"    def forward(self{args}) -> {returns}:"] + body
-    if entry["buffers"]:
+    if entry.buffers:
         lines += ["", "", "def _constants() -> dict[str, torch.Tensor]:",
                   '    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "constants.pt")',
                   "    return torch.load(path, weights_only=True)"]
@@ -178,30 +179,36 @@ def _imports(writer: StageSource, constants: bool, last: bool) -> list[str]:
 # -- manifest entries --------------------------------------------------------------------
 
 
-def _manifest(plan: Plan, info: PackageInfo, stages: list[dict[str, Any]]) -> dict[str, Any]:
+def _manifest(plan: Plan, info: PackageInfo, stages: list[StageSpec]) -> Manifest:
+    """The manifest without its hash (which covers the manifest itself)."""
     tied: dict[str, list[int]] = {}
     for s in stages:
-        for p in s["parameters"]:
-            tied.setdefault(p["source_name"], []).append(s["index"])
-    return {
-        "format_version": FORMAT_VERSION,
-        "generator": GENERATOR,
-        "source": {"path": info.source_path, "sha256": info.source_sha256, "entry": info.entry, "seed": info.seed},
-        "tracer": info.tracer,
-        "options": info.options,
-        "mesh": {"pp": plan.pp, "tp": plan.tp, "dp": plan.dp},
-        "schedule": plan.schedule,
-        "microbatches": plan.microbatches,
-        "virtual_stages": plan.virtual_stages,
-        "batch_size": info.batch_size,
-        "inputs": info.inputs,
-        "stages": stages,
-        "tied_parameters": [{"source_name": n, "stages": s} for n, s in tied.items() if len(s) > 1],
-        "state_dict_aliases": dict(sorted(info.aliases.items())),
-        "meta_constants": sorted(b["source_name"] for s in stages for b in s["buffers"] if b.get("meta")),
-        **({"tensor_parallel": info.tensor_parallel} if info.tensor_parallel else {}),
-        "predicted": info.predicted,
-    }
+        for p in s.parameters:
+            tied.setdefault(p.source_name, []).append(s.index)
+    return Manifest(
+        format_version=FORMAT_VERSION,
+        generator=GENERATOR,
+        source=Source(info.source_path, info.source_sha256, info.entry, info.seed),
+        tracer=info.tracer,
+        options=info.options,
+        mesh=Mesh(plan.pp, plan.tp, plan.dp),
+        schedule=plan.schedule,
+        microbatches=plan.microbatches,
+        virtual_stages=plan.virtual_stages,
+        batch_size=info.batch_size,
+        inputs=tuple(_model_input(i) for i in info.inputs),
+        stages=tuple(stages),
+        tied_parameters=tuple(TiedParameter(n, tuple(s)) for n, s in tied.items() if len(s) > 1),
+        state_dict_aliases=dict(sorted(info.aliases.items())),
+        meta_constants=tuple(sorted(b.source_name for s in stages for b in s.buffers if b.meta)),
+        tensor_parallel=info.tensor_parallel,
+        predicted=Predicted.from_dict(info.predicted) if info.predicted else None,
+    )
+
+
+def _model_input(i: dict[str, Any]) -> ModelInput:
+    shape = i["shape"]
+    return ModelInput(i["name"], i["key"], i["batch_dim"], None if shape is None else tuple(shape), i["dtype"])
 
 
 def _ranks(stage: int, plan: Plan) -> list[int]:
@@ -215,36 +222,28 @@ def _meta(node: torch.fx.Node) -> tuple[list[int], str, bool]:
     return [int(d) for d in meta.shape], str(meta.dtype).replace("torch.", ""), bool(meta.requires_grad)
 
 
-def _boundary_in(node: torch.fx.Node, name: str, plan: Plan) -> dict[str, Any]:
+def _boundary_in(node: torch.fx.Node, name: str, plan: Plan) -> StageInput:
     shape, dtype, grad = _meta(node)
-    source: Any = "input" if node.op == "placeholder" else plan.stage_of()[node.name]
-    return {"name": name, "shape": shape, "dtype": dtype, "from": source, "requires_grad": grad and source != "input"}
+    if node.op == "placeholder":
+        return StageInput(name, tuple(shape), dtype, "input", False)
+    return StageInput(name, tuple(shape), dtype, plan.stage_of()[node.name], grad)
 
 
-def _boundary_out(node: torch.fx.Node, name: str, readers: list[int]) -> dict[str, Any]:
+def _boundary_out(node: torch.fx.Node, name: str, readers: list[int]) -> StageOutput:
     shape, dtype, grad = _meta(node)
-    return {"name": name, "shape": shape, "dtype": dtype, "to": readers, "requires_grad": grad}
+    return StageOutput(name, tuple(shape), dtype, tuple(readers), grad)
 
 
-def _param(name: str, t: torch.Tensor, layout: Layout, tp: int, attr: str) -> dict[str, Any]:
+def _param(name: str, t: torch.Tensor, layout: Layout, tp: int, attr: str) -> ParamSpec:
     """A parameter entry; a sharded one has its local shape and `index` "tp": the rank's
     own tensor-parallel index (one stage file serves every rank of the group)."""
-    shard: dict[str, Any] = {"dim": None, "index": 0, "count": 1}
-    if not layout.replicated:
-        shard = {"dim": layout.dim, "index": "tp", "count": tp, "blocks": layout.blocks}
-    return {
-        "name": attr, "source_name": name, "shape": list(layout.local_shape(tuple(t.shape), tp)),
-        "dtype": str(t.dtype).replace("torch.", ""), "requires_grad": bool(t.requires_grad),
-        "shard": shard,
-    }
+    shard = Shard() if layout.replicated else Shard(layout.dim, "tp", tp, layout.blocks)
+    return ParamSpec(attr, name, tuple(layout.local_shape(tuple(t.shape), tp)),
+                     str(t.dtype).replace("torch.", ""), bool(t.requires_grad), shard)
 
 
-def _buffer(name: str, t: torch.Tensor, persistent: bool, attr: str) -> dict[str, Any]:
-    entry = {"name": attr, "source_name": name, "shape": list(t.shape),
-             "dtype": str(t.dtype).replace("torch.", ""), "persistent": persistent}
-    if t.is_meta:
-        entry["meta"] = True
-    return entry
+def _buffer(name: str, t: torch.Tensor, persistent: bool, attr: str) -> BufferSpec:
+    return BufferSpec(attr, name, tuple(t.shape), str(t.dtype).replace("torch.", ""), persistent, meta=t.is_meta)
 
 
 def _attr_tensors(gm: torch.fx.GraphModule, info: PackageInfo) -> dict[str, torch.Tensor]:
@@ -265,10 +264,10 @@ def _modules(nodes: list[torch.fx.Node]) -> list[str]:
     return seen
 
 
-def _summary(entry: dict[str, Any]) -> str:
-    mods = entry["modules"]
+def _summary(entry: StageSpec) -> str:
+    mods = entry.modules
     shown = ", ".join(mods[:6]) + (f" and {len(mods) - 6} more" if len(mods) > 6 else "")
-    return f"{shown or 'top-level ops'} ({_count(entry['nodes'], 'node')})"
+    return f"{shown or 'top-level ops'} ({_count(entry.nodes, 'node')})"
 
 
 def _count(n: int, noun: str) -> str:
@@ -276,23 +275,23 @@ def _count(n: int, noun: str) -> str:
     return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
 
 
-def _origin(p: dict[str, Any], aliases: dict[str, str]) -> str:
+def _origin(p: ParamSpec, aliases: dict[str, str]) -> str:
     """Where a parameter comes from: `lm_head.weight`, or for a tied one named after another
     of its keys, `transformer.wte.weight (= lm_head.weight)`."""
-    if attr_name(p["source_name"]) == p["name"]:
-        return str(p["source_name"])
-    key = next((k for k, c in sorted(aliases.items()) if c == p["source_name"] and attr_name(k) == p["name"]), None)
-    return str(p["source_name"]) if key is None else f"{key} (= {p['source_name']})"
+    if attr_name(p.source_name) == p.name:
+        return p.source_name
+    key = next((k for k, c in sorted(aliases.items()) if c == p.source_name and attr_name(k) == p.name), None)
+    return p.source_name if key is None else f"{key} (= {p.source_name})"
 
 
-def _zeros(p: dict[str, Any]) -> str:
-    dims = ", ".join(str(d) for d in p["shape"])
-    dtype = "" if p["dtype"] == "float32" else f", dtype=torch.{p['dtype']}"
+def _zeros(p: ParamSpec) -> str:
+    dims = ", ".join(str(d) for d in p.shape)
+    dtype = "" if p.dtype == "float32" else f", dtype=torch.{p.dtype}"
     return f"torch.zeros({dims}{dtype})" if dims else f"torch.zeros((){dtype})"
 
 
-def _grad(p: dict[str, Any]) -> str:
-    return "" if p["requires_grad"] else ", requires_grad=False"
+def _grad(p: ParamSpec) -> str:
+    return "" if p.requires_grad else ", requires_grad=False"
 
 
 # -- files -------------------------------------------------------------------------------

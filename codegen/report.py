@@ -5,7 +5,7 @@ A pure function of the manifest, so `show` on any package prints what compile wr
 
 from __future__ import annotations
 
-from typing import Any
+from runtime.manifest import Manifest, Predicted, StagePrediction
 
 __all__ = ["format_plan", "format_bytes"]
 
@@ -36,46 +36,45 @@ def _ranks(ranks: list[int], width: int = 24) -> str:
     return f"{','.join(text[:2])},... ({len(ranks)} ranks)"
 
 
-def format_plan(manifest: dict[str, Any]) -> str:
+def format_plan(manifest: Manifest) -> str:
     """Header lines, then one row per stage."""
-    mesh, predicted = manifest["mesh"], manifest.get("predicted", {})
-    per_stage = predicted.get("stages", [])
-    solver = predicted.get("solver", {})
+    mesh, predicted = manifest.mesh, manifest.predicted
+    per_stage = predicted.stages if predicted is not None else ()
     rows = [("stage", "ranks", "nodes", "modules", "time/mb", "memory", "params", "send/mb", "recv/mb")]
-    for s in manifest["stages"]:
-        p = per_stage[s["index"]] if s["index"] < len(per_stage) else {}
-        mods = s.get("modules", [])
+    for s in manifest.stages:
+        p = per_stage[s.index] if s.index < len(per_stage) else StagePrediction(0.0, 0)
+        mods = s.modules
         shown = ",".join(mods[:3]) + ("..." if len(mods) > 3 else "")
         rows.append((
-            str(s["index"]),
-            _ranks(s["ranks"]),
-            str(s["nodes"]),
+            str(s.index),
+            _ranks(list(s.ranks)),
+            str(s.nodes),
             shown or "-",
-            f"{p.get('time_s', 0.0) * 1e3:.3f} ms",
-            format_bytes(p.get("memory_bytes", 0)),
-            format_bytes(p.get("param_bytes", 0)),
-            format_bytes(p.get("send_bytes", 0)),
-            format_bytes(p.get("recv_bytes", 0)),
+            f"{p.time_s * 1e3:.3f} ms",
+            format_bytes(p.memory_bytes),
+            format_bytes(p.param_bytes),
+            format_bytes(p.send_bytes),
+            format_bytes(p.recv_bytes),
         ))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     table = ["  ".join(c.ljust(w) if i == 3 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))) for r in rows]
     table.insert(1, "  ".join("-" * w for w in widths))
-    source = manifest["source"]
+    source = manifest.source
     lines = [
-        f"model      {source['path']} (sha256 {source['sha256'][:16]}), traced with {manifest['tracer']}",
-        f"mesh       pp={mesh['pp']} tp={mesh['tp']} dp={mesh['dp']}, schedule {manifest['schedule']}, "
-        f"{manifest['microbatches']} microbatches, batch {manifest['batch_size']}"
-        + (", activations recomputed" if any(s.get("recompute") for s in manifest["stages"]) else ""),
-        f"predicted  step {predicted.get('step_time_s', 0.0) * 1e3:.3f} ms, MFU {predicted.get('mfu', 0.0) * 100:.2f}%, "
-        f"costs {predicted.get('cost_source', '?')} on {predicted.get('hardware', '?')}",
+        f"model      {source.path} (sha256 {source.sha256[:16]}), traced with {manifest.tracer}",
+        f"mesh       pp={mesh.pp} tp={mesh.tp} dp={mesh.dp}, schedule {manifest.schedule}, "
+        f"{manifest.microbatches} microbatches, batch {manifest.batch_size}"
+        + (", activations recomputed" if any(s.recompute for s in manifest.stages) else ""),
+        _predicted_line(predicted),
     ]
+    solver = predicted.solver if predicted is not None else {}
     if solver:
         lines.append(
             f"solver     {solver.get('method', '?')}: slowest stage {solver.get('objective_s', 0.0) * 1e3:.3f} ms, "
             f"proved bound {solver.get('lower_bound_s', 0.0) * 1e3:.3f} ms (gap {solver.get('gap', 0.0) * 100:.1f}%), "
             f"{solver.get('blocks', 0)} blocks from {solver.get('nodes', 0)} nodes"
         )
-    tensor = manifest.get("tensor_parallel") or {}
+    tensor = manifest.tensor_parallel
     if tensor:
         rules: dict[str, int] = {}
         for rule in tensor.get("rules", {}).values():
@@ -85,7 +84,7 @@ def format_plan(manifest: dict[str, Any]) -> str:
         shown_rules = ", ".join(f"{k} x{v}" for k, v in sorted(rules.items())) or "nothing split (replicated)"
         calls = ", ".join(f"{k} x{v}" for k, v in tensor.get("collectives", {}).items()) or "none"
         lines.append(f"tensor     x{tensor.get('degree')}: {shown_rules}; collectives per microbatch: {calls}")
-    candidates = predicted.get("candidates", [])
+    candidates = predicted.extra.get("candidates", []) if predicted is not None else []
     if candidates:
         lines_c = ["", "meshes searched (best first):"]
         for c in candidates:
@@ -96,3 +95,10 @@ def format_plan(manifest: dict[str, Any]) -> str:
             )
         table = table + lines_c
     return "\n".join(lines + [""] + table) + "\n"
+
+
+def _predicted_line(predicted: Predicted | None) -> str:
+    if predicted is None:
+        return "predicted  step 0.000 ms, MFU 0.00%, costs ? on ?"
+    return (f"predicted  step {predicted.step_time_s * 1e3:.3f} ms, MFU {predicted.mfu * 100:.2f}%, "
+            f"costs {predicted.cost_source or '?'} on {predicted.hardware or '?'}")

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from runtime.errors import PipelineError
+from runtime.manifest import Manifest
 
 from codegen import format_plan
 from partitioner.errors import PackageError, PartitionerError, PlanError
@@ -116,7 +117,7 @@ def read_manifest(directory: str) -> dict[str, Any]:
 def _show(ns: argparse.Namespace) -> int:
     manifest = read_manifest(ns.dir)
     try:
-        print(format_plan(manifest), end="")
+        print(format_plan(Manifest.from_json(manifest, f"{ns.dir}/manifest.json")), end="")
     except (KeyError, TypeError, IndexError) as exc:
         raise PackageError(f"{ns.dir}/manifest.json is missing fields ({exc}): compile the model again.") from None
     return 0

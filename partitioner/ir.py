@@ -1,9 +1,9 @@
 """The plain-data IR that every package shares.
 
-This module imports nothing of ours (and nothing but the standard library), so the
-runtime can read a plan on a rank that has neither OR-Tools nor the solver installed.
-A `Plan` names graph nodes by their fx names and holds no `fx.Node`: plain data that
-codegen writes into the package (manifest.json, plan.txt).
+This module imports nothing of ours but the runtime's schedule names (`runtime.manifest`,
+itself standard library only), so the runtime can read a plan on a rank that has neither
+OR-Tools nor the solver installed.  A `Plan` names graph nodes by their fx names and holds
+no `fx.Node`: plain data that codegen writes into the package (manifest.json, plan.txt).
 
 [Note: stage boundaries]
     Stages are numbered 0..S-1 in pipeline order.  Data only flows forward: for every
@@ -18,6 +18,8 @@ codegen writes into the package (manifest.json, plan.txt).
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from runtime.manifest import SCHEDULES
 
 __all__ = [
     "PARTIAL",
@@ -35,8 +37,7 @@ __all__ = [
     "optimizer_state_factor",
 ]
 
-#: The pipeline schedules the runtime can interpret.
-SCHEDULES = ("gpipe", "1f1b", "interleaved")
+# SCHEDULES (imported above): the pipeline schedules the runtime can interpret.
 
 
 def optimizer_state_factor(optimizer: str, mixed_precision: bool = False) -> int:

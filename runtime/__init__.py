@@ -11,8 +11,10 @@ from __future__ import annotations
 from .distributed import DistributedPipeline
 from .errors import PipelineError
 from .local import LocalPipeline
+from .manifest import FORMAT_VERSION, SCHEDULES, Manifest
 from .schedule import (
     Action,
+    Kind,
     StageGraph,
     execution_order,
     format_grid,
@@ -30,7 +32,11 @@ __all__ = [
     "LocalPipeline",
     "DistributedPipeline",
     "PipelineError",
+    "Manifest",
+    "FORMAT_VERSION",
+    "SCHEDULES",
     "Action",
+    "Kind",
     "StageGraph",
     "gpipe",
     "one_f_one_b",

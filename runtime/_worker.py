@@ -23,10 +23,10 @@ __all__ = ["main"]
 
 def _train(ns: argparse.Namespace) -> None:
     pipe = DistributedPipeline(ns.dir, trace=ns.trace)
-    source = pipe.manifest["source"]
+    source = pipe.manifest.source
     model_file = package.load_model_file(pipe.manifest, ns.dir)
-    torch.manual_seed(int(source.get("seed", 0)))
-    model = getattr(model_file, source.get("entry", "build_model"))()
+    torch.manual_seed(source.seed)
+    model = getattr(model_file, source.entry)()
     pipe.load_state_dict(model.state_dict())
     del model
     inputs, target = model_file.example_inputs(), model_file.example_target()

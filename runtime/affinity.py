@@ -1,18 +1,13 @@
 """Each CPU rank on cores of its own.
 
 [Note: binding CPU ranks to cores]
-    Pipeline ranks on one CPU machine hand work to each other many times a step, and every
-    hand-over wakes threads: the receiver's main thread and gloo's I/O threads.  Left to
-    the scheduler, a rank's threads move between cores: a woken thread may land on the
-    core the other rank is computing on and wait there, and a main thread that moved
-    computes with a cold L1/L2.  Binding each rank's threads to a core of its own made
-    2-stage steps 12% faster on geometric mean on the project's 2-core VM (from 26% faster
-    to 1% slower per example), the two conditions interleaved in rounds
-    (`python -m benchmarks.cpu_binding`; README).
-
-    So on CPU, when the cores the process may use divide among the local ranks (at least
-    one each), `bind_local_rank` gives local rank r the r-th contiguous share and binds
-    every thread the process has now (gloo's included); threads started later inherit it.
+    Every pipeline hand-over wakes threads (the receiver's main thread, gloo's I/O
+    threads); left to the scheduler they land on the other rank's core or move and run
+    with cold caches, so each CPU rank's threads get cores of their own (measured:
+    docs/notes/cpu-binding.md).  On CPU, when the cores the process may use divide
+    among the local ranks (at least one each), `bind_local_rank` gives local rank r the
+    r-th contiguous share and binds every thread the process has now (gloo's included);
+    threads started later inherit it.
     The local rank and count are torchrun's LOCAL_RANK and LOCAL_WORLD_SIZE (the global
     rank and world size without them).  Since the cores shared out are those the process
     may use, `taskset -c 0-3 torchrun ...` shares cores 0-3; a rank left with less than a

@@ -1,4 +1,4 @@
-"""`DistributedPipeline`: one process per rank under torchrun (CONTRACT.md section 4).
+"""`DistributedPipeline`: one process per rank under torchrun (the user-facing contract: README.md, "Use").
 
 Global rank = (replica * pp + position) * tp + t (groups.Mesh); stage s sits at position
 s % pp, so with the interleaved schedule a rank holds several (virtual) stages, and the
@@ -48,7 +48,8 @@ from .errors import ManifestError, MeshError, PipelineError
 from .faults import parse_fault
 from .groups import Mesh, make_groups
 from .local import concat_outputs
-from .schedule import Action, Schedule, StageGraph, lower, make_schedule, validate
+from .manifest import Manifest, StageOutput
+from .schedule import Action, Kind, Schedule, StageGraph, lower, make_schedule, validate
 from .stage import StageRunner, as_leaf
 from .tracing import Tracer
 
@@ -106,15 +107,15 @@ class DistributedPipeline:
         self.groups = make_groups(m, g, self.rank)
         self._set_tp_group()
         # 3. this rank's stages (tied copies within the rank are one shared Parameter)
-        self.runners = {s: StageRunner(package.import_stage(directory, m, s).to(self.device), m["stages"][s])
+        self.runners = {s: StageRunner(package.import_stage(directory, m, s).to(self.device), m.stages[s])
                         for s in self.stages}
         self._share_tied()
         # 4. the schedule: every rank lowers and validates the whole one, then keeps its row
         compute = schedule if isinstance(schedule, list) else make_schedule(
-            schedule or m["schedule"], self.pp, m["microbatches"], m["virtual_stages"])
-        fwd = [[a for a in row if a.kind == "F"] for row in compute]
-        self._train_actions = _row(lower(compute, g), g, m["microbatches"], self.position)
-        self._forward_actions = _row(lower(fwd, g), g, m["microbatches"], self.position)
+            schedule or m.schedule, self.pp, m.microbatches, m.virtual_stages)
+        fwd = [[a for a in row if a.kind == Kind.F] for row in compute]
+        self._train_actions = _row(lower(compute, g), g, m.microbatches, self.position)
+        self._forward_actions = _row(lower(fwd, g), g, m.microbatches, self.position)
         # 5. gradient buckets, tied gradients
         self._setup_grads()
         self.tracer = Tracer(trace or os.environ.get("PIPELINE_TRACE") or None, self.rank, self.stages)
@@ -146,9 +147,9 @@ class DistributedPipeline:
         seen: dict[int, tuple[str, torch.nn.Parameter]] = {}
         for s in self.stages:
             r = self.runners[s]
-            for spec in r.entry["parameters"]:
-                p = getattr(r.module, spec["name"])
-                seen.setdefault(id(p), (spec["source_name"], p))
+            for spec in r.entry.parameters:
+                p = getattr(r.module, spec.name)
+                seen.setdefault(id(p), (spec.source_name, p))
         return list(seen.values())
 
     def train_step(self, inputs: Any, target: Any, loss_fn: LossFn | None = None) -> torch.Tensor:
@@ -158,7 +159,7 @@ class DistributedPipeline:
         holds_last = self.graph.num_stages - 1 in self.runners
         fn = loss_fn or (self._default_loss_fn() if holds_last else None)  # only the last stage needs it
         mb_inputs = package.split_inputs(inputs, m, self.replica)
-        targets = package.split_target(target, m["microbatches"], self.replica, self.dp, m.get("batch_size"))
+        targets = package.split_target(target, m.microbatches, self.replica, self.dp, m.batch_size)
         snapshot = self._ties.snapshot()
         if self._buckets is not None:
             self._buckets.reset()
@@ -207,12 +208,12 @@ class DistributedPipeline:
             self._fault.check(self.rank, a)
         s, i = a.stage, a.microbatch
         self._now.action = a
-        with self.tracer.span(repr(a), s, a.kind, i, **({"peer": a.peer} if a.peer is not None else {})):
-            if a.kind == "F":
+        with self.tracer.span(repr(a), s, a.kind.value, i, **({"peer": a.peer} if a.peer is not None else {})):
+            if a.kind == Kind.F:
                 self._forward(s, i, step, mb_inputs, targets, loss_fn)
-            elif a.kind == "B":
+            elif a.kind == Kind.B:
                 self._backward(s, i, step)
-            elif a.kind in ("SEND_F", "SEND_B"):
+            elif a.kind.is_send:
                 self._send(a, step)
             else:
                 self._recv(a, step)
@@ -220,22 +221,22 @@ class DistributedPipeline:
     def _forward(self, s: int, i: int, step: _Step, mb_inputs: list[dict[str, Any]], targets: list[Any] | None,
                  loss_fn: LossFn | None) -> None:
         runner, args = self.runners[s], []
-        for spec in runner.entry["inputs"]:
-            src = spec["from"]
+        for spec in runner.entry.inputs:
+            src = spec.source
             if src == "input":
-                value = mb_inputs[i][spec["name"]]
+                value = mb_inputs[i][spec.name]
                 args.append(value.to(self.device) if isinstance(value, torch.Tensor) else value)
-            elif self.graph.rank_of(int(src)) == self.position:  # a stage on this rank: in memory
-                value = step.outputs[(int(src), i)][spec["name"]]
+            elif self.graph.rank_of(src) == self.position:  # a stage on this rank: in memory
+                value = step.outputs[(src, i)][spec.name]
                 args.append(as_leaf(value, value.requires_grad))
             else:
-                args.append(step.received[(s, i)].pop(spec["name"]))
+                args.append(step.received[(s, i)].pop(spec.name))
         out = runner.forward(i, args, step.train)
         if not runner.is_last:
             step.outputs[(s, i)] = dict(zip(runner.output_names, out))
         elif step.train:
             assert targets is not None and loss_fn is not None
-            loss = runner.loss(i, out, _to(targets[i], self.device), loss_fn, float(self.manifest["microbatches"]))
+            loss = runner.loss(i, out, _to(targets[i], self.device), loss_fn, float(self.manifest.microbatches))
             step.loss = loss if step.loss is None else step.loss + loss
         else:
             step.results.append(out)
@@ -246,34 +247,34 @@ class DistributedPipeline:
         if not runner.is_last:
             remote = step.out_grads.pop((s, i), {})
             grads = []
-            for out in runner.entry["outputs"]:
-                total = remote.get(out["name"])
-                for c in out["to"]:
+            for out in runner.entry.outputs:
+                total = remote.get(out.name)
+                for c in out.to if out.to != "output" else ():
                     if self.graph.rank_of(c) == self.position:
-                        g = step.in_grads.get((c, i), {}).pop(out["name"], None)
+                        g = step.in_grads.get((c, i), {}).pop(out.name, None)
                         if g is not None:
                             total = g if total is None else total + g
                 grads.append(total)
         got = runner.backward(i, grads)
-        step.in_grads[(s, i)] = {spec["name"]: g for spec, g in zip(runner.entry["inputs"], got) if spec["from"] != "input"}
+        step.in_grads[(s, i)] = {spec.name: g for spec, g in zip(runner.entry.inputs, got) if not spec.from_batch}
         step.outputs.pop((s, i), None)
 
     def _send(self, a: Action, step: _Step) -> None:
         assert a.peer is not None
-        forward = a.kind == "SEND_F"
+        forward = a.kind == Kind.SEND_F
         specs = package.edge_values(self.manifest, a.stage, a.peer) if forward else package.edge_grads(self.manifest, a.peer, a.stage)
         group, dst = self.groups.edges[(a.stage, a.peer) if forward else (a.peer, a.stage)], self._rank_of(a.peer)
         tensors = []
         for spec in specs:
             if forward:
-                tensor = step.outputs[(a.stage, a.microbatch)][spec["name"]].detach()
+                tensor = step.outputs[(a.stage, a.microbatch)][spec.name].detach()
             else:
-                g = step.in_grads.get((a.stage, a.microbatch), {}).pop(spec["name"], None)
-                tensor = g if g is not None else torch.zeros(spec["shape"], dtype=package.dtype_of(spec), device=self.device)
-            if list(tensor.shape) != list(spec["shape"]) or tensor.dtype != package.dtype_of(spec):
-                raise PipelineError(f"stage {a.stage} sends {spec['name']!r} of microbatch {a.microbatch} with shape "
-                                    f"{list(tensor.shape)} {tensor.dtype} but the manifest says {spec['shape']} "
-                                    f"{spec['dtype']}: compile the model again (the runtime sends no shapes).")
+                g = step.in_grads.get((a.stage, a.microbatch), {}).pop(spec.name, None)
+                tensor = g if g is not None else torch.zeros(_shape(spec), dtype=package.dtype_of(spec), device=self.device)
+            if list(tensor.shape) != _shape(spec) or tensor.dtype != package.dtype_of(spec):
+                raise PipelineError(f"stage {a.stage} sends {spec.name!r} of microbatch {a.microbatch} with shape "
+                                    f"{list(tensor.shape)} {tensor.dtype} but the manifest says {_shape(spec)} "
+                                    f"{spec.dtype}: compile the model again (the runtime sends no shapes).")
             tensors.append(tensor.contiguous())
         if not tensors:
             return  # no gradient flows back on this edge
@@ -284,12 +285,12 @@ class DistributedPipeline:
 
     def _recv(self, a: Action, step: _Step) -> None:
         assert a.peer is not None
-        forward = a.kind == "RECV_F"
+        forward = a.kind == Kind.RECV_F
         specs = package.edge_values(self.manifest, a.peer, a.stage) if forward else package.edge_grads(self.manifest, a.stage, a.peer)
         if not specs:
             return
         group, src = self.groups.edges[(a.peer, a.stage) if forward else (a.stage, a.peer)], self._rank_of(a.peer)
-        shapes, dtypes = [spec["shape"] for spec in specs], [package.dtype_of(spec) for spec in specs]
+        shapes, dtypes = [_shape(spec) for spec in specs], [package.dtype_of(spec) for spec in specs]
         if len(specs) == 1:
             buffer = torch.empty(shapes[0], dtype=dtypes[0], device=self.device)
         else:  # the edge's values packed in one message (messages.py)
@@ -301,10 +302,10 @@ class DistributedPipeline:
         key = (a.stage, a.microbatch)
         for spec, value in zip(specs, values):
             if forward:
-                step.received.setdefault(key, {})[spec["name"]] = as_leaf(value, bool(spec.get("requires_grad")))
+                step.received.setdefault(key, {})[spec.name] = as_leaf(value, spec.requires_grad)
             else:
                 have = step.out_grads.setdefault(key, {})
-                have[spec["name"]] = value if spec["name"] not in have else have[spec["name"]] + value
+                have[spec.name] = value if spec.name not in have else have[spec.name] + value
 
     def _wait_sends(self, step: _Step) -> None:
         for work, a, _ in step.sends:
@@ -321,7 +322,7 @@ class DistributedPipeline:
                             f"for {world} devices.")
 
     def _check_same_package(self) -> None:
-        mine = (self.manifest.get("hash", ""), str(self.directory))
+        mine = (self.manifest.hash, str(self.directory))
         every: list[Any] = [None] * self.world
         try:
             dist.all_gather_object(every, mine)
@@ -337,11 +338,11 @@ class DistributedPipeline:
         shared: dict[str, torch.nn.Parameter] = {}
         for s in self.stages:
             r = self.runners[s]
-            for spec in r.entry["parameters"]:
-                p = getattr(r.module, spec["name"])
-                first = shared.setdefault(spec["source_name"], p)
+            for spec in r.entry.parameters:
+                p = getattr(r.module, spec.name)
+                first = shared.setdefault(spec.source_name, p)
                 if first is not p:
-                    setattr(r.module, spec["name"], first)
+                    setattr(r.module, spec.name, first)
 
     def _setup_grads(self) -> None:
         """Process groups, data-parallel buckets, tied gradients, and when to arm the buckets."""
@@ -358,9 +359,9 @@ class DistributedPipeline:
         # arm each parameter right before the last B (of any stage holding it) on this rank
         last_b: dict[int, int] = {}
         for t, a in enumerate(self._train_actions):
-            if a.kind == "B":
-                for spec in self.runners[a.stage].entry["parameters"]:
-                    last_b[id(getattr(self.runners[a.stage].module, spec["name"]))] = t
+            if a.kind == Kind.B:
+                for spec in self.runners[a.stage].entry.parameters:
+                    last_b[id(getattr(self.runners[a.stage].module, spec.name))] = t
         self._arm_at: dict[int, list[torch.nn.Parameter]] = {}
         for p in plain:
             if id(p) in last_b:
@@ -386,7 +387,7 @@ class DistributedPipeline:
                     f"rank's own error; if it is only slow, raise PIPELINE_TIMEOUT_S (now {timeout:g} s).")
         tp.set_group(self.groups.tp, index, self.tp, timeout, doing)
 
-    def _tensors(self, runner: StageRunner) -> list[tuple[dict[str, Any], torch.Tensor]]:
+    def _tensors(self, runner: StageRunner) -> list[tuple[package.Held, torch.Tensor]]:
         return package.stage_tensors(runner.module, runner.entry, self.tp_index)
 
     def _rank_of(self, stage: int) -> int:
@@ -438,11 +439,17 @@ def _row(lowered: Schedule, g: StageGraph, microbatches: int, position: int) -> 
     return lowered[position]
 
 
-def _check_ranks(m: dict[str, Any], mesh: Mesh) -> None:
-    for stage in m["stages"]:
-        want = [mesh.rank(r, stage["index"] % mesh.pp, t) for r in range(mesh.dp) for t in range(mesh.tp)]
-        if list(stage["ranks"]) != want:
-            raise ManifestError(f"stage {stage['index']} lists ranks {stage['ranks']} but this runtime places it on "
+def _shape(spec: StageOutput) -> list[int]:
+    """A value's shape per microbatch; only the model's output (never sent) has none."""
+    assert spec.shape is not None, f"{spec.name} has no shape"
+    return list(spec.shape)
+
+
+def _check_ranks(m: Manifest, mesh: Mesh) -> None:
+    for stage in m.stages:
+        want = [mesh.rank(r, stage.index % mesh.pp, t) for r in range(mesh.dp) for t in range(mesh.tp)]
+        if list(stage.ranks) != want:
+            raise ManifestError(f"stage {stage.index} lists ranks {list(stage.ranks)} but this runtime places it on "
                                 f"{want} ((replica * pp + stage % pp) * tp + t): compile the model again.")
 
 

@@ -7,6 +7,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from .manifest import Manifest
 from .schedule import StageGraph
 
 __all__ = ["Mesh", "Groups", "make_groups"]
@@ -22,9 +23,8 @@ class Mesh:
     dp: int
 
     @classmethod
-    def from_manifest(cls, manifest: dict[str, Any]) -> Mesh:
-        mesh = manifest["mesh"]
-        return cls(int(mesh["pp"]), int(mesh["tp"]), int(mesh["dp"]))
+    def from_manifest(cls, manifest: Manifest) -> Mesh:
+        return cls(manifest.mesh.pp, manifest.mesh.tp, manifest.mesh.dp)
 
     @property
     def world(self) -> int:
@@ -50,7 +50,7 @@ class Groups:
     tp_ranks: list[int] = field(default_factory=list)
 
 
-def make_groups(manifest: dict[str, Any], graph: StageGraph, rank: int) -> Groups:
+def make_groups(manifest: Manifest, graph: StageGraph, rank: int) -> Groups:
     """Create every group on every rank, in the same order (dist.new_group is collective),
     and keep the ones `rank` is in."""
     mesh = Mesh.from_manifest(manifest)
@@ -74,9 +74,9 @@ def make_groups(manifest: dict[str, Any], graph: StageGraph, rank: int) -> Group
                     out.dp = group
     # 3. tied parameters held on several positions: every holder, every replica, per t
     holders: dict[str, set[int]] = {}
-    for stage in manifest["stages"]:
-        for spec in stage["parameters"]:
-            holders.setdefault(spec["source_name"], set()).add(graph.rank_of(stage["index"]))
+    for stage in manifest.stages:
+        for spec in stage.parameters:
+            holders.setdefault(spec.source_name, set()).add(graph.rank_of(stage.index))
     for name in sorted(n for n, positions in holders.items() if len(positions) > 1):
         for u in range(mesh.tp):
             ranks = sorted(mesh.rank(r, pos, u) for pos in holders[name] for r in range(mesh.dp))

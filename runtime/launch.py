@@ -1,5 +1,5 @@
 """`partitioner run DIR --nproc N [--steps K] [--lr LR] [--trace FILE]`: train a package for
-a few steps, one process per rank, through torchrun (CONTRACT.md section 2).
+a few steps, one process per rank, through torchrun (the user-facing contract: README.md, "Use").
 
 The lead's command line calls `main(argv)` with the arguments after `run`; it turns a
 `PipelineError` into exit status 2 and one paragraph.  `python -m runtime.launch ...`
@@ -16,6 +16,7 @@ from pathlib import Path
 
 from . import package
 from .errors import ManifestError, MeshError, PipelineError
+from .manifest import Manifest
 
 __all__ = ["main", "torchrun_command"]
 
@@ -44,10 +45,10 @@ def main(argv: list[str]) -> int:
     a model file without what training needs)."""
     ns = _parser().parse_args(argv)
     manifest = package.load_manifest(ns.dir)
-    mesh = manifest["mesh"]
-    need = mesh["pp"] * mesh["tp"] * mesh["dp"]
+    mesh = manifest.mesh
+    need = mesh.pp * mesh.tp * mesh.dp
     if ns.nproc != need:
-        raise MeshError(f"{ns.dir} is planned for pp={mesh['pp']} x tp={mesh['tp']} x dp={mesh['dp']} = {need} ranks "
+        raise MeshError(f"{ns.dir} is planned for pp={mesh.pp} x tp={mesh.tp} x dp={mesh.dp} = {need} ranks "
                         f"but --nproc is {ns.nproc}: run it with --nproc {need}, or compile the model for "
                         f"{ns.nproc} devices (--devices {ns.nproc}).")
     if ns.steps < 1 or not ns.lr > 0:
@@ -61,13 +62,13 @@ def main(argv: list[str]) -> int:
     return 0 if rc == 0 else 1
 
 
-def _check_model_file(manifest: dict, directory: str) -> None:  # type: ignore[type-arg]
+def _check_model_file(manifest: Manifest, directory: str) -> None:
     module = package.load_model_file(manifest, directory)
-    entry = manifest["source"].get("entry", "build_model")
+    entry = manifest.source.entry
     for name in (entry, "example_inputs", "example_target", "loss_fn"):
         if not callable(getattr(module, name, None)):
-            raise ManifestError(f"model file {manifest['source']['path']} defines no {name}(), which "
-                                f"`partitioner run` needs to train (see CONTRACT.md, section 1).")
+            raise ManifestError(f"model file {manifest.source.path} defines no {name}(), which "
+                                f"`partitioner run` needs to train (see README.md, 'Use').")
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""`LocalPipeline`: every stage of a package in this one process (CONTRACT.md section 4).
+"""`LocalPipeline`: every stage of a package in this one process (the user-facing contract: README.md, "Use").
 
 For tests, debugging and one machine: it interprets the same schedule IR as the
 distributed runtime, in the serial order `schedule.validate` simulates, so the
@@ -37,7 +37,8 @@ from . import package, tp
 from .comm import timeout_from_env
 from .devices import DeviceLike, StageStreams, resolve_devices
 from .errors import PipelineError
-from .schedule import Action, Schedule, StageGraph, execution_order, lower, make_schedule, validate
+from .manifest import Manifest, StageInput, StageOutput
+from .schedule import Action, Kind, Schedule, StageGraph, execution_order, lower, make_schedule, validate
 from .stage import StageRunner, as_leaf
 
 __all__ = ["LocalPipeline", "concat_outputs"]
@@ -68,10 +69,10 @@ class LocalPipeline:
         self.manifest = package.load_manifest(directory)
         m = self.manifest
         self.graph = StageGraph.from_manifest(m)
-        pp, self.tp = m["mesh"]["pp"], m["mesh"]["tp"]
-        self.devices = resolve_devices(device, len(m["stages"]), pp)
+        pp, self.tp = m.mesh.pp, m.mesh.tp
+        self.devices = resolve_devices(device, len(m.stages), pp)
         if self.tp > 1 and any(d.type != "cpu" for d in self.devices):
-            need = pp * self.tp * m["mesh"]["dp"]
+            need = pp * self.tp * m.mesh.dp
             raise PipelineError(f"{directory} was compiled with tp={self.tp}, which LocalPipeline runs as {self.tp} "
                                 f"threads on the CPU only (autograd runs a CUDA backward on one thread per device, "
                                 f"where they would wait on each other): leave device= unset, or run it on GPUs with "
@@ -82,17 +83,17 @@ class LocalPipeline:
         self.runners = self.lanes[0].runners
         self._group = tp.Lanes(self.tp, timeout_from_env()) if self.tp > 1 else None
         compute = schedule if isinstance(schedule, list) else make_schedule(
-            schedule or m["schedule"], pp, m["microbatches"], m["virtual_stages"])
-        forward_only = [[a for a in row if a.kind == "F"] for row in compute]
-        self._train = execution_order(validate(lower(compute, self.graph), self.graph, m["microbatches"]))
-        self._forward = execution_order(validate(lower(forward_only, self.graph), self.graph, m["microbatches"]))
+            schedule or m.schedule, pp, m.microbatches, m.virtual_stages)
+        forward_only = [[a for a in row if a.kind == Kind.F] for row in compute]
+        self._train = execution_order(validate(lower(compute, self.graph), self.graph, m.microbatches))
+        self._forward = execution_order(validate(lower(forward_only, self.graph), self.graph, m.microbatches))
         self._loss_fn: LossFn | None = None
 
     def _make_lane(self, index: int) -> _Lane:
         m = self.manifest
-        modules = [package.import_stage(self.directory, m, k).to(self.devices[k]) for k in range(len(m["stages"]))]
+        modules = [package.import_stage(self.directory, m, k).to(self.devices[k]) for k in range(len(m.stages))]
         tied = _share_tied(modules, m, self.devices)
-        return _Lane(index, [StageRunner(mod, m["stages"][k]) for k, mod in enumerate(modules)], tied)
+        return _Lane(index, [StageRunner(mod, m.stages[k]) for k, mod in enumerate(modules)], tied)
 
     # -- the contract ------------------------------------------------------------------------
 
@@ -122,24 +123,24 @@ class LocalPipeline:
         out = []
         for lane in self.lanes:
             for r in lane.runners:
-                for spec in r.entry["parameters"]:
-                    p = getattr(r.module, spec["name"])
+                for spec in r.entry.parameters:
+                    p = getattr(r.module, spec.name)
                     if id(p) not in seen:
                         seen.add(id(p))
-                        out.append((spec["source_name"], p))
+                        out.append((spec.source_name, p))
         return out
 
     def train_step(self, inputs: Any, target: Any, loss_fn: LossFn | None = None) -> torch.Tensor:
         """One step over the whole batch: leaves .grad as loss.backward() on the whole-batch
         mean loss would (accumulating; grads are not zeroed); returns that loss, detached."""
         fn = loss_fn or self._default_loss_fn()
-        m, dp = self.manifest["microbatches"], self.manifest["mesh"]["dp"]
+        m, dp = self.manifest.microbatches, self.manifest.mesh.dp
         snapshots = [lane.tied.snapshot() for lane in self.lanes]
         total: torch.Tensor | None = None
         try:
             for replica in range(dp):
                 mb_inputs = package.split_inputs(inputs, self.manifest, replica)
-                targets = package.split_target(target, m, replica, dp, self.manifest.get("batch_size"))
+                targets = package.split_target(target, m, replica, dp, self.manifest.batch_size)
                 loss = self._run_lanes(self._train, mb_inputs, targets, fn, float(m * dp))
                 total = loss if total is None else total + loss
         except BaseException:
@@ -157,7 +158,7 @@ class LocalPipeline:
         """Forward only: the whole batch's output (microbatch outputs concatenated on dim 0)."""
         outs: list[Any] = []
         with torch.no_grad():
-            for replica in range(self.manifest["mesh"]["dp"]):
+            for replica in range(self.manifest.mesh.dp):
                 mb_inputs = package.split_inputs(inputs, self.manifest, replica)
                 outs += self._run_lanes(self._forward, mb_inputs, None, None, 1.0)
         self.streams.synchronize()
@@ -213,8 +214,8 @@ class LocalPipeline:
         train = targets is not None
         for _, a in order:
             s, i, runner = a.stage, a.microbatch, lane.runners[a.stage]
-            if a.kind == "F":
-                args = [self._arg(spec, s, i, mb_inputs, outputs) for spec in runner.entry["inputs"]]
+            if a.kind == Kind.F:
+                args = [self._arg(spec, s, i, mb_inputs, outputs) for spec in runner.entry.inputs]
                 with self.streams.on(s):
                     out = runner.forward(i, args, train)
                     if not runner.is_last:
@@ -225,28 +226,28 @@ class LocalPipeline:
                         total = total + runner.loss(i, out, target, loss_fn, scale)
                     else:
                         results.append(out)
-            elif a.kind == "B":
-                grads = None if runner.is_last else [self._grad(o, s, i, in_grads) for o in runner.entry["outputs"]]
+            elif a.kind == Kind.B:
+                grads = None if runner.is_last else [self._grad(o, s, i, in_grads) for o in runner.entry.outputs]
                 with self.streams.on(s):
                     got = runner.backward(i, grads)
-                in_grads[(s, i)] = {spec["name"]: g for spec, g in zip(runner.entry["inputs"], got) if spec["from"] != "input"}
+                in_grads[(s, i)] = {spec.name: g for spec, g in zip(runner.entry.inputs, got) if not spec.from_batch}
                 outputs.pop((s, i), None)
         return total if train else results
 
-    def _arg(self, spec: dict[str, Any], stage: int, mb: int, mb_inputs: list[dict[str, Any]],
+    def _arg(self, spec: StageInput, stage: int, mb: int, mb_inputs: list[dict[str, Any]],
              outputs: dict[tuple[int, int], dict[str, Any]]) -> Any:
-        if spec["from"] == "input":
-            return self.streams.move(mb_inputs[mb][spec["name"]], None, stage)
-        value = outputs[(int(spec["from"]), mb)][spec["name"]]
-        moved = self.streams.move(value, int(spec["from"]), stage)
+        if spec.source == "input":
+            return self.streams.move(mb_inputs[mb][spec.name], None, stage)
+        value = outputs[(spec.source, mb)][spec.name]
+        moved = self.streams.move(value, spec.source, stage)
         return as_leaf(moved, isinstance(value, torch.Tensor) and value.requires_grad)
 
-    def _grad(self, out: dict[str, Any], stage: int, mb: int,
+    def _grad(self, out: StageOutput, stage: int, mb: int,
               in_grads: dict[tuple[int, int], dict[str, torch.Tensor | None]]) -> torch.Tensor | None:
         """The gradient of one output: the sum over every later stage that read it."""
         total: torch.Tensor | None = None
-        for c in out["to"]:
-            g = in_grads.get((c, mb), {}).pop(out["name"], None)
+        for c in out.to if out.to != "output" else ():
+            g = in_grads.get((c, mb), {}).pop(out.name, None)
             if g is not None:
                 g = self.streams.move(g, c, stage)
                 total = g if total is None else total + g
@@ -300,13 +301,13 @@ class _Tied:
                     p.grad = total.to(p.device).clone()
 
 
-def _share_tied(modules: list[torch.nn.Module], manifest: dict[str, Any], devices: list[torch.device]) -> _Tied:
+def _share_tied(modules: list[torch.nn.Module], manifest: Manifest, devices: list[torch.device]) -> _Tied:
     """Make the copies of each tied parameter one shared nn.Parameter where they share a
     device (gradients then sum by themselves); return the groups that cannot share."""
     holders: dict[str, list[tuple[int, str]]] = {}
-    for k, stage in enumerate(manifest["stages"]):
-        for spec in stage["parameters"]:
-            holders.setdefault(spec["source_name"], []).append((k, spec["name"]))
+    for k, stage in enumerate(manifest.stages):
+        for spec in stage.parameters:
+            holders.setdefault(spec.source_name, []).append((k, spec.name))
     apart: list[list[torch.nn.Parameter]] = []
     for copies in holders.values():
         if len(copies) < 2:

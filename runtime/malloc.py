@@ -1,19 +1,11 @@
 """CPU ranks keep the memory they free for their next step.
 
 [Note: keeping freed memory]
-    A training step frees what it allocated: activations after their backward, and the
-    gradients themselves when the optimizer's `zero_grad()` sets them to None (its
-    default).  glibc's malloc gives large freed blocks back to the kernel: a block over
-    its mmap threshold is unmapped at once, and the top of the heap is trimmed once more
-    than the trim threshold is free.  The next step then touches fresh pages, and every
-    first touch of a page is a page fault.  On the project's VM (nested virtualisation) a
-    fault costs about 1.5 us, so NCF's 7.4 MiB of embedding gradients cost its first stage
-    2-3 ms in each of a step's first two backwards (the new gradient, then the first
-    one accumulated into it) against 1 ms for the later ones: a step of 22-25 ms took
-    18 ms with freed memory kept (`partitioner run`, medians of 30 steps).
-
-    So a CPU rank sets glibc's M_MMAP_THRESHOLD to its largest value (32 MiB on 64-bit:
-    smaller blocks come from the heap and are reused) and turns heap trimming off
+    A step frees what it allocated (activations, and gradients at `zero_grad()`), and
+    glibc gives large freed blocks back to the kernel, so the next step pays a page fault
+    per fresh page (measured: docs/notes/keeping-freed-memory.md).  So a CPU rank sets
+    glibc's M_MMAP_THRESHOLD to its largest value (32 MiB on 64-bit: smaller blocks
+    come from the heap and are reused) and turns heap trimming off
     (M_TRIM_THRESHOLD -1), as a caching allocator (PyTorch's on CUDA) keeps what it frees:
     the process's resident memory stays at its peak step.  Blocks over 32 MiB are still
     mapped afresh.  `PIPELINE_CPU_MALLOC=0` turns this off; jemalloc or tcmalloc preloaded

@@ -1,19 +1,11 @@
 """One message per pipeline hand-over: the values an edge carries, packed into one buffer.
 
 [Note: one message per hand-over]
-    A stage boundary often carries several values (a hidden state and its attention
-    mask; NCF's two branches), and sending each with its own isend/irecv costs a post
-    and a gloo rendezvous per value.  On the CPU that costs more than it looks: gloo's
-    I/O thread shares the rank's core with the main thread, and when the peer's reply to
-    one post wakes it while the main thread holds the pair's lock in the next post, it
-    preempts the main thread and spins (`Pair::handleEvents` only tries the lock, and
-    the socket stays readable, so epoll returns at once) until the scheduler's tick
-    preempts it in turn: a 1-5 ms stall, both ranks often stuck at once (ftrace and perf
-    of the NCF example on our 2-core VM).  Back-to-back posts on one pair make those
-    collisions likely.  So an edge's values travel as one message: their bytes, each at
-    an ALIGN-byte offset, in one uint8 buffer; a lone value goes as it is.  Sending NCF's
-    two values as one made its 2-stage steps 0.73-0.86x as long, the Hugging Face
-    models' (mask and hidden state) 0.78-1.02x (A/B in rounds at batch 24 and 192).
+    The values a stage edge carries for one microbatch travel as one message: their
+    bytes, each at an ALIGN-byte offset, in one uint8 buffer; a lone value goes as it
+    is.  A post and a gloo rendezvous per value cost more than the copy, and on a busy
+    CPU back-to-back posts on one pair stall for milliseconds (the record:
+    docs/notes/messages-on-cpu.md).
 
     The receiver's values are views of that buffer, each made a tensor of its own
     (`_alone`): views of one base share autograd's version counter, so an in-place op

@@ -1,11 +1,11 @@
 """Read a generated package DIR: manifest, stage modules, weights, microbatches, the loss.
 
-Everything here follows docs/DESIGN.md ("The generated package", format_version 1) and
-reads only `manifest.json`, the stage files and the model file: a rank needs torch alone.
+Everything here reads only `manifest.json` (as `runtime.manifest.Manifest`), the stage
+files and the model file: a rank needs torch alone.
 
 [Note: shards]
     A parameter entry's `shape` is the LOCAL shape, the one the stage's __init__ makes.
-    Its `shard` is {"dim", "index", "count", "blocks" (optional, 1)}: count 1 (dim null,
+    Its `shard` (`manifest.Shard`) is dim, index, count, blocks (optional, 1): count 1 (dim null,
     index 0) is the whole tensor; count T > 1 is one of T tensor-parallel shards along
     `dim`, and index "tp" means "this rank's tensor-parallel index", so one stage file and
     one manifest serve every rank of the group.  The whole tensor is `count` times longer
@@ -15,19 +15,20 @@ reads only `manifest.json`, the stage files and the model file: a rank needs tor
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import itertools
-import json
 import sys
 import types
 from pathlib import Path
-from typing import Any, Callable, Iterable, Mapping
+from typing import Any, Callable, Iterable, Mapping, Union
 
 import torch
 import torch.utils._pytree as pytree
 
 from . import tp
 from .errors import BatchError, ManifestError, StateDictError
+from .manifest import FORMAT_VERSION, BufferSpec, Manifest, ModelInput, ParamSpec, StageOutput, StageSpec, TensorSpec
 
 __all__ = [
     "FORMAT_VERSION",
@@ -46,16 +47,14 @@ __all__ = [
     "dtype_of",
 ]
 
-FORMAT_VERSION = 1
-_SCHEDULES = ("gpipe", "1f1b", "interleaved")
-_STAGE_KEYS = ("index", "module", "class", "ranks", "inputs", "outputs", "parameters")
 _counter = itertools.count()
+Held = Union[ParamSpec, BufferSpec]  # a stage tensor's manifest entry
 
 
 # -- manifest ------------------------------------------------------------------------------
 
 
-def load_manifest(directory: str | Path) -> dict[str, Any]:
+def load_manifest(directory: str | Path) -> Manifest:
     """The parsed and checked manifest.json of package `directory`."""
     path = Path(directory)
     recompile = "compile the model again with `python -m partitioner compile MODEL.py --out DIR`"
@@ -65,54 +64,10 @@ def load_manifest(directory: str | Path) -> dict[str, Any]:
     if not file.is_file():
         raise ManifestError(f"{file} is missing, so {directory} is not a compiled package: {recompile}.")
     try:
-        manifest = json.loads(file.read_text())
-    except (ValueError, UnicodeDecodeError) as exc:
+        text = file.read_text()
+    except UnicodeDecodeError as exc:
         raise ManifestError(f"{file} is corrupt (not JSON: {exc}): {recompile}.") from None
-    if not isinstance(manifest, dict):
-        raise ManifestError(f"{file} is corrupt (a JSON {type(manifest).__name__}, not an object): {recompile}.")
-    version = manifest.get("format_version")
-    if version != FORMAT_VERSION:
-        raise ManifestError(f"{file} has format_version {version!r} but this runtime reads format_version "
-                            f"{FORMAT_VERSION}: compile the package with the same partitioner version as the runtime.")
-    _check_fields(manifest, file)
-    return manifest
-
-
-def _check_fields(m: dict[str, Any], file: Path) -> None:
-    def need(cond: bool, what: str) -> None:
-        if not cond:
-            raise ManifestError(f"{file} is corrupt: {what}; compile the model again.")
-
-    for key in ("source", "mesh", "schedule", "microbatches", "stages", "inputs"):
-        need(key in m, f"it has no {key!r} field")
-    need(isinstance(m["source"], dict) and "path" in m["source"], "'source' has no 'path'")
-    mesh = m["mesh"]
-    need(isinstance(mesh, dict) and all(isinstance(mesh.get(k), int) and mesh[k] >= 1 for k in ("pp", "tp", "dp")),
-         "'mesh' needs positive integers 'pp', 'tp' and 'dp'")
-    need(m["schedule"] in _SCHEDULES, f"schedule {m['schedule']!r} is none of {', '.join(_SCHEDULES)}")
-    need(isinstance(m["microbatches"], int) and m["microbatches"] >= 1, "'microbatches' must be a positive integer")
-    need(isinstance(m["stages"], list) and len(m["stages"]) >= 1, "'stages' must be a non-empty list")
-    for k, stage in enumerate(m["stages"]):
-        for key in _STAGE_KEYS:
-            need(isinstance(stage, dict) and key in stage, f"stage {k} has no {key!r} field")
-        need(stage["index"] == k, f"stage {k} has index {stage['index']!r}")
-        stage.setdefault("buffers", [])
-        for spec in stage["parameters"]:
-            count = int((spec.get("shard") or {}).get("count") or 1)
-            need(count in (1, mesh["tp"]), f"stage {k}'s {spec.get('name')!r} is cut in {count} shards but mesh.tp "
-                                           f"is {mesh['tp']}")
-    copies: dict[str, set[str]] = {}
-    for stage in m["stages"]:
-        for spec in stage["parameters"]:
-            copies.setdefault(spec.get("source_name"), set()).add(json.dumps([spec.get("shape"), _layout(_resolve(spec, 0))]))
-    odd = sorted(str(n) for n, layouts in copies.items() if len(layouts) > 1)
-    need(not odd, f"the copies of tied parameter(s) {', '.join(odd)} differ in shape or shard")
-    m.setdefault("virtual_stages", 1)
-    m.setdefault("tied_parameters", [])
-    m.setdefault("state_dict_aliases", {})
-    m.setdefault("hash", "")
-    need(len(m["stages"]) == mesh["pp"] * m["virtual_stages"],
-         f"{len(m['stages'])} stages is not mesh.pp ({mesh['pp']}) x virtual_stages ({m['virtual_stages']})")
+    return Manifest.from_json(text, origin=str(file))
 
 
 # -- modules -------------------------------------------------------------------------------
@@ -137,26 +92,26 @@ def _import_file(path: Path, prefix: str) -> types.ModuleType:
     return module
 
 
-def import_stage(directory: str | Path, manifest: dict[str, Any], index: int) -> torch.nn.Module:
+def import_stage(directory: str | Path, manifest: Manifest, index: int) -> torch.nn.Module:
     """A fresh instance of stage `index`, imported from its own file only."""
-    entry = manifest["stages"][index]
-    path = Path(directory).resolve() / f"{entry['module']}.py"
+    entry = manifest.stages[index]
+    path = Path(directory).resolve() / f"{entry.module}.py"
     if not path.is_file():
         raise ManifestError(f"stage {index}'s file {path} is missing: compile the model again.")
-    module = _import_file(path, f"_pipeline_{(manifest.get('hash') or 'pkg')[:12]}_{entry['module']}")
-    cls = getattr(module, entry["class"], None)
+    module = _import_file(path, f"_pipeline_{(manifest.hash or 'pkg')[:12]}_{entry.module}")
+    cls = getattr(module, entry.class_name, None)
     if cls is None:
-        raise ManifestError(f"{path} defines no class {entry['class']!r}, which the manifest names: compile the model again.")
+        raise ManifestError(f"{path} defines no class {entry.class_name!r}, which the manifest names: compile the model again.")
     stage = cls()
     if not isinstance(stage, torch.nn.Module):
-        raise ManifestError(f"{path}: {entry['class']} is not a torch.nn.Module.")
+        raise ManifestError(f"{path}: {entry.class_name} is not a torch.nn.Module.")
     return stage  # type: ignore[no-any-return]
 
 
-def load_model_file(manifest: dict[str, Any], directory: str | Path) -> types.ModuleType:
+def load_model_file(manifest: Manifest, directory: str | Path) -> types.ModuleType:
     """Import the model file the package was compiled from (manifest `source.path`):
     absolute, else relative to the current directory, else to the package's parent."""
-    given = str(manifest["source"]["path"])
+    given = manifest.source.path
     candidates = [Path(given)] if Path(given).is_absolute() else [Path.cwd() / given, Path(directory).resolve().parent / given]
     for path in candidates:
         if path.is_file():
@@ -166,11 +121,11 @@ def load_model_file(manifest: dict[str, Any], directory: str | Path) -> types.Mo
                         f"it was compiled in, or pass loss_fn= to train_step.")
 
 
-def load_loss_fn(manifest: dict[str, Any], directory: str | Path) -> Callable[[Any, Any], torch.Tensor]:
+def load_loss_fn(manifest: Manifest, directory: str | Path) -> Callable[[Any, Any], torch.Tensor]:
     """The model file's `loss_fn(output, target)`."""
     fn = getattr(load_model_file(manifest, directory), "loss_fn", None)
     if not callable(fn):
-        raise ManifestError(f"model file {manifest['source']['path']} defines no loss_fn(output, target): "
+        raise ManifestError(f"model file {manifest.source.path} defines no loss_fn(output, target): "
                             f"add one, or pass loss_fn= to train_step.")
     return fn  # type: ignore[no-any-return]
 
@@ -178,43 +133,46 @@ def load_loss_fn(manifest: dict[str, Any], directory: str | Path) -> Callable[[A
 # -- weights -------------------------------------------------------------------------------
 
 
-def stage_tensors(module: torch.nn.Module, entry: dict[str, Any],
-                  tp_rank: int = 0) -> list[tuple[dict[str, Any], torch.Tensor]]:
+def stage_tensors(module: torch.nn.Module, entry: StageSpec, tp_rank: int = 0) -> list[tuple[Held, torch.Tensor]]:
     """(manifest entry, tensor) for every parameter and persistent buffer of one stage.
 
     A sharded parameter's entry is a copy whose `shard.index` "tp" (this rank's
     tensor-parallel index, see [Note: shards]) is resolved to `tp_rank`."""
     out = []
-    for spec in entry["parameters"] + [b for b in entry["buffers"] if b.get("persistent", True)]:
-        tensor = getattr(module, spec["name"], None)
+    for spec in _held(entry):
+        tensor = getattr(module, spec.name, None)
         if not isinstance(tensor, torch.Tensor):
-            raise ManifestError(f"stage {entry['index']} ({entry['class']}) has no tensor attribute {spec['name']!r} "
-                                f"for {spec['source_name']}: compile the model again.")
+            raise ManifestError(f"stage {entry.index} ({entry.class_name}) has no tensor attribute {spec.name!r} "
+                                f"for {spec.source_name}: compile the model again.")
         out.append((_resolve(spec, tp_rank), tensor))
     return out
 
 
-def _resolve(spec: dict[str, Any], tp_rank: int) -> dict[str, Any]:
+def _held(entry: StageSpec) -> list[Held]:
+    """A stage's parameters and persistent buffers: what the state_dict holds of it."""
+    return [*entry.parameters, *(b for b in entry.buffers if b.persistent)]
+
+
+def _resolve(spec: Held, tp_rank: int) -> Held:
     """`spec`, or a copy whose shard index "tp" is `tp_rank` ([Note: shards])."""
-    shard = spec.get("shard")
-    if shard is not None and shard.get("index") == "tp":
-        return {**spec, "shard": {**shard, "index": tp_rank}}
+    if isinstance(spec, ParamSpec) and spec.shard.index == "tp":
+        return dataclasses.replace(spec, shard=dataclasses.replace(spec.shard, index=tp_rank))
     return spec
 
 
-def _expected_keys(manifest: dict[str, Any]) -> dict[str, list[str]]:
+def _expected_keys(manifest: Manifest) -> dict[str, list[str]]:
     """canonical source name -> every original state_dict key that may hold it."""
     keys: dict[str, list[str]] = {}
-    for stage in manifest["stages"]:
-        for spec in stage["parameters"] + [b for b in stage["buffers"] if b.get("persistent", True)]:
-            keys.setdefault(spec["source_name"], [spec["source_name"]])
-    for alias, canonical in manifest["state_dict_aliases"].items():
+    for stage in manifest.stages:
+        for spec in _held(stage):
+            keys.setdefault(spec.source_name, [spec.source_name])
+    for alias, canonical in manifest.state_dict_aliases.items():
         if canonical in keys:
             keys[canonical].append(alias)
     return keys
 
 
-def check_state_dict(state_dict: Mapping[str, Any], manifest: dict[str, Any]) -> None:
+def check_state_dict(state_dict: Mapping[str, Any], manifest: Manifest) -> None:
     """Raise unless `state_dict` has exactly the original model's keys (aliases allowed)."""
     keys = _expected_keys(manifest)
     allowed = {k for names in keys.values() for k in names}
@@ -230,30 +188,28 @@ def check_state_dict(state_dict: Mapping[str, Any], manifest: dict[str, Any]) ->
                              f"model's state_dict (build_model().state_dict()), or load_state_dict(sd, strict=False).")
 
 
-def _layout(spec: dict[str, Any]) -> tuple[int, int, int, int]:
+def _layout(spec: Held) -> tuple[int, int, int, int]:
     """(dim, index, count, blocks) of a parameter's shard ([Note: shards]); count 1: whole.
     The index must be resolved already (`stage_tensors`)."""
-    shard = spec.get("shard") or {}
-    count, blocks = int(shard.get("count") or 1), int(shard.get("blocks") or 1)
-    if count == 1:
+    shard = spec.shard if isinstance(spec, ParamSpec) else None
+    if shard is None or shard.count == 1:
         return 0, 0, 1, 1
-    index = shard.get("index", 0)
-    if not isinstance(index, int) or not isinstance(shard.get("dim"), int):
-        raise ManifestError(f"{spec['source_name']} ({spec['name']}) has shard {shard}, which needs an integer 'dim' "
+    if not isinstance(shard.index, int) or shard.dim is None:
+        raise ManifestError(f"{spec.source_name} ({spec.name}) has shard {shard}, which needs an integer 'dim' "
                             f"and an 'index' (an integer, or \"tp\" resolved by stage_tensors(..., tp_rank)): "
                             f"compile the model again.")
-    return int(shard["dim"]), index, count, blocks
+    return shard.dim, shard.index, shard.count, shard.blocks or 1
 
 
-def load_stage_state(tensors: list[tuple[dict[str, Any], torch.Tensor]], state_dict: Mapping[str, Any],
-                     manifest: dict[str, Any]) -> None:
+def load_stage_state(tensors: list[tuple[Held, torch.Tensor]], state_dict: Mapping[str, Any],
+                     manifest: Manifest) -> None:
     """Copy each stage tensor's value (its shard when `shard.count` > 1) from the original
     state_dict; `tensors` as `stage_tensors` gives them (the shard index resolved); keys
     absent from `state_dict` are left as they are."""
     keys = _expected_keys(manifest)
     with torch.no_grad():
         for spec, tensor in tensors:
-            name = next((n for n in keys[spec["source_name"]] if n in state_dict), None)
+            name = next((n for n in keys[spec.source_name] if n in state_dict), None)
             if name is None:
                 continue
             value = torch.as_tensor(state_dict[name])
@@ -265,14 +221,14 @@ def load_stage_state(tensors: list[tuple[dict[str, Any], torch.Tensor]], state_d
                 held = (f", of which each rank holds 1 of {count} tensor-parallel shards along dim {dim}: "
                         f"{list(tensor.shape)}" if count > 1 else "")
                 raise StateDictError(f"state_dict[{name!r}] has shape {list(value.shape)} but the package expects "
-                                     f"{full} (its {spec['name']}{held}): load the state_dict of the model the "
+                                     f"{full} (its {spec.name}{held}): load the state_dict of the model the "
                                      f"package was compiled from.")
             if count > 1:
                 value = tp.local_shard(value, dim, index, count, blocks)
             tensor.copy_(value)
 
 
-def assemble_state_dict(pieces: Iterable[tuple[dict[str, Any], torch.Tensor]], manifest: dict[str, Any]) -> dict[str, torch.Tensor]:
+def assemble_state_dict(pieces: Iterable[tuple[Held, torch.Tensor]], manifest: Manifest) -> dict[str, torch.Tensor]:
     """The original model's state_dict from stage tensors (as `stage_tensors` gives them,
     from every tensor-parallel rank): shards joined, tied and replicated copies taken
     once, alias keys added."""
@@ -280,8 +236,8 @@ def assemble_state_dict(pieces: Iterable[tuple[dict[str, Any], torch.Tensor]], m
     layouts: dict[str, tuple[int, int, int, int]] = {}
     for spec, tensor in pieces:
         layout = _layout(spec)
-        shards.setdefault(spec["source_name"], {}).setdefault(layout[1], tensor.detach())
-        layouts[spec["source_name"]] = layout
+        shards.setdefault(spec.source_name, {}).setdefault(layout[1], tensor.detach())
+        layouts[spec.source_name] = layout
     out: dict[str, torch.Tensor] = {}
     for name, parts in shards.items():
         dim, _, count, blocks = layouts[name]
@@ -292,7 +248,7 @@ def assemble_state_dict(pieces: Iterable[tuple[dict[str, Any], torch.Tensor]], m
             out[name] = tp.join_shards([parts[i] for i in range(count)], dim, blocks)
         else:
             out[name] = parts[0]
-    for alias, canonical in manifest["state_dict_aliases"].items():
+    for alias, canonical in manifest.state_dict_aliases.items():
         if canonical in out:
             out[alias] = out[canonical]
     return out
@@ -305,24 +261,24 @@ def _few(names: list[str]) -> str:
 # -- values between stages ----------------------------------------------------------------
 
 
-def dtype_of(spec: dict[str, Any]) -> torch.dtype:
+def dtype_of(spec: TensorSpec | ModelInput | Held) -> torch.dtype:
     """The torch dtype of a manifest value ("float32" -> torch.float32)."""
-    dtype = getattr(torch, str(spec["dtype"]), None)
+    dtype = getattr(torch, str(spec.dtype), None)
     if not isinstance(dtype, torch.dtype):
-        raise ManifestError(f"value {spec['name']!r} has dtype {spec['dtype']!r}, which is not a torch dtype: compile again.")
+        raise ManifestError(f"value {spec.name!r} has dtype {spec.dtype!r}, which is not a torch dtype: compile again.")
     return dtype
 
 
-def edge_values(manifest: dict[str, Any], p: int, c: int) -> list[dict[str, Any]]:
+def edge_values(manifest: Manifest, p: int, c: int) -> list[StageOutput]:
     """The outputs of stage p that stage c reads, in p's output order (sender and receiver agree)."""
-    reads = {e["name"] for e in manifest["stages"][c]["inputs"] if e["from"] == p}
-    return [o for o in manifest["stages"][p]["outputs"] if o["name"] in reads]
+    reads = {e.name for e in manifest.stages[c].inputs if e.source == p}
+    return [o for o in manifest.stages[p].outputs if o.name in reads]
 
 
-def edge_grads(manifest: dict[str, Any], p: int, c: int) -> list[dict[str, Any]]:
+def edge_grads(manifest: Manifest, p: int, c: int) -> list[StageOutput]:
     """The values on edge p -> c whose gradient flows back from c to p."""
-    needs = {e["name"] for e in manifest["stages"][c]["inputs"] if e["from"] == p and e.get("requires_grad")}
-    return [o for o in edge_values(manifest, p, c) if o["name"] in needs and o.get("requires_grad")
+    needs = {e.name for e in manifest.stages[c].inputs if e.source == p and e.requires_grad}
+    return [o for o in edge_values(manifest, p, c) if o.name in needs and o.requires_grad
             and (dtype_of(o).is_floating_point or dtype_of(o).is_complex)]
 
 
@@ -352,33 +308,33 @@ def _chunks(value: torch.Tensor, dim: int, m: int, replica: int, replicas: int, 
     return [value.narrow(dim, start + i * per, per) for i in range(m)]
 
 
-def split_inputs(inputs: Any, manifest: dict[str, Any], replica: int = 0) -> list[dict[str, Any]]:
+def split_inputs(inputs: Any, manifest: Manifest, replica: int = 0) -> list[dict[str, Any]]:
     """Microbatch i's model inputs, by manifest input name, for data-parallel `replica`.
 
     Each tensor is cut along its `batch_dim` (replica r takes rows [r*B/dp, (r+1)*B/dp),
     then M equal pieces); other values go to every microbatch unchanged.
     """
-    m, dp = manifest["microbatches"], manifest["mesh"]["dp"]
+    m, dp = manifest.microbatches, manifest.mesh.dp
     given = _by_key(inputs)
     out: list[dict[str, Any]] = [{} for _ in range(m)]
-    for spec in manifest["inputs"]:
-        key = spec["key"]
+    for spec in manifest.inputs:
+        key = spec.key
         if key not in given:
             have = ", ".join(repr(k) for k in given) or "nothing"
-            raise BatchError(f"the package reads input {key!r} ({spec['name']}) but the batch has {have}: pass the "
+            raise BatchError(f"the package reads input {key!r} ({spec.name}) but the batch has {have}: pass the "
                              f"inputs as the model file's example_inputs() gives them.")
         value = given[key]
         if not isinstance(value, torch.Tensor):
             for mb in out:
-                mb[spec["name"]] = value
+                mb[spec.name] = value
             continue
-        pieces = _chunks(value, int(spec.get("batch_dim", 0)), m, replica, dp, f"input {key!r}")
-        if spec.get("shape") is not None and list(pieces[0].shape) != list(spec["shape"]):
+        pieces = _chunks(value, spec.batch_dim, m, replica, dp, f"input {key!r}")
+        if spec.shape is not None and list(pieces[0].shape) != list(spec.shape):
             raise BatchError(f"input {key!r} gives microbatches of shape {list(pieces[0].shape)} but the package was "
-                             f"compiled for {spec['shape']} ({m} microbatches x {dp} replica(s) of the example "
+                             f"compiled for {list(spec.shape)} ({m} microbatches x {dp} replica(s) of the example "
                              f"batch): train on batches shaped like example_inputs(), or compile again.")
         for mb, piece in zip(out, pieces):
-            mb[spec["name"]] = piece
+            mb[spec.name] = piece
     return out
 
 

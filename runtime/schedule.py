@@ -20,11 +20,15 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Any, Iterable, Sequence
+from enum import Enum
+from typing import Any, Iterable, Mapping, Sequence
 
 from .errors import ScheduleError
+from .manifest import SCHEDULES, Manifest
 
 __all__ = [
+    "SCHEDULES",
+    "Kind",
     "Action",
     "Schedule",
     "StageGraph",
@@ -42,8 +46,36 @@ __all__ = [
     "format_grid",
 ]
 
-F, B = "F", "B"
-SEND_F, RECV_F, SEND_B, RECV_B = "SEND_F", "RECV_F", "SEND_B", "RECV_B"
+
+
+class Kind(str, Enum):
+    """What an action does: compute (F, B) or move a value to or from a peer stage."""
+
+    F = "F"
+    B = "B"
+    SEND_F = "SEND_F"
+    RECV_F = "RECV_F"
+    SEND_B = "SEND_B"
+    RECV_B = "RECV_B"
+
+    def __str__(self) -> str:  # "F", in messages and traces, as the action's repr writes it
+        return self.value
+
+    def __format__(self, spec: str) -> str:
+        return format(self.value, spec)
+
+    @property
+    def is_send(self) -> bool:
+        return self in (Kind.SEND_F, Kind.SEND_B)
+
+    @property
+    def is_backward(self) -> bool:
+        """B, or a message of the backward pass (a gradient)."""
+        return self in (Kind.B, Kind.SEND_B, Kind.RECV_B)
+
+
+F, B = Kind.F, Kind.B
+SEND_F, RECV_F, SEND_B, RECV_B = Kind.SEND_F, Kind.RECV_F, Kind.SEND_B, Kind.RECV_B
 COMPUTE = (F, B)
 COMM = (SEND_F, RECV_F, SEND_B, RECV_B)
 _ACTION = re.compile(r"^(\d+)(SEND_F|RECV_F|SEND_B|RECV_B|F|B)(\d+)(?:([<>])(\d+))?$")
@@ -58,21 +90,23 @@ class Action:
     """
 
     stage: int
-    kind: str
+    kind: Kind
     microbatch: int
     peer: int | None = None
 
     def __post_init__(self) -> None:
-        if self.kind not in COMPUTE + COMM:
-            raise ScheduleError(f"unknown action kind {self.kind!r}: use one of {', '.join(COMPUTE + COMM)}.")
+        if not isinstance(self.kind, Kind):  # a name ("F", "SEND_B") is accepted and stored as its Kind
+            if self.kind not in Kind.__members__:
+                raise ScheduleError(f"unknown action kind {self.kind!r}: use one of {', '.join(Kind.__members__)}.")
+            object.__setattr__(self, "kind", Kind(self.kind))
         if (self.kind in COMM) != (self.peer is not None):
-            raise ScheduleError(f"action {self.kind} of stage {self.stage}: SEND/RECV actions and only they name a peer stage.")
+            raise ScheduleError(f"action {self.kind.value} of stage {self.stage}: SEND/RECV actions and only they name a peer stage.")
 
     def __repr__(self) -> str:
-        base = f"{self.stage}{self.kind}{self.microbatch}"
+        base = f"{self.stage}{self.kind.value}{self.microbatch}"
         if self.peer is None:
             return base
-        return f"{base}{'>' if self.kind.startswith('SEND') else '<'}{self.peer}"
+        return f"{base}{'>' if self.kind.is_send else '<'}{self.peer}"
 
     __str__ = __repr__
 
@@ -85,7 +119,7 @@ class Action:
         stage, kind, mb, arrow, peer = match.groups()
         if peer is not None and (arrow == ">") != kind.startswith("SEND"):
             raise ScheduleError(f"{text!r}: a SEND points to its peer with '>', a RECV from it with '<'.")
-        return Action(int(stage), kind, int(mb), None if peer is None else int(peer))
+        return Action(int(stage), Kind(kind), int(mb), None if peer is None else int(peer))
 
     @property
     def is_compute(self) -> bool:
@@ -123,29 +157,29 @@ class StageGraph:
         return StageGraph(num_stages, num_ranks or num_stages, edges, frozenset(edges))
 
     @staticmethod
-    def from_manifest(manifest: dict[str, Any]) -> "StageGraph":
-        """The stage graph of a package manifest (DESIGN.md, format_version 1)."""
-        stages = manifest["stages"]
-        pp = int(manifest["mesh"]["pp"])
-        if pp < 1 or len(stages) % pp:
-            raise ScheduleError(f"the manifest has {len(stages)} stages, which is not a multiple of mesh.pp={pp}: compile the model again.")
-        outputs = {s["index"]: {o["name"]: o for o in s["outputs"]} for s in stages}
+    def from_manifest(manifest: Manifest | Mapping[str, Any]) -> "StageGraph":
+        """The stage graph of a package manifest (a parsed one is read with `Manifest.from_json`)."""
+        m = manifest if isinstance(manifest, Manifest) else Manifest.from_json(manifest)
+        pp = m.mesh.pp
+        if pp < 1 or len(m.stages) % pp:
+            raise ScheduleError(f"the manifest has {len(m.stages)} stages, which is not a multiple of mesh.pp={pp}: compile the model again.")
+        outputs = {s.index: {o.name: o for o in s.outputs} for s in m.stages}
         edges: set[tuple[int, int]] = set()
         grads: set[tuple[int, int]] = set()
-        for s in stages:
-            for entry in s["inputs"]:
-                if entry["from"] == "input":
+        for s in m.stages:
+            for entry in s.inputs:
+                if entry.source == "input":
                     continue
-                p, c = int(entry["from"]), int(s["index"])
+                p, c = entry.source, s.index
                 if not 0 <= p < c:
-                    raise ScheduleError(f"stage {c} input {entry['name']!r} comes from stage {p}: values must flow to later stages only.")
+                    raise ScheduleError(f"stage {c} input {entry.name!r} comes from stage {p}: values must flow to later stages only.")
                 edges.add((p, c))
-                produced = outputs[p].get(entry["name"])
+                produced = outputs[p].get(entry.name)
                 if produced is None:
-                    raise ScheduleError(f"stage {c} reads {entry['name']!r} from stage {p}, which has no such output: compile again.")
-                if entry.get("requires_grad") and produced.get("requires_grad"):
+                    raise ScheduleError(f"stage {c} reads {entry.name!r} from stage {p}, which has no such output: compile again.")
+                if entry.requires_grad and produced.requires_grad:
                     grads.add((p, c))
-        return StageGraph(len(stages), pp, tuple(sorted(edges)), frozenset(grads))
+        return StageGraph(len(m.stages), pp, tuple(sorted(edges)), frozenset(grads))
 
 
 # -- generators ----------------------------------------------------------------------------
@@ -188,7 +222,7 @@ def interleaved_1f1b(ranks: int, virtual_stages: int, microbatches: int) -> Sche
                             f"the pipeline ranks ({ranks}): use {ranks * max(1, round(microbatches / ranks))} microbatches.")
     group, total = ranks * virtual_stages, microbatches * virtual_stages
 
-    def action(r: int, k: int, kind: str) -> Action:
+    def action(r: int, k: int, kind: Kind) -> Action:
         chunk = (k % group) // ranks
         if kind == B:
             chunk = virtual_stages - 1 - chunk
@@ -215,7 +249,7 @@ def make_schedule(name: str, ranks: int, microbatches: int, virtual_stages: int 
         return one_f_one_b(ranks, microbatches)
     if name == "interleaved":
         return interleaved_1f1b(ranks, virtual_stages, microbatches)
-    raise ScheduleError(f"unknown schedule {name!r}: use gpipe, 1f1b or interleaved.")
+    raise ScheduleError(f"unknown schedule {name!r}: use {', '.join(SCHEDULES[:-1])} or {SCHEDULES[-1]}.")
 
 
 def _check_counts(stages: int, microbatches: int) -> None:
@@ -226,7 +260,7 @@ def _check_counts(stages: int, microbatches: int) -> None:
 # -- lowering ------------------------------------------------------------------------------
 
 
-def lower(schedule: Schedule, graph: StageGraph | dict[str, Any]) -> Schedule:
+def lower(schedule: Schedule, graph: StageGraph | Manifest | Mapping[str, Any]) -> Schedule:
     """Add the SEND/RECV actions: receives right before the compute that needs them,
     sends right after the compute that produced them (one per peer stage on another rank)."""
     g = graph if isinstance(graph, StageGraph) else StageGraph.from_manifest(graph)
@@ -254,7 +288,7 @@ def lower(schedule: Schedule, graph: StageGraph | dict[str, Any]) -> Schedule:
 Grid = list[list[Action | None]]
 
 
-def validate(schedule: Schedule, graph: StageGraph | dict[str, Any], microbatches: int | None = None) -> Grid:
+def validate(schedule: Schedule, graph: StageGraph | Manifest | Mapping[str, Any], microbatches: int | None = None) -> Grid:
     """Check that `schedule` runs every action exactly once, each on its stage's rank, and
     finishes; return the simulated rank-by-step grid (None where a rank waits).
 

@@ -19,6 +19,7 @@ import torch
 import torch.utils.checkpoint
 
 from .errors import PipelineError
+from .manifest import StageSpec
 
 __all__ = ["StageRunner", "as_leaf"]
 
@@ -42,28 +43,28 @@ class _Saved:
 
 @dataclass
 class StageRunner:
-    """Runs stage `entry["index"]` (its nn.Module and manifest entry) microbatch by microbatch."""
+    """Runs stage `entry.index` (its nn.Module and manifest entry) microbatch by microbatch."""
 
     module: torch.nn.Module
-    entry: dict[str, Any]
+    entry: StageSpec
     _saved: dict[int, _Saved] = field(default_factory=dict)
 
     @property
     def index(self) -> int:
-        return int(self.entry["index"])
+        return self.entry.index
 
     @property
     def is_last(self) -> bool:
-        return self.entry["outputs"][0]["to"] == "output"
+        return self.entry.is_last
 
     @property
     def output_names(self) -> list[str]:
-        return [o["name"] for o in self.entry["outputs"]]
+        return [o.name for o in self.entry.outputs]
 
     @property
     def recompute(self) -> bool:
         """Whether the stage was compiled with activation recomputation (`--recompute`)."""
-        return bool(self.entry.get("recompute", False))
+        return self.entry.recompute
 
     def forward(self, microbatch: int, args: list[Any], train: bool) -> Any:
         """The stage's outputs for one microbatch: a tuple (one per manifest output) or,
@@ -79,10 +80,10 @@ class StageRunner:
         else:
             out = self.module(*args)
         if not self.is_last:
-            n = len(self.entry["outputs"])
+            n = len(self.entry.outputs)
             if not isinstance(out, (tuple, list)) or len(out) != n:
                 got = f"a {type(out).__name__}" + (f" of {len(out)}" if isinstance(out, (tuple, list)) else "")
-                raise PipelineError(f"stage {self.index} ({self.entry['class']}).forward returned {got} but the manifest "
+                raise PipelineError(f"stage {self.index} ({self.entry.class_name}).forward returned {got} but the manifest "
                                     f"lists {n} outputs ({', '.join(self.output_names)}): compile the model again.")
             out = tuple(out)
         if train:

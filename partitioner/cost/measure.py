@@ -309,7 +309,7 @@ def _exchange(pg: Any, store: Any, rank: int, wait: timedelta) -> list[float]:
     burst = max(1, round(_LOADED_BURST_S / ((time.perf_counter() - start) / 20)))
     payload = torch.zeros(_LOADED_BYTES, dtype=torch.uint8)
     warmup, timed = _LOADED_STEPS
-    events: list[tuple[int, str, int, int, int]] = []  # (step, action, start, posted, done) in ns
+    events: list[tuple[Any, ...]] = []  # (step, kind, stage, microbatch, peer, start, posted, done), times in ns
     for step in range(warmup + timed):
         pg.barrier().wait(wait)
         sends = []
@@ -329,23 +329,22 @@ def _exchange(pg: Any, store: Any, rank: int, wait: timedelta) -> list[float]:
                 work.wait(wait)
                 done = time.time_ns()
             if step >= warmup:
-                events.append((step, repr(act), begin, posted, done))
+                events.append((step, act.kind.value, act.stage, act.microbatch, act.peer, begin, posted, done))
         for work in sends:
             work.wait(wait)
     if rank == 1:
         store.set("loaded-exchange", json.dumps(events))
         return []
     both = [tuple(e) for e in json.loads(store.get("loaded-exchange"))] + events
-    send_posted = {(step, name): posted for step, name, _, posted, _ in both if "SEND" in name}
+    send_posted = {(step, kind[-1], stage, mb, peer): posted for step, kind, stage, mb, peer, _, posted, _ in both
+                   if kind.startswith("SEND")}
     send_posts, receives, messages = [], [], []
-    for step, name, begin, posted, done in both:
-        if "SEND" in name:
+    for step, kind, stage, mb, peer, begin, posted, done in both:
+        if kind.startswith("SEND"):
             send_posts.append((posted - begin) / 1e9)
             continue
         receives.append((posted - begin) / 1e9)
-        stage, rest = name.split("RECV_", 1)  # "1RECV_F2<0" receives what "0SEND_F2>1" sent
-        kind, source = rest.split("<")
-        sent = send_posted[(step, f"{source}SEND_{kind}>{stage}")]
+        sent = send_posted[(step, kind[-1], peer, mb, stage)]  # 1RECV_F2<0 receives what 0SEND_F2>1 sent
         messages.append(max(0.0, (done - max(posted, sent)) / 1e9))
     return [statistics.fmean(send_posts), statistics.fmean(receives), statistics.fmean(messages)]
 

@@ -1,10 +1,13 @@
 """Predict a training step: an event simulation of the schedule IR with stage and link times.
 
-The runtime's own schedule (`runtime.schedule.make_schedule`: GPipe, 1F1B, interleaved
-1F1B) is replayed with each stage's forward and backward time per microbatch and the time
-of each point-to-point message, as `runtime.DistributedPipeline` runs it on gloo: every
-rank runs its actions in list order, receives posted right before the compute that needs
-them and sends posted right after the compute that made them.  The model:
+The runtime's own lowered schedule (`runtime.schedule.lower(make_schedule(...))`: GPipe,
+1F1B, interleaved 1F1B, with the SEND/RECV actions the runtime runs) is replayed action by
+action, reading each action's kind, stage, microbatch and peer, with each stage's forward
+and backward time per microbatch and the time of each point-to-point message, as
+`runtime.DistributedPipeline` runs it on gloo (as torch.distributed.pipelining's
+`_simulate_comms_compute` dry-runs its lowered order): every rank runs its actions in list
+order; `lower` puts the receives right before the compute that needs them and the sends
+right after the compute that made them, so it alone says which messages exist.  The model:
 
 - compute: F or B of stage s takes forward_s[s] or backward_s[s]; the last stage's also
   takes the loss's forward or backward (`loss_s`);
@@ -13,7 +16,8 @@ them and sends posted right after the compute that made them.  The model:
   max(p, r) + links[(a, b)] (alpha + bytes * beta), not at p + message;
 - send: posting one costs the sender `send_s` seconds on its own timeline (about the
   link's alpha), after the compute and before its next action;
-- receive: posting one costs the receiver `recv_s` before it waits;
+- receive: posting one costs the receiver `recv_s` before it waits (each receive in turn,
+  as the runtime posts one and waits in it before the next);
 - end of step: after the last action of every rank, the loss all-reduce (`final_s`,
   about the all-reduce latency for a 0-dim tensor) runs on all ranks together, so the
   step is max over ranks of their last action's end, plus final_s.
@@ -34,9 +38,9 @@ PipeDream-Flush, 2021).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import Mapping, Sequence
 
-from runtime.schedule import make_schedule
+from runtime.schedule import Action, Kind, StageGraph, lower, make_schedule
 
 __all__ = ["Simulation", "simulate", "bubble_fraction"]
 
@@ -68,65 +72,65 @@ def simulate(
     (forward, backward) per microbatch on the last stage, `final_s` the collective that
     ends the step (the loss all-reduce)."""
     stages = len(forward_s)
-    last = stages - 1
-    plan = make_schedule(schedule, pp, microbatches, virtual)
-    producers: dict[int, list[int]] = {s: [] for s in range(stages)}
-    consumers: dict[int, list[int]] = {s: [] for s in range(stages)}
-    for src, dst in links:
-        producers[dst].append(src)
-        consumers[src].append(dst)
-
-    def duration(kind: str, stage: int) -> float:
-        own = forward_s[stage] if kind == "F" else backward_s[stage]
-        return own + (loss_s[0 if kind == "F" else 1] if stage == last else 0.0)
-
-    done: dict[tuple[Any, ...], float] = {}  # (kind, stage, mb): compute end
-    posted: dict[tuple[Any, ...], float] = {}  # (kind, stage, mb, peer): send posted
-
-    free = [0.0] * pp
+    graph = StageGraph(stages, pp, tuple(sorted(links)), frozenset(links))  # every edge carries a gradient back
+    lowered = lower(make_schedule(schedule, pp, microbatches, virtual), graph)
+    clock = _Clock(forward_s, backward_s, links, pp, send_s=send_s, recv_s=recv_s, loss_s=loss_s)
     cursor = [0] * pp
-    inflight = [0] * stages
-    peak = [0] * stages
-    busy = [0.0] * pp
-    remaining = sum(len(actions) for actions in plan)
+    remaining = sum(len(actions) for actions in lowered)
     while remaining:
         progressed = False
-        for rank, actions in enumerate(plan):
-            while cursor[rank] < len(actions):
-                a = actions[cursor[rank]]
-                # what this action waits for: (key of a local result or of a posted send, message)
-                if a.kind == "F":
-                    needs = [(("F", p, a.microbatch), p, links[(p, a.stage)]) for p in producers[a.stage]]
-                    peers = consumers[a.stage]
-                else:
-                    needs = [(("F", a.stage, a.microbatch), a.stage, 0.0)]
-                    needs += [(("B", c, a.microbatch), c, links[(a.stage, c)]) for c in consumers[a.stage]]
-                    peers = producers[a.stage]
-                local = [(done, key, 0.0) if peer % pp == rank else (posted, key + (a.stage,), message)
-                         for key, peer, message in needs]
-                if any(key not in table for table, key, _ in local):
-                    break
-                t = free[rank] + recv_s * sum(table is posted for table, _, _ in local)
-                for table, key, message in local:
-                    # a local value is there when made; a receive, posted by t, waits for
-                    # the send to be posted and then takes the message
-                    t = max(t, table[key]) + message
-                t += duration(a.kind, a.stage)
-                busy[rank] += duration(a.kind, a.stage)
-                done[(a.kind, a.stage, a.microbatch)] = t
-                for peer in peers:
-                    if peer % pp != rank:
-                        t += send_s
-                        posted[(a.kind, a.stage, a.microbatch, peer)] = t
-                free[rank] = t
-                inflight[a.stage] += 1 if a.kind == "F" else -1
-                peak[a.stage] = max(peak[a.stage], inflight[a.stage])
+        for rank, actions in enumerate(lowered):
+            while cursor[rank] < len(actions) and clock.run(rank, actions[cursor[rank]]):
                 cursor[rank] += 1
                 remaining -= 1
                 progressed = True
         if not progressed:
             raise ValueError(f"the {schedule} schedule deadlocks in simulation")
-    return Simulation(max(free) + final_s, tuple(busy), tuple(peak))
+    return Simulation(max(clock.free) + final_s, tuple(clock.busy), tuple(clock.peak))
+
+
+class _Clock:
+    """Each rank's time as it runs its lowered actions ([Note: schedule semantics] in
+    runtime/schedule.py): a compute takes its stage's time, a SEND posts the message at
+    the sender's time (and costs it `send_s`), a RECV costs `recv_s`, waits for its
+    SEND to be posted, then takes the message.  Values handed over on one rank are ready,
+    as the rank's own order put their compute first."""
+
+    def __init__(self, forward_s: Sequence[float], backward_s: Sequence[float], links: Mapping[tuple[int, int], float],
+                 ranks: int, *, send_s: float, recv_s: float, loss_s: tuple[float, float]) -> None:
+        stages = len(forward_s)
+        self.forward_s, self.backward_s, self.links, self.last = forward_s, backward_s, links, stages - 1
+        self.send_s, self.recv_s, self.loss_s = send_s, recv_s, loss_s
+        self.free, self.busy = [0.0] * ranks, [0.0] * ranks
+        self.inflight, self.peak = [0] * stages, [0] * stages
+        self.posted: dict[tuple[bool, int, int, int], float] = {}  # (backward, from, to, microbatch): posted at
+
+    def run(self, rank: int, a: Action) -> bool:
+        """Run `a` on `rank`; False (nothing done) when it is a RECV whose SEND is not posted yet."""
+        if a.kind in (Kind.F, Kind.B):
+            self._compute(rank, a)
+            return True
+        assert a.peer is not None
+        backward = a.kind.is_backward
+        if a.kind.is_send:
+            self.free[rank] += self.send_s
+            self.posted[(backward, a.stage, a.peer, a.microbatch)] = self.free[rank]
+            return True
+        sent = self.posted.get((backward, a.peer, a.stage, a.microbatch))
+        if sent is None:
+            return False
+        message = self.links[(min(a.stage, a.peer), max(a.stage, a.peer))]
+        self.free[rank] = max(self.free[rank] + self.recv_s, sent) + message
+        return True
+
+    def _compute(self, rank: int, a: Action) -> None:
+        forward = a.kind == Kind.F
+        own = self.forward_s[a.stage] if forward else self.backward_s[a.stage]
+        took = own + (self.loss_s[0 if forward else 1] if a.stage == self.last else 0.0)
+        self.free[rank] += took
+        self.busy[rank] += took
+        self.inflight[a.stage] += 1 if forward else -1
+        self.peak[a.stage] = max(self.peak[a.stage], self.inflight[a.stage])
 
 
 def bubble_fraction(stages: int, microbatches: int) -> float:

@@ -1,4 +1,4 @@
-"""A hand-written package, exactly per docs/DESIGN.md, so the runtime is tested on its own.
+"""A hand-written package, built through runtime/manifest.py as codegen builds one, so the runtime is tested on its own.
 
 The model (`tiny.py`, written beside the package): an MLP whose first weight is tied to
 its head (`head.weight = embed.weight`, so the state_dict has an alias), with a skip value
@@ -15,6 +15,7 @@ Stages by count: 2 = A | BCD, 3 = A | B | CD, 4 = A | B | C | D.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import importlib.util
 import json
@@ -26,6 +27,9 @@ from typing import Any, Callable
 
 import pytest
 import torch
+
+from runtime.manifest import (BufferSpec, Manifest, Mesh, ModelInput, ParamSpec, Predicted, Source, StageInput,
+                              StageOutput, StagePrediction, StageSpec, TiedParameter)
 
 D, BATCH = 16, 16
 
@@ -175,58 +179,58 @@ def write_package(root: Path, stages: int = 3, schedule: str = "1f1b", microbatc
     table = _stages(stages)
     entries = []
     for k, st in enumerate(table):
-        shape = [rows, D]
-        entries.append({
-            "index": k, "module": f"stage_{k}", "class": f"Stage{k}",
-            "ranks": [r * pp + k % pp for r in range(dp)],
-            "inputs": [{"name": v, "shape": shape, "dtype": "float32", "from": "input" if st["from"][v] < 0 else st["from"][v],
-                        "requires_grad": st["from"][v] >= 0} for v in st["reads"]],
-            "outputs": [{"name": "output", "shape": None, "dtype": None, "to": "output", "requires_grad": True}]
-            if k == stages - 1 else
-            [{"name": v, "shape": shape, "dtype": "float32", "to": st["to"][v], "requires_grad": True} for v in st["outputs"]],
-            "parameters": [{"name": a, "source_name": s, "shape": [D, D] if s.endswith("weight") else [D],
-                            "dtype": "float32", "shard": {"dim": None, "index": 0, "count": 1}} for a, s in st["params"]],
-            "buffers": [{"name": a, "source_name": s, "shape": [D], "dtype": "float32", "persistent": p}
-                        for a, s, p in st["buffers"]],
-            "nodes": len(st["body"]),
-        })
+        shape = (rows, D)
+        entries.append(StageSpec(
+            index=k, module=f"stage_{k}", class_name=f"Stage{k}",
+            ranks=tuple(r * pp + k % pp for r in range(dp)),
+            inputs=tuple(StageInput(v, shape, "float32", "input" if st["from"][v] < 0 else st["from"][v],
+                                    requires_grad=st["from"][v] >= 0) for v in st["reads"]),
+            outputs=(StageOutput("output", None, None, "output", True),) if k == stages - 1 else
+            tuple(StageOutput(v, shape, "float32", tuple(st["to"][v]), True) for v in st["outputs"]),
+            parameters=tuple(ParamSpec(a, s, (D, D) if s.endswith("weight") else (D,)) for a, s in st["params"]),
+            buffers=tuple(BufferSpec(a, s, (D,), "float32", p) for a, s, p in st["buffers"]),
+            nodes=len(st["body"]),
+        ))
         (out / f"stage_{k}.py").write_text(_source(k, stages, st, model_path, rows))
     model = _import(root / "tiny.py").build_model()
     torch.save({"scale": model.scale.clone(), "offset": model.offset.clone()}, out / "constants.pt")
     holders: dict[str, list[int]] = {}
     for e in entries:
-        for p in e["parameters"]:
-            holders.setdefault(p["source_name"], []).append(e["index"])
-    manifest: dict[str, Any] = {
-        "format_version": 1,
-        "source": {"path": model_path, "sha256": hashlib.sha256(MODEL.encode()).hexdigest(), "entry": "build_model", "seed": 0},
-        "tracer": "fx",
-        "mesh": {"pp": pp, "tp": 1, "dp": dp},
-        "schedule": schedule,
-        "microbatches": microbatches,
-        "virtual_stages": virtual_stages,
-        "batch_size": BATCH,
-        "inputs": [{"name": "x", "key": 0, "batch_dim": 0, "shape": [rows, D], "dtype": "float32"}],
-        "stages": entries,
-        "tied_parameters": [{"source_name": n, "stages": s} for n, s in holders.items() if len(s) > 1],
-        "state_dict_aliases": {"head.weight": "embed.weight"},
-        "predicted": {"step_time_s": 0.001, "mfu": 0.1, "stages": [{"time_s": 1e-4, "memory_bytes": 1000}] * stages},
-    }
+        for p in e.parameters:
+            holders.setdefault(p.source_name, []).append(e.index)
+    manifest = Manifest(
+        source=Source(model_path, hashlib.sha256(MODEL.encode()).hexdigest(), "build_model", 0),
+        tracer="fx",
+        mesh=Mesh(pp, 1, dp),
+        schedule=schedule,
+        microbatches=microbatches,
+        virtual_stages=virtual_stages,
+        batch_size=BATCH,
+        inputs=(ModelInput("x", 0, 0, (rows, D), "float32"),),
+        stages=tuple(entries),
+        tied_parameters=tuple(TiedParameter(n, tuple(s)) for n, s in holders.items() if len(s) > 1),
+        state_dict_aliases={"head.weight": "embed.weight"},
+        predicted=placeholder_prediction(stages),
+    )
     write_manifest(out, manifest)
     (out / "__init__.py").write_text(INIT)
     return out
 
 
-_count = [0]
+def placeholder_prediction(stages: int) -> Predicted:
+    """A placeholder prediction: the runtime never reads it."""
+    return Predicted(0.001, 0.1, (StagePrediction(1e-4, 1000),) * stages)
 
 
-def write_manifest(out: Path, manifest: dict[str, Any]) -> None:
+def write_manifest(out: Path, manifest: Manifest) -> None:
     """manifest.json with its hash over itself and the stage files, as codegen writes it."""
-    digest = hashlib.sha256(json.dumps(manifest, sort_keys=True).encode())
-    for k in range(len(manifest["stages"])):
+    digest = hashlib.sha256(json.dumps(manifest.to_dict(), sort_keys=True).encode())
+    for k in range(len(manifest.stages)):
         digest.update((out / f"stage_{k}.py").read_bytes())
-    manifest["hash"] = digest.hexdigest()
-    (out / "manifest.json").write_text(json.dumps(manifest, indent=1) + "\n")
+    (out / "manifest.json").write_text(dataclasses.replace(manifest, hash=digest.hexdigest()).to_json())
+
+
+_count = [0]
 
 
 def _import(path: Path) -> types.ModuleType:

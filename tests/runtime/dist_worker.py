@@ -67,9 +67,9 @@ def _check(pkg: str, model_path: str) -> None:
     torch.testing.assert_close(loss, ref.detach(), rtol=RTOL, atol=ATOL)
     for spec, p in _my_parameters(pipe):
         expected = torch.zeros_like(p)  # this rank's shard of the reference gradient, cut as weights are
-        package.load_stage_state([(spec, expected)], {spec["source_name"]: want[spec["source_name"]]}, pipe.manifest)
+        package.load_stage_state([(spec, expected)], {spec.source_name: want[spec.source_name]}, pipe.manifest)
         torch.testing.assert_close(p.grad, expected, rtol=RTOL, atol=ATOL,
-                                   msg=lambda m: f"grad {spec['source_name']} (tp index {tp_index}): {m}")
+                                   msg=lambda m: f"grad {spec.source_name} (tp index {tp_index}): {m}")
     # forward only, on every rank
     with torch.no_grad():
         got_out, want_out = torch.utils._pytree.tree_leaves(pipe(inputs)), torch.utils._pytree.tree_leaves(_call(model, inputs))
@@ -110,14 +110,14 @@ def _call(model: torch.nn.Module, inputs: object) -> object:
     return model(**inputs) if isinstance(inputs, dict) else model(*inputs)  # type: ignore[arg-type]
 
 
-def _my_parameters(pipe: runtime.DistributedPipeline) -> list[tuple[dict, torch.Tensor]]:  # type: ignore[type-arg]
+def _my_parameters(pipe: runtime.DistributedPipeline) -> list[tuple[package.Held, torch.Tensor]]:
     """(resolved manifest entry, parameter) for this rank's parameters, each once."""
-    seen: dict[int, tuple[dict, torch.Tensor]] = {}  # type: ignore[type-arg]
+    seen: dict[int, tuple[package.Held, torch.Tensor]] = {}
     for s in pipe.stages:
         r = pipe.runners[s]
-        names = {spec["name"] for spec in r.entry["parameters"]}
+        names = {spec.name for spec in r.entry.parameters}
         for spec, t in package.stage_tensors(r.module, r.entry, pipe.tp_index):
-            if spec["name"] in names:
+            if spec.name in names:
                 seen.setdefault(id(t), (spec, t))
     return list(seen.values())
 

@@ -139,7 +139,7 @@ def check_pipeline(pkg: Path, mf: Any, model: torch.nn.Module, inputs: Any, targ
                    loss_fn: Callable[[Any, Any], torch.Tensor], **options: Any) -> None:
     """Loss, every lane's gradient shards, forward output, 3 SGD steps: as the model."""
     pipe = runtime.LocalPipeline(pkg, **options)
-    T = pipe.manifest["mesh"]["tp"]
+    T = pipe.manifest.mesh.tp
     assert len(pipe.lanes) == T > 1
     pipe.load_state_dict(model.state_dict())
     # 1. one step: the loss, and each lane's shard of every reference gradient
@@ -149,15 +149,15 @@ def check_pipeline(pkg: Path, mf: Any, model: torch.nn.Module, inputs: Any, targ
     torch.testing.assert_close(pipe.train_step(inputs, target), ref.detach(), rtol=RTOL, atol=ATOL)
     for lane in pipe.lanes:
         for r in lane.runners:
-            names = {spec["name"] for spec in r.entry["parameters"]}
+            names = {spec.name for spec in r.entry.parameters}
             for spec, p in package.stage_tensors(r.module, r.entry, lane.index):
-                if spec["name"] not in names:
+                if spec.name not in names:
                     continue
                 expected = torch.zeros_like(p)  # this lane's shard of the reference gradient
-                package.load_stage_state([(spec, expected)], {spec["source_name"]: want[spec["source_name"]]},
+                package.load_stage_state([(spec, expected)], {spec.source_name: want[spec.source_name]},
                                          pipe.manifest)
                 torch.testing.assert_close(p.grad, expected, rtol=RTOL, atol=ATOL,
-                                           msg=lambda m: f"grad {spec['source_name']} (lane {lane.index}): {m}")
+                                           msg=lambda m: f"grad {spec.source_name} (lane {lane.index}): {m}")
     # 2. forward only
     with torch.no_grad():
         torch.testing.assert_close(pytree.tree_leaves(pipe(inputs)), pytree.tree_leaves(_call(model, inputs)),
@@ -179,9 +179,9 @@ def check_pipeline(pkg: Path, mf: Any, model: torch.nn.Module, inputs: Any, targ
     copies: dict[tuple[int, str], list[torch.Tensor]] = {}
     for lane in pipe.lanes:
         for k, r in enumerate(lane.runners):
-            for spec in r.entry["parameters"]:
-                if int((spec.get("shard") or {}).get("count") or 1) == 1:
-                    copies.setdefault((k, spec["name"]), []).append(getattr(r.module, spec["name"]))
+            for spec in r.entry.parameters:
+                if spec.shard.count == 1:
+                    copies.setdefault((k, spec.name), []).append(getattr(r.module, spec.name))
     for (k, name), ps in copies.items():
         assert all(torch.equal(p, ps[0]) for p in ps), f"stage {k}'s replicated {name} differs between lanes"
 

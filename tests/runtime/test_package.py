@@ -3,16 +3,19 @@
 from __future__ import annotations
 
 import ast
+import dataclasses
 import json
 import os
 from pathlib import Path
 
 import pytest
 import torch
+from typing import Any
 
 import runtime
 from runtime import package
 from runtime.errors import BatchError, ManifestError
+from runtime.manifest import Manifest, Mesh, ModelInput, ParamSpec, Shard, Source, StageSpec
 
 from .conftest import Tiny
 
@@ -68,9 +71,9 @@ def test_model_file_lookup(tiny: Tiny, tmp_path: Path, monkeypatch: pytest.Monke
     assert callable(package.load_loss_fn(manifest, tiny.dir))
     monkeypatch.chdir(tiny.dir.parent)  # relative to the current directory
     assert callable(package.load_loss_fn(manifest, "pkg"))
-    absolute = {**manifest, "source": {**manifest["source"], "path": str(tiny.dir.parent / "tiny.py")}}
+    absolute = dataclasses.replace(manifest, source=dataclasses.replace(manifest.source, path=str(tiny.dir.parent / "tiny.py")))
     assert callable(package.load_loss_fn(absolute, tmp_path))
-    gone = {**manifest, "source": {**manifest["source"], "path": "gone.py"}}
+    gone = dataclasses.replace(manifest, source=dataclasses.replace(manifest.source, path="gone.py"))
     with pytest.raises(ManifestError, match=r"model file 'gone.py' is not found .* pass loss_fn= to train_step"):
         package.load_loss_fn(gone, tiny.dir)
     (tiny.dir.parent / "tiny.py").write_text("x = 1\n")
@@ -94,19 +97,17 @@ def test_split_target_tuple() -> None:
 
 
 def test_split_inputs_along_batch_dim() -> None:
-    manifest = {"microbatches": 2, "mesh": {"dp": 1},
-                "inputs": [{"name": "x", "key": "x", "batch_dim": 1, "shape": [3, 2], "dtype": "float32"},
-                           {"name": "flag", "key": "flag", "batch_dim": 0, "shape": None, "dtype": None}]}
+    manifest = _manifest(microbatches=2, inputs=(ModelInput("x", "x", 1, (3, 2), "float32"),
+                                                 ModelInput("flag", "flag", 0, None, None)))
     x = torch.arange(12.0).reshape(3, 4)
     mbs = package.split_inputs({"x": x, "flag": True}, manifest)
     assert torch.equal(mbs[1]["x"], x[:, 2:]) and mbs[0]["flag"] is True
 
 
 def test_sharded_parameters_load_and_reassemble() -> None:
-    manifest = {"stages": [], "state_dict_aliases": {"lm.weight": "w"}}
-    specs = [{"name": "w", "source_name": "w", "shape": [2, 3], "shard": {"dim": 0, "index": i, "count": 2}}
-             for i in range(2)]
-    manifest["stages"] = [{"parameters": [s], "buffers": []} for s in specs]
+    specs = [ParamSpec("w", "w", (2, 3), shard=Shard(0, i, 2)) for i in range(2)]
+    stages = tuple(StageSpec(k, f"stage_{k}", f"Stage{k}", (k,), (), (), (s,)) for k, s in enumerate(specs))
+    manifest = _manifest(stages=stages, state_dict_aliases={"lm.weight": "w"})
     full = torch.arange(12.0).reshape(4, 3)
     shards = [torch.zeros(2, 3), torch.zeros(2, 3)]
     for spec, t in zip(specs, shards):
@@ -123,3 +124,10 @@ def test_stage_output_count_is_checked(tiny: Tiny) -> None:
     with pytest.raises(runtime.PipelineError, match=r"stage 0 \(Stage0\).forward returned a tuple of 1 but the manifest lists 2"):
         pipe(tiny.batch()[0])
     assert os.path.exists(source)
+
+
+def _manifest(**fields: Any) -> Manifest:
+    """A manifest with only the fields a test gives (the rest never read)."""
+    base = {"source": Source("model.py"), "mesh": Mesh(1), "schedule": "gpipe", "microbatches": 1, "inputs": (),
+            "stages": ()}
+    return Manifest(**{**base, **fields})

@@ -31,7 +31,7 @@ def test_recomputed_training_matches_the_original(example: str, options: dict[st
     pipe = runtime.LocalPipeline(str(tmp_path / "pkg"))
     assert all(r.recompute for r in pipe.runners)
     if "tp" in options:
-        assert pipe.manifest["tensor_parallel"]["rules"], "the free links split the model"
+        assert pipe.manifest.tensor_parallel["rules"], "the free links split the model"
     pipe.load_state_dict(mf.build(0).state_dict())
     got_losses = train_pipeline(pipe, example, STEPS, LR)
     torch.testing.assert_close(torch.tensor(got_losses), torch.tensor(want_losses), rtol=1e-5, atol=1e-6)

@@ -18,6 +18,7 @@ import torch
 import runtime
 from runtime import package, tp
 from runtime.errors import ManifestError, MeshError, PipelineError
+from runtime.manifest import Manifest, Mesh, ParamSpec, Shard, Source, StageOutput, StageSpec
 
 from .test_distributed import WORKER, _ok, launch, multiproc
 from .tp_package import write_tp_package
@@ -54,18 +55,17 @@ def test_shards_with_blocks_round_trip() -> None:
 
 
 def test_blocked_shards_load_and_reassemble() -> None:
-    spec = {"name": "qkv_weight", "source_name": "qkv.weight", "shape": [6, 2],
-            "shard": {"dim": 0, "index": "tp", "count": 2, "blocks": 3}}
-    manifest = {"stages": [{"parameters": [spec], "buffers": []}], "state_dict_aliases": {}}
+    spec = ParamSpec("qkv_weight", "qkv.weight", (6, 2), shard=Shard(0, "tp", 2, 3))
+    entry = StageSpec(0, "stage_0", "Stage0", (0, 1), (), (StageOutput("output", None, None),), (spec,))
+    manifest = Manifest(Source("qkv.py"), Mesh(1, 2), "gpipe", 1, (), (entry,))
     full = torch.arange(24.0).reshape(12, 2)
     mine = [torch.zeros(6, 2), torch.zeros(6, 2)]
     pieces = []
     for t, tensor in enumerate(mine):
         module = torch.nn.Module()
         module.qkv_weight = torch.nn.Parameter(tensor)
-        entry = {"index": 0, "class": "Stage0", "parameters": [spec], "buffers": []}
         got = package.stage_tensors(module, entry, tp_rank=t)
-        assert got[0][0]["shard"]["index"] == t and spec["shard"]["index"] == "tp"  # a resolved copy
+        assert got[0][0].shard.index == t and spec.shard.index == "tp"  # a resolved copy
         package.load_stage_state(got, {"qkv.weight": full}, manifest)
         pieces += got
     assert torch.equal(mine[1], full[[2, 3, 6, 7, 10, 11]])

@@ -1,5 +1,5 @@
 """A hand-written tensor-parallel package, written as the code generator writes them
-(docs/DESIGN.md, [Note: shards] in runtime/package.py), so the runtime's tp path is
+(runtime/manifest.py, [Note: shards] in runtime/package.py), so the runtime's tp path is
 tested on its own.
 
 The model (`tp_net.py`, written beside the package), Megatron-style under tp = T:
@@ -20,9 +20,11 @@ from __future__ import annotations
 
 import hashlib
 from pathlib import Path
-from typing import Any
 
-from .conftest import write_manifest
+from runtime.manifest import (Manifest, Mesh, ModelInput, ParamSpec, Shard, Source, StageInput, StageOutput, StageSpec,
+                              TiedParameter)
+
+from .conftest import placeholder_prediction, write_manifest
 
 V, D, H, BATCH = 32, 16, 32, 16
 
@@ -115,10 +117,10 @@ def _source(k: int, count: int, reads: list[str], params: list[Param], body: lis
     return "\n".join(lines) + "\n"
 
 
-def _shard(dim: int | None, t: int, blocks: int) -> dict[str, Any]:
+def _shard(dim: int | None, t: int, blocks: int) -> Shard:
     if dim is None or t == 1:
-        return {"dim": None, "index": 0, "count": 1}
-    return {"dim": dim, "index": "tp", "count": t, **({"blocks": blocks} if blocks > 1 else {})}
+        return Shard()
+    return Shard(dim, "tp", t, blocks if blocks > 1 else None)
 
 
 def write_tp_package(root: Path, stages: int = 2, tp: int = 2, dp: int = 1, microbatches: int = 2,
@@ -136,34 +138,31 @@ def write_tp_package(root: Path, stages: int = 2, tp: int = 2, dp: int = 1, micr
         params = [p for i, p in enumerate(params) if p[0] not in [q[0] for q in params[:i]]]
         body = [line for s in segs for line in segments[s][3]]
         last = k == stages - 1
-        entries.append({
-            "index": k, "module": f"stage_{k}", "class": f"Stage{k}",
-            "ranks": [(r * stages + k) * tp + t for r in range(dp) for t in range(tp)],
-            "inputs": [{"name": "ids", "shape": [rows], "dtype": "int64", "from": "input", "requires_grad": False}]
-            if k == 0 else [{"name": "y", "shape": [rows, D], "dtype": "float32", "from": 0, "requires_grad": True}],
-            "outputs": [{"name": "output", "shape": None, "dtype": None, "to": "output", "requires_grad": True}]
-            if last else [{"name": "y", "shape": [rows, D], "dtype": "float32", "to": [1], "requires_grad": True}],
-            "parameters": [{"name": a, "source_name": s, "shape": shape, "dtype": "float32",
-                            "shard": _shard(dim, tp, blocks)} for a, s, shape, dim, blocks in params],
-            "buffers": [],
-            "nodes": len(body),
-        })
+        entries.append(StageSpec(
+            index=k, module=f"stage_{k}", class_name=f"Stage{k}",
+            ranks=tuple((r * stages + k) * tp + t for r in range(dp) for t in range(tp)),
+            inputs=(StageInput("ids", (rows,), "int64", "input", False),)
+            if k == 0 else (StageInput("y", (rows, D), "float32", 0, True),),
+            outputs=(StageOutput("output", None, None, "output", True),)
+            if last else (StageOutput("y", (rows, D), "float32", (1,), True),),
+            parameters=tuple(ParamSpec(a, s, tuple(shape), "float32", True, _shard(dim, tp, blocks))
+                             for a, s, shape, dim, blocks in params),
+            nodes=len(body),
+        ))
         (out / f"stage_{k}.py").write_text(_source(k, stages, reads, params, body, rows, "output" if last else "(y,)"))
-    manifest: dict[str, Any] = {
-        "format_version": 1,
-        "source": {"path": "tp_net.py", "sha256": hashlib.sha256(MODEL.encode()).hexdigest(), "entry": "build_model",
-                   "seed": 0},
-        "tracer": "fx",
-        "mesh": {"pp": stages, "tp": tp, "dp": dp},
-        "schedule": schedule,
-        "microbatches": microbatches,
-        "virtual_stages": 1,
-        "batch_size": BATCH,
-        "inputs": [{"name": "ids", "key": 0, "batch_dim": 0, "shape": [rows], "dtype": "int64"}],
-        "stages": entries,
-        "tied_parameters": [{"source_name": "wte.weight", "stages": [0, 1]}] if stages == 2 else [],
-        "state_dict_aliases": {"head.weight": "wte.weight"},
-        "predicted": {"step_time_s": 0.001, "mfu": 0.1, "stages": [{"time_s": 1e-4, "memory_bytes": 1000}] * stages},
-    }
+    manifest = Manifest(
+        source=Source("tp_net.py", hashlib.sha256(MODEL.encode()).hexdigest(), "build_model", 0),
+        tracer="fx",
+        mesh=Mesh(stages, tp, dp),
+        schedule=schedule,
+        microbatches=microbatches,
+        virtual_stages=1,
+        batch_size=BATCH,
+        inputs=(ModelInput("ids", 0, 0, (rows,), "int64"),),
+        stages=tuple(entries),
+        tied_parameters=(TiedParameter("wte.weight", (0, 1)),) if stages == 2 else (),
+        state_dict_aliases={"head.weight": "wte.weight"},
+        predicted=placeholder_prediction(stages),
+    )
     write_manifest(out, manifest)
     return out
