@@ -266,23 +266,11 @@ def _loaded_exchange(pg: Any, store: Any, rank: int, wait: timedelta) -> list[fl
     every forward and backward (so both cores compute while the messages move); rank 1: [].
 
     [Note: messages on a busy CPU]
-        With 2 ranks on 2 cores, gloo's I/O threads have no core of their own.  Most
-        messages still cost tens of microseconds, but some wait for a scheduler tick
-        (CONFIG_HZ=250 and no kernel preemption on this project's machines: up to 4 ms,
-        with ~0 CPU time spent by the stalled thread): a reply from the peer that wakes
-        gloo's I/O thread while the main thread holds the pair's lock inside a post lets
-        it preempt the main thread and spin on that lock (gloo only try-locks there, and
-        the still-readable socket wakes epoll at once) until the tick preempts it (ftrace
-        and perf; runtime/messages.py), and a payload waits for its sender's I/O thread
-        to run.  On our 2-core VM, 5-7% of posts and messages stalled, 1-5 ms each, often
-        two opposite sends posted at the same moment.  A step pays every stall on its
-        critical path, so the means (stalls included) are what the simulator charges per
-        message, not the typical (median) message.  The compute matters: between bursts
-        of autograd over small ops (as stages run) posts cost 2-3x what they cost between
-        bursts of one big matmul, and about what the runtime's posts cost (means of
-        250-450 us on our VM); so the exchange computes the former.
-        The stall rate also drifts over seconds on a shared VM: the means of two runs
-        differ by up to 2x.
+        The simulator charges each message the MEAN cost measured here, stalls included,
+        not the typical (median) one: a step pays every stall on its critical path.  The
+        exchange computes bursts of autograd over small ops between posts, as stages do,
+        since posts cost more after those than after one big matmul.  The measurements
+        behind this: docs/notes/messages-on-cpu.md ("As the simulator sees it").
 
     Events are wall-clock (time.time_ns, one clock for both processes of this machine);
     rank 1 hands its events to rank 0 through the store."""

@@ -23,7 +23,7 @@ right after the compute that made them, so it alone says which messages exist.  
   step is max over ranks of their last action's end, plus final_s.
 
 On the CPU the three message costs are means measured under a loaded 1F1B exchange
-(`hardware._loaded_exchange`), stalls included: see [Note: messages on a busy CPU] there.
+(`partitioner.cost.measure._loaded_exchange`), stalls included: see [Note: messages on a busy CPU] there.
 
 Stages on the same rank (interleaved) hand values over for free.  The result is the step's
 makespan, each rank's compute, and each stage's peak number of microbatches in flight
