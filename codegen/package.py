@@ -21,6 +21,7 @@ from typing import Any
 import torch
 import torch.fx
 import torch.utils._pytree as pytree
+from torch.fx.passes.shape_prop import TensorMetadata
 
 from partitioner.ir import REPLICATED, Layout, Plan
 from partitioner.trace.passes import get_attr, node_module
@@ -107,7 +108,7 @@ def _stage(
     ]
     names = {n: values[n] for n in layout.inputs + layout.nodes}
     names.update({a: f"self.{attrs[str(a.target)]}" for a in layout.attrs})
-    writer = StageSource(imports=set())
+    writer = StageSource(imports=set(), device=_device_expr(layout, names))
     body = [f"        {line}" for line in writer.statements(layout.nodes, names)]
     if last:
         body.append(f"        return {writer.build_output(info.out_spec, info.output_leaves, names)}")
@@ -244,6 +245,29 @@ def _param(name: str, t: torch.Tensor, layout: Layout, tp: int, attr: str) -> Pa
 
 def _buffer(name: str, t: torch.Tensor, persistent: bool, attr: str) -> BufferSpec:
     return BufferSpec(attr, name, tuple(t.shape), str(t.dtype).replace("torch.", ""), persistent, meta=t.is_meta)
+
+
+def _device_expr(layout: StageLayout, names: dict[torch.fx.Node, str]) -> str | None:
+    """Where the stage's code finds its device.
+
+    [Note: devices in stage code]
+        The trace runs on one device (the CPU, or meta with --analytic) and folds every
+        `torch.device` it meets into a constant (trace/passes.py `specialize`), so a
+        device is a literal in the graph: `arange(8, device=idx.device)` and
+        `x.to(dtype=..., device=...)` alike.  No literal device reaches the stage's code:
+        every one is written as the device of the stage's first tensor input
+        (`device=input_ids.device`), or, with none, of its first parameter or buffer,
+        which the runtime moves with the module (`.to(device)`).  A stage therefore
+        runs on whatever device its inputs and weights are on.  What this gives up: a
+        model that moves a value to another device on purpose (`.cpu()` in the middle of
+        a forward on a GPU) runs it on the stage's device instead.  A stage with no tensor
+        input and no weights keeps the literal; the fake-GPU check
+        (tests/fake_gpu.py) reports it.
+    """
+    first = next((n for n in layout.inputs if isinstance(n.meta.get("tensor_meta"), TensorMetadata)), None)
+    if first is None:
+        first = next((a for a in layout.attrs), None)
+    return None if first is None else f"{names[first]}.device"
 
 
 def _attr_tensors(gm: torch.fx.GraphModule, info: PackageInfo) -> dict[str, torch.Tensor]:

@@ -38,23 +38,19 @@ class EmitError(Exception):
     """A node the code generator cannot write as Python source."""
 
 
-def format_value(value: Any, names: dict[torch.fx.Node, str]) -> str:
-    """A node argument as Python source."""
+def format_value(value: Any, names: dict[torch.fx.Node, str], device: str | None = None) -> str:
+    """A node argument as Python source; a `torch.device` as `device` where one is given
+    ([Note: devices in stage code])."""
     if isinstance(value, torch.fx.Node):
         return names[value]
-    if isinstance(value, tuple):
-        items = [format_value(v, names) for v in value]
-        return f"({items[0]},)" if len(items) == 1 else f"({', '.join(items)})"
-    if isinstance(value, list):
-        return f"[{', '.join(format_value(v, names) for v in value)}]"
-    if isinstance(value, dict):
-        return "{" + ", ".join(f"{k!r}: {format_value(v, names)}" for k, v in value.items()) + "}"
+    if isinstance(value, (tuple, list, dict)):
+        return _format_container(value, names, device)
     if isinstance(value, float):
         if math.isinf(value):
             return "float('inf')" if value > 0 else "float('-inf')"
         return "float('nan')" if math.isnan(value) else repr(value)
     if isinstance(value, torch.device):
-        return f"torch.device({str(value)!r})"
+        return device or f"torch.device({str(value)!r})"
     if isinstance(value, (torch.dtype, torch.memory_format, torch.layout)):
         return str(value)
     if value is Ellipsis:
@@ -64,6 +60,16 @@ def format_value(value: Any, names: dict[torch.fx.Node, str]) -> str:
     if isinstance(value, (int, bool, str, type(None))):
         return repr(value)
     raise EmitError(f"cannot write a constant of type {type(value).__name__}: {value!r}")
+
+
+def _format_container(value: tuple[Any, ...] | list[Any] | dict[Any, Any], names: dict[torch.fx.Node, str],
+                      device: str | None) -> str:
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{k!r}: {format_value(v, names, device)}" for k, v in value.items()) + "}"
+    items = [format_value(v, names, device) for v in value]
+    if isinstance(value, list):
+        return f"[{', '.join(items)}]"
+    return f"({items[0]},)" if len(items) == 1 else f"({', '.join(items)})"
 
 
 def _format_index(index: Any, names: dict[torch.fx.Node, str]) -> str:
@@ -79,9 +85,11 @@ def _format_index(index: Any, names: dict[torch.fx.Node, str]) -> str:
 
 @dataclass
 class StageSource:
-    """Collects the imports a stage needs while its statements are written."""
+    """Collects the imports a stage needs while its statements are written; `device` is the
+    expression every device in the stage's code is written as ([Note: devices in stage code])."""
 
     imports: set[str]
+    device: str | None = None
 
     def callee(self, target: Callable[..., Any]) -> str:
         """The shortest importable name for a call target."""
@@ -115,7 +123,7 @@ class StageSource:
     def statement(self, node: torch.fx.Node, names: dict[torch.fx.Node, str]) -> str:
         """`<name> = <expression>` for one call node."""
         args, kwargs = node.args, node.kwargs
-        fmt = lambda v: format_value(v, names)  # noqa: E731
+        fmt = lambda v: format_value(v, names, self.device)  # noqa: E731
         target = node.target
         if node.op == "call_function" and target in _BINARY and len(args) == 2 and not kwargs:
             expr = f"{fmt(args[0])} {_BINARY[target]} {fmt(args[1])}"  # type: ignore[index]
@@ -130,6 +138,8 @@ class StageSource:
             expr = f"{fmt(args[0])}.{target}({call})"
         elif node.op == "call_function":
             kwargs = _without_defaults(target, kwargs)
+            if self.device is not None and "device" not in kwargs and _is_factory(target):
+                kwargs = {**kwargs, "device": torch.device("cpu")}  # written as self.device
             call = ", ".join([fmt(a) for a in args] + [f"{k}={fmt(v)}" for k, v in kwargs.items()])
             expr = f"{self.callee(target)}({call})"  # type: ignore[arg-type]
         else:
@@ -169,6 +179,26 @@ class StageSource:
         if isinstance(spec.context, (list, tuple)) and all(isinstance(k, str) for k in spec.context):
             return f"{cls}(" + ", ".join(f"{k}={v}" for k, v in zip(spec.context, children)) + ")"
         return f"{cls}({', '.join(children)})"
+
+
+#: torch's factory functions: they make a tensor from sizes or data, on the CPU unless told
+_FACTORIES = {torch.zeros, torch.ones, torch.empty, torch.full, torch.arange, torch.range, torch.rand, torch.randn,
+              torch.randint, torch.randperm, torch.eye, torch.linspace, torch.logspace, torch.tensor,
+              torch.scalar_tensor, torch.as_tensor}
+
+
+def _is_factory(target: Any) -> bool:
+    """Whether a call makes a tensor from no tensor, so that it needs a device: one of torch's
+    factory functions, or an aten op with a `device` argument and no tensor argument."""
+    if isinstance(target, torch._ops.OpOverload):
+        arguments = target._schema.arguments
+        return any(a.name == "device" for a in arguments) and not any(
+            isinstance(a.type, (torch.TensorType, torch.OptionalType, torch.ListType)) and "Tensor" in str(a.type)
+            for a in arguments)
+    try:
+        return target in _FACTORIES
+    except TypeError:  # an unhashable callable
+        return False
 
 
 def _without_defaults(target: Any, kwargs: Any) -> dict[str, Any]:

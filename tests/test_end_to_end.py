@@ -16,6 +16,7 @@ import runtime
 from partitioner.trace import model_file
 
 from .conftest import compile_example, train_original, train_pipeline
+from .fake_gpu import check_stages_on_fake_gpu
 
 EXAMPLES = ["mlp", "gpt", "bert", "ncf", "skip", "hf_gpt2", "hf_bert"]
 STEPS, LR = 3, 0.05
@@ -29,6 +30,7 @@ def _reference(path: str) -> tuple[list[float], dict[str, torch.Tensor]]:
 
 def _partitioned(path: str, out: Path, **options: Any) -> tuple[list[float], dict[str, torch.Tensor]]:
     compile_example(path, out, **options)
+    check_stages_on_fake_gpu(out)  # no device constant: every stage runs on a (fake) GPU
     mf = model_file.load(path)
     pipe = runtime.LocalPipeline(str(out))
     pipe.load_state_dict(mf.build(0).state_dict())

@@ -22,6 +22,7 @@ from runtime import package, tp
 from runtime.errors import PeerError, PipelineError
 
 from ..conftest import FREE_LINKS as FREE, compile_example
+from ..fake_gpu import check_stages_on_fake_gpu
 from . import tp_checks
 from .tp_package import write_tp_package
 
@@ -202,6 +203,7 @@ def test_compiled_example_with_tp2_matches_the_model(example: str, options: dict
     path = f"examples/{example}.py"
     compiled = compile_example(path, tmp_path / "pkg", tp=2, hardware=FREE, **options)
     assert compiled.manifest["tensor_parallel"]["rules"], "the test needs something split"
+    check_stages_on_fake_gpu(tmp_path / "pkg")  # every device in the stage code follows the stage's
     mf = model_file.load(path)
     args, kwargs = mf.example_inputs()
     check_pipeline(tmp_path / "pkg", mf, mf.build(0), kwargs if kwargs else args, mf.example_target(), mf.loss_fn())

@@ -34,7 +34,7 @@ class Stage0(torch.nn.Module):
 
     def forward(self, idx: torch.Tensor) -> tuple[torch.Tensor, ...]:
         # -- (top level) --
-        arange = torch.arange(0, 128, dtype=torch.int64, device=torch.device('cpu'))  # (128,) int64
+        arange = torch.arange(0, 128, dtype=torch.int64, device=idx.device)  # (128,) int64
         # -- wte --
         embedding_vocab = tp.vocab_shard(idx, 2048)
         embedding_ids = embedding_vocab[0]  # (4, 128) int64

@@ -67,13 +67,13 @@ class Stage0(torch.nn.Module):
         # -- transformer.wte --
         embedding = aten.embedding.default(self.transformer_wte_weight, view)  # (6, 8, 32)
         # -- transformer --
-        arange = aten.arange.default(8, device=torch.device('cpu'), pin_memory=False)  # (8,) int64
+        arange = aten.arange.default(8, device=input_ids.device, pin_memory=False)  # (8,) int64
         add = aten.add.Tensor(arange, 0)  # (8,) int64
         unsqueeze = aten.unsqueeze.default(add, 0)  # (1, 8) int64
         # -- transformer.wpe --
         embedding_1 = aten.embedding.default(self.transformer_wpe_weight, unsqueeze)  # (1, 8, 32)
         # -- transformer --
-        to = aten.to.dtype_layout(embedding_1, dtype=torch.float32, layout=torch.strided, device=torch.device('cpu'))  # (1, 8, 32)
+        to = aten.to.dtype_layout(embedding_1, dtype=torch.float32, layout=torch.strided, device=input_ids.device)  # (1, 8, 32)
         add_1 = aten.add.Tensor(embedding, to)  # (6, 8, 32)
         expand = aten.expand.default(unsqueeze, [6, -1])  # (6, 8) int64
         slice_1 = aten.slice.Tensor(expand, 1, 0, 1)  # (6, 1) int64
@@ -82,10 +82,10 @@ class Stage0(torch.nn.Module):
         ne = aten.ne.Scalar(diff, 1)  # (6, 8) bool
         cumsum = aten.cumsum.default(ne, -1)  # (6, 8) int64
         expand_1 = aten.expand.default(unsqueeze, [6, -1])  # (6, 8) int64
-        arange_1 = aten.arange.default(6, device=torch.device('cpu'), pin_memory=False)  # (6,) int64
-        arange_3 = aten.arange.default(8, device=torch.device('cpu'), pin_memory=False)  # (8,) int64
+        arange_1 = aten.arange.default(6, device=input_ids.device, pin_memory=False)  # (6,) int64
+        arange_3 = aten.arange.default(8, device=input_ids.device, pin_memory=False)  # (8,) int64
         add_2 = aten.add.Tensor(arange_3, 0)  # (8,) int64
-        arange_4 = aten.arange.default(8, device=torch.device('cpu'), pin_memory=False)  # (8,) int64
+        arange_4 = aten.arange.default(8, device=input_ids.device, pin_memory=False)  # (8,) int64
         add_3 = aten.add.Tensor(arange_4, 0)  # (8,) int64
         unsqueeze_1 = aten.unsqueeze.default(arange_1, 1)  # (6, 1) int64
         unsqueeze_2 = aten.unsqueeze.default(unsqueeze_1, 2)  # (6, 1, 1) int64
@@ -100,12 +100,12 @@ class Stage0(torch.nn.Module):
         index = aten.index.Tensor(cumsum, [unsqueeze_3, unsqueeze_9])  # (6, 1, 8, 1) int64
         index_1 = aten.index.Tensor(cumsum, [unsqueeze_3, unsqueeze_12])  # (6, 1, 1, 8) int64
         eq = aten.eq.Tensor(index, index_1)  # (6, 1, 8, 8) bool
-        to_1 = aten.to.dtype_layout(eq, dtype=torch.bool, layout=torch.strided, device=torch.device('cpu'))  # (6, 1, 8, 8) bool
+        to_1 = aten.to.dtype_layout(eq, dtype=torch.bool, layout=torch.strided, device=input_ids.device)  # (6, 1, 8, 8) bool
         and_1 = aten.__and__.Tensor(new_ones, to_1)  # (6, 1, 8, 8) bool
         index_2 = aten.index.Tensor(expand_1, [unsqueeze_3, unsqueeze_9])  # (6, 1, 8, 1) int64
         index_3 = aten.index.Tensor(expand_1, [unsqueeze_3, unsqueeze_12])  # (6, 1, 1, 8) int64
         le = aten.le.Tensor(index_3, index_2)  # (6, 1, 8, 8) bool
-        to_2 = aten.to.dtype_layout(le, dtype=torch.bool, layout=torch.strided, device=torch.device('cpu'))  # (6, 1, 8, 8) bool
+        to_2 = aten.to.dtype_layout(le, dtype=torch.bool, layout=torch.strided, device=input_ids.device)  # (6, 1, 8, 8) bool
         and_2 = aten.__and__.Tensor(and_1, to_2)  # (6, 1, 8, 8) bool
         expand_2 = aten.expand.default(and_2, [6, -1, 8, 8])  # (6, 1, 8, 8) bool
         # -- transformer.drop --
