@@ -3,7 +3,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 export OMP_NUM_THREADS ?= 1
 
-.PHONY: demo test bench clean
+.PHONY: demo test bench gpu-check clean
 
 $(STAMP): setup.cfg pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -21,6 +21,9 @@ test: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) -m benchmarks
+
+gpu-check: $(STAMP)
+	$(PY) benchmarks/gpu_check.py
 
 clean:
 	rm -rf build $(VENV)

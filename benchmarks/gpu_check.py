@@ -1,0 +1,323 @@
+"""The prepared device check: what a lent GPU should confirm, in one short run.
+
+    python benchmarks/gpu_check.py [--quick] [--device cuda|cpu]      (or: make gpu-check)
+
+It runs end to end on the CPU as well (the default without CUDA), where the rows that need
+CUDA say "not run", so the script itself is tested here (tests/test_gpu_check.py).  On one
+H200 it should finish in a few minutes.  Checks:
+
+  a  compile      examples/gpt.py and examples/hf_gpt2.py, 2 stages (on CUDA with the
+                  h200 profile's roofline: the compile does not yet profile on the GPU)
+  b  equivalence  LocalPipeline on one device, 2 and 4 stages, GPipe and 1F1B, fp32: 3 SGD
+                  steps against the original model on the same device (rtol 1e-5; TF32 off)
+  c  mfu          one GPT block at d = 4096 in bf16, forward + backward: model FLOPs
+                  (torch.utils.flop_counter) over time x 790 TFLOP/s (CUDA only)
+  d  prediction   per example and stage: the manifest's predicted compute and peak memory
+                  against the stage timed alone and its memory counted by the allocator
+                  (weights, gradients, Adam state, its microbatches in flight; CUDA only)
+  e  nccl         2 ranks of DistributedPipeline over NCCL against LocalPipeline (only with
+                  more than one GPU)
+
+It prints one table and writes benchmarks/results/gpu_check.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.utils._pytree as pytree
+
+if __package__ in (None, ""):  # run as a script: python benchmarks/gpu_check.py
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    __package__ = "benchmarks"
+
+import runtime  # noqa: E402
+from driver.compile import compile_model  # noqa: E402
+from driver.options import CompileOptions  # noqa: E402
+from partitioner.cost.timer import DeviceTimer, device_timer  # noqa: E402
+from partitioner.trace import model_file  # noqa: E402
+
+from .common import save, table  # noqa: E402
+
+COLUMNS = ["check", "case", "status", "figure", "value", "goal"]
+H200_BF16_FLOPS = 790e12  # the dense bf16 matmul rate measured on this project's H200 (device KINDS.md)
+EXAMPLES = ["mlp", "gpt", "bert", "ncf", "skip", "hf_gpt2", "hf_bert"]
+STEPS, LR = 3, 0.05
+Row = dict[str, Any]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="The prepared device check (see the module's docstring).")
+    parser.add_argument("--quick", action="store_true", help="fewer cases (what the CPU test runs)")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ns = parser.parse_args(argv)
+    device = torch.device(ns.device)
+    torch.backends.cuda.matmul.allow_tf32 = False  # fp32 means fp32 for the equivalence checks
+    torch.backends.cudnn.allow_tf32 = False
+    timer = device_timer(device)
+    rows: list[Row] = []
+    start = time.perf_counter()
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        for check in (_compile_rows, _equivalence_rows, _mfu_rows, _prediction_rows, _nccl_rows):
+            began = time.perf_counter()
+            rows += check(work, timer, ns.quick)
+            print(f"{check.__name__[1:-5]}: done in {time.perf_counter() - began:.1f} s", file=sys.stderr, flush=True)
+    print(table(rows, COLUMNS))
+    failed = [r for r in rows if r["status"] == "FAIL"]
+    path = save("gpu_check", rows, device=str(device), device_name=_device_name(device), quick=ns.quick,
+                wall_s=round(time.perf_counter() - start, 1))
+    print(f"{len(rows)} rows, {len(failed)} failed, {time.perf_counter() - start:.0f} s; wrote {path}")
+    return 1 if failed else 0
+
+
+# -- a: compile ----------------------------------------------------------------------------
+
+
+def _compile(work: Path, timer: DeviceTimer, example: str, stages: int, **options: Any) -> Path:
+    """examples/<example>.py compiled into `stages` stages for the timer's device."""
+    out = work / f"{example}_{stages}_{'_'.join(f'{k}{v}' for k, v in sorted(options.items()))}"
+    hardware = "h200" if timer.is_cuda else "a100"
+    compile_model(CompileOptions(model=f"examples/{example}.py", out=str(out), stages=stages, analytic=True,
+                                 hardware=hardware, quiet=True, time_limit=5.0, **options))
+    return out
+
+
+def _compile_rows(work: Path, timer: DeviceTimer, quick: bool) -> list[Row]:
+    rows = []
+    for example in ["gpt"] if quick else ["gpt", "hf_gpt2"]:
+        start = time.perf_counter()
+        out = _compile(work, timer, example, 2)
+        step = runtime.LocalPipeline(out).manifest.predicted
+        rows.append({"check": "a compile", "case": f"{example} 2 stages", "status": "ok", "figure": "compile s",
+                     "value": round(time.perf_counter() - start, 2),
+                     "goal": f"predicted step {step.step_time_s * 1e3:.3g} ms" if step else ""})
+    return rows
+
+
+# -- b: equivalence ------------------------------------------------------------------------
+
+
+def _equivalence_rows(work: Path, timer: DeviceTimer, quick: bool) -> list[Row]:
+    rows = []
+    cases = [("gpt", 2, "1f1b")] if quick else [(e, s, k) for e in ("gpt", "hf_gpt2") for s in (2, 4)
+                                                for k in ("gpipe", "1f1b")]
+    for example, stages, schedule in cases:
+        out = _compile(work, timer, example, stages, schedule=schedule)
+        error = _training_error(out, f"examples/{example}.py", timer.device)
+        rows.append({"check": "b equivalence", "case": f"{example} {stages} stages {schedule} fp32",
+                     "status": "ok" if error <= 1e-5 else "FAIL", "figure": "max rel. error", "value": error,
+                     "goal": "<= 1e-5"})
+    rows.append({"check": "b equivalence", "case": "bf16-mixed", "status": "not built",
+                 "figure": "", "value": "", "goal": "--precision is not built yet"})
+    return rows
+
+
+def _training_error(package: Path, path: str, device: torch.device) -> float:
+    """The largest relative difference, over the losses and every weight, between the package
+    and the original model trained STEPS SGD steps on `device`."""
+    mf = model_file.load(path)
+    args, kwargs = mf.example_inputs()
+    inputs, target = _to(kwargs if kwargs else args, device), _to(mf.example_target(), device)
+    model = mf.build(0).to(device)
+    pipe = runtime.LocalPipeline(package, device=device)
+    pipe.load_state_dict(model.state_dict())
+    want = _train(model.parameters(), lambda: _call(model, inputs), mf.loss_fn(), target)
+    got = [float(x) for x in _train_pipe(pipe, inputs, target)]
+    errors = [_relative(torch.tensor(got), torch.tensor(want))]
+    state = pipe.state_dict()
+    errors += [_relative(state[name].to(device), value) for name, value in model.state_dict().items()]
+    return max(errors)
+
+
+def _train(params: Any, forward: Callable[[], Any], loss_fn: Callable[[Any, Any], torch.Tensor],
+           target: Any) -> list[float]:
+    opt = torch.optim.SGD(list(params), lr=LR)
+    losses = []
+    for _ in range(STEPS):
+        opt.zero_grad()
+        loss = loss_fn(forward(), target)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses
+
+
+def _train_pipe(pipe: runtime.LocalPipeline, inputs: Any, target: Any) -> list[float]:
+    opt = torch.optim.SGD(pipe.parameters(), lr=LR)
+    losses = []
+    for _ in range(STEPS):
+        opt.zero_grad()
+        losses.append(float(pipe.train_step(inputs, target)))
+        opt.step()
+    return losses
+
+
+def _relative(got: torch.Tensor, want: torch.Tensor) -> float:
+    if not want.is_floating_point():
+        return 0.0 if torch.equal(got.cpu(), want.cpu()) else float("inf")
+    scale = want.abs().max().clamp_min(1e-6)
+    return float(((got.float() - want.float()).abs().max() / scale).cpu()) if want.numel() else 0.0
+
+
+# -- c: mfu --------------------------------------------------------------------------------
+
+
+class _Block(torch.nn.Module):
+    """A GPT block (pre-norm attention and a 4x MLP), as examples/gpt.py writes one."""
+
+    def __init__(self, d: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.ln_1, self.ln_2 = torch.nn.LayerNorm(d), torch.nn.LayerNorm(d)
+        self.qkv, self.proj = torch.nn.Linear(d, 3 * d), torch.nn.Linear(d, d)
+        self.fc, self.out = torch.nn.Linear(d, 4 * d), torch.nn.Linear(4 * d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v = self.qkv(self.ln_1(x)).split(d, dim=2)
+        q, k, v = (z.view(b, t, self.heads, d // self.heads).transpose(1, 2) for z in (q, k, v))  # (B, nh, T, hs)
+        y = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(y.transpose(1, 2).reshape(b, t, d))
+        return x + self.out(torch.nn.functional.gelu(self.fc(self.ln_2(x))))
+
+
+def _mfu_rows(work: Path, timer: DeviceTimer, quick: bool) -> list[Row]:
+    row: Row = {"check": "c mfu", "case": "GPT block d=4096 bf16, 8 x 2048 tokens", "figure": "MFU", "goal": "> 0.5"}
+    if not timer.is_cuda:
+        return [{**row, "status": "not run", "value": "CUDA only"}]
+    block = _Block(4096, 32).to(timer.device, torch.bfloat16)
+    x = torch.randn(8, 2048, 4096, device=timer.device, dtype=torch.bfloat16, requires_grad=True)
+
+    def step() -> None:
+        block(x).sum().backward()
+
+    with torch.utils.flop_counter.FlopCounterMode(display=False) as counter:
+        step()
+    seconds = timer.median(step, samples=10)
+    mfu = counter.get_total_flops() / seconds / H200_BF16_FLOPS
+    return [{**row, "status": "ok" if mfu > 0.5 else "below goal", "value": round(mfu, 3)}]
+
+
+# -- d: prediction -------------------------------------------------------------------------
+
+
+def _prediction_rows(work: Path, timer: DeviceTimer, quick: bool) -> list[Row]:
+    rows = []
+    for example in ["mlp"] if quick else EXAMPLES:
+        out = _compile(work, timer, example, 2)
+        pipe = runtime.LocalPipeline(out, device=timer.device)
+        mf = model_file.load(f"examples/{example}.py")
+        pipe.load_state_dict(mf.build(0).state_dict())
+        args, kwargs = mf.example_inputs()
+        captured = _stage_inputs(pipe, _to(kwargs if kwargs else args, timer.device))
+        for k, runner in enumerate(pipe.runners):
+            predicted = pipe.manifest.predicted.stages[k] if pipe.manifest.predicted else None
+            if predicted is None:
+                continue
+            measured = timer.median(lambda: _forward_backward(runner.module, captured[k]), samples=20)
+            rows.append(_versus("d time", f"{example} stage {k}", "compute s", predicted.compute_s,
+                                measured if timer.is_cuda else None))  # on the CPU it predicted an a100
+            peak = _stage_memory(timer, runner.module, captured[k], predicted.peak_inflight)
+            rows.append(_versus("d memory", f"{example} stage {k}", "peak bytes", predicted.memory_bytes, peak))
+    return rows
+
+
+def _versus(check: str, case: str, figure: str, predicted: float, measured: float | None) -> Row:
+    if measured is None:
+        return {"check": check, "case": case, "status": "not run", "figure": figure, "value": "CUDA only",
+                "goal": "within 10%"}
+    error = (predicted - measured) / measured
+    return {"check": check, "case": case, "status": "ok" if abs(error) <= 0.10 else "off", "figure": f"{figure} error",
+            "value": f"{error:+.1%} ({predicted:.3g} predicted, {measured:.3g} measured)", "goal": "within 10%"}
+
+
+def _stage_inputs(pipe: runtime.LocalPipeline, inputs: Any) -> list[list[Any]]:
+    """Each stage's arguments for its first microbatch, recorded by a forward pass."""
+    seen: dict[int, list[Any]] = {}
+    hooks = [r.module.register_forward_pre_hook(lambda _m, a, k=k: seen.setdefault(k, list(a)) and None)
+             for k, r in enumerate(pipe.runners)]
+    try:
+        pipe(inputs)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return [[a.detach() if isinstance(a, torch.Tensor) else a for a in seen[k]] for k in range(len(pipe.runners))]
+
+
+def _forward_backward(module: torch.nn.Module, args: list[Any]) -> list[torch.Tensor]:
+    """One forward and backward of `module`, from leaves like a stage's; returns what autograd
+    keeps alive until the caller drops it (nothing once backward ran)."""
+    leaves = [a.detach().requires_grad_(a.is_floating_point()) if isinstance(a, torch.Tensor) else a for a in args]
+    outs = [o for o in pytree.tree_leaves(module(*leaves)) if isinstance(o, torch.Tensor) and o.requires_grad]
+    if outs:
+        torch.autograd.backward(outs, [torch.ones_like(o) for o in outs])
+    return []
+
+
+def _stage_memory(timer: DeviceTimer, module: torch.nn.Module, args: list[Any], inflight: int) -> int | None:
+    """What the stage holds at its peak, counted by the allocator from nothing: its weights,
+    their gradients and Adam's two moments, and `inflight` microbatches' activations."""
+    if not timer.is_cuda:
+        return None
+    params = [p for p in module.parameters() if p.requires_grad]
+    opt = torch.optim.Adam(params)
+    _forward_backward(module, args)
+    opt.step()  # Adam's state exists now, as it does from the second step on
+
+    def run() -> None:
+        kept = []
+        for _ in range(max(1, inflight)):
+            leaves = [a.detach().requires_grad_(a.is_floating_point()) if isinstance(a, torch.Tensor) else a for a in args]
+            kept.append([o for o in pytree.tree_leaves(module(*leaves)) if isinstance(o, torch.Tensor)])
+        for outs in kept:
+            grads = [o for o in outs if o.requires_grad]
+            torch.autograd.backward(grads, [torch.ones_like(o) for o in grads])
+
+    torch.cuda.empty_cache()
+    activations = timer.peak_bytes(run) or 0
+    resident = sum(t.numel() * t.element_size() for t in _resident(module, opt))
+    return resident + activations
+
+
+def _resident(module: torch.nn.Module, opt: torch.optim.Optimizer) -> list[torch.Tensor]:
+    grads = [p.grad for p in module.parameters() if p.grad is not None]
+    states = [t for s in opt.state.values() for t in s.values() if isinstance(t, torch.Tensor) and t.dim() > 0]
+    return list(module.parameters()) + list(module.buffers()) + grads + states
+
+
+# -- e: nccl -------------------------------------------------------------------------------
+
+
+def _nccl_rows(work: Path, timer: DeviceTimer, quick: bool) -> list[Row]:
+    row: Row = {"check": "e nccl", "case": "gpt 2 stages, 2 ranks", "figure": "", "goal": "= LocalPipeline"}
+    if not timer.is_cuda:
+        return [{**row, "status": "not run", "value": "CUDA only"}]
+    if torch.cuda.device_count() < 2:
+        return [{**row, "status": "not run", "value": "one GPU: the NCCL path needs two"}]
+    return [{**row, "status": "not built", "value": "no multi-GPU run is scripted yet"}]
+
+
+# -- helpers -------------------------------------------------------------------------------
+
+
+def _to(value: Any, device: torch.device) -> Any:
+    return pytree.tree_map_only(torch.Tensor, lambda t: t.to(device), value)
+
+
+def _call(model: torch.nn.Module, inputs: Any) -> Any:
+    return model(**inputs) if isinstance(inputs, dict) else model(*inputs)
+
+
+def _device_name(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,22 @@
+"""The prepared device check runs end to end on the CPU, its CUDA rows marked as not run."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from benchmarks import gpu_check
+
+
+def test_the_device_check_runs_on_the_cpu(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch,
+                                          tmp_path: Path) -> None:
+    monkeypatch.setattr("benchmarks.common.RESULTS", tmp_path)
+    assert gpu_check.main(["--quick", "--device", "cpu"]) == 0
+    printed = capsys.readouterr().out
+    assert "| b equivalence | gpt 2 stages 1f1b fp32 | ok |" in printed
+    record = json.loads((tmp_path / "gpu_check.json").read_text())
+    statuses = {(r["check"], r["status"]) for r in record["rows"]}
+    assert ("c mfu", "not run") in statuses and ("e nccl", "not run") in statuses
+    assert not any(s == "FAIL" for _, s in statuses)
