@@ -42,7 +42,7 @@ import torch
 import torch.distributed as dist
 import torch.utils._pytree as pytree
 
-from . import messages, package, tp
+from . import clip, messages, optim, package, tp
 from .comm import GradBuckets, TiedGrads, guard, init_from_env, timeout_from_env, wait
 from .errors import ManifestError, MeshError, PipelineError
 from .faults import parse_fault
@@ -135,7 +135,7 @@ class DistributedPipeline:
         """The full original state_dict on every rank, on CPU (collective)."""
         mine = [(spec, t.detach().cpu()) for r in self.runners.values() for spec, t in self._tensors(r)]
         gathered: list[Any] = [None] * self.world
-        dist.all_gather_object(gathered, mine if self.replica == 0 else [])
+        dist.all_gather_object(gathered, mine if self.replica == 0 else [], group=self.groups.world)
         return package.assemble_state_dict([p for pieces in gathered for p in pieces], self.manifest)
 
     def parameters(self) -> list[torch.nn.Parameter]:
@@ -151,6 +151,31 @@ class DistributedPipeline:
                 p = getattr(r.module, spec.name)
                 seen.setdefault(id(p), (spec.source_name, p))
         return list(seen.values())
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0,
+                        error_if_nonfinite: bool = False) -> torch.Tensor:
+        """torch.nn.utils.clip_grad_norm_ of the original model (collective): the whole
+        model's gradient norm on every rank, each parameter counted once ([Note: counting
+        each parameter once] in clip.py), and this rank's gradients scaled by it."""
+        p = clip.check_norm_type(norm_type)
+        named = self.named_parameters()
+        counted = clip.counted_names(self.manifest, self.stages, self.tp_index, self.replica)
+        term = clip.norm_term(named, counted, p, self.device)
+        doing = self._describe("the gradient norm all_reduce", range(self.world))
+        with guard(doing):
+            work = dist.all_reduce(term, op=dist.ReduceOp.MAX if p == float("inf") else dist.ReduceOp.SUM,
+                                   group=self.groups.world, async_op=True)
+        wait(work, self.timeout_s, doing)
+        params = [q for _, q in named]
+        total = clip.total_norm(term, p, clip.grad_dtype(params))
+        clip.clip_(params, total, max_norm, p, error_if_nonfinite)
+        return total
+
+    def make_optimizer(self, cls: type[torch.optim.Optimizer], params: optim.ParamGroups = None,
+                       **defaults: Any) -> torch.optim.Optimizer:
+        """`cls` over this rank's parameters, groups by original name, the same groups on
+        every rank ([Note: parameter groups by original name] in optim.py)."""
+        return optim.make_optimizer(cls, self.named_parameters(), self.manifest, params, **defaults)
 
     def train_step(self, inputs: Any, target: Any, loss_fn: LossFn | None = None) -> torch.Tensor:
         """One step on the global batch (collective); returns the whole-batch loss on every rank."""
@@ -177,7 +202,7 @@ class DistributedPipeline:
             loss = step.loss if step.loss is not None and self.tp_index == 0 else torch.zeros((), device=self.device)
             doing = self._describe("the loss all_reduce", range(self.world))
             with guard(doing):
-                work = dist.all_reduce(loss, async_op=True)
+                work = dist.all_reduce(loss, group=self.groups.world, async_op=True)
             wait(work, self.timeout_s, doing)
         finally:
             for r in self.runners.values():
@@ -197,7 +222,7 @@ class DistributedPipeline:
         last = self.graph.rank_of(self.graph.num_stages - 1)
         mine = [_to_cpu(o) for o in step.results] if self.position == last and self.tp_index == 0 else None
         gathered: list[Any] = [None] * self.world
-        dist.all_gather_object(gathered, mine)
+        dist.all_gather_object(gathered, mine, group=self.groups.world)
         return concat_outputs([o for r in range(self.dp) for o in gathered[self.mesh.rank(r, last, 0)]])
 
     # -- the interpreter ---------------------------------------------------------------------

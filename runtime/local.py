@@ -33,7 +33,7 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 import torch.utils._pytree as pytree
 
-from . import package, tp
+from . import clip, optim, package, tp
 from .comm import timeout_from_env
 from .devices import DeviceLike, StageStreams, resolve_devices
 from .errors import PipelineError
@@ -119,16 +119,40 @@ class LocalPipeline:
     def named_parameters(self) -> list[tuple[str, torch.nn.Parameter]]:
         """(original name, parameter) pairs, each parameter once; with tp > 1, lane by lane,
         so a name comes once per lane (a shard, or a replicated copy, of that parameter)."""
+        return [pair for lane in self.lanes for pair in self._lane_named(lane)]
+
+    def _lane_named(self, lane: _Lane) -> list[tuple[str, torch.nn.Parameter]]:
         seen: set[int] = set()
         out = []
-        for lane in self.lanes:
-            for r in lane.runners:
-                for spec in r.entry.parameters:
-                    p = getattr(r.module, spec.name)
-                    if id(p) not in seen:
-                        seen.add(id(p))
-                        out.append((spec.source_name, p))
+        for r in lane.runners:
+            for spec in r.entry.parameters:
+                p = getattr(r.module, spec.name)
+                if id(p) not in seen:
+                    seen.add(id(p))
+                    out.append((spec.source_name, p))
         return out
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0,
+                        error_if_nonfinite: bool = False) -> torch.Tensor:
+        """torch.nn.utils.clip_grad_norm_ of the original model: the whole model's gradient
+        norm (each parameter once, [Note: counting each parameter once] in clip.py),
+        returned, and every lane's gradients scaled by the same coefficient."""
+        p = clip.check_norm_type(norm_type)
+        params = self.parameters()
+        device = next((q.grad.device for q in params if q.grad is not None), self.devices[0])
+        stages = range(len(self.manifest.stages))
+        terms = torch.stack([clip.norm_term(self._lane_named(lane), clip.counted_names(self.manifest, stages, lane.index, 0),
+                                            p, device) for lane in self.lanes])
+        reduced = terms.amax(0) if p == float("inf") else terms.sum(0)
+        total = clip.total_norm(reduced, p, clip.grad_dtype(params))
+        clip.clip_(params, total, max_norm, p, error_if_nonfinite)
+        return total
+
+    def make_optimizer(self, cls: type[torch.optim.Optimizer], params: optim.ParamGroups = None,
+                       **defaults: Any) -> torch.optim.Optimizer:
+        """`cls` over every lane's parameters, groups by original name ([Note: parameter
+        groups by original name] in optim.py)."""
+        return optim.make_optimizer(cls, self.named_parameters(), self.manifest, params, **defaults)
 
     def train_step(self, inputs: Any, target: Any, loss_fn: LossFn | None = None) -> torch.Tensor:
         """One step over the whole batch: leaves .grad as loss.backward() on the whole-batch
