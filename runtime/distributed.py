@@ -42,7 +42,7 @@ import torch
 import torch.distributed as dist
 import torch.utils._pytree as pytree
 
-from . import clip, messages, optim, package, tp
+from . import clip, messages, modes, optim, package, tp
 from .comm import GradBuckets, TiedGrads, guard, init_from_env, timeout_from_env, wait
 from .errors import ManifestError, MeshError, PipelineError
 from .faults import parse_fault
@@ -63,6 +63,7 @@ class _Step:
     """What one step keeps between actions on this rank."""
 
     train: bool
+    evaluate: bool = False  # forward only, the loss kept instead of the outputs
     outputs: dict[tuple[int, int], dict[str, torch.Tensor]] = field(default_factory=dict)
     received: dict[tuple[int, int], dict[str, torch.Tensor]] = field(default_factory=dict)
     in_grads: dict[tuple[int, int], dict[str, torch.Tensor | None]] = field(default_factory=dict)
@@ -121,6 +122,8 @@ class DistributedPipeline:
         self.tracer = Tracer(trace or os.environ.get("PIPELINE_TRACE") or None, self.rank, self.stages)
         self._fault = parse_fault(os.environ.get("PIPELINE_FAULT", ""))
         self._loss_fn: LossFn | None = None
+        self.training = True
+        self._calls = 0  # train_step, evaluate and __call__ calls: [Note: dropout streams] in modes.py
 
     # -- the contract ------------------------------------------------------------------------
 
@@ -151,6 +154,37 @@ class DistributedPipeline:
                 p = getattr(r.module, spec.name)
                 seen.setdefault(id(p), (spec.source_name, p))
         return list(seen.values())
+
+    def train(self, mode: bool = True) -> DistributedPipeline:
+        """This rank's stage modules in training mode, or eval mode: as nn.Module.train
+        (every rank calls it, as every rank runs the steps)."""
+        self.training = bool(mode)
+        for r in self.runners.values():
+            r.module.train(mode)
+        return self
+
+    def eval(self) -> DistributedPipeline:
+        """`train(False)`."""
+        return self.train(False)
+
+    def evaluate(self, inputs: Any, target: Any, loss_fn: LossFn | None = None) -> torch.Tensor:
+        """The whole-batch loss on every rank (collective): forward only, no autograd graph,
+        no outputs gathered (the last stage's ranks compute their microbatches' losses)."""
+        self._set_tp_group()
+        m = self.manifest
+        holds_last = self.graph.num_stages - 1 in self.runners
+        fn = loss_fn or (self._default_loss_fn() if holds_last else None)
+        mb_inputs = package.split_inputs(inputs, m, self.replica)
+        targets = package.split_target(target, m.microbatches, self.replica, self.dp, m.batch_size)
+        self._calls += 1
+        step = _Step(train=False, evaluate=True)
+        with torch.no_grad():
+            for a in self._forward_actions:
+                self._execute(a, step, mb_inputs, targets, fn)
+            self._wait_sends(step)
+            loss = self._reduce_loss(step)
+        self.tracer.flush()
+        return loss
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0,
                         error_if_nonfinite: bool = False) -> torch.Tensor:
@@ -188,6 +222,7 @@ class DistributedPipeline:
         snapshot = self._ties.snapshot()
         if self._buckets is not None:
             self._buckets.reset()
+        self._calls += 1
         step = _Step(train=True)
         try:
             for t, a in enumerate(self._train_actions):
@@ -198,22 +233,28 @@ class DistributedPipeline:
             if self._buckets is not None:
                 self._buckets.finish()
             self._ties.reduce(snapshot)
-            # every tp rank of the last stage has the same loss: t == 0 counts it
-            loss = step.loss if step.loss is not None and self.tp_index == 0 else torch.zeros((), device=self.device)
-            doing = self._describe("the loss all_reduce", range(self.world))
-            with guard(doing):
-                work = dist.all_reduce(loss, group=self.groups.world, async_op=True)
-            wait(work, self.timeout_s, doing)
+            loss = self._reduce_loss(step)
         finally:
             for r in self.runners.values():
                 r.clear()
         self.tracer.flush()
+        return loss
+
+    def _reduce_loss(self, step: _Step) -> torch.Tensor:
+        """The whole-batch loss on every rank: the last stages' sums over the world, / dp."""
+        # every tp rank of the last stage has the same loss: t == 0 counts it
+        loss = step.loss if step.loss is not None and self.tp_index == 0 else torch.zeros((), device=self.device)
+        doing = self._describe("the loss all_reduce", range(self.world))
+        with guard(doing):
+            work = dist.all_reduce(loss, group=self.groups.world, async_op=True)
+        wait(work, self.timeout_s, doing)
         return loss / self.dp
 
     def __call__(self, inputs: Any) -> Any:
         """Forward only: the whole global batch's output on every rank, on CPU (collective)."""
         self._set_tp_group()
         mb_inputs = package.split_inputs(inputs, self.manifest, self.replica)
+        self._calls += 1
         step = _Step(train=False)
         with torch.no_grad():
             for a in self._forward_actions:
@@ -256,12 +297,14 @@ class DistributedPipeline:
                 args.append(as_leaf(value, value.requires_grad))
             else:
                 args.append(step.received[(s, i)].pop(spec.name))
-        out = runner.forward(i, args, step.train)
+        m = self.manifest
+        seed = modes.microbatch_seed(m.source.seed, self._calls, s, self.replica * m.microbatches + i)
+        out = runner.forward(i, args, step.train, seed)
         if not runner.is_last:
             step.outputs[(s, i)] = dict(zip(runner.output_names, out))
-        elif step.train:
+        elif step.train or step.evaluate:
             assert targets is not None and loss_fn is not None
-            loss = runner.loss(i, out, _to(targets[i], self.device), loss_fn, float(self.manifest.microbatches))
+            loss = runner.loss(i, out, _to(targets[i], self.device), loss_fn, float(m.microbatches), keep=step.train)
             step.loss = loss if step.loss is None else step.loss + loss
         else:
             step.results.append(out)

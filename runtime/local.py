@@ -33,7 +33,7 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 import torch.utils._pytree as pytree
 
-from . import clip, optim, package, tp
+from . import clip, modes, optim, package, tp
 from .comm import timeout_from_env
 from .devices import DeviceLike, StageStreams, resolve_devices
 from .errors import PipelineError
@@ -88,6 +88,9 @@ class LocalPipeline:
         self._train = execution_order(validate(lower(compute, self.graph), self.graph, m.microbatches))
         self._forward = execution_order(validate(lower(forward_only, self.graph), self.graph, m.microbatches))
         self._loss_fn: LossFn | None = None
+        self.training = True
+        self._calls = 0  # train_step, evaluate and __call__ calls: [Note: dropout streams] in modes.py
+        self._replica = 0  # the replica being run (its microbatches draw their own streams)
 
     def _make_lane(self, index: int) -> _Lane:
         m = self.manifest
@@ -132,6 +135,38 @@ class LocalPipeline:
                     out.append((spec.source_name, p))
         return out
 
+    def train(self, mode: bool = True) -> LocalPipeline:
+        """Every stage module (every lane's) in training mode, or eval mode: as nn.Module.train."""
+        self.training = bool(mode)
+        for lane in self.lanes:
+            for r in lane.runners:
+                r.module.train(mode)
+        return self
+
+    def eval(self) -> LocalPipeline:
+        """`train(False)`."""
+        return self.train(False)
+
+    def evaluate(self, inputs: Any, target: Any, loss_fn: LossFn | None = None) -> torch.Tensor:
+        """The whole-batch loss, forward only and without an autograd graph (in the current
+        mode: call eval() first for dropout off and batch norm's running statistics)."""
+        fn = loss_fn or self._default_loss_fn()
+        m, dp = self.manifest.microbatches, self.manifest.mesh.dp
+        self._calls += 1
+        total = torch.zeros((), device=self.devices[-1])
+        with torch.no_grad():
+            for replica in range(dp):
+                self._replica = replica
+                mb_inputs = package.split_inputs(inputs, self.manifest, replica)
+                targets = package.split_target(target, m, replica, dp, self.manifest.batch_size)
+                outs = self._run_lanes(self._forward, mb_inputs, None, None, 1.0)
+                last = self.runners[-1]
+                for i, out in enumerate(outs):
+                    t = pytree.tree_map(lambda x: self.streams.move(x, None, len(self.runners) - 1), targets[i])
+                    total = total + last.loss(i, out, t, fn, float(m * dp), keep=False)
+        self.streams.synchronize()
+        return total
+
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0,
                         error_if_nonfinite: bool = False) -> torch.Tensor:
         """torch.nn.utils.clip_grad_norm_ of the original model: the whole model's gradient
@@ -161,8 +196,10 @@ class LocalPipeline:
         m, dp = self.manifest.microbatches, self.manifest.mesh.dp
         snapshots = [lane.tied.snapshot() for lane in self.lanes]
         total: torch.Tensor | None = None
+        self._calls += 1
         try:
             for replica in range(dp):
+                self._replica = replica
                 mb_inputs = package.split_inputs(inputs, self.manifest, replica)
                 targets = package.split_target(target, m, replica, dp, self.manifest.batch_size)
                 loss = self._run_lanes(self._train, mb_inputs, targets, fn, float(m * dp))
@@ -181,8 +218,10 @@ class LocalPipeline:
     def __call__(self, inputs: Any) -> Any:
         """Forward only: the whole batch's output (microbatch outputs concatenated on dim 0)."""
         outs: list[Any] = []
+        self._calls += 1
         with torch.no_grad():
             for replica in range(self.manifest.mesh.dp):
+                self._replica = replica
                 mb_inputs = package.split_inputs(inputs, self.manifest, replica)
                 outs += self._run_lanes(self._forward, mb_inputs, None, None, 1.0)
         self.streams.synchronize()
@@ -240,8 +279,9 @@ class LocalPipeline:
             s, i, runner = a.stage, a.microbatch, lane.runners[a.stage]
             if a.kind == Kind.F:
                 args = [self._arg(spec, s, i, mb_inputs, outputs) for spec in runner.entry.inputs]
+                seed = modes.microbatch_seed(self.manifest.source.seed, self._calls, s, self._replica * len(mb_inputs) + i)
                 with self.streams.on(s):
-                    out = runner.forward(i, args, train)
+                    out = runner.forward(i, args, train, seed)
                     if not runner.is_last:
                         outputs[(s, i)] = dict(zip(runner.output_names, out))
                     elif train:

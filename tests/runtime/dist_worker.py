@@ -9,7 +9,7 @@ MODE check: train_step, forward and 3 SGD steps compared with the reference mode
 in this same process; prints "RANK ok" and exits 0, or a traceback and exits 1.
 A sharded parameter's gradient is compared with its shard of the reference gradient.
 MODE train: clip_grad_norm_ and AdamW through make_optimizer (5 steps) against the
-reference.  MODE fault: trains (PIPELINE_FAULT stops one rank); a PipelineError prints its message
+reference, then eval() and evaluate().  MODE fault: trains (PIPELINE_FAULT stops one rank); a PipelineError prints its message
 and exits 3.  MODE tp: the unit checks of runtime/tp.py (tp_checks.py; PKG unused).
 Once a rank fails, the others are killed after GRACE_S (as torchrun does).
 """
@@ -162,6 +162,13 @@ def _train(pkg: str, model_path: str) -> None:
     got_sd, want_sd = pipe.state_dict(), model.state_dict()
     for name in want_sd:
         torch.testing.assert_close(got_sd[name], want_sd[name], rtol=RTOL, atol=ATOL, msg=lambda m: f"{name}: {m}")
+    # evaluate: the whole-batch loss on every rank, no graph, no gradient touched
+    assert pipe.eval() is pipe and not pipe.training and not any(r.module.training for r in pipe.runners.values())
+    opt.zero_grad()
+    loss = pipe.evaluate(inputs, target)
+    assert not loss.requires_grad and all(p.grad is None for p in pipe.parameters())
+    with torch.no_grad():
+        torch.testing.assert_close(loss, mf.loss_fn(_call(model.eval(), inputs), target), rtol=RTOL, atol=ATOL)
     print(f"{pipe.rank} ok", flush=True)
 
 
