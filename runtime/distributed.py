@@ -51,6 +51,7 @@ from .local import concat_outputs
 from .manifest import Manifest, StageOutput
 from .schedule import Action, Kind, Schedule, StageGraph, lower, make_schedule, validate
 from .stage import StageRunner, as_leaf
+from .steps import StepGuard
 from .tracing import Tracer
 
 __all__ = ["DistributedPipeline"]
@@ -123,7 +124,9 @@ class DistributedPipeline:
         self._fault = parse_fault(os.environ.get("PIPELINE_FAULT", ""))
         self._loss_fn: LossFn | None = None
         self.training = True
-        self._calls = 0  # train_step, evaluate and __call__ calls: [Note: dropout streams] in modes.py
+        # the calls of train_step, evaluate and __call__, checked across ranks ([Note: step numbers] in steps.py)
+        self._steps = StepGuard(self.groups.world, self.rank, self.world, self.device, self.timeout_s,
+                                self._describe("the step check", range(self.world)))
 
     # -- the contract ------------------------------------------------------------------------
 
@@ -170,13 +173,27 @@ class DistributedPipeline:
     def evaluate(self, inputs: Any, target: Any, loss_fn: LossFn | None = None) -> torch.Tensor:
         """The whole-batch loss on every rank (collective): forward only, no autograd graph,
         no outputs gathered (the last stage's ranks compute their microbatches' losses)."""
+        with self._steps.step():
+            return self._evaluate(inputs, target, loss_fn)
+
+    def recover(self) -> None:
+        """After a failed step (StepError on every rank): agree on the step count and accept
+        steps again (collective: every rank calls it).  Gradients are left as they are:
+        zero them before the next step."""
+        for r in self.runners.values():
+            r.clear()
+        if self._buckets is not None:
+            self._buckets.reset()
+        self._steps.recover()
+
+    def _evaluate(self, inputs: Any, target: Any, loss_fn: LossFn | None) -> torch.Tensor:
         self._set_tp_group()
         m = self.manifest
         holds_last = self.graph.num_stages - 1 in self.runners
         fn = loss_fn or (self._default_loss_fn() if holds_last else None)
         mb_inputs = package.split_inputs(inputs, m, self.replica)
         targets = package.split_target(target, m.microbatches, self.replica, self.dp, m.batch_size)
-        self._calls += 1
+        self._steps.check()
         step = _Step(train=False, evaluate=True)
         with torch.no_grad():
             for a in self._forward_actions:
@@ -212,7 +229,13 @@ class DistributedPipeline:
         return optim.make_optimizer(cls, self.named_parameters(), self.manifest, params, **defaults)
 
     def train_step(self, inputs: Any, target: Any, loss_fn: LossFn | None = None) -> torch.Tensor:
-        """One step on the global batch (collective); returns the whole-batch loss on every rank."""
+        """One step on the global batch (collective); returns the whole-batch loss on every rank.
+        After a failed step every rank refuses the next ones until `recover()` ([Note: step
+        numbers] in steps.py)."""
+        with self._steps.step():
+            return self._train_step(inputs, target, loss_fn)
+
+    def _train_step(self, inputs: Any, target: Any, loss_fn: LossFn | None) -> torch.Tensor:
         self._set_tp_group()  # tp.* is process-wide: several pipelines in one process take turns
         m = self.manifest
         holds_last = self.graph.num_stages - 1 in self.runners
@@ -222,7 +245,7 @@ class DistributedPipeline:
         snapshot = self._ties.snapshot()
         if self._buckets is not None:
             self._buckets.reset()
-        self._calls += 1
+        self._steps.check()
         step = _Step(train=True)
         try:
             for t, a in enumerate(self._train_actions):
@@ -252,9 +275,13 @@ class DistributedPipeline:
 
     def __call__(self, inputs: Any) -> Any:
         """Forward only: the whole global batch's output on every rank, on CPU (collective)."""
+        with self._steps.step():
+            return self._call(inputs)
+
+    def _call(self, inputs: Any) -> Any:
         self._set_tp_group()
         mb_inputs = package.split_inputs(inputs, self.manifest, self.replica)
-        self._calls += 1
+        self._steps.check()
         step = _Step(train=False)
         with torch.no_grad():
             for a in self._forward_actions:
@@ -298,7 +325,7 @@ class DistributedPipeline:
             else:
                 args.append(step.received[(s, i)].pop(spec.name))
         m = self.manifest
-        seed = modes.microbatch_seed(m.source.seed, self._calls, s, self.replica * m.microbatches + i)
+        seed = modes.microbatch_seed(m.source.seed, self._steps.call, s, self.replica * m.microbatches + i)
         out = runner.forward(i, args, step.train, seed)
         if not runner.is_last:
             step.outputs[(s, i)] = dict(zip(runner.output_names, out))
@@ -462,7 +489,8 @@ class DistributedPipeline:
         return self.mesh.rank(self.replica, self.graph.rank_of(stage), self.tp_index)
 
     def _tag(self, microbatch: int, forward: bool) -> int:
-        return microbatch * 2 + (0 if forward else 1)
+        """The step (mod 2^12), the microbatch and the direction: [Note: step numbers] in steps.py."""
+        return ((self._steps.call % 4096) * self.manifest.microbatches + microbatch) * 2 + (0 if forward else 1)
 
     def _doing(self, a: Action) -> Callable[[bool, str], str]:
         peer = self._rank_of(a.peer) if a.peer is not None else -1

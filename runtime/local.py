@@ -167,6 +167,13 @@ class LocalPipeline:
         self.streams.synchronize()
         return total
 
+    def recover(self) -> None:
+        """For the same code as DistributedPipeline: one process cannot fall out of step, so a
+        failed step is never refused here; this forgets whatever microbatches it left."""
+        for lane in self.lanes:
+            for r in lane.runners:
+                r.clear()
+
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0,
                         error_if_nonfinite: bool = False) -> torch.Tensor:
         """torch.nn.utils.clip_grad_norm_ of the original model: the whole model's gradient

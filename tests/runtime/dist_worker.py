@@ -9,7 +9,7 @@ MODE check: train_step, forward and 3 SGD steps compared with the reference mode
 in this same process; prints "RANK ok" and exits 0, or a traceback and exits 1.
 A sharded parameter's gradient is compared with its shard of the reference gradient.
 MODE train: clip_grad_norm_ and AdamW through make_optimizer (5 steps) against the
-reference, then eval() and evaluate().  MODE fault: trains (PIPELINE_FAULT stops one rank); a PipelineError prints its message
+reference, then eval() and evaluate().  MODE drift: step safety (runtime/steps.py).  MODE fault: trains (PIPELINE_FAULT stops one rank); a PipelineError prints its message
 and exits 3.  MODE tp: the unit checks of runtime/tp.py (tp_checks.py; PKG unused).
 Once a rank fails, the others are killed after GRACE_S (as torchrun does).
 """
@@ -172,6 +172,40 @@ def _train(pkg: str, model_path: str) -> None:
     print(f"{pipe.rank} ok", flush=True)
 
 
+def _drift(pkg: str, model_path: str) -> None:
+    """Rank 1's step 2 fails on a bad batch, and rank 1 goes on: both ranks refuse the next
+    step at once, naming both steps, and again until recover(); then they train as before."""
+    from runtime.steps import StepError
+
+    mf = _model_file(model_path)
+    torch.manual_seed(0)
+    model = mf.build_model()
+    inputs, target = mf.example_inputs(), mf.example_target()
+    pipe = runtime.DistributedPipeline(pkg)
+    pipe.load_state_dict(model.state_dict())
+    rank = pipe.rank
+    pipe.train_step(inputs, target)
+    if rank == 1:
+        try:
+            pipe.train_step((), target)  # no input 0: a BatchError before any message
+        except PipelineError as exc:
+            print(f"{rank} caught: {exc}", flush=True)
+    for attempt in ("refused", "refused again"):
+        start = time.monotonic()
+        try:
+            pipe.train_step(inputs, target)
+        except StepError as exc:
+            print(f"{rank} {attempt} in {time.monotonic() - start:.3f} s: {exc}", flush=True)
+        else:
+            raise AssertionError(f"rank {rank}: a step after the failed one was not refused")
+    pipe.recover()
+    for p in pipe.parameters():
+        p.grad = None
+    loss = pipe.train_step(inputs, target)
+    torch.testing.assert_close(loss, mf.loss_fn(_call(model, inputs), target).detach(), rtol=RTOL, atol=ATOL)
+    print(f"{rank} ok", flush=True)
+
+
 def _tp(pkg: str, model_path: str) -> None:
     import tp_checks  # beside this file
 
@@ -196,7 +230,7 @@ def _rank(r: int, mode: str, pkg: str, model_path: str, outdir: Path) -> int:
     os.dup2(out, 1)
     os.dup2(err, 2)
     try:
-        {"check": _check, "fault": _fault, "tp": _tp, "train": _train}[mode](pkg, model_path)
+        {"check": _check, "fault": _fault, "tp": _tp, "train": _train, "drift": _drift}[mode](pkg, model_path)
     except PipelineError as exc:
         print(f"PipelineError: {exc}", file=sys.stderr, flush=True)
         return 3

@@ -4,6 +4,7 @@ original model in that process (dist_worker.py, MODE train)."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Callable
 
@@ -28,3 +29,21 @@ def test_clipping_and_adamw_match_the_model(make_tiny: Callable[..., Tiny], stag
 def test_clipping_and_adamw_match_the_model_with_tp(tmp_path: Path, stages: int, dp: int) -> None:
     pkg = write_tp_package(tmp_path, stages=stages, tp=2, dp=dp, microbatches=2, schedule="gpipe")
     _ok(launch(stages * 2 * dp, "train", [pkg], tmp_path / "tp_net.py"))
+
+
+@multiproc
+@pytest.mark.timeout(120)
+def test_a_failed_step_on_one_rank_is_refused_by_every_rank(make_tiny: Callable[..., Tiny]) -> None:
+    """Rank 1 catches its failed step 2 and goes on to step 3; rank 0, at step 2, refuses
+    within a second naming both steps, rank 1 refuses too, until recover()."""
+    t = make_tiny(stages=2, schedule="1f1b", microbatches=2)
+    ranks = launch(2, "drift", [t.dir], t.dir.parent / "tiny.py")
+    _ok(ranks)
+    assert "1 caught: " in ranks[1].out
+    refused = [re.search(r"^(\d) refused in ([0-9.]+) s: (.*)$", rank.out, re.M) for rank in ranks]
+    assert all(refused), [rank.out for rank in ranks]
+    assert all(float(m.group(2)) < 1.0 for m in refused if m)
+    assert refused[0] and refused[0].group(3).startswith("rank 0 refuses step 2: rank 1's step 2 failed, it is now at step 3.")
+    assert refused[1] and "rank 1 refuses step 3: rank 1's step 2 failed (this rank), it is now at step 3" in refused[1].group(3)
+    for r, rank in enumerate(ranks):
+        assert re.search(rf"^{r} refused again in [0-9.]+ s: rank {r} refuses step", rank.out, re.M), rank.out
