@@ -225,8 +225,10 @@ class DistributedPipeline:
     def make_optimizer(self, cls: type[torch.optim.Optimizer], params: optim.ParamGroups = None,
                        **defaults: Any) -> torch.optim.Optimizer:
         """`cls` over this rank's parameters, groups by original name, the same groups on
-        every rank ([Note: parameter groups by original name] in optim.py)."""
-        return optim.make_optimizer(cls, self.named_parameters(), self.manifest, params, **defaults)
+        every rank ([Note: parameter groups by original name] in optim.py); with `--zero 1`,
+        its state sharded across this rank's data-parallel replicas ([Note: ZeRO-1] there)."""
+        shard = self.groups.dp if self.dp > 1 and optim.zero_stage(self.manifest) == 1 else None
+        return optim.make_optimizer(cls, self.named_parameters(), self.manifest, params, shard, **defaults)
 
     def train_step(self, inputs: Any, target: Any, loss_fn: LossFn | None = None) -> torch.Tensor:
         """One step on the global batch (collective); returns the whole-batch loss on every rank.

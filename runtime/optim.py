@@ -16,6 +16,17 @@ parameter groups given by the ORIGINAL model's names.
     none is an `OptimizerError` (torch would leave an unlisted parameter untrained without
     a word).  Each copy of a parameter (tp replicas, tied copies, dp replicas) gets the
     same gradient, so the same update: copies stay equal, as the contract requires.
+
+[Note: ZeRO-1]
+    A package compiled with `--zero 1` (manifest options "zero": 1) and dp > 1 gets, on
+    DistributedPipeline, torch's ZeroRedundancyOptimizer over this rank's data-parallel
+    group (the replicas of its shards): the gradients are all-reduced as always
+    (comm.GradBuckets), each replica keeps the optimizer state of its part of the
+    parameters only (whole parameters, balanced by size) and updates it, and each part is
+    then broadcast from its owner.  The update of each parameter is the one the plain
+    optimizer computes, so the weights are the same.  The planner charges 1/dp of the
+    optimizer state per rank (partitioner/solve/problem.pose).  LocalPipeline holds one
+    copy of each parameter for all replicas, so there is nothing to shard there.
 """
 
 from __future__ import annotations
@@ -27,7 +38,7 @@ import torch
 from .errors import PipelineError
 from .manifest import Manifest
 
-__all__ = ["OptimizerError", "ParamGroups", "model_names", "make_optimizer"]
+__all__ = ["OptimizerError", "ParamGroups", "model_names", "make_optimizer", "zero_stage"]
 
 ParamGroups = Union[None, Sequence[Mapping[str, Any]], Callable[[str], Mapping[str, Any]]]
 
@@ -45,11 +56,21 @@ def model_names(manifest: Manifest) -> list[str]:
     return list(names)
 
 
+def zero_stage(manifest: Manifest) -> int:
+    """The ZeRO stage the package was compiled for (`compile --zero`): 0 or 1."""
+    zero = manifest.options.get("zero", 0)
+    if zero not in (0, 1) or isinstance(zero, bool):
+        raise OptimizerError(f"the manifest's options say zero={zero!r}, which this runtime does not know (0 or 1): "
+                             f"compile the model again.")
+    return int(zero)
+
+
 def make_optimizer(cls: type[torch.optim.Optimizer], named: Sequence[tuple[str, torch.nn.Parameter]],
-                   manifest: Manifest, params: ParamGroups = None, **defaults: Any) -> torch.optim.Optimizer:
+                   manifest: Manifest, params: ParamGroups = None, shard_group: Any = None,
+                   **defaults: Any) -> torch.optim.Optimizer:
     """`cls(groups, **defaults)` over `named` (this process's (original name, parameter)
     pairs, a name once per copy it holds) with groups from `params` ([Note: parameter groups
-    by original name])."""
+    by original name]); with a `shard_group`, its state sharded across that group ([Note: ZeRO-1])."""
     if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):
         raise OptimizerError(f"make_optimizer takes an optimizer class such as torch.optim.AdamW, not {cls!r}.")
     names = model_names(manifest)
@@ -61,7 +82,12 @@ def make_optimizer(cls: type[torch.optim.Optimizer], named: Sequence[tuple[str, 
         if id(p) not in seen:
             seen.add(id(p))
             tensors[where[name]].append(p)
-    return cls([{**options, "params": ps} for (_, options), ps in zip(groups, tensors)], **defaults)
+    param_groups = [{**options, "params": ps} for (_, options), ps in zip(groups, tensors)]
+    if shard_group is not None:
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        return ZeroRedundancyOptimizer(param_groups, optimizer_class=cls, process_group=shard_group, **defaults)
+    return cls(param_groups, **defaults)
 
 
 def _groups(params: ParamGroups, names: list[str]) -> list[tuple[list[str], dict[str, Any]]]:

@@ -159,6 +159,14 @@ def _train(pkg: str, model_path: str) -> None:
             torch.testing.assert_close(inf, torch.nn.utils.get_total_norm(list(grads.values()), float("inf")),
                                        rtol=RTOL, atol=0.0)
         opt.step()
+    if pipe.manifest.options.get("zero"):  # ZeRO-1: this replica keeps the state of its part only
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        assert isinstance(opt, ZeroRedundancyOptimizer), type(opt)
+        kept = sum(t.numel() for s in opt.optim.state.values() for t in s.values() if t.dim() > 0)
+        whole = 2 * sum(p.numel() for p in pipe.parameters())  # AdamW: exp_avg, exp_avg_sq
+        print(f"{pipe.rank} optimizer state {kept} of {whole}", flush=True)
+        assert 0 < kept < whole, (kept, whole)
     got_sd, want_sd = pipe.state_dict(), model.state_dict()
     for name in want_sd:
         torch.testing.assert_close(got_sd[name], want_sd[name], rtol=RTOL, atol=ATOL, msg=lambda m: f"{name}: {m}")

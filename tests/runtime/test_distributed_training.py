@@ -4,6 +4,7 @@ original model in that process (dist_worker.py, MODE train)."""
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 from typing import Callable
@@ -29,6 +30,30 @@ def test_clipping_and_adamw_match_the_model(make_tiny: Callable[..., Tiny], stag
 def test_clipping_and_adamw_match_the_model_with_tp(tmp_path: Path, stages: int, dp: int) -> None:
     pkg = write_tp_package(tmp_path, stages=stages, tp=2, dp=dp, microbatches=2, schedule="gpipe")
     _ok(launch(stages * 2 * dp, "train", [pkg], tmp_path / "tp_net.py"))
+
+
+def _with_zero(pkg: Path) -> Path:
+    """The package as `compile --zero 1` records it (manifest options)."""
+    path = pkg / "manifest.json"
+    data = json.loads(path.read_text())
+    data["options"]["zero"] = 1
+    path.write_text(json.dumps(data, indent=1))
+    return pkg
+
+
+@multiproc
+@pytest.mark.timeout(120)
+def test_zero_1_shards_the_state_and_trains_the_same(make_tiny: Callable[..., Tiny], tmp_path: Path) -> None:
+    """AdamW with --zero 1 at dp = 2 (pp = 2, tied; and tp = 2): the same weights after 5 steps
+    as the model, each replica holding part of the optimizer state."""
+    t = make_tiny(stages=2, schedule="1f1b", microbatches=2, dp=2)
+    ranks = launch(4, "train", [_with_zero(t.dir)], t.dir.parent / "tiny.py")
+    _ok(ranks)
+    pkg = _with_zero(write_tp_package(tmp_path, stages=1, tp=2, dp=2, microbatches=2, schedule="gpipe"))
+    tp_ranks = launch(4, "train", [pkg], tmp_path / "tp_net.py")
+    _ok(tp_ranks)
+    for rank in ranks + tp_ranks:
+        assert re.search(r"optimizer state \d+ of \d+", rank.out), rank.out
 
 
 @multiproc
