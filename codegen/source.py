@@ -34,6 +34,40 @@ _BINARY = {
 _UNARY = {operator.neg: "-", operator.pos: "+", operator.invert: "~"}
 
 
+class _Training:
+    """Written as `self.training`: the stage module's mode ([Note: modes in generated code])."""
+
+    def __repr__(self) -> str:
+        return "self.training"
+
+
+TRAINING = _Training()
+
+# [Note: modes in generated code]
+#     The argument that says "training or not" of dropout and batch norm is written as
+#     `self.training`, never as the constant the trace saw, so one package follows
+#     `pipe.train()` / `pipe.eval()` as the original module follows `model.train()`.
+#     Positions are those of each function's signature (0-based), with its keyword name.
+_MODE_ARG: dict[Any, tuple[int, str]] = {
+    F.dropout: (2, "training"), F.dropout1d: (2, "training"), F.dropout2d: (2, "training"),
+    F.dropout3d: (2, "training"), F.alpha_dropout: (2, "training"), F.feature_alpha_dropout: (2, "training"),
+    F.batch_norm: (5, "training"),
+    torch.ops.aten.dropout.default: (2, "train"), torch.ops.aten.feature_dropout.default: (2, "train"),
+    torch.ops.aten.alpha_dropout.default: (2, "train"), torch.ops.aten.batch_norm.default: (5, "training"),
+}
+
+
+def with_mode(target: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """`args`, `kwargs` of a dropout or batch norm call with its mode argument `self.training`."""
+    where = _MODE_ARG.get(target)
+    if where is None:
+        return args, kwargs
+    index, name = where
+    if len(args) > index:
+        return (*args[:index], TRAINING, *args[index + 1:]), kwargs
+    return args, {**kwargs, name: TRAINING}
+
+
 class EmitError(Exception):
     """A node the code generator cannot write as Python source."""
 
@@ -55,6 +89,8 @@ def format_value(value: Any, names: dict[torch.fx.Node, str], device: str | None
         return str(value)
     if value is Ellipsis:
         return "..."
+    if value is TRAINING:
+        return "self.training"
     if isinstance(value, slice):
         return f"slice({format_value(value.start, names)}, {format_value(value.stop, names)}, {format_value(value.step, names)})"
     if isinstance(value, (int, bool, str, type(None))):
@@ -137,7 +173,7 @@ class StageSource:
             call = ", ".join([fmt(a) for a in args[1:]] + [f"{k}={fmt(v)}" for k, v in kwargs.items()])
             expr = f"{fmt(args[0])}.{target}({call})"
         elif node.op == "call_function":
-            kwargs = _without_defaults(target, kwargs)
+            args, kwargs = with_mode(target, args, _without_defaults(target, kwargs))
             if self.device is not None and "device" not in kwargs and _is_factory(target):
                 kwargs = {**kwargs, "device": torch.device("cpu")}  # written as self.device
             call = ", ".join([fmt(a) for a in args] + [f"{k}={fmt(v)}" for k, v in kwargs.items()])

@@ -63,6 +63,8 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--seed", type=int, default=0)
     c.add_argument("--entry", default="build_model", help="the function that builds the model")
     c.add_argument("--optimizer", default="adam", help="adam | sgd | momentum: optimizer state in memory")
+    c.add_argument("--zero", type=int, default=0,
+                   help="1: each data-parallel replica keeps 1/dp of the optimizer state (ZeRO-1)")
     c.add_argument("--reprofile", action="store_true", help="measure node costs again, ignoring the cache")
     c.add_argument("--meta", action="store_true", default=None,
                    help="build the model on the meta device (implied by --analytic for models too big for this machine)")
@@ -90,7 +92,7 @@ def _compile(ns: argparse.Namespace) -> int:
         microbatches=ns.microbatches, schedule=ns.schedule, virtual_stages=ns.virtual_stages,
         memory=parse_size(ns.memory) if ns.memory else None, hardware=ns.hardware, analytic=ns.analytic,
         tracer=ns.tracer, time_limit=ns.time_limit, seed=ns.seed, entry=ns.entry, optimizer=ns.optimizer,
-        reprofile=ns.reprofile, quiet=ns.quiet, meta=ns.meta, recompute=ns.recompute,
+        reprofile=ns.reprofile, quiet=ns.quiet, meta=ns.meta, recompute=ns.recompute, zero=ns.zero,
     )
     compile_model(opts)
     if not ns.quiet:

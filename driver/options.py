@@ -46,6 +46,7 @@ class CompileOptions:
     repeats: int = 5
     quiet: bool = False
     meta: bool | None = None  # build on the meta device; None: when --analytic and too big to build
+    zero: int = 0  # 1: optimizer state sharded across data-parallel replicas (ZeRO-1)
     recompute: bool = False  # activation recomputation: stages keep their inputs, run forward again in backward
 
 
@@ -79,6 +80,9 @@ def check(opts: CompileOptions) -> tuple[int, int, int]:
             f"the interleaved schedule needs --microbatches to be a multiple of --stages "
             f"({microbatches} is not a multiple of {pp}): use --microbatches {2 * pp}."
         )
+    if opts.zero not in (0, 1):
+        raise PlanError(f"--zero {opts.zero}: choose 0 (optimizer state on every replica) or 1 (sharded across the "
+                        f"data-parallel replicas, ZeRO-1).")
     if opts.optimizer not in ("adam", "adamw", "sgd", "momentum"):
         raise PlanError(f"unknown --optimizer {opts.optimizer!r}: choose adam, sgd or momentum.")
     return pp, virtual, microbatches
@@ -93,7 +97,8 @@ def mesh_of(opts: CompileOptions, pp: int, virtual: int, microbatches: int) -> M
     """What the solver's problem is posed for, out of the options (`tp` fixed): `pp`
     pipeline ranks of `virtual` stages each, `microbatches`, and the limits."""
     return Mesh(pp=pp, microbatches=microbatches, schedule=opts.schedule, tp=opts.tp or 1, dp=opts.dp,
-                virtual_stages=virtual, memory=opts.memory, optimizer=opts.optimizer, recompute=opts.recompute)
+                virtual_stages=virtual, memory=opts.memory, optimizer=opts.optimizer, recompute=opts.recompute,
+                zero=opts.zero)
 
 
 def batch_size(mf: model_file.ModelFile, args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:

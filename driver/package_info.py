@@ -50,7 +50,8 @@ def package_info(p: Prepared, plan: Plan, predicted: dict[str, Any]) -> PackageI
     unused = {k: t for k, t in original.items() if storage_key(t) not in canonical and k not in aliases}
     options = {"stages": plan.pp, "tp": plan.tp, "microbatches": plan.microbatches, "schedule": plan.schedule,
                "memory": opts.memory, "hardware": hardware.name, "analytic": opts.analytic,
-               "optimizer": opts.optimizer} | ({"recompute": True} if plan.recompute else {})
+               "optimizer": opts.optimizer} | ({"recompute": True} if plan.recompute else {}) | (
+                   {"zero": 1} if opts.zero else {})
     return PackageInfo(
         source_path=opts.model, source_sha256=mf.sha256, entry=opts.entry, seed=opts.seed, tracer=traced.tracer,
         batch_size=batch, inputs=inputs, out_spec=traced.out_spec, output_leaves=traced.output_leaves,

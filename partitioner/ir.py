@@ -206,7 +206,7 @@ class PartitionProblem:
     microbatches: int
     schedule: str = "1f1b"
     memory_limit_bytes: int | None = None
-    optimizer_factor: int = 2
+    optimizer_factor: float = 2  # per byte of parameter; 1/dp of it with ZeRO-1 (problem.pose)
     comm_alpha_s: float = 0.0
     comm_beta_s_per_byte: float = 0.0
     block_names: tuple[str, ...] = ()

@@ -13,7 +13,9 @@ with timeouts, data-parallel gradient buckets, tied-parameter gradient sums.
       3. one group per tied parameter whose copies sit on several positions, and t (every
          rank holding that shard of a copy, all replicas);
       4. when tp > 1, one tensor-parallel group per replica and position (its tp
-         neighbours): the stage code's tp.* collectives run on it (tp.py).
+         neighbours): the stage code's tp.* collectives run on it (tp.py);
+      5. one group of every rank, the pipeline's own: the loss, clipping and the step
+         check run on it, never on the default group, whose collectives are the user's.
     With tp == 1 there are no groups 4 and groups 1-3 are made in the order they always were.
 """
 

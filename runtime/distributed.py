@@ -42,7 +42,7 @@ import torch
 import torch.distributed as dist
 import torch.utils._pytree as pytree
 
-from . import messages, package, tp
+from . import clip, messages, modes, optim, package, tp
 from .comm import GradBuckets, TiedGrads, guard, init_from_env, timeout_from_env, wait
 from .errors import ManifestError, MeshError, PipelineError
 from .faults import parse_fault
@@ -51,6 +51,7 @@ from .local import concat_outputs
 from .manifest import Manifest, StageOutput
 from .schedule import Action, Kind, Schedule, StageGraph, lower, make_schedule, validate
 from .stage import StageRunner, as_leaf
+from .steps import StepGuard
 from .tracing import Tracer
 
 __all__ = ["DistributedPipeline"]
@@ -63,6 +64,7 @@ class _Step:
     """What one step keeps between actions on this rank."""
 
     train: bool
+    evaluate: bool = False  # forward only, the loss kept instead of the outputs
     outputs: dict[tuple[int, int], dict[str, torch.Tensor]] = field(default_factory=dict)
     received: dict[tuple[int, int], dict[str, torch.Tensor]] = field(default_factory=dict)
     in_grads: dict[tuple[int, int], dict[str, torch.Tensor | None]] = field(default_factory=dict)
@@ -121,6 +123,10 @@ class DistributedPipeline:
         self.tracer = Tracer(trace or os.environ.get("PIPELINE_TRACE") or None, self.rank, self.stages)
         self._fault = parse_fault(os.environ.get("PIPELINE_FAULT", ""))
         self._loss_fn: LossFn | None = None
+        self.training = True
+        # the calls of train_step, evaluate and __call__, checked across ranks ([Note: step numbers] in steps.py)
+        self._steps = StepGuard(self.groups.world, self.rank, self.world, self.device, self.timeout_s,
+                                self._describe("the step check", range(self.world)))
 
     # -- the contract ------------------------------------------------------------------------
 
@@ -135,7 +141,7 @@ class DistributedPipeline:
         """The full original state_dict on every rank, on CPU (collective)."""
         mine = [(spec, t.detach().cpu()) for r in self.runners.values() for spec, t in self._tensors(r)]
         gathered: list[Any] = [None] * self.world
-        dist.all_gather_object(gathered, mine if self.replica == 0 else [])
+        dist.all_gather_object(gathered, mine if self.replica == 0 else [], group=self.groups.world)
         return package.assemble_state_dict([p for pieces in gathered for p in pieces], self.manifest)
 
     def parameters(self) -> list[torch.nn.Parameter]:
@@ -152,8 +158,86 @@ class DistributedPipeline:
                 seen.setdefault(id(p), (spec.source_name, p))
         return list(seen.values())
 
+    def train(self, mode: bool = True) -> DistributedPipeline:
+        """This rank's stage modules in training mode, or eval mode: as nn.Module.train
+        (every rank calls it, as every rank runs the steps)."""
+        self.training = bool(mode)
+        for r in self.runners.values():
+            r.module.train(mode)
+        return self
+
+    def eval(self) -> DistributedPipeline:
+        """`train(False)`."""
+        return self.train(False)
+
+    def evaluate(self, inputs: Any, target: Any, loss_fn: LossFn | None = None) -> torch.Tensor:
+        """The whole-batch loss on every rank (collective): forward only, no autograd graph,
+        no outputs gathered (the last stage's ranks compute their microbatches' losses)."""
+        with self._steps.step():
+            return self._evaluate(inputs, target, loss_fn)
+
+    def recover(self) -> None:
+        """After a failed step (StepError on every rank): agree on the step count and accept
+        steps again (collective: every rank calls it).  Gradients are left as they are:
+        zero them before the next step."""
+        for r in self.runners.values():
+            r.clear()
+        if self._buckets is not None:
+            self._buckets.reset()
+        self._steps.recover()
+
+    def _evaluate(self, inputs: Any, target: Any, loss_fn: LossFn | None) -> torch.Tensor:
+        self._set_tp_group()
+        m = self.manifest
+        holds_last = self.graph.num_stages - 1 in self.runners
+        fn = loss_fn or (self._default_loss_fn() if holds_last else None)
+        mb_inputs = package.split_inputs(inputs, m, self.replica)
+        targets = package.split_target(target, m.microbatches, self.replica, self.dp, m.batch_size)
+        self._steps.check()
+        step = _Step(train=False, evaluate=True)
+        with torch.no_grad():
+            for a in self._forward_actions:
+                self._execute(a, step, mb_inputs, targets, fn)
+            self._wait_sends(step)
+            loss = self._reduce_loss(step)
+        self.tracer.flush()
+        return loss
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0,
+                        error_if_nonfinite: bool = False) -> torch.Tensor:
+        """torch.nn.utils.clip_grad_norm_ of the original model (collective): the whole
+        model's gradient norm on every rank, each parameter counted once ([Note: counting
+        each parameter once] in clip.py), and this rank's gradients scaled by it."""
+        p = clip.check_norm_type(norm_type)
+        named = self.named_parameters()
+        counted = clip.counted_names(self.manifest, self.stages, self.tp_index, self.replica)
+        term = clip.norm_term(named, counted, p, self.device)
+        doing = self._describe("the gradient norm all_reduce", range(self.world))
+        with guard(doing):
+            work = dist.all_reduce(term, op=dist.ReduceOp.MAX if p == float("inf") else dist.ReduceOp.SUM,
+                                   group=self.groups.world, async_op=True)
+        wait(work, self.timeout_s, doing)
+        params = [q for _, q in named]
+        total = clip.total_norm(term, p, clip.grad_dtype(params))
+        clip.clip_(params, total, max_norm, p, error_if_nonfinite)
+        return total
+
+    def make_optimizer(self, cls: type[torch.optim.Optimizer], params: optim.ParamGroups = None,
+                       **defaults: Any) -> torch.optim.Optimizer:
+        """`cls` over this rank's parameters, groups by original name, the same groups on
+        every rank ([Note: parameter groups by original name] in optim.py); with `--zero 1`,
+        its state sharded across this rank's data-parallel replicas ([Note: ZeRO-1] there)."""
+        shard = self.groups.dp if self.dp > 1 and optim.zero_stage(self.manifest) == 1 else None
+        return optim.make_optimizer(cls, self.named_parameters(), self.manifest, params, shard, **defaults)
+
     def train_step(self, inputs: Any, target: Any, loss_fn: LossFn | None = None) -> torch.Tensor:
-        """One step on the global batch (collective); returns the whole-batch loss on every rank."""
+        """One step on the global batch (collective); returns the whole-batch loss on every rank.
+        After a failed step every rank refuses the next ones until `recover()` ([Note: step
+        numbers] in steps.py)."""
+        with self._steps.step():
+            return self._train_step(inputs, target, loss_fn)
+
+    def _train_step(self, inputs: Any, target: Any, loss_fn: LossFn | None) -> torch.Tensor:
         self._set_tp_group()  # tp.* is process-wide: several pipelines in one process take turns
         m = self.manifest
         holds_last = self.graph.num_stages - 1 in self.runners
@@ -163,6 +247,7 @@ class DistributedPipeline:
         snapshot = self._ties.snapshot()
         if self._buckets is not None:
             self._buckets.reset()
+        self._steps.check()
         step = _Step(train=True)
         try:
             for t, a in enumerate(self._train_actions):
@@ -173,22 +258,32 @@ class DistributedPipeline:
             if self._buckets is not None:
                 self._buckets.finish()
             self._ties.reduce(snapshot)
-            # every tp rank of the last stage has the same loss: t == 0 counts it
-            loss = step.loss if step.loss is not None and self.tp_index == 0 else torch.zeros((), device=self.device)
-            doing = self._describe("the loss all_reduce", range(self.world))
-            with guard(doing):
-                work = dist.all_reduce(loss, async_op=True)
-            wait(work, self.timeout_s, doing)
+            loss = self._reduce_loss(step)
         finally:
             for r in self.runners.values():
                 r.clear()
         self.tracer.flush()
+        return loss
+
+    def _reduce_loss(self, step: _Step) -> torch.Tensor:
+        """The whole-batch loss on every rank: the last stages' sums over the world, / dp."""
+        # every tp rank of the last stage has the same loss: t == 0 counts it
+        loss = step.loss if step.loss is not None and self.tp_index == 0 else torch.zeros((), device=self.device)
+        doing = self._describe("the loss all_reduce", range(self.world))
+        with guard(doing):
+            work = dist.all_reduce(loss, group=self.groups.world, async_op=True)
+        wait(work, self.timeout_s, doing)
         return loss / self.dp
 
     def __call__(self, inputs: Any) -> Any:
         """Forward only: the whole global batch's output on every rank, on CPU (collective)."""
+        with self._steps.step():
+            return self._call(inputs)
+
+    def _call(self, inputs: Any) -> Any:
         self._set_tp_group()
         mb_inputs = package.split_inputs(inputs, self.manifest, self.replica)
+        self._steps.check()
         step = _Step(train=False)
         with torch.no_grad():
             for a in self._forward_actions:
@@ -197,7 +292,7 @@ class DistributedPipeline:
         last = self.graph.rank_of(self.graph.num_stages - 1)
         mine = [_to_cpu(o) for o in step.results] if self.position == last and self.tp_index == 0 else None
         gathered: list[Any] = [None] * self.world
-        dist.all_gather_object(gathered, mine)
+        dist.all_gather_object(gathered, mine, group=self.groups.world)
         return concat_outputs([o for r in range(self.dp) for o in gathered[self.mesh.rank(r, last, 0)]])
 
     # -- the interpreter ---------------------------------------------------------------------
@@ -231,12 +326,14 @@ class DistributedPipeline:
                 args.append(as_leaf(value, value.requires_grad))
             else:
                 args.append(step.received[(s, i)].pop(spec.name))
-        out = runner.forward(i, args, step.train)
+        m = self.manifest
+        seed = modes.microbatch_seed(m.source.seed, self._steps.call, s, self.replica * m.microbatches + i)
+        out = runner.forward(i, args, step.train, seed)
         if not runner.is_last:
             step.outputs[(s, i)] = dict(zip(runner.output_names, out))
-        elif step.train:
+        elif step.train or step.evaluate:
             assert targets is not None and loss_fn is not None
-            loss = runner.loss(i, out, _to(targets[i], self.device), loss_fn, float(self.manifest.microbatches))
+            loss = runner.loss(i, out, _to(targets[i], self.device), loss_fn, float(m.microbatches), keep=step.train)
             step.loss = loss if step.loss is None else step.loss + loss
         else:
             step.results.append(out)
@@ -394,7 +491,8 @@ class DistributedPipeline:
         return self.mesh.rank(self.replica, self.graph.rank_of(stage), self.tp_index)
 
     def _tag(self, microbatch: int, forward: bool) -> int:
-        return microbatch * 2 + (0 if forward else 1)
+        """The step (mod 2^12), the microbatch and the direction: [Note: step numbers] in steps.py."""
+        return ((self._steps.call % 4096) * self.manifest.microbatches + microbatch) * 2 + (0 if forward else 1)
 
     def _doing(self, a: Action) -> Callable[[bool, str], str]:
         peer = self._rank_of(a.peer) if a.peer is not None else -1

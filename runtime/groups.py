@@ -48,6 +48,7 @@ class Groups:
     ties: dict[str, tuple[Any, list[int]]] = field(default_factory=dict)  # source name -> (group, ranks)
     tp: Any = None  # this (replica, position)'s tensor-parallel group (None when tp == 1)
     tp_ranks: list[int] = field(default_factory=list)
+    world: Any = None  # every rank: the pipeline's own collectives (loss, clipping, step checks), never the default group
 
 
 def make_groups(manifest: Manifest, graph: StageGraph, rank: int) -> Groups:
@@ -90,4 +91,6 @@ def make_groups(manifest: Manifest, graph: StageGraph, rank: int) -> Groups:
                 group = dist.new_group([mesh.rank(r, pos, u) for u in range(mesh.tp)])
                 if (r, pos) == (replica, position):
                     out.tp = group
+    # 5. the whole world, the pipeline's own (a user's collective on the default group never meets it)
+    out.world = dist.new_group(list(range(mesh.world)))
     return out

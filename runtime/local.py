@@ -33,7 +33,7 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 import torch.utils._pytree as pytree
 
-from . import package, tp
+from . import clip, modes, optim, package, tp
 from .comm import timeout_from_env
 from .devices import DeviceLike, StageStreams, resolve_devices
 from .errors import PipelineError
@@ -88,6 +88,9 @@ class LocalPipeline:
         self._train = execution_order(validate(lower(compute, self.graph), self.graph, m.microbatches))
         self._forward = execution_order(validate(lower(forward_only, self.graph), self.graph, m.microbatches))
         self._loss_fn: LossFn | None = None
+        self.training = True
+        self._calls = 0  # train_step, evaluate and __call__ calls: [Note: dropout streams] in modes.py
+        self._replica = 0  # the replica being run (its microbatches draw their own streams)
 
     def _make_lane(self, index: int) -> _Lane:
         m = self.manifest
@@ -119,16 +122,79 @@ class LocalPipeline:
     def named_parameters(self) -> list[tuple[str, torch.nn.Parameter]]:
         """(original name, parameter) pairs, each parameter once; with tp > 1, lane by lane,
         so a name comes once per lane (a shard, or a replicated copy, of that parameter)."""
+        return [pair for lane in self.lanes for pair in self._lane_named(lane)]
+
+    def _lane_named(self, lane: _Lane) -> list[tuple[str, torch.nn.Parameter]]:
         seen: set[int] = set()
         out = []
+        for r in lane.runners:
+            for spec in r.entry.parameters:
+                p = getattr(r.module, spec.name)
+                if id(p) not in seen:
+                    seen.add(id(p))
+                    out.append((spec.source_name, p))
+        return out
+
+    def train(self, mode: bool = True) -> LocalPipeline:
+        """Every stage module (every lane's) in training mode, or eval mode: as nn.Module.train."""
+        self.training = bool(mode)
         for lane in self.lanes:
             for r in lane.runners:
-                for spec in r.entry.parameters:
-                    p = getattr(r.module, spec.name)
-                    if id(p) not in seen:
-                        seen.add(id(p))
-                        out.append((spec.source_name, p))
-        return out
+                r.module.train(mode)
+        return self
+
+    def eval(self) -> LocalPipeline:
+        """`train(False)`."""
+        return self.train(False)
+
+    def evaluate(self, inputs: Any, target: Any, loss_fn: LossFn | None = None) -> torch.Tensor:
+        """The whole-batch loss, forward only and without an autograd graph (in the current
+        mode: call eval() first for dropout off and batch norm's running statistics)."""
+        fn = loss_fn or self._default_loss_fn()
+        m, dp = self.manifest.microbatches, self.manifest.mesh.dp
+        self._calls += 1
+        total = torch.zeros((), device=self.devices[-1])
+        with torch.no_grad():
+            for replica in range(dp):
+                self._replica = replica
+                mb_inputs = package.split_inputs(inputs, self.manifest, replica)
+                targets = package.split_target(target, m, replica, dp, self.manifest.batch_size)
+                outs = self._run_lanes(self._forward, mb_inputs, None, None, 1.0)
+                last = self.runners[-1]
+                for i, out in enumerate(outs):
+                    t = pytree.tree_map(lambda x: self.streams.move(x, None, len(self.runners) - 1), targets[i])
+                    total = total + last.loss(i, out, t, fn, float(m * dp), keep=False)
+        self.streams.synchronize()
+        return total
+
+    def recover(self) -> None:
+        """For the same code as DistributedPipeline: one process cannot fall out of step, so a
+        failed step is never refused here; this forgets whatever microbatches it left."""
+        for lane in self.lanes:
+            for r in lane.runners:
+                r.clear()
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0,
+                        error_if_nonfinite: bool = False) -> torch.Tensor:
+        """torch.nn.utils.clip_grad_norm_ of the original model: the whole model's gradient
+        norm (each parameter once, [Note: counting each parameter once] in clip.py),
+        returned, and every lane's gradients scaled by the same coefficient."""
+        p = clip.check_norm_type(norm_type)
+        params = self.parameters()
+        device = next((q.grad.device for q in params if q.grad is not None), self.devices[0])
+        stages = range(len(self.manifest.stages))
+        terms = torch.stack([clip.norm_term(self._lane_named(lane), clip.counted_names(self.manifest, stages, lane.index, 0),
+                                            p, device) for lane in self.lanes])
+        reduced = terms.amax(0) if p == float("inf") else terms.sum(0)
+        total = clip.total_norm(reduced, p, clip.grad_dtype(params))
+        clip.clip_(params, total, max_norm, p, error_if_nonfinite)
+        return total
+
+    def make_optimizer(self, cls: type[torch.optim.Optimizer], params: optim.ParamGroups = None,
+                       **defaults: Any) -> torch.optim.Optimizer:
+        """`cls` over every lane's parameters, groups by original name ([Note: parameter
+        groups by original name] in optim.py)."""
+        return optim.make_optimizer(cls, self.named_parameters(), self.manifest, params, **defaults)
 
     def train_step(self, inputs: Any, target: Any, loss_fn: LossFn | None = None) -> torch.Tensor:
         """One step over the whole batch: leaves .grad as loss.backward() on the whole-batch
@@ -137,8 +203,10 @@ class LocalPipeline:
         m, dp = self.manifest.microbatches, self.manifest.mesh.dp
         snapshots = [lane.tied.snapshot() for lane in self.lanes]
         total: torch.Tensor | None = None
+        self._calls += 1
         try:
             for replica in range(dp):
+                self._replica = replica
                 mb_inputs = package.split_inputs(inputs, self.manifest, replica)
                 targets = package.split_target(target, m, replica, dp, self.manifest.batch_size)
                 loss = self._run_lanes(self._train, mb_inputs, targets, fn, float(m * dp))
@@ -157,8 +225,10 @@ class LocalPipeline:
     def __call__(self, inputs: Any) -> Any:
         """Forward only: the whole batch's output (microbatch outputs concatenated on dim 0)."""
         outs: list[Any] = []
+        self._calls += 1
         with torch.no_grad():
             for replica in range(self.manifest.mesh.dp):
+                self._replica = replica
                 mb_inputs = package.split_inputs(inputs, self.manifest, replica)
                 outs += self._run_lanes(self._forward, mb_inputs, None, None, 1.0)
         self.streams.synchronize()
@@ -216,8 +286,9 @@ class LocalPipeline:
             s, i, runner = a.stage, a.microbatch, lane.runners[a.stage]
             if a.kind == Kind.F:
                 args = [self._arg(spec, s, i, mb_inputs, outputs) for spec in runner.entry.inputs]
+                seed = modes.microbatch_seed(self.manifest.source.seed, self._calls, s, self._replica * len(mb_inputs) + i)
                 with self.streams.on(s):
-                    out = runner.forward(i, args, train)
+                    out = runner.forward(i, args, train, seed)
                     if not runner.is_last:
                         outputs[(s, i)] = dict(zip(runner.output_names, out))
                     elif train:

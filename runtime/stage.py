@@ -18,6 +18,7 @@ from typing import Any, Callable
 import torch
 import torch.utils.checkpoint
 
+from . import modes
 from .errors import PipelineError
 from .manifest import StageSpec
 
@@ -66,7 +67,7 @@ class StageRunner:
         """Whether the stage was compiled with activation recomputation (`--recompute`)."""
         return self.entry.recompute
 
-    def forward(self, microbatch: int, args: list[Any], train: bool) -> Any:
+    def forward(self, microbatch: int, args: list[Any], train: bool, seed: int | None = None) -> Any:
         """The stage's outputs for one microbatch: a tuple (one per manifest output) or,
         on the last stage, the model's output structure.  `train` keeps what backward needs.
 
@@ -74,11 +75,16 @@ class StageRunner:
         torch.utils.checkpoint (non-reentrant): autograd keeps only the stage's inputs
         and runs the forward again (same RNG state) when this microbatch's backward
         needs its activations, so gradients are those of the plain forward.
+
+        `seed`: in training mode, the forward draws from a generator seeded by it
+        ([Note: dropout streams] in modes.py).
         """
-        if train and self.recompute and torch.is_grad_enabled():
-            out = torch.utils.checkpoint.checkpoint(self.module, *args, use_reentrant=False)
+        if seed is not None and self.module.training:
+            device = next((a.device for a in args if isinstance(a, torch.Tensor)), torch.device("cpu"))
+            with modes.seeded(seed, device):
+                out = self._call(args, train)
         else:
-            out = self.module(*args)
+            out = self._call(args, train)
         if not self.is_last:
             n = len(self.entry.outputs)
             if not isinstance(out, (tuple, list)) or len(out) != n:
@@ -90,15 +96,22 @@ class StageRunner:
             self._saved[microbatch] = _Saved(args, out)
         return out
 
+    def _call(self, args: list[Any], train: bool) -> Any:
+        if train and self.recompute and torch.is_grad_enabled():
+            return torch.utils.checkpoint.checkpoint(self.module, *args, use_reentrant=False)
+        return self.module(*args)
+
     def loss(self, microbatch: int, output: Any, target: Any, loss_fn: Callable[[Any, Any], torch.Tensor],
-             scale: float) -> torch.Tensor:
-        """`loss_fn(output, target) / scale` for the last stage; kept for backward, returned detached."""
+             scale: float, keep: bool = True) -> torch.Tensor:
+        """`loss_fn(output, target) / scale` for the last stage; kept for backward (unless
+        `keep` is false: evaluate), returned detached."""
         value = loss_fn(output, target)
         if not isinstance(value, torch.Tensor) or value.numel() != 1:
             what = f"shape {list(value.shape)}" if isinstance(value, torch.Tensor) else type(value).__name__
             raise PipelineError(f"loss_fn returned {what}, not a scalar tensor: reduce the loss over the batch (mean).")
         scaled = value.reshape(()) / scale
-        self._saved[microbatch].loss = scaled
+        if keep:
+            self._saved[microbatch].loss = scaled
         return scaled.detach()
 
     def backward(self, microbatch: int, grads: list[torch.Tensor | None] | None) -> list[torch.Tensor | None]:

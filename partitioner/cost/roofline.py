@@ -37,7 +37,7 @@ def message_s(nbytes: float, alpha_s: float, beta_s_per_byte: float) -> float:
     return alpha_s + nbytes * beta_s_per_byte if nbytes > 0 else 0.0
 
 
-def stage_memory_bytes(param_bytes: int, activation_bytes: int, inflight: int, optimizer_factor: int, *,
+def stage_memory_bytes(param_bytes: int, activation_bytes: int, inflight: int, optimizer_factor: float, *,
                        recompute: bool = False, input_bytes: int = 0) -> int:
     """Peak bytes of a stage: weights + gradients + optimizer state + activations in flight.
 
@@ -47,8 +47,8 @@ def stage_memory_bytes(param_bytes: int, activation_bytes: int, inflight: int, o
     forward runs again in the backward.
     """
     if recompute:
-        return param_bytes * (2 + optimizer_factor) + activation_bytes + input_bytes * inflight
-    return param_bytes * (2 + optimizer_factor) + activation_bytes * inflight
+        return round(param_bytes * (2 + optimizer_factor)) + activation_bytes + input_bytes * inflight
+    return round(param_bytes * (2 + optimizer_factor)) + activation_bytes * inflight
 
 
 def mfu(model_flops_per_step: float, step_time_s: float, devices: int, peak_flops: float) -> float:

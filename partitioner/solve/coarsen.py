@@ -54,7 +54,7 @@ def coarsen(nodes: Sequence[GraphNode], max_blocks: int, *, param_bytes: Mapping
 
 
 def build_problem(blocks: Sequence[BlockCost], edges: Sequence[Edge], stages: int, microbatches: int, *,
-                  schedule: str = "1f1b", memory_limit_bytes: int | None = None, optimizer_factor: int = 2,
+                  schedule: str = "1f1b", memory_limit_bytes: int | None = None, optimizer_factor: float = 2,
                   comm_alpha_s: float = 0.0, comm_beta_s_per_byte: float = 0.0,
                   param_bytes: Mapping[str, int] | None = None, virtual_stages: int = 1,
                   recompute: bool = False) -> PartitionProblem:

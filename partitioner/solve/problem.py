@@ -44,6 +44,7 @@ class Mesh:
     memory: int | None = None  # bytes per device; None: the device's own (`device_memory`)
     optimizer: str = "adam"
     recompute: bool = False
+    zero: int = 0  # 1: optimizer state sharded across the dp replicas (ZeRO-1), each keeps 1/dp of it
 
     @property
     def stages(self) -> int:
@@ -105,7 +106,7 @@ def pose(coarse: Coarse, mesh: Mesh, hardware: Hardware) -> PartitionProblem:
         _template(coarse, mesh.recompute), stages=mesh.stages, microbatches=mesh.microbatches,
         schedule="1f1b" if mesh.schedule == "interleaved" else mesh.schedule,
         memory_limit_bytes=mesh.memory if mesh.memory is not None else device_memory(hardware, mesh.stages * mesh.tp * mesh.dp),
-        optimizer_factor=optimizer_state_factor(mesh.optimizer, coarse.mixed_precision),
+        optimizer_factor=optimizer_state_factor(mesh.optimizer, coarse.mixed_precision) / (mesh.dp if mesh.zero else 1),
         comm_alpha_s=alpha,
         comm_beta_s_per_byte=beta,
         virtual_stages=mesh.virtual_stages,

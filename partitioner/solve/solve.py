@@ -220,10 +220,10 @@ class _CpModel:
     def _memory(self, k: int) -> cp_model.LinearExprT:
         p = self.problem
         per, kept = 2 + p.optimizer_factor, 1 if p.recompute else p.inflight(k)
-        blocks = [(per * own + kept * act) * self.at[i][k]
+        blocks = [(round(per * own) + kept * act) * self.at[i][k]
                   for i, (own, act) in enumerate(zip(self.own, p.block_activation_bytes))]
         inputs = [p.inflight(k) * v.bytes * self.recv[j][k] for j, v in enumerate(self.values)] if p.recompute else []
-        return sum(blocks) + sum(inputs) + sum(per * size * self.held[j][k] for j, (size, _) in enumerate(self.shared))
+        return sum(blocks) + sum(inputs) + sum(round(per * size) * self.held[j][k] for j, (size, _) in enumerate(self.shared))
 
     def hint(self, assignment: Sequence[int]) -> None:
         """Warm-start from `assignment`, auxiliary booleans included."""
@@ -349,7 +349,7 @@ def _infeasible(problem: PartitionProblem, search: str) -> InfeasiblePlanError:
     c, need = costs[k], _size(costs[k].memory_bytes)
     flight = f"{c.inflight} microbatch{'es' if c.inflight != 1 else ''} in flight"
     parts = (f"weights {_size(c.weight_bytes)}, gradients {_size(c.weight_bytes)}, optimizer "
-             f"{_size(c.weight_bytes * problem.optimizer_factor)}, ")
+             f"{_size(round(c.weight_bytes * problem.optimizer_factor))}, ")
     if problem.recompute:
         parts += (f"activations {_size(c.activation_bytes)} of the microbatch recomputed, inputs "
                   f"{_size(c.input_bytes * c.inflight)} for {flight}")

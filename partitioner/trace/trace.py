@@ -105,13 +105,18 @@ def trace(
         raise TraceError(f"unknown --tracer {tracer!r}: choose one of {', '.join(TRACERS)}.")
     order = ["fx", "export"] if tracer == "auto" else [tracer]
     failures: list[tuple[str, BaseException]] = []
-    for name in order:
-        try:
-            traced = _trace_fx(model, args, kwargs) if name == "fx" else _trace_export(model, args, kwargs)
-            _check_runs(traced, model, args, kwargs)
-            return traced
-        except Exception as exc:  # every tracer failure is reported together below
-            failures.append((name, exc))
+    was_training = model.training
+    model.train()  # the training branches are traced; dropout's and batch norm's mode is `self.training` in the stages
+    try:
+        for name in order:
+            try:
+                traced = _trace_fx(model, args, kwargs) if name == "fx" else _trace_export(model, args, kwargs)
+                _check_runs(traced, model, args, kwargs)
+                return traced
+            except Exception as exc:  # every tracer failure is reported together below
+                failures.append((name, exc))
+    finally:
+        model.train(was_training)
     raise TraceError(_failure_message(failures, model_path))
 
 

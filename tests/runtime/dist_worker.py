@@ -8,7 +8,8 @@ of importing it.  Rank r writes OUTDIR/rank<r>.out and .err; the parent prints o
 MODE check: train_step, forward and 3 SGD steps compared with the reference model run
 in this same process; prints "RANK ok" and exits 0, or a traceback and exits 1.
 A sharded parameter's gradient is compared with its shard of the reference gradient.
-MODE fault: trains (PIPELINE_FAULT stops one rank); a PipelineError prints its message
+MODE train: clip_grad_norm_ and AdamW through make_optimizer (5 steps) against the
+reference, then eval() and evaluate().  MODE drift: step safety (runtime/steps.py).  MODE fault: trains (PIPELINE_FAULT stops one rank); a PipelineError prints its message
 and exits 3.  MODE tp: the unit checks of runtime/tp.py (tp_checks.py; PKG unused).
 Once a rank fails, the others are killed after GRACE_S (as torchrun does).
 """
@@ -122,6 +123,97 @@ def _my_parameters(pipe: runtime.DistributedPipeline) -> list[tuple[package.Held
     return list(seen.values())
 
 
+def _train(pkg: str, model_path: str) -> None:
+    """clip_grad_norm_ (the norm and the clipped gradients) and 5 AdamW steps through
+    make_optimizer with two parameter groups, against the model in this process."""
+    mf = _model_file(model_path)
+    torch.manual_seed(0)
+    model = mf.build_model()
+    inputs, target = mf.example_inputs(), mf.example_target()
+    pipe = runtime.DistributedPipeline(pkg)
+    pipe.load_state_dict(model.state_dict())
+    named = dict(model.named_parameters())
+    groups = [{"params": [n for n in named if n.endswith("bias")], "weight_decay": 0.0},
+              {"params": [n for n in named if not n.endswith("bias")]}]
+    opt = pipe.make_optimizer(torch.optim.AdamW, groups, lr=1e-3, weight_decay=0.1)
+    ref = torch.optim.AdamW([{**g, "params": [named[n] for n in g["params"]]} for g in groups], lr=1e-3,
+                            weight_decay=0.1)
+    for step in range(5):
+        ref.zero_grad()
+        mf.loss_fn(_call(model, inputs), target).backward()
+        max_norm = float(torch.nn.utils.get_total_norm([p.grad for p in model.parameters()])) / 3
+        want = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+        ref.step()
+        opt.zero_grad()
+        pipe.train_step(inputs, target)
+        got = pipe.clip_grad_norm_(max_norm)
+        torch.testing.assert_close(got, want, rtol=RTOL, atol=0.0, msg=lambda m: f"norm of step {step}: {m}")
+        if step == 0:
+            grads = {n: p.grad for n, p in model.named_parameters(remove_duplicate=False)}
+            for spec, p in _my_parameters(pipe):
+                expected = torch.zeros_like(p)
+                package.load_stage_state([(spec, expected)], {spec.source_name: grads[spec.source_name]}, pipe.manifest)
+                torch.testing.assert_close(p.grad, expected, rtol=RTOL, atol=ATOL,
+                                           msg=lambda m: f"clipped grad {spec.source_name}: {m}")
+            inf = pipe.clip_grad_norm_(1e9, norm_type=float("inf"))
+            torch.testing.assert_close(inf, torch.nn.utils.get_total_norm(list(grads.values()), float("inf")),
+                                       rtol=RTOL, atol=0.0)
+        opt.step()
+    if pipe.manifest.options.get("zero"):  # ZeRO-1: this replica keeps the state of its part only
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        assert isinstance(opt, ZeroRedundancyOptimizer), type(opt)
+        kept = sum(t.numel() for s in opt.optim.state.values() for t in s.values() if t.dim() > 0)
+        whole = 2 * sum(p.numel() for p in pipe.parameters())  # AdamW: exp_avg, exp_avg_sq
+        print(f"{pipe.rank} optimizer state {kept} of {whole}", flush=True)
+        assert 0 < kept < whole, (kept, whole)
+    got_sd, want_sd = pipe.state_dict(), model.state_dict()
+    for name in want_sd:
+        torch.testing.assert_close(got_sd[name], want_sd[name], rtol=RTOL, atol=ATOL, msg=lambda m: f"{name}: {m}")
+    # evaluate: the whole-batch loss on every rank, no graph, no gradient touched
+    assert pipe.eval() is pipe and not pipe.training and not any(r.module.training for r in pipe.runners.values())
+    opt.zero_grad()
+    loss = pipe.evaluate(inputs, target)
+    assert not loss.requires_grad and all(p.grad is None for p in pipe.parameters())
+    with torch.no_grad():
+        torch.testing.assert_close(loss, mf.loss_fn(_call(model.eval(), inputs), target), rtol=RTOL, atol=ATOL)
+    print(f"{pipe.rank} ok", flush=True)
+
+
+def _drift(pkg: str, model_path: str) -> None:
+    """Rank 1's step 2 fails on a bad batch, and rank 1 goes on: both ranks refuse the next
+    step at once, naming both steps, and again until recover(); then they train as before."""
+    from runtime.steps import StepError
+
+    mf = _model_file(model_path)
+    torch.manual_seed(0)
+    model = mf.build_model()
+    inputs, target = mf.example_inputs(), mf.example_target()
+    pipe = runtime.DistributedPipeline(pkg)
+    pipe.load_state_dict(model.state_dict())
+    rank = pipe.rank
+    pipe.train_step(inputs, target)
+    if rank == 1:
+        try:
+            pipe.train_step((), target)  # no input 0: a BatchError before any message
+        except PipelineError as exc:
+            print(f"{rank} caught: {exc}", flush=True)
+    for attempt in ("refused", "refused again"):
+        start = time.monotonic()
+        try:
+            pipe.train_step(inputs, target)
+        except StepError as exc:
+            print(f"{rank} {attempt} in {time.monotonic() - start:.3f} s: {exc}", flush=True)
+        else:
+            raise AssertionError(f"rank {rank}: a step after the failed one was not refused")
+    pipe.recover()
+    for p in pipe.parameters():
+        p.grad = None
+    loss = pipe.train_step(inputs, target)
+    torch.testing.assert_close(loss, mf.loss_fn(_call(model, inputs), target).detach(), rtol=RTOL, atol=ATOL)
+    print(f"{rank} ok", flush=True)
+
+
 def _tp(pkg: str, model_path: str) -> None:
     import tp_checks  # beside this file
 
@@ -146,7 +238,7 @@ def _rank(r: int, mode: str, pkg: str, model_path: str, outdir: Path) -> int:
     os.dup2(out, 1)
     os.dup2(err, 2)
     try:
-        {"check": _check, "fault": _fault, "tp": _tp}[mode](pkg, model_path)
+        {"check": _check, "fault": _fault, "tp": _tp, "train": _train, "drift": _drift}[mode](pkg, model_path)
     except PipelineError as exc:
         print(f"PipelineError: {exc}", file=sys.stderr, flush=True)
         return 3

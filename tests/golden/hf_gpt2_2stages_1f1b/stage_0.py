@@ -109,7 +109,7 @@ class Stage0(torch.nn.Module):
         and_2 = aten.__and__.Tensor(and_1, to_2)  # (6, 1, 8, 8) bool
         expand_2 = aten.expand.default(and_2, [6, -1, 8, 8])  # (6, 1, 8, 8) bool
         # -- transformer.drop --
-        dropout = aten.dropout.default(add_1, 0.0, True)  # (6, 8, 32)
+        dropout = aten.dropout.default(add_1, 0.0, self.training)  # (6, 8, 32)
         # -- transformer.h.0.ln_1 --
         layer_norm = aten.layer_norm.default(dropout, [32], self.transformer_h_0_ln_1_weight, self.transformer_h_0_ln_1_bias, 1e-05, False)  # (6, 8, 32)
         # -- transformer.h.0.attn --
@@ -133,7 +133,7 @@ class Stage0(torch.nn.Module):
         view_6 = aten.view.default(reshape_1, [-1, 32])  # (48, 32)
         addmm_1 = aten.addmm.default(self.transformer_h_0_attn_c_proj_bias, view_6, self.transformer_h_0_attn_c_proj_weight)  # (48, 32)
         view_7 = aten.view.default(addmm_1, [6, 8, 32])  # (6, 8, 32)
-        dropout_1 = aten.dropout.default(view_7, 0.0, True)  # (6, 8, 32)
+        dropout_1 = aten.dropout.default(view_7, 0.0, self.training)  # (6, 8, 32)
         # -- transformer.h.0 --
         add_4 = aten.add.Tensor(dropout_1, dropout)  # (6, 8, 32)
         # -- transformer.h.0.ln_2 --
@@ -153,7 +153,7 @@ class Stage0(torch.nn.Module):
         view_10 = aten.view.default(mul_3, [-1, 128])  # (48, 128)
         addmm_3 = aten.addmm.default(self.transformer_h_0_mlp_c_proj_bias, view_10, self.transformer_h_0_mlp_c_proj_weight)  # (48, 32)
         view_11 = aten.view.default(addmm_3, [6, 8, 32])  # (6, 8, 32)
-        dropout_2 = aten.dropout.default(view_11, 0.0, True)  # (6, 8, 32)
+        dropout_2 = aten.dropout.default(view_11, 0.0, self.training)  # (6, 8, 32)
         # -- transformer.h.0 --
         add_7 = aten.add.Tensor(add_4, dropout_2)  # (6, 8, 32)
         # -- transformer.h.1.ln_1 --
@@ -179,7 +179,7 @@ class Stage0(torch.nn.Module):
         view_17 = aten.view.default(reshape_3, [-1, 32])  # (48, 32)
         addmm_5 = aten.addmm.default(self.transformer_h_1_attn_c_proj_bias, view_17, self.transformer_h_1_attn_c_proj_weight)  # (48, 32)
         view_18 = aten.view.default(addmm_5, [6, 8, 32])  # (6, 8, 32)
-        dropout_3 = aten.dropout.default(view_18, 0.0, True)  # (6, 8, 32)
+        dropout_3 = aten.dropout.default(view_18, 0.0, self.training)  # (6, 8, 32)
         # -- transformer.h.1 --
         add_8 = aten.add.Tensor(dropout_3, add_7)  # (6, 8, 32)
         # -- transformer.h.1.ln_2 --
@@ -199,7 +199,7 @@ class Stage0(torch.nn.Module):
         view_21 = aten.view.default(mul_7, [-1, 128])  # (48, 128)
         addmm_7 = aten.addmm.default(self.transformer_h_1_mlp_c_proj_bias, view_21, self.transformer_h_1_mlp_c_proj_weight)  # (48, 32)
         view_22 = aten.view.default(addmm_7, [6, 8, 32])  # (6, 8, 32)
-        dropout_4 = aten.dropout.default(view_22, 0.0, True)  # (6, 8, 32)
+        dropout_4 = aten.dropout.default(view_22, 0.0, self.training)  # (6, 8, 32)
         # -- transformer.h.1 --
         add_11 = aten.add.Tensor(add_8, dropout_4)  # (6, 8, 32)
         # -- transformer.h.2.ln_1 --
@@ -225,7 +225,7 @@ class Stage0(torch.nn.Module):
         view_28 = aten.view.default(reshape_5, [-1, 32])  # (48, 32)
         addmm_9 = aten.addmm.default(self.transformer_h_2_attn_c_proj_bias, view_28, self.transformer_h_2_attn_c_proj_weight)  # (48, 32)
         view_29 = aten.view.default(addmm_9, [6, 8, 32])  # (6, 8, 32)
-        dropout_5 = aten.dropout.default(view_29, 0.0, True)  # (6, 8, 32)
+        dropout_5 = aten.dropout.default(view_29, 0.0, self.training)  # (6, 8, 32)
         # -- transformer.h.2 --
         add_12 = aten.add.Tensor(dropout_5, add_11)  # (6, 8, 32)
         # -- transformer.h.2.ln_2 --
@@ -245,7 +245,7 @@ class Stage0(torch.nn.Module):
         view_32 = aten.view.default(mul_11, [-1, 128])  # (48, 128)
         addmm_11 = aten.addmm.default(self.transformer_h_2_mlp_c_proj_bias, view_32, self.transformer_h_2_mlp_c_proj_weight)  # (48, 32)
         view_33 = aten.view.default(addmm_11, [6, 8, 32])  # (6, 8, 32)
-        dropout_6 = aten.dropout.default(view_33, 0.0, True)  # (6, 8, 32)
+        dropout_6 = aten.dropout.default(view_33, 0.0, self.training)  # (6, 8, 32)
         # -- transformer.h.2 --
         add_15 = aten.add.Tensor(add_12, dropout_6)  # (6, 8, 32)
         # -- transformer.h.3.ln_1 --
@@ -271,7 +271,7 @@ class Stage0(torch.nn.Module):
         view_39 = aten.view.default(reshape_7, [-1, 32])  # (48, 32)
         addmm_13 = aten.addmm.default(self.transformer_h_3_attn_c_proj_bias, view_39, self.transformer_h_3_attn_c_proj_weight)  # (48, 32)
         view_40 = aten.view.default(addmm_13, [6, 8, 32])  # (6, 8, 32)
-        dropout_7 = aten.dropout.default(view_40, 0.0, True)  # (6, 8, 32)
+        dropout_7 = aten.dropout.default(view_40, 0.0, self.training)  # (6, 8, 32)
         # -- transformer.h.3 --
         transformer_h_3_add = aten.add.Tensor(dropout_7, add_15)  # (6, 8, 32)
         return (transformer_h_3_add,)

@@ -47,7 +47,7 @@ class Stage1(torch.nn.Module):
         view_43 = aten.view.default(mul_15, [-1, 128])  # (48, 128)
         addmm_15 = aten.addmm.default(self.transformer_h_3_mlp_c_proj_bias, view_43, self.transformer_h_3_mlp_c_proj_weight)  # (48, 32)
         view_44 = aten.view.default(addmm_15, [6, 8, 32])  # (6, 8, 32)
-        dropout_8 = aten.dropout.default(view_44, 0.0, True)  # (6, 8, 32)
+        dropout_8 = aten.dropout.default(view_44, 0.0, self.training)  # (6, 8, 32)
         # -- transformer.h.3 --
         add_19 = aten.add.Tensor(transformer_h_3_add, dropout_8)  # (6, 8, 32)
         # -- transformer.ln_f --
