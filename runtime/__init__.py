@@ -8,6 +8,7 @@ over the group `DistributedPipeline` sets up.
 
 from __future__ import annotations
 
+from .checkpoint import latest_checkpoint
 from .distributed import DistributedPipeline
 from .errors import PipelineError
 from .local import LocalPipeline
@@ -32,6 +33,7 @@ __all__ = [
     "LocalPipeline",
     "DistributedPipeline",
     "PipelineError",
+    "latest_checkpoint",
     "Manifest",
     "FORMAT_VERSION",
     "SCHEDULES",

@@ -42,7 +42,7 @@ import torch
 import torch.distributed as dist
 import torch.utils._pytree as pytree
 
-from . import messages, package, tp
+from . import checkpoint, messages, package, tp
 from .comm import GradBuckets, TiedGrads, guard, init_from_env, timeout_from_env, wait
 from .errors import ManifestError, MeshError, PipelineError
 from .faults import parse_fault
@@ -199,6 +199,24 @@ class DistributedPipeline:
         gathered: list[Any] = [None] * self.world
         dist.all_gather_object(gathered, mine)
         return concat_outputs([o for r in range(self.dp) for o in gathered[self.mesh.rank(r, last, 0)]])
+
+    # -- checkpoints (runtime/checkpoint/; README "Checkpoints") ------------------------------
+
+    def save_checkpoint(self, path: str | Path, optimizer: torch.optim.Optimizer | None = None, extra: Any = None,
+                        keep: int | None = None) -> Path:
+        """Write checkpoint PATH from every rank in parallel (collective; atomic: complete or
+        invisible); with `keep`, then remove all but the newest `keep` beside it."""
+        return checkpoint.save(self._checkpoint_view(), path, optimizer, extra, keep)
+
+    def load_checkpoint(self, path: str | Path, optimizer: torch.optim.Optimizer | None = None,
+                        strict: bool = True) -> Any:
+        """Restore a checkpoint of `save_checkpoint` from any plan of the model (collective; each
+        rank reads only its own tensors and slices); returns its `extra`."""
+        return checkpoint.load(self._checkpoint_view(), path, optimizer, strict)
+
+    def _checkpoint_view(self) -> checkpoint.View:
+        held = [p for r in self.runners.values() for p in self._tensors(r)]
+        return checkpoint.View(self.manifest, held, rank=self.rank, world=self.world, distributed=True)
 
     # -- the interpreter ---------------------------------------------------------------------
 

@@ -1,0 +1,34 @@
+"""Checkpoints: save and resume on any plan (dcp.py), atomically (commit.py).
+
+See README.md, "Checkpoints", and [Note: checkpoint chunks] / [Note: checkpoint commit].
+torch.distributed.checkpoint (about 2 s to import) is imported on the first save or load.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .commit import latest_checkpoint
+from .view import View
+
+__all__ = ["View", "save", "load", "latest_checkpoint"]
+
+
+def save(view: View, path: str | os.PathLike[str], optimizer: torch.optim.Optimizer | None = None,
+         extra: Any = None, keep: int | None = None) -> Path:
+    """dcp.save: write checkpoint PATH from every rank (collective)."""
+    from . import dcp
+
+    return dcp.save(view, path, optimizer, extra, keep)
+
+
+def load(view: View, path: str | os.PathLike[str], optimizer: torch.optim.Optimizer | None = None,
+         strict: bool = True) -> Any:
+    """dcp.load: restore checkpoint PATH (collective); its `extra`."""
+    from . import dcp
+
+    return dcp.load(view, path, optimizer, strict)

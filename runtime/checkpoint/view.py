@@ -1,0 +1,33 @@
+"""What a pipeline shows the checkpoint code (imported by the pipelines, so it stays light:
+torch.distributed.checkpoint is imported only when a checkpoint is saved or loaded)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from ..manifest import Manifest
+from ..package import Held
+
+__all__ = ["View"]
+
+
+@dataclass
+class View:
+    """What a pipeline shows the checkpoint code: every stage tensor this process holds
+    (entries with the shard index resolved, as package.stage_tensors gives them)."""
+
+    manifest: Manifest
+    held: list[tuple[Held, torch.Tensor]]
+    rank: int
+    world: int
+    distributed: bool
+
+    def barrier(self) -> None:
+        if self.distributed:
+            dist.barrier()
+
+    def specs(self) -> dict[int, Held]:
+        return {id(t): spec for spec, t in self.held}
