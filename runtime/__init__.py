@@ -11,6 +11,7 @@ from __future__ import annotations
 from .checkpoint import latest_checkpoint
 from .distributed import DistributedPipeline
 from .errors import PipelineError
+from .initialize import init_weights
 from .local import LocalPipeline
 from .manifest import FORMAT_VERSION, SCHEDULES, Manifest
 from .schedule import (
@@ -34,6 +35,7 @@ __all__ = [
     "DistributedPipeline",
     "PipelineError",
     "latest_checkpoint",
+    "init_weights",
     "Manifest",
     "FORMAT_VERSION",
     "SCHEDULES",

@@ -42,7 +42,7 @@ import torch
 import torch.distributed as dist
 import torch.utils._pytree as pytree
 
-from . import checkpoint, messages, package, tp
+from . import checkpoint, initialize, messages, package, tp
 from .comm import GradBuckets, TiedGrads, guard, init_from_env, timeout_from_env, wait
 from .errors import ManifestError, MeshError, PipelineError
 from .faults import parse_fault
@@ -213,6 +213,11 @@ class DistributedPipeline:
         """Restore a checkpoint of `save_checkpoint` from any plan of the model (collective; each
         rank reads only its own tensors and slices); returns its `extra`."""
         return checkpoint.load(self._checkpoint_view(), path, optimizer, strict)
+
+    def init_weights(self, seed: int = 0) -> None:
+        """Initialise this process's parameters (its shards only) with the values they have on
+        every plan: runtime.init_weights(model, seed) on the unsplit model gives the same."""
+        initialize.init_pipeline(self._checkpoint_view().held, self.manifest, self.directory, seed)
 
     def _checkpoint_view(self) -> checkpoint.View:
         held = [p for r in self.runners.values() for p in self._tensors(r)]

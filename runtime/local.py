@@ -33,7 +33,7 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 import torch.utils._pytree as pytree
 
-from . import checkpoint, package, tp
+from . import checkpoint, initialize, package, tp
 from .comm import timeout_from_env
 from .devices import DeviceLike, StageStreams, resolve_devices
 from .errors import PipelineError
@@ -176,6 +176,11 @@ class LocalPipeline:
                         strict: bool = True) -> Any:
         """Restore a checkpoint of `save_checkpoint` from any plan of the model; returns its `extra`."""
         return checkpoint.load(self._checkpoint_view(), path, optimizer, strict)
+
+    def init_weights(self, seed: int = 0) -> None:
+        """Initialise this process's parameters (its shards only) with the values they have on
+        every plan: runtime.init_weights(model, seed) on the unsplit model gives the same."""
+        initialize.init_pipeline(self._checkpoint_view().held, self.manifest, self.directory, seed)
 
     def _checkpoint_view(self) -> checkpoint.View:
         held = [p for lane in self.lanes for r in lane.runners

@@ -5,6 +5,7 @@ PHASE save:   the model's seed-0 weights, 3 AdamW steps, save ROOT/step-3, 3 mor
 PHASE crash:  load ROOT/step-3, 1 step, save ROOT/step-4 (the test sets PIPELINE_CHECKPOINT_FAULT
               so that one rank kills itself in the middle of it).
 PHASE resume: load runtime.latest_checkpoint(ROOT), 3 steps, save ROOT/resumed.
+PHASE init:   pipe.init_weights(seed=5) only.
 Rank 0 writes OUTDIR/result.pt: the losses after the checkpoint and the final state_dict.
 Rank r writes OUTDIR/rank<r>.out / .err; a PipelineError exits 3 with its message; the
 parent prints `rank r: exit code` per rank.
@@ -59,7 +60,10 @@ def _phase(phase: str, pkg: str, root: Path, outdir: Path) -> None:
         sched.load_state_dict(extra["scheduler"])
         step = extra["step"]
 
-    if phase == "save":
+    if phase == "init":
+        pipe.init_weights(seed=5)
+        losses = []
+    elif phase == "save":
         torch.manual_seed(0)
         pipe.load_state_dict(mf.build_model().state_dict())
         train(3)

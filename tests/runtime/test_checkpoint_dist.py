@@ -1,7 +1,8 @@
 """Checkpoints of DistributedPipeline in real processes (gloo on 127.0.0.1): written in parallel
 by every rank, resumed bit for bit on the same plan and to 1e-5 on another (tp, dp, or
 LocalPipeline with other stages), and a rank SIGKILLed in the middle of a save leaves the
-previous checkpoint loadable and the partial one refused (checkpoint_worker.py)."""
+previous checkpoint loadable and the partial one refused; init_weights on tensor-parallel
+ranks (checkpoint_worker.py)."""
 
 from __future__ import annotations
 
@@ -111,3 +112,15 @@ def test_resume_on_another_mesh_on_two_ranks(mesh: dict[str, int], tmp_path: Pat
     back.load_checkpoint(root / "resumed")
     for name, value in back.state_dict().items():
         assert torch.equal(value, resumed["state_dict"][name]), name  # type: ignore[index]
+
+
+@pytest.mark.multiproc
+def test_init_weights_on_two_tensor_parallel_ranks(tmp_path: Path) -> None:
+    """Each rank initialises its own shards: together, runtime.init_weights on the unsplit model."""
+    pkg = write_tp_package(tmp_path / "tp2", stages=1, tp=2)
+    got = _ok(*_launch(2, "init", pkg, tmp_path / "unused"), 2)["state_dict"]
+    mf = package.load_model_file(package.load_manifest(pkg), pkg)
+    want = runtime.init_weights(mf.build_model(), seed=5).state_dict()
+    assert set(got) == set(want)  # type: ignore[arg-type]
+    for name in want:
+        assert torch.equal(got[name], want[name]), name  # type: ignore[index]
