@@ -1,4 +1,5 @@
-"""Checkpoints: save and resume on any plan (dcp.py), atomically (commit.py).
+"""Checkpoints: save and resume on any plan (dcp.py), atomically (commit.py); weights from
+safetensors files and Hugging Face folders (files.py).
 
 See README.md, "Checkpoints", and [Note: checkpoint chunks] / [Note: checkpoint commit].
 torch.distributed.checkpoint (about 2 s to import) is imported on the first save or load.
@@ -28,7 +29,18 @@ def save(view: View, path: str | os.PathLike[str], optimizer: torch.optim.Optimi
 
 def load(view: View, path: str | os.PathLike[str], optimizer: torch.optim.Optimizer | None = None,
          strict: bool = True) -> Any:
-    """dcp.load: restore checkpoint PATH (collective); its `extra`."""
+    """Restore checkpoint PATH (dcp.load, collective), or read a .safetensors file or a Hugging
+    Face folder (files.load_weights); the checkpoint's `extra` (None for weights files)."""
+    from . import files
+
+    if files.is_weights_file(Path(path)):
+        if optimizer is not None:
+            from ..errors import CheckpointError
+
+            raise CheckpointError(f"{path} holds weights only, no optimizer state: call load_checkpoint({str(path)!r}) "
+                                  f"without optimizer=, and build the optimizer fresh.")
+        files.load_weights(view, Path(path), strict)
+        return None
     from . import dcp
 
     return dcp.load(view, path, optimizer, strict)
