@@ -221,7 +221,8 @@ class DistributedPipeline:
 
     def _checkpoint_view(self) -> checkpoint.View:
         held = [p for r in self.runners.values() for p in self._tensors(r)]
-        return checkpoint.View(self.manifest, held, rank=self.rank, world=self.world, distributed=True)
+        return checkpoint.View(self.manifest, held, rank=self.rank, world=self.world, distributed=True,
+                               directory=self.directory)
 
     # -- the interpreter ---------------------------------------------------------------------
 

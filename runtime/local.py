@@ -185,7 +185,8 @@ class LocalPipeline:
     def _checkpoint_view(self) -> checkpoint.View:
         held = [p for lane in self.lanes for r in lane.runners
                 for p in package.stage_tensors(r.module, r.entry, lane.index)]
-        return checkpoint.View(self.manifest, held, rank=0, world=1, distributed=False)
+        return checkpoint.View(self.manifest, held, rank=0, world=1, distributed=False,
+                               directory=self.directory)
 
     # -- the interpreter ---------------------------------------------------------------------
 

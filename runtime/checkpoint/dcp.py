@@ -61,7 +61,8 @@ def save(view: View, path: str | os.PathLike[str], optimizer: torch.optim.Optimi
         _fault_hook(view.rank)
         _write(view, _train_state(view, optimizer, extra), tmp / "train")
         commits.commit(final, tmp, coordinator, view.barrier,
-                       {"world": view.world, "manifest_hash": view.manifest.hash, "source": view.manifest.source.path})
+                       {"world": view.world, "manifest_hash": view.manifest.hash, "model_file": view.model_file(),
+                        "entry": view.manifest.source.entry})
     except PipelineError:
         raise
     except Exception as exc:

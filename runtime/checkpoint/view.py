@@ -4,6 +4,7 @@ torch.distributed.checkpoint is imported only when a checkpoint is saved or load
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -24,6 +25,14 @@ class View:
     rank: int
     world: int
     distributed: bool
+    directory: Path | None = None  # the package's, to find the model file for the marker
+
+    def model_file(self) -> str:
+        """The model file's absolute path, as package.load_model_file finds it ('' if absent)."""
+        given = Path(self.manifest.source.path)
+        places = [given] if given.is_absolute() else [Path.cwd() / given] + (
+            [self.directory.resolve().parent / given] if self.directory is not None else [])
+        return next((str(p.resolve()) for p in places if p.is_file()), "")
 
     def barrier(self) -> None:
         if self.distributed:

@@ -11,6 +11,7 @@ import torch
 from safetensors.torch import save_file
 
 import runtime
+from driver.cli import main as cli
 from runtime import package
 from runtime.checkpoint import View
 from runtime.checkpoint.files import load_weights
@@ -71,11 +72,18 @@ def test_missing_unexpected_and_mis_shaped_tensors_are_named(tmp_path: Path) -> 
         pipe.load_checkpoint(tmp_path / "shape.safetensors")
 
 
-def test_a_hugging_face_folder_loads_on_two_stages_by_tp_2(tmp_path: Path) -> None:
+@pytest.fixture(scope="module")
+def hf_gpt2(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """examples/hf_gpt2.py compiled into 2 stages x tp 2."""
+    out = tmp_path_factory.mktemp("hf") / "pkg"
+    compile_example("examples/hf_gpt2.py", out, stages=2, tp=2, hardware=FREE_LINKS)
+    return out
+
+
+def test_a_hugging_face_folder_loads_on_two_stages_by_tp_2(hf_gpt2: Path, tmp_path: Path) -> None:
     """GPT-2 saved with save_pretrained, whole and sharded (an index): the pipeline's logits
     are the Hugging Face model's."""
-    compile_example("examples/hf_gpt2.py", tmp_path / "pkg", stages=2, tp=2, hardware=FREE_LINKS)
-    mf = package.load_model_file(package.load_manifest(tmp_path / "pkg"), tmp_path / "pkg")
+    mf = package.load_model_file(package.load_manifest(hf_gpt2), hf_gpt2)
     torch.manual_seed(0)
     model = mf.build_model().eval()
     inputs = mf.example_inputs()
@@ -85,6 +93,32 @@ def test_a_hugging_face_folder_loads_on_two_stages_by_tp_2(tmp_path: Path) -> No
     model.save_pretrained(tmp_path / "sharded", max_shard_size="20KB")
     assert (tmp_path / "sharded" / "model.safetensors.index.json").is_file()
     for folder in ("whole", "sharded"):
-        pipe = runtime.LocalPipeline(tmp_path / "pkg")
+        pipe = runtime.LocalPipeline(hf_gpt2)
         pipe.load_checkpoint(tmp_path / folder)
         torch.testing.assert_close(pipe(inputs).logits, want, rtol=1e-5, atol=1e-6)
+
+
+def test_export_writes_safetensors_and_a_from_pretrained_folder(hf_gpt2: Path, tmp_path: Path) -> None:
+    """A trained pipeline's checkpoint, exported: the sharded safetensors load back into it, and
+    the --hf folder loads with from_pretrained and gives the pipeline's logits."""
+    from transformers import GPT2LMHeadModel
+
+    pipe = runtime.LocalPipeline(hf_gpt2)
+    mf = package.load_model_file(pipe.manifest, hf_gpt2)
+    pipe.init_weights(seed=1)
+    opt = torch.optim.SGD(pipe.parameters(), lr=0.1)
+    inputs = mf.example_inputs()
+    pipe.train_step(inputs, mf.example_target())
+    opt.step()
+    pipe.save_checkpoint(tmp_path / "ck")
+    assert cli(["export", str(tmp_path / "ck"), "--out", str(tmp_path / "st"), "--max-shard-size", "40KB"]) == 0
+    assert (tmp_path / "st" / "model.safetensors.index.json").is_file()
+    again = runtime.LocalPipeline(hf_gpt2)
+    again.load_checkpoint(tmp_path / "st")
+    want = pipe.state_dict()
+    for name, value in again.state_dict().items():
+        assert torch.equal(value, want[name]), name
+    assert cli(["export", str(tmp_path / "ck"), "--out", str(tmp_path / "hf"), "--hf"]) == 0
+    model = GPT2LMHeadModel.from_pretrained(tmp_path / "hf").eval()
+    with torch.no_grad():
+        torch.testing.assert_close(model(**inputs).logits, pipe(inputs).logits, rtol=1e-5, atol=1e-6)
