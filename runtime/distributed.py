@@ -131,11 +131,17 @@ class DistributedPipeline:
         for r in self.runners.values():
             package.load_stage_state(self._tensors(r), state_dict, self.manifest)
 
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        """The full original state_dict on every rank, on CPU (collective)."""
+    def state_dict(self, rank: int | None = None) -> dict[str, torch.Tensor]:
+        """The full original state_dict on every rank, on CPU (collective); with `rank`, on that
+        rank only (the others get {} and never hold the whole model)."""
         mine = [(spec, t.detach().cpu()) for r in self.runners.values() for spec, t in self._tensors(r)]
         gathered: list[Any] = [None] * self.world
-        dist.all_gather_object(gathered, mine if self.replica == 0 else [])
+        if rank is None:
+            dist.all_gather_object(gathered, mine if self.replica == 0 else [])
+        else:
+            dist.gather_object(mine if self.replica == 0 else [], gathered if self.rank == rank else None, dst=rank)
+            if self.rank != rank:
+                return {}
         return package.assemble_state_dict([p for pieces in gathered for p in pieces], self.manifest)
 
     def parameters(self) -> list[torch.nn.Parameter]:

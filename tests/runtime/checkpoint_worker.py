@@ -5,7 +5,7 @@ PHASE save:   the model's seed-0 weights, 3 AdamW steps, save ROOT/step-3, 3 mor
 PHASE crash:  load ROOT/step-3, 1 step, save ROOT/step-4 (the test sets PIPELINE_CHECKPOINT_FAULT
               so that one rank kills itself in the middle of it).
 PHASE resume: load runtime.latest_checkpoint(ROOT), 3 steps, save ROOT/resumed.
-PHASE init:   pipe.init_weights(seed=5) only.
+PHASE init:   pipe.init_weights(seed=5) only (and state_dict(rank=0) checked against state_dict()).
 Rank 0 writes OUTDIR/result.pt: the losses after the checkpoint and the final state_dict.
 Rank r writes OUTDIR/rank<r>.out / .err; a PipelineError exits 3 with its message; the
 parent prints `rank r: exit code` per rank.
@@ -63,6 +63,13 @@ def _phase(phase: str, pkg: str, root: Path, outdir: Path) -> None:
     if phase == "init":
         pipe.init_weights(seed=5)
         losses = []
+        on_one = pipe.state_dict(rank=0)  # gathered on rank 0 only
+        if pipe.rank == 0:
+            whole = pipe.state_dict()
+            assert set(on_one) == set(whole) and all(torch.equal(on_one[k], whole[k]) for k in whole)
+        else:
+            assert on_one == {}
+            pipe.state_dict()
     elif phase == "save":
         torch.manual_seed(0)
         pipe.load_state_dict(mf.build_model().state_dict())
