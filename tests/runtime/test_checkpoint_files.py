@@ -83,17 +83,27 @@ def hf_gpt2(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_a_hugging_face_folder_loads_on_two_stages_by_tp_2(hf_gpt2: Path, tmp_path: Path) -> None:
     """GPT-2 saved with save_pretrained, whole and sharded (an index): the pipeline's logits
     are the Hugging Face model's."""
-    mf = package.load_model_file(package.load_manifest(hf_gpt2), hf_gpt2)
+    _check_folder(hf_gpt2, tmp_path, "20KB")
+
+
+@pytest.mark.slow
+def test_a_llama_folder_loads_on_two_stages_by_tp_2(tmp_path: Path) -> None:
+    compile_example("examples/hf_llama.py", tmp_path / "pkg", stages=2, tp=2, hardware=FREE_LINKS)
+    _check_folder(tmp_path / "pkg", tmp_path, "40KB")
+
+
+def _check_folder(pkg: Path, tmp_path: Path, shard_size: str) -> None:
+    mf = package.load_model_file(package.load_manifest(pkg), pkg)
     torch.manual_seed(0)
     model = mf.build_model().eval()
     inputs = mf.example_inputs()
     with torch.no_grad():
         want = model(**inputs).logits
     model.save_pretrained(tmp_path / "whole")
-    model.save_pretrained(tmp_path / "sharded", max_shard_size="20KB")
+    model.save_pretrained(tmp_path / "sharded", max_shard_size=shard_size)
     assert (tmp_path / "sharded" / "model.safetensors.index.json").is_file()
     for folder in ("whole", "sharded"):
-        pipe = runtime.LocalPipeline(hf_gpt2)
+        pipe = runtime.LocalPipeline(pkg)
         pipe.load_checkpoint(tmp_path / folder)
         torch.testing.assert_close(pipe(inputs).logits, want, rtol=1e-5, atol=1e-6)
 
