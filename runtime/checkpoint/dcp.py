@@ -35,6 +35,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
 
+from ..comm import _short
 from ..errors import CheckpointError, PipelineError
 from ..package import Held, _expected_keys
 from . import commit as commits
@@ -66,8 +67,7 @@ def save(view: View, path: str | os.PathLike[str], optimizer: torch.optim.Optimi
     except PipelineError:
         raise
     except Exception as exc:
-        raise CheckpointError(f"rank {view.rank} failed saving checkpoint {final} ({type(exc).__name__}: "
-                              f"{str(exc).strip().splitlines()[0] if str(exc).strip() else ''}); if another rank "
+        raise CheckpointError(f"rank {view.rank} failed saving checkpoint {final} ({_short(exc)}); if another rank "
                               f"stopped, look at its own error. {final} is as it was before this save.") from exc
     if keep is not None and coordinator:
         commits.prune(final.parent, keep)
@@ -175,8 +175,8 @@ def load(view: View, path: str | os.PathLike[str], optimizer: torch.optim.Optimi
     except PipelineError:
         raise
     except Exception as exc:
-        raise CheckpointError(f"checkpoint {root} could not be read ({type(exc).__name__}: {exc}): it is corrupt, "
-                              f"or a rank stopped; load an earlier checkpoint.") from exc
+        raise CheckpointError(f"checkpoint {root} could not be read ({_short(exc)}): it is corrupt, or another "
+                              f"rank stopped (look at its own error); load an earlier checkpoint.") from exc
     return extra
 
 
@@ -184,7 +184,8 @@ def _metadata(where: Path) -> Metadata:
     try:
         return dcp.FileSystemReader(where).read_metadata()
     except Exception as exc:
-        raise CheckpointError(f"checkpoint {where} is corrupt: its .metadata cannot be read ({exc}).") from None
+        raise CheckpointError(f"checkpoint {where} is corrupt: {where / '.metadata'} cannot be read ({_short(exc)}): "
+                              f"load an earlier checkpoint.") from None
 
 
 def _read(view: View, state: dict[str, Any], where: Path) -> None:
