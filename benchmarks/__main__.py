@@ -14,7 +14,7 @@ import time
 import traceback
 
 ALL = ["partition_quality", "solver_scaling", "runtime_vs_peer", "cpu_binding", "simulator_error", "mesh_search",
-       "scale"]
+       "scale", "checkpoint_io"]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,4 +1,4 @@
-"""The command line: `python -m partitioner compile | show | run` (README.md, "Use").
+"""The command line: `python -m partitioner compile | show | run | export` (README.md, "Use").
 
 Exit status: 0 done; 2 the user's input is wrong (one paragraph on stderr naming the thing
 and the fix, no traceback); 1 an internal error (with its traceback, for a bug report).
@@ -15,6 +15,7 @@ import traceback
 from pathlib import Path
 from typing import Any, Sequence
 
+from runtime.checkpoint import run as checkpointing
 from runtime.errors import PipelineError
 from runtime.manifest import Manifest
 
@@ -80,6 +81,12 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--steps", type=int, default=5)
     r.add_argument("--lr", type=float, default=0.01)
     r.add_argument("--trace", help="write a Chrome/Perfetto trace of the steps to this file")
+    checkpointing.add_arguments(r)
+    e = sub.add_parser("export", help="write a checkpoint's weights as safetensors (--hf: a from_pretrained folder)")
+    e.add_argument("ckpt", help="a checkpoint folder of save_checkpoint / run --checkpoint")
+    e.add_argument("--out", required=True, help="the folder to write")
+    e.add_argument("--hf", action="store_true", help="a Hugging Face model's save_pretrained folder")
+    e.add_argument("--max-shard-size", default="5GB", help="split the weights into files of at most this size")
     return parser
 
 
@@ -132,13 +139,26 @@ def _run(ns: argparse.Namespace) -> int:
     argv = [ns.dir, "--nproc", str(ns.nproc), "--steps", str(ns.steps), "--lr", str(ns.lr)]
     if ns.trace:
         argv += ["--trace", ns.trace]
-    return launch.main(argv)
+    checkpointing.check_arguments(ns)
+    return launch.main(argv + checkpointing.worker_arguments(ns))
+
+
+def _export(ns: argparse.Namespace) -> int:
+    from runtime.checkpoint.export import export
+
+    try:
+        limit = parse_size(ns.max_shard_size)
+    except PlanError:
+        raise PlanError(f"--max-shard-size {ns.max_shard_size!r} is not a size: write e.g. 5GB or 500MiB.") from None
+    for path in export(ns.ckpt, ns.out, hf=ns.hf, max_shard_bytes=limit):
+        print(path)
+    return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     ns = _parser().parse_args(argv)
     try:
-        return {"compile": _compile, "show": _show, "run": _run}[ns.command](ns)
+        return {"compile": _compile, "show": _show, "run": _run, "export": _export}[ns.command](ns)
     except (PartitionerError, PipelineError) as exc:
         _fail(str(exc))
         return 2

@@ -8,8 +8,10 @@ over the group `DistributedPipeline` sets up.
 
 from __future__ import annotations
 
+from .checkpoint import latest_checkpoint
 from .distributed import DistributedPipeline
 from .errors import PipelineError
+from .initialize import init_weights
 from .local import LocalPipeline
 from .manifest import FORMAT_VERSION, SCHEDULES, Manifest
 from .schedule import (
@@ -32,6 +34,8 @@ __all__ = [
     "LocalPipeline",
     "DistributedPipeline",
     "PipelineError",
+    "latest_checkpoint",
+    "init_weights",
     "Manifest",
     "FORMAT_VERSION",
     "SCHEDULES",

@@ -1,8 +1,10 @@
 """One rank of `partitioner run` (started by torchrun from runtime/launch.py).
 
 Builds the original model (torch.manual_seed(seed); build_model()) for its initial
-weights, loads them into this rank's stages and trains K SGD steps on the model file's
-example batch; rank 0 prints `step k  loss X.XXXXXX  time Y ms`.
+weights (or, with --init / --load, init_weights / load_checkpoint: checkpoint/run.py),
+loads them into this rank's stages and trains K SGD steps on the model file's example
+batch (with --resume, from the newest checkpoint's step on; --checkpoint saves); rank 0
+prints `step k  loss X.XXXXXX  time Y ms`.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from runtime import DistributedPipeline, package
+from runtime.checkpoint import run as checkpointing
 from runtime.errors import PipelineError
 
 __all__ = ["main"]
@@ -25,14 +28,15 @@ def _train(ns: argparse.Namespace) -> None:
     pipe = DistributedPipeline(ns.dir, trace=ns.trace)
     source = pipe.manifest.source
     model_file = package.load_model_file(pipe.manifest, ns.dir)
-    torch.manual_seed(source.seed)
-    model = getattr(model_file, source.entry)()
-    pipe.load_state_dict(model.state_dict())
-    del model
+    if not checkpointing.initial_weights(pipe, ns, source.seed):
+        torch.manual_seed(source.seed)
+        model = getattr(model_file, source.entry)()
+        pipe.load_state_dict(model.state_dict())
+        del model
     inputs, target = model_file.example_inputs(), model_file.example_target()
     params = pipe.parameters()
     opt = torch.optim.SGD(params, lr=ns.lr) if params else None
-    for k in range(1, ns.steps + 1):
+    for k in range(checkpointing.resume(pipe, opt, ns) + 1, ns.steps + 1):
         start = time.perf_counter()
         if opt is not None:
             opt.zero_grad()
@@ -44,6 +48,7 @@ def _train(ns: argparse.Namespace) -> None:
         ms = (time.perf_counter() - start) * 1e3
         if pipe.rank == 0:
             print(f"step {k}  loss {loss.item():.6f}  time {ms:.1f} ms", flush=True)
+        checkpointing.maybe_save(pipe, opt, ns, k)
     dist.barrier()
     dist.destroy_process_group()
 
@@ -54,6 +59,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--lr", type=float, default=0.01)
     parser.add_argument("--trace")
+    checkpointing.add_arguments(parser)
     ns = parser.parse_args(argv)
     try:
         _train(ns)

@@ -42,7 +42,7 @@ import torch
 import torch.distributed as dist
 import torch.utils._pytree as pytree
 
-from . import clip, messages, modes, optim, package, tp
+from . import checkpoint, clip, initialize, messages, modes, optim, package, tp
 from .comm import GradBuckets, TiedGrads, guard, init_from_env, timeout_from_env, wait
 from .errors import ManifestError, MeshError, PipelineError
 from .faults import parse_fault
@@ -137,11 +137,18 @@ class DistributedPipeline:
         for r in self.runners.values():
             package.load_stage_state(self._tensors(r), state_dict, self.manifest)
 
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        """The full original state_dict on every rank, on CPU (collective)."""
+    def state_dict(self, rank: int | None = None) -> dict[str, torch.Tensor]:
+        """The full original state_dict on every rank, on CPU (collective); with `rank`, on that
+        rank only (the others get {} and never hold the whole model)."""
         mine = [(spec, t.detach().cpu()) for r in self.runners.values() for spec, t in self._tensors(r)]
         gathered: list[Any] = [None] * self.world
-        dist.all_gather_object(gathered, mine if self.replica == 0 else [], group=self.groups.world)
+        if rank is None:
+            dist.all_gather_object(gathered, mine if self.replica == 0 else [], group=self.groups.world)
+        else:
+            dist.gather_object(mine if self.replica == 0 else [], gathered if self.rank == rank else None, dst=rank,
+                               group=self.groups.world)
+            if self.rank != rank:
+                return {}
         return package.assemble_state_dict([p for pieces in gathered for p in pieces], self.manifest)
 
     def parameters(self) -> list[torch.nn.Parameter]:
@@ -294,6 +301,30 @@ class DistributedPipeline:
         gathered: list[Any] = [None] * self.world
         dist.all_gather_object(gathered, mine, group=self.groups.world)
         return concat_outputs([o for r in range(self.dp) for o in gathered[self.mesh.rank(r, last, 0)]])
+
+    # -- checkpoints (runtime/checkpoint/; README "Checkpoints") ------------------------------
+
+    def save_checkpoint(self, path: str | Path, optimizer: torch.optim.Optimizer | None = None, extra: Any = None,
+                        keep: int | None = None) -> Path:
+        """Write checkpoint PATH from every rank in parallel (collective; atomic: complete or
+        invisible); with `keep`, then remove all but the newest `keep` beside it."""
+        return checkpoint.save(self._checkpoint_view(), path, optimizer, extra, keep)
+
+    def load_checkpoint(self, path: str | Path, optimizer: torch.optim.Optimizer | None = None,
+                        strict: bool = True) -> Any:
+        """Restore a checkpoint of `save_checkpoint` from any plan of the model (collective; each
+        rank reads only its own tensors and slices); returns its `extra`."""
+        return checkpoint.load(self._checkpoint_view(), path, optimizer, strict)
+
+    def init_weights(self, seed: int = 0) -> None:
+        """Initialise this process's parameters (its shards only) with the values they have on
+        every plan: runtime.init_weights(model, seed) on the unsplit model gives the same."""
+        initialize.init_pipeline(self._checkpoint_view().held, self.manifest, self.directory, seed)
+
+    def _checkpoint_view(self) -> checkpoint.View:
+        held = [p for r in self.runners.values() for p in self._tensors(r)]
+        return checkpoint.View(self.manifest, held, rank=self.rank, world=self.world, distributed=True,
+                               directory=self.directory, group=self.groups.world)
 
     # -- the interpreter ---------------------------------------------------------------------
 

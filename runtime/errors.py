@@ -15,6 +15,7 @@ __all__ = [
     "BatchError",
     "MeshError",
     "PeerError",
+    "CheckpointError",
 ]
 
 
@@ -44,3 +45,7 @@ class MeshError(PipelineError):
 
 class PeerError(PipelineError):
     """Another rank stopped, failed or timed out while this rank waited on it."""
+
+
+class CheckpointError(PipelineError):
+    """A checkpoint is incomplete, corrupt, or does not match the model (runtime/checkpoint/)."""

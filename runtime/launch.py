@@ -1,5 +1,7 @@
-"""`partitioner run DIR --nproc N [--steps K] [--lr LR] [--trace FILE]`: train a package for
-a few steps, one process per rank, through torchrun (the user-facing contract: README.md, "Use").
+"""`partitioner run DIR --nproc N [--steps K] [--lr LR] [--trace FILE]` (and the checkpoint
+options of checkpoint/run.py: --checkpoint DIR --save-every K --keep N --resume --init --load
+PATH): train a package for a few steps, one process per rank, through torchrun (the
+user-facing contract: README.md, "Use" and "Checkpoints").
 
 The lead's command line calls `main(argv)` with the arguments after `run`; it turns a
 `PipelineError` into exit status 2 and one paragraph.  `python -m runtime.launch ...`
@@ -15,6 +17,7 @@ import sys
 from pathlib import Path
 
 from . import package
+from .checkpoint import run as checkpointing
 from .errors import ManifestError, MeshError, PipelineError
 from .manifest import Manifest
 
@@ -28,14 +31,16 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--steps", type=int, default=5, help="training steps (default 5)")
     parser.add_argument("--lr", type=float, default=0.01, help="SGD learning rate (default 0.01)")
     parser.add_argument("--trace", help="write a Chrome/Perfetto trace of the steps to this file")
+    checkpointing.add_arguments(parser)
     return parser
 
 
-def torchrun_command(directory: str, nproc: int, steps: int, lr: float, trace: str | None) -> list[str]:
-    """The torchrun command line that runs `_worker.py` on every rank."""
+def torchrun_command(directory: str, nproc: int, steps: int, lr: float, trace: str | None,
+                     more: list[str] | None = None) -> list[str]:
+    """The torchrun command line that runs `_worker.py` on every rank (`more`: its checkpoint options)."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
            "-m", "runtime._worker", directory, "--steps", str(steps), "--lr", repr(lr)]
-    return cmd + (["--trace", trace] if trace else [])
+    return cmd + (["--trace", trace] if trace else []) + (more or [])
 
 
 def main(argv: list[str]) -> int:
@@ -54,11 +59,13 @@ def main(argv: list[str]) -> int:
     if ns.steps < 1 or not ns.lr > 0:
         raise PipelineError(f"--steps {ns.steps} --lr {ns.lr}: give at least one step and a positive learning rate.")
     _check_model_file(manifest, ns.dir)
+    checkpointing.check_arguments(ns)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     root = str(Path(__file__).resolve().parents[1])  # so that every rank imports this runtime
     env["PYTHONPATH"] = os.pathsep.join([root] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
     trace = str(Path(ns.trace).resolve()) if ns.trace else None
-    rc = subprocess.call(torchrun_command(str(Path(ns.dir).resolve()), ns.nproc, ns.steps, ns.lr, trace), env=env)
+    rc = subprocess.call(torchrun_command(str(Path(ns.dir).resolve()), ns.nproc, ns.steps, ns.lr, trace,
+                                          checkpointing.worker_arguments(ns)), env=env)
     return 0 if rc == 0 else 1
 
 

@@ -33,7 +33,7 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 import torch.utils._pytree as pytree
 
-from . import clip, modes, optim, package, tp
+from . import checkpoint, clip, initialize, modes, optim, package, tp
 from .comm import timeout_from_env
 from .devices import DeviceLike, StageStreams, resolve_devices
 from .errors import PipelineError
@@ -233,6 +233,30 @@ class LocalPipeline:
                 outs += self._run_lanes(self._forward, mb_inputs, None, None, 1.0)
         self.streams.synchronize()
         return concat_outputs(outs)
+
+    # -- checkpoints (runtime/checkpoint/; README "Checkpoints") ------------------------------
+
+    def save_checkpoint(self, path: str | Path, optimizer: torch.optim.Optimizer | None = None, extra: Any = None,
+                        keep: int | None = None) -> Path:
+        """Write checkpoint PATH (atomic; original names, global shapes, optimizer, `extra`, RNG);
+        with `keep`, then remove all but the newest `keep` checkpoints beside it."""
+        return checkpoint.save(self._checkpoint_view(), path, optimizer, extra, keep)
+
+    def load_checkpoint(self, path: str | Path, optimizer: torch.optim.Optimizer | None = None,
+                        strict: bool = True) -> Any:
+        """Restore a checkpoint of `save_checkpoint` from any plan of the model; returns its `extra`."""
+        return checkpoint.load(self._checkpoint_view(), path, optimizer, strict)
+
+    def init_weights(self, seed: int = 0) -> None:
+        """Initialise this process's parameters (its shards only) with the values they have on
+        every plan: runtime.init_weights(model, seed) on the unsplit model gives the same."""
+        initialize.init_pipeline(self._checkpoint_view().held, self.manifest, self.directory, seed)
+
+    def _checkpoint_view(self) -> checkpoint.View:
+        held = [p for lane in self.lanes for r in lane.runners
+                for p in package.stage_tensors(r.module, r.entry, lane.index)]
+        return checkpoint.View(self.manifest, held, rank=0, world=1, distributed=False,
+                               directory=self.directory)
 
     # -- the interpreter ---------------------------------------------------------------------
 

@@ -1,0 +1,133 @@
+"""Making a checkpoint visible only once it is whole, and finding and pruning complete ones.
+
+[Note: checkpoint commit]
+    A save of PATH writes into PARENT/.NAME.partial (every rank, in parallel), then, after
+    a barrier (every rank has written its files and DCP's coordinator its .metadata), the
+    coordinator writes COMPLETE.json (each file's size, the time, the world size), syncs it
+    and renames the folder to PATH; a second barrier ends the save.  A rank killed at any
+    point before the rename leaves PATH as it was (the previous checkpoint, or nothing) and
+    a .partial folder without a marker, which `verify` refuses and `latest_checkpoint`
+    skips; the next save of the same PATH clears it.  Overwriting an existing PATH moves
+    it to .NAME.old first, so for an instant neither name holds it; give each save its
+    own name (step-000100) to never meet that.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+from ..errors import CheckpointError
+
+__all__ = ["MARKER", "partial_dir", "begin", "commit", "verify", "latest_checkpoint", "prune"]
+
+MARKER = "COMPLETE.json"
+FORMAT = 1
+Barrier = Callable[[], None]
+
+
+def partial_dir(final: Path) -> Path:
+    """Where a save of `final` is written until it is complete."""
+    return final.parent / f".{final.name}.partial"
+
+
+def begin(final: Path, coordinator: bool, barrier: Barrier) -> Path:
+    """Clear and create the partial folder (coordinator), then wait for every rank."""
+    tmp = partial_dir(final)
+    if coordinator:
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        tmp.mkdir(parents=True)
+    barrier()
+    return tmp
+
+
+def commit(final: Path, tmp: Path, coordinator: bool, barrier: Barrier, info: dict[str, Any]) -> None:
+    """After every rank wrote into `tmp`: the marker, then the rename (coordinator)."""
+    barrier()
+    if coordinator:
+        files = {str(p.relative_to(tmp)): p.stat().st_size for p in sorted(tmp.rglob("*")) if p.is_file()}
+        marker = tmp / MARKER
+        with open(marker, "w") as f:
+            json.dump({"format": FORMAT, "saved_at": time.time(), **info, "files": files}, f, indent=1)
+            f.flush()
+            os.fsync(f.fileno())
+        old = final.parent / f".{final.name}.old"
+        if final.exists():
+            if old.exists():
+                shutil.rmtree(old)
+            final.rename(old)
+        tmp.rename(final)
+        _sync_dir(final.parent)
+        if old.exists():
+            shutil.rmtree(old)
+    barrier()
+
+
+def _sync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def verify(path: Path) -> dict[str, Any]:
+    """The marker of a complete checkpoint at `path`; raise CheckpointError naming what is
+    missing, truncated or unreadable."""
+    marker = path / MARKER
+    if not path.is_dir():
+        raise CheckpointError(f"checkpoint {path} does not exist (or is not a folder): give a folder written by "
+                              f"save_checkpoint, or find the newest with runtime.latest_checkpoint(ROOT).")
+    earlier = f"load an earlier one (runtime.latest_checkpoint({str(path.parent)!r}) finds the newest complete one)"
+    if not marker.is_file():
+        raise CheckpointError(f"checkpoint {path} is incomplete: {marker} is missing, so its save did not finish "
+                              f"(a rank stopped during it): {earlier}.")
+    try:
+        info = json.loads(marker.read_text())
+        files = dict(info["files"])
+    except (ValueError, KeyError, TypeError) as exc:
+        raise CheckpointError(f"checkpoint {path} is corrupt: {marker} is not a completion marker ({exc}): "
+                              f"{earlier}.") from None
+    for name, size in files.items():
+        file = path / name
+        if not file.is_file():
+            raise CheckpointError(f"checkpoint {path} is corrupt: {file} is missing: {earlier}.")
+        if file.stat().st_size != size:
+            raise CheckpointError(f"checkpoint {path} is corrupt: {file} has {file.stat().st_size} bytes but was "
+                                  f"written with {size}: {earlier}.")
+    return info  # type: ignore[no-any-return]
+
+
+def _complete(root: Path) -> list[tuple[float, Path]]:
+    """(saved_at, path) of every complete checkpoint directly under `root`."""
+    out = []
+    for child in sorted(root.iterdir()) if root.is_dir() else []:
+        if child.name.startswith(".") or not (child / MARKER).is_file():
+            continue
+        try:
+            out.append((float(verify(child)["saved_at"]), child))
+        except (CheckpointError, KeyError, TypeError, ValueError):
+            continue
+    return sorted(out)
+
+
+def latest_checkpoint(root: str | os.PathLike[str]) -> Path | None:
+    """The newest complete checkpoint directly under `root` (by the time its save
+    finished), or None; incomplete and corrupt ones are skipped."""
+    found = _complete(Path(root))
+    return found[-1][1] if found else None
+
+
+def prune(root: Path, keep: int) -> list[Path]:
+    """Remove all but the newest `keep` complete checkpoints under `root`; the removed."""
+    if keep < 1:
+        raise CheckpointError(f"keep={keep}: keep at least 1 checkpoint (or pass keep=None to keep all).")
+    old = [p for _, p in _complete(root)[:-keep]]
+    for path in old:
+        shutil.rmtree(path)
+    return old

@@ -1,0 +1,281 @@
+"""save_checkpoint / load_checkpoint in torch.distributed.checkpoint's format (the user-facing
+contract: README.md, "Checkpoints").
+
+A checkpoint PATH is two DCP checkpoints:
+
+    PATH/            the model: the ORIGINAL state_dict's keys (aliases included), full
+                     global shapes ([Note: checkpoint chunks]); dcp_to_torch_save(PATH, F)
+                     gives the original model's state_dict
+    PATH/train/      optim/NAME/KEY  an optimizer state of parameter NAME: a tensor shaped
+                                     like the parameter is stored whole (boxes, as the
+                                     parameter), anything else (Adam's step) as an object
+                     optim_group/NAME  the hyperparameters of NAME's param group (lr, ...)
+                     extra           the caller's `extra` (LR scheduler, step, data position)
+                     rng/RANK        each rank's torch RNG states
+    PATH/COMPLETE.json  written last ([Note: checkpoint commit])
+
+Optimizer state is keyed by original names, so it loads onto any plan; any torch.optim
+optimizer whose per-parameter state is tensors shaped like the parameter plus anything
+replicated (SGD, momentum, Adam, AdamW, RMSprop, Adagrad, ...) round-trips.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import os
+import random
+import signal
+import warnings
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
+
+from ..comm import _short
+from ..errors import CheckpointError, PipelineError
+from ..package import Held, _expected_keys
+from . import commit as commits
+from .chunks import Chunked, boxes, collect, global_shape, is_sharded
+from .view import View
+
+__all__ = ["save", "load", "FAULT_ENV"]
+
+FAULT_ENV = "PIPELINE_CHECKPOINT_FAULT"  # test hook: "RANK": that rank SIGKILLs itself mid-save
+
+
+# -- save -----------------------------------------------------------------------------------
+
+
+def save(view: View, path: str | os.PathLike[str], optimizer: torch.optim.Optimizer | None = None,
+         extra: Any = None, keep: int | None = None) -> Path:
+    """Write the checkpoint PATH from every rank (collective); returns PATH."""
+    final = Path(path)
+    coordinator = view.rank == 0
+    try:
+        tmp = commits.begin(final, coordinator, view.barrier)
+        model = _model_state(view)
+        _write(view, model, tmp)
+        _fault_hook(view.rank)
+        _write(view, _train_state(view, optimizer, extra), tmp / "train")
+        commits.commit(final, tmp, coordinator, view.barrier,
+                       {"world": view.world, "manifest_hash": view.manifest.hash, "model_file": view.model_file(),
+                        "entry": view.manifest.source.entry})
+    except PipelineError:
+        raise
+    except Exception as exc:
+        raise CheckpointError(f"rank {view.rank} failed saving checkpoint {final} ({_short(exc)}); if another rank "
+                              f"stopped, look at its own error. {final} is as it was before this save.") from exc
+    if keep is not None and coordinator:
+        commits.prune(final.parent, keep)
+    return final
+
+
+@contextlib.contextmanager
+def _quiet() -> Iterator[None]:
+    """Without DCP's warning that one process saves or loads alone: LocalPipeline means it."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
+
+
+def _write(view: View, state: dict[str, Any], where: Path) -> None:
+    with _quiet():
+        dcp.save(state, storage_writer=dcp.FileSystemWriter(where, sync_files=True),
+                 planner=DefaultSavePlanner(flatten_state_dict=False, flatten_sharded_tensors=False),
+                 no_dist=not view.distributed, process_group=view.group)
+
+
+def _fault_hook(rank: int) -> None:
+    if os.environ.get(FAULT_ENV, "") == str(rank):
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _model_state(view: View) -> dict[str, Any]:
+    state: dict[str, Any] = dict(collect(view.held))
+    for alias, canonical in view.manifest.state_dict_aliases.items():
+        if canonical in state:
+            state[alias] = state[canonical]
+    return state
+
+
+def _train_state(view: View, optimizer: torch.optim.Optimizer | None, extra: Any) -> dict[str, Any]:
+    state: dict[str, Any] = {f"rng/{view.rank}": _rng_state()}
+    if extra is not None:
+        state["extra"] = extra
+    if optimizer is None:
+        return state
+    specs = view.specs()
+    for group in optimizer.param_groups:
+        hyper = {k: v for k, v in group.items() if k != "params"}
+        for p in group["params"]:
+            spec = _spec_of(specs, p)
+            state[f"optim_group/{spec.source_name}"] = hyper
+            for key, value in optimizer.state.get(p, {}).items():
+                _put(state, f"optim/{spec.source_name}/{key}", _state_value(spec, p, key, value))
+    return state
+
+
+def _put(state: dict[str, Any], key: str, value: Any) -> None:
+    """state[key] = value, the boxes of a Chunked joined with those already there (the
+    lanes of a LocalPipeline hold several shards of one tensor)."""
+    held = state.get(key)
+    if isinstance(value, Chunked) and isinstance(held, Chunked):
+        held.hold(value._boxes)
+    else:
+        state[key] = value
+
+
+def _spec_of(specs: dict[int, Held], p: torch.Tensor) -> Held:
+    spec = specs.get(id(p))
+    if spec is None:
+        raise CheckpointError(f"the optimizer holds a tensor of shape {list(p.shape)} that is not a parameter of this "
+                              f"pipeline: build it over pipe.parameters().")
+    return spec
+
+
+def _state_value(spec: Held, p: torch.Tensor, key: str, value: Any) -> Any:
+    """A parameter-shaped state tensor as boxes (resharded on load); anything else as is."""
+    if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape == p.shape:
+        return Chunked(global_shape(spec, p.shape), boxes(spec, value.detach()))  # merged with other lanes' below
+    if isinstance(value, torch.Tensor) and value.dim() > 0 and is_sharded(spec):
+        raise CheckpointError(f"optimizer state {key!r} of {spec.source_name} has shape {list(value.shape)}, neither "
+                              f"the parameter's shard {list(p.shape)} nor a scalar, so it cannot be resharded: use an "
+                              f"optimizer whose state is shaped like its parameters (SGD, Adam, AdamW, ...).")
+    return {"object": value}  # stored whole as an object (device and dtype kept), never resharded
+
+
+def _rng_state() -> dict[str, Any]:
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+    return {"cpu": torch.get_rng_state(), "cuda": cuda, "python": random.getstate()}
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["cpu"])
+    if state.get("cuda") is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+    random.setstate(state["python"])
+
+
+# -- load -----------------------------------------------------------------------------------
+
+
+def load(view: View, path: str | os.PathLike[str], optimizer: torch.optim.Optimizer | None = None,
+         strict: bool = True) -> Any:
+    """Read a checkpoint of `save` into this process's tensors (and `optimizer`); restore this
+    rank's RNG; return the saved `extra` (None if there was none)."""
+    root = Path(path)
+    commits.verify(root)
+    try:
+        _read(view, _model_request(view, root, _metadata(root), strict), root)
+        extra = _load_train(view, root / "train", optimizer)
+    except PipelineError:
+        raise
+    except Exception as exc:
+        raise CheckpointError(f"checkpoint {root} could not be read ({_short(exc)}): it is corrupt, or another "
+                              f"rank stopped (look at its own error); load an earlier checkpoint.") from exc
+    return extra
+
+
+def _metadata(where: Path) -> Metadata:
+    try:
+        return dcp.FileSystemReader(where).read_metadata()
+    except Exception as exc:
+        raise CheckpointError(f"checkpoint {where} is corrupt: {where / '.metadata'} cannot be read ({_short(exc)}): "
+                              f"load an earlier checkpoint.") from None
+
+
+def _read(view: View, state: dict[str, Any], where: Path) -> None:
+    with _quiet():
+        dcp.load(state, storage_reader=dcp.FileSystemReader(where),
+                 planner=DefaultLoadPlanner(flatten_state_dict=False, flatten_sharded_tensors=False),
+                 no_dist=not view.distributed, process_group=view.group)
+    for value in state.values():
+        if isinstance(value, Chunked):
+            value.fill_copies()
+
+
+def _model_request(view: View, root: Path, meta: Metadata, strict: bool) -> dict[str, Any]:
+    """This process's boxes of every tensor the checkpoint has; missing, unexpected and
+    mis-shaped tensors named."""
+    stored = meta.state_dict_metadata
+    keys = _expected_keys(view.manifest)
+    known = {n for names in keys.values() for n in names}
+    unexpected = sorted(k for k in stored if k not in known)
+    missing = sorted(c for c, names in keys.items() if not any(n in stored for n in names))
+    if unexpected or (missing and strict):
+        parts = [f"missing {len(missing)}: {_few(missing)}"] if missing and strict else []
+        parts += [f"unexpected {len(unexpected)}: {_few(unexpected)}"] if unexpected else []
+        raise CheckpointError(f"checkpoint {root} does not match the package's model ({'; '.join(parts)}): load a "
+                              f"checkpoint of the model the package was compiled from"
+                              f"{'' if unexpected else ', or pass strict=False to leave the missing ones as they are'}.")
+    request: dict[str, Any] = {}
+    for name, chunked in collect(view.held).items():
+        key = next((n for n in keys[name] if n in stored), None)
+        if key is None:
+            continue
+        md = stored[key]
+        if not isinstance(md, TensorStorageMetadata) or md.size != chunked.shape:
+            got = list(md.size) if isinstance(md, TensorStorageMetadata) else "an object"
+            raise CheckpointError(f"checkpoint {root}: {key} is {got} but the model's {name} has shape "
+                                  f"{list(chunked.shape)}: load a checkpoint of the model the package was compiled from.")
+        request[key] = chunked
+    return request
+
+
+def _few(names: list[str]) -> str:
+    return ", ".join(names[:6]) + (f" and {len(names) - 6} more" if len(names) > 6 else "")
+
+
+def _load_train(view: View, where: Path, optimizer: torch.optim.Optimizer | None) -> Any:
+    stored = _metadata(where).state_dict_metadata
+    request: dict[str, Any] = {k: None for k in ("extra", f"rng/{view.rank}") if k in stored}
+    fresh: dict[int, dict[str, torch.Tensor]] = {}
+    if optimizer is not None:
+        specs = view.specs()
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                spec = _spec_of(specs, p)
+                mine = fresh.setdefault(id(p), {})
+                for key, md in stored.items():
+                    prefix = f"optim/{spec.source_name}/"
+                    if not key.startswith(prefix):
+                        continue
+                    if isinstance(md, BytesStorageMetadata):
+                        request[key] = None
+                        continue
+                    local = torch.empty(p.shape, dtype=md.properties.dtype, device=p.device)
+                    mine[key[len(prefix):]] = local
+                    _put(request, key, Chunked(global_shape(spec, p.shape), boxes(spec, local)))
+                if f"optim_group/{spec.source_name}" in stored:
+                    request[f"optim_group/{spec.source_name}"] = None
+    _read(view, request, where)
+    if optimizer is not None:
+        _fill_optimizer(optimizer, view.specs(), request, fresh)
+    if f"rng/{view.rank}" in request:
+        _set_rng_state(request[f"rng/{view.rank}"])
+    return request.get("extra")
+
+
+def _fill_optimizer(optimizer: torch.optim.Optimizer, specs: dict[int, Held], loaded: dict[str, Any],
+                    fresh: dict[int, dict[str, torch.Tensor]]) -> None:
+    """Each parameter's state (tensors read into `fresh`, objects from `loaded`) and each
+    group's hyperparameters (from its first parameter saved with them)."""
+    for group in optimizer.param_groups:
+        hyper = None
+        for p in group["params"]:
+            name = specs[id(p)].source_name
+            prefix = f"optim/{name}/"
+            state = {k[len(prefix):]: copy.deepcopy(v["object"]) for k, v in loaded.items()  # each its own (Adam's step += 1)
+                     if k.startswith(prefix) and not isinstance(v, Chunked)}
+            state.update(fresh.get(id(p), {}))
+            if state:
+                optimizer.state[p] = state
+            else:
+                optimizer.state.pop(p, None)
+            hyper = hyper or loaded.get(f"optim_group/{name}")
+        if hyper is not None:
+            group.update({k: v for k, v in hyper.items() if k != "params"})

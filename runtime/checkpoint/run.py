@@ -1,0 +1,87 @@
+"""What `partitioner run --checkpoint DIR --save-every K --resume --init --load PATH` does on
+each rank (runtime/_worker.py calls these; README.md, "Checkpoints")."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..errors import CheckpointError
+from .commit import latest_checkpoint
+
+__all__ = ["add_arguments", "check_arguments", "worker_arguments", "initial_weights", "resume", "maybe_save"]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The checkpoint options of `partitioner run` (the launcher's and the worker's)."""
+    parser.add_argument("--checkpoint", help="save checkpoints under this folder (step-000010, ...)")
+    parser.add_argument("--save-every", type=int, default=0, help="save every K steps (and after the last)")
+    parser.add_argument("--keep", type=int, help="keep only the newest N checkpoints")
+    parser.add_argument("--resume", action="store_true", help="continue from the newest complete checkpoint")
+    start = parser.add_mutually_exclusive_group()
+    start.add_argument("--init", action="store_true", help="initial weights by pipe.init_weights (no whole model)")
+    start.add_argument("--load", help="initial weights from a checkpoint, .safetensors file or Hugging Face folder")
+
+
+def check_arguments(ns: argparse.Namespace) -> None:
+    """A clear error for options that do not fit together."""
+    if (ns.save_every or ns.resume or ns.keep is not None) and not ns.checkpoint:
+        raise CheckpointError("--save-every, --keep and --resume need --checkpoint DIR: the folder the checkpoints "
+                              "are saved in and resumed from.")
+    if ns.save_every < 0 or (ns.keep is not None and ns.keep < 1):
+        raise CheckpointError(f"--save-every {ns.save_every} --keep {ns.keep}: give a step count >= 0 and keep >= 1.")
+    if ns.load and not Path(ns.load).exists():
+        raise CheckpointError(f"--load {ns.load} does not exist: give a checkpoint folder, a .safetensors file or a "
+                              f"Hugging Face model folder.")
+
+
+def worker_arguments(ns: argparse.Namespace) -> list[str]:
+    """The options to hand each rank, paths made absolute."""
+    out = []
+    if ns.checkpoint:
+        out += ["--checkpoint", str(Path(ns.checkpoint).resolve()), "--save-every", str(ns.save_every)]
+    if ns.keep is not None:
+        out += ["--keep", str(ns.keep)]
+    if ns.resume:
+        out.append("--resume")
+    if ns.init:
+        out.append("--init")
+    if ns.load:
+        out += ["--load", str(Path(ns.load).resolve())]
+    return out
+
+
+def initial_weights(pipe: Any, ns: argparse.Namespace, seed: int) -> bool:
+    """--init or --load; False when neither was asked for (the caller loads the whole model)."""
+    if ns.init:
+        pipe.init_weights(seed=seed)
+    elif ns.load:
+        pipe.load_checkpoint(ns.load)
+    return bool(ns.init or ns.load)
+
+
+def resume(pipe: Any, optimizer: torch.optim.Optimizer | None, ns: argparse.Namespace) -> int:
+    """--resume: load the newest complete checkpoint under --checkpoint; the step it was saved
+    after (0 when there is none yet)."""
+    if not ns.resume:
+        return 0
+    path = latest_checkpoint(ns.checkpoint)
+    if path is None:
+        return 0
+    extra = pipe.load_checkpoint(path, optimizer=optimizer)
+    if pipe.rank == 0:
+        print(f"resumed from {path} after step {extra['step']}", flush=True)
+    return int(extra["step"])
+
+
+def maybe_save(pipe: Any, optimizer: torch.optim.Optimizer | None, ns: argparse.Namespace, step: int) -> None:
+    """Save CHECKPOINT/step-NNNNNN every --save-every steps and after the last."""
+    if not ns.checkpoint or not ((ns.save_every and step % ns.save_every == 0) or step == ns.steps):
+        return
+    path = pipe.save_checkpoint(Path(ns.checkpoint) / f"step-{step:06d}", optimizer, extra={"step": step},
+                                keep=ns.keep)
+    if pipe.rank == 0:
+        print(f"saved {path}", flush=True)

@@ -1,0 +1,81 @@
+"""`partitioner run --checkpoint DIR --save-every K --resume --init --load PATH` and
+`partitioner export CKPT --out DIR`: option checks in process, one save-and-resume through torchrun."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Callable
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import runtime
+from driver.cli import main as cli
+from runtime import launch
+from runtime.errors import CheckpointError
+
+from ..conftest import ROOT
+from .conftest import Tiny
+
+
+def test_checkpoint_options_are_checked(make_tiny: Callable[..., Tiny], capsys: pytest.CaptureFixture[str]) -> None:
+    pkg = str(make_tiny(stages=2).dir)
+    with pytest.raises(CheckpointError, match=r"--save-every, --keep and --resume need --checkpoint DIR"):
+        launch.main([pkg, "--nproc", "2", "--save-every", "2"])
+    with pytest.raises(CheckpointError, match=r"--load nowhere does not exist: give a checkpoint folder, a "
+                                              r"\.safetensors file or a Hugging Face model folder"):
+        launch.main([pkg, "--nproc", "2", "--load", "nowhere"])
+    assert cli(["run", pkg, "--nproc", "2", "--resume"]) == 2
+    assert "need --checkpoint DIR" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        launch.main([pkg, "--nproc", "2", "--init", "--load", pkg])
+    assert cli(["export", pkg, "--out", pkg + "-x"]) == 2
+    assert "is incomplete" in capsys.readouterr().err
+
+
+def _run(cwd: Path, *args: str) -> str:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "PIPELINE_TIMEOUT_S": "30"}
+    proc = subprocess.Popen([sys.executable, "-m", "partitioner", "run", "pkg", "--nproc", "2", "--lr", "0.1", *args],
+                            cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=120)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+    assert proc.returncode == 0, out[-3000:]
+    return out
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(250)
+def test_run_saves_resumes_and_exports(make_tiny: Callable[..., Tiny], tmp_path: Path) -> None:
+    t = make_tiny(stages=2, microbatches=2)
+    cwd = t.dir.parent
+    first = _run(cwd, "--steps", "3", "--checkpoint", "ck", "--save-every", "2", "--keep", "2", "--init")
+    assert sorted(p.name for p in (cwd / "ck").iterdir()) == ["step-000002", "step-000003"]
+    second = _run(cwd, "--steps", "5", "--checkpoint", "ck", "--save-every", "2", "--resume", "--keep", "2")
+    assert "after step 3" in second
+    got = [float(x) for x in re.findall(r"^step \d+  loss (\d+\.\d{6})", first + second, re.M)]
+    # the same: init_weights and 5 SGD steps in one process
+    pipe = runtime.LocalPipeline(t.dir)
+    pipe.init_weights(seed=0)
+    opt = torch.optim.SGD(pipe.parameters(), lr=0.1)
+    want = []
+    for _ in range(5):
+        opt.zero_grad()
+        want.append(pipe.train_step(*t.batch()).item())
+        opt.step()
+    assert got == pytest.approx(want, rel=1e-5, abs=2e-6), first + second
+    assert sorted(p.name for p in (cwd / "ck").iterdir()) == ["step-000004", "step-000005"]
+    assert cli(["export", str(cwd / "ck" / "step-000005"), "--out", str(tmp_path / "out")]) == 0
+    exported, final = load_file(tmp_path / "out" / "model.safetensors"), pipe.state_dict()
+    assert set(exported) == set(final)
+    for name, value in final.items():
+        torch.testing.assert_close(exported[name], value, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
