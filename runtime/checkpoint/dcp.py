@@ -108,15 +108,36 @@ def _train_state(view: View, optimizer: torch.optim.Optimizer | None, extra: Any
         state["extra"] = extra
     if optimizer is None:
         return state
-    specs = view.specs()
+    specs, holder = view.specs(), _holder(optimizer)
     for group in optimizer.param_groups:
         hyper = {k: v for k, v in group.items() if k != "params"}
         for p in group["params"]:
-            spec = _spec_of(specs, p)
-            state[f"optim_group/{spec.source_name}"] = hyper
-            for key, value in optimizer.state.get(p, {}).items():
-                _put(state, f"optim/{spec.source_name}/{key}", _state_value(spec, p, key, value))
+            state[f"optim_group/{_spec_of(specs, p).source_name}"] = hyper
+    for p in _params(holder):  # the parameters whose state this process keeps ([Note: ZeRO-1 state])
+        spec = _spec_of(specs, p)
+        for key, value in holder.state.get(p, {}).items():
+            _put(state, f"optim/{spec.source_name}/{key}", _state_value(spec, p, key, value))
     return state
+
+
+def _holder(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """The optimizer that keeps this process's per-parameter state.
+
+    [Note: ZeRO-1 state]
+        Under `--zero 1` the pipeline's optimizer is torch's ZeroRedundancyOptimizer: each
+        data-parallel replica keeps the state of the parameters it owns in its local
+        optimizer (`.optim`).  A save writes each replica's own states, so together the
+        replicas write every parameter's state once; a load asks each process for the
+        states of the parameters it owns now, on whatever plan, so a checkpoint moves
+        between ZeRO-1 and plain optimizers and between dp degrees.  Hyperparameters
+        (lr, betas, ...) live in the wrapper's groups, which list every parameter."""
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    return optimizer.optim if isinstance(optimizer, ZeroRedundancyOptimizer) else optimizer
+
+
+def _params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    return [p for group in optimizer.param_groups for p in group["params"]]
 
 
 def _put(state: dict[str, Any], key: str, value: Any) -> None:
@@ -236,22 +257,23 @@ def _load_train(view: View, where: Path, optimizer: torch.optim.Optimizer | None
     fresh: dict[int, dict[str, torch.Tensor]] = {}
     if optimizer is not None:
         specs = view.specs()
-        for group in optimizer.param_groups:
-            for p in group["params"]:
-                spec = _spec_of(specs, p)
-                mine = fresh.setdefault(id(p), {})
-                for key, md in stored.items():
-                    prefix = f"optim/{spec.source_name}/"
-                    if not key.startswith(prefix):
-                        continue
-                    if isinstance(md, BytesStorageMetadata):
-                        request[key] = None
-                        continue
-                    local = torch.empty(p.shape, dtype=md.properties.dtype, device=p.device)
-                    mine[key[len(prefix):]] = local
-                    _put(request, key, Chunked(global_shape(spec, p.shape), boxes(spec, local)))
-                if f"optim_group/{spec.source_name}" in stored:
-                    request[f"optim_group/{spec.source_name}"] = None
+        for p in _params(optimizer):
+            name = _spec_of(specs, p).source_name
+            if f"optim_group/{name}" in stored:
+                request[f"optim_group/{name}"] = None
+        for p in _params(_holder(optimizer)):  # [Note: ZeRO-1 state]
+            spec = _spec_of(specs, p)
+            mine = fresh.setdefault(id(p), {})
+            prefix = f"optim/{spec.source_name}/"
+            for key, md in stored.items():
+                if not key.startswith(prefix):
+                    continue
+                if isinstance(md, BytesStorageMetadata):
+                    request[key] = None
+                    continue
+                local = torch.empty(p.shape, dtype=md.properties.dtype, device=p.device)
+                mine[key[len(prefix):]] = local
+                _put(request, key, Chunked(global_shape(spec, p.shape), boxes(spec, local)))
     _read(view, request, where)
     if optimizer is not None:
         _fill_optimizer(optimizer, view.specs(), request, fresh)
@@ -262,20 +284,21 @@ def _load_train(view: View, where: Path, optimizer: torch.optim.Optimizer | None
 
 def _fill_optimizer(optimizer: torch.optim.Optimizer, specs: dict[int, Held], loaded: dict[str, Any],
                     fresh: dict[int, dict[str, torch.Tensor]]) -> None:
-    """Each parameter's state (tensors read into `fresh`, objects from `loaded`) and each
-    group's hyperparameters (from its first parameter saved with them)."""
+    """Each parameter's state (tensors read into `fresh`, objects from `loaded`) into the
+    optimizer that keeps it ([Note: ZeRO-1 state]), and each group's hyperparameters (from
+    its first parameter saved with them)."""
+    holder = _holder(optimizer)
+    for p in _params(holder):
+        prefix = f"optim/{specs[id(p)].source_name}/"
+        state = {k[len(prefix):]: copy.deepcopy(v["object"]) for k, v in loaded.items()  # each its own (Adam's step += 1)
+                 if k.startswith(prefix) and not isinstance(v, Chunked)}
+        state.update(fresh.get(id(p), {}))
+        if state:
+            holder.state[p] = state
+        else:
+            holder.state.pop(p, None)
     for group in optimizer.param_groups:
-        hyper = None
-        for p in group["params"]:
-            name = specs[id(p)].source_name
-            prefix = f"optim/{name}/"
-            state = {k[len(prefix):]: copy.deepcopy(v["object"]) for k, v in loaded.items()  # each its own (Adam's step += 1)
-                     if k.startswith(prefix) and not isinstance(v, Chunked)}
-            state.update(fresh.get(id(p), {}))
-            if state:
-                optimizer.state[p] = state
-            else:
-                optimizer.state.pop(p, None)
-            hyper = hyper or loaded.get(f"optim_group/{name}")
+        hyper = next((loaded[k] for k in (f"optim_group/{specs[id(p)].source_name}" for p in group["params"])
+                      if loaded.get(k) is not None), None)
         if hyper is not None:
             group.update({k: v for k, v in hyper.items() if k != "params"})

@@ -36,7 +36,7 @@ from runtime.errors import PipelineError  # noqa: E402
 def _phase(phase: str, pkg: str, root: Path, outdir: Path) -> None:
     pipe = runtime.DistributedPipeline(pkg)
     mf = package.load_model_file(pipe.manifest, pkg)
-    opt = torch.optim.AdamW(pipe.parameters(), lr=0.01, weight_decay=0.1)
+    opt = pipe.make_optimizer(torch.optim.AdamW, lr=0.01, weight_decay=0.1)  # ZeRO-1 where compiled so
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
     step = 0
 

@@ -82,10 +82,13 @@ def test_save_crash_resume_on_two_ranks(tmp_path: Path) -> None:
 
 
 @pytest.mark.multiproc
-@pytest.mark.parametrize("mesh", [dict(tp=2), dict(tp=1, dp=2)], ids=["pp2-tp2", "pp2-dp2"])
+@pytest.mark.parametrize("mesh", [dict(tp=2), dict(tp=1, dp=2), dict(tp=1, dp=2, zero=1)],
+                         ids=["pp2-tp2", "pp2-dp2", "pp2-dp2-zero1"])
 def test_resume_on_another_mesh_on_two_ranks(mesh: dict[str, int], tmp_path: Path) -> None:
     """A checkpoint LocalPipeline wrote on 2 stages, resumed on 2 ranks of tp 2 (sharded reads,
-    a qkv in 3 blocks) or of dp 2 (both replicas write the same boxes: DCP keeps one)."""
+    a qkv in 3 blocks) or of dp 2 (both replicas write the same boxes: DCP keeps one), or of
+    dp 2 under ZeRO-1 (each replica reads and writes the states of the parameters it owns),
+    and read back in one process."""
     root = tmp_path / "ckpts"
     first = write_tp_package(tmp_path / "pp2", stages=2, tp=1)
     pipe = runtime.LocalPipeline(first)

@@ -124,7 +124,7 @@ def _shard(dim: int | None, t: int, blocks: int) -> Shard:
 
 
 def write_tp_package(root: Path, stages: int = 2, tp: int = 2, dp: int = 1, microbatches: int = 2,
-                     schedule: str = "1f1b", name: str = "pkg") -> Path:
+                     schedule: str = "1f1b", name: str = "pkg", zero: int = 0) -> Path:
     """Write tp_net.py into `root` and a package for it into root/name; return the package dir."""
     root.mkdir(parents=True, exist_ok=True)
     (root / "tp_net.py").write_text(MODEL)
@@ -151,6 +151,7 @@ def write_tp_package(root: Path, stages: int = 2, tp: int = 2, dp: int = 1, micr
         ))
         (out / f"stage_{k}.py").write_text(_source(k, stages, reads, params, body, rows, "output" if last else "(y,)"))
     manifest = Manifest(
+        options={"zero": zero} if zero else {},
         source=Source("tp_net.py", hashlib.sha256(MODEL.encode()).hexdigest(), "build_model", 0),
         tracer="fx",
         mesh=Mesh(stages, tp, dp),
