@@ -20,9 +20,14 @@ import torch.fx
 import torch.nn.functional as F
 import torch.utils._pytree as pytree
 
+from partitioner.trace.batch import BatchInt
+
 from .names import attr_name, section
 
-__all__ = ["StageSource", "format_value", "attr_name"]
+__all__ = ["BATCH", "StageSource", "format_value", "attr_name", "uses_batch"]
+
+#: the name a stage gives its microbatch's rows when sizes follow them ([Note: free batch])
+BATCH = "batch"
 
 _BINARY = {
     operator.add: "+", operator.sub: "-", operator.mul: "*", operator.truediv: "/",
@@ -42,6 +47,8 @@ def format_value(value: Any, names: dict[torch.fx.Node, str]) -> str:
     """A node argument as Python source."""
     if isinstance(value, torch.fx.Node):
         return names[value]
+    if isinstance(value, BatchInt):
+        return value.expr(BATCH)
     if isinstance(value, tuple):
         items = [format_value(v, names) for v in value]
         return f"({items[0]},)" if len(items) == 1 else f"({', '.join(items)})"
@@ -64,6 +71,19 @@ def format_value(value: Any, names: dict[torch.fx.Node, str]) -> str:
     if isinstance(value, (int, bool, str, type(None))):
         return repr(value)
     raise EmitError(f"cannot write a constant of type {type(value).__name__}: {value!r}")
+
+
+def uses_batch(nodes: list[torch.fx.Node]) -> bool:
+    """Whether any of `nodes` has an argument that follows the batch size (a BatchInt)."""
+    found: list[bool] = []
+
+    def visit(value: Any) -> Any:
+        found.append(isinstance(value, BatchInt))
+        return value
+
+    for node in nodes:
+        torch.fx.node.map_aggregate((node.args, node.kwargs), visit)
+    return any(found)
 
 
 def _format_index(index: Any, names: dict[torch.fx.Node, str]) -> str:

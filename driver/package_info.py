@@ -58,7 +58,7 @@ def package_info(p: Prepared, plan: Plan, predicted: dict[str, Any]) -> PackageI
         unused_params={k for k, t in unused.items() if isinstance(t, torch.nn.Parameter)},
         predicted=predicted, options=options, tp=plan.tp,
         shards=dict(sharded.params) if sharded is not None else {},
-        tensor_parallel=_tp_summary(sharded), recompute=plan.recompute,
+        tensor_parallel=_tp_summary(sharded), recompute=plan.recompute, free_batch=p.free_batch,
     )
 
 

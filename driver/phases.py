@@ -24,7 +24,7 @@ from partitioner.solve.problem import coarse_graph, make_plan, pose
 from partitioner.solve.solve import solve
 from partitioner.tp import Sharded, shard
 from partitioner.trace import model_file
-from partitioner.trace.passes import propagate, specialize
+from partitioner.trace.passes import probe, propagate, specialize
 from partitioner.trace.trace import Traced, by_input_key, copy_traced, trace
 
 from .costs import node_costs, stage_costs
@@ -72,8 +72,9 @@ def prepare(opts: CompileOptions, say: Callable[[str], None] = lambda _m: None, 
     # 2. trace, and specialise to the microbatch shape (partitioner.trace).
     traced = _trace(src, margs, mkwargs, opts, rows, say)
     by_key = by_input_key(margs, mkwargs)
+    free = probe(traced.gm, by_key, traced.input_keys, mf.batch_dims, rows)  # [Note: free batch]
     values = propagate(traced.gm, [by_key[key] for _name, key in traced.input_keys], opts.model)
-    specialize(traced.gm, values)
+    free_batch = specialize(traced.gm, values, free, rows)
     phase("trace")
     # 3. cost every node, measured (cached) or analytic (partitioner.cost).
     hardware = load_hardware(opts.hardware)
@@ -90,7 +91,7 @@ def prepare(opts: CompileOptions, say: Callable[[str], None] = lambda _m: None, 
     problem = pose(coarse, mesh, hardware)
     phase("coarsen")
     return Prepared(opts, mf, model, traced, costs, hardware, problem, coarse.blocks, batch, rows, args, kwargs,
-                    mesh, timings, whole, sharded, coarse, values if sharded is None else None, say)
+                    mesh, timings, whole, sharded, coarse, values if sharded is None else None, say, free_batch)
 
 
 def _trace(src: Source, margs: tuple[Any, ...], mkwargs: dict[str, Any], opts: CompileOptions, rows: int,
@@ -100,7 +101,7 @@ def _trace(src: Source, margs: tuple[Any, ...], mkwargs: dict[str, Any], opts: C
     if src.generic is not None:
         return copy_traced(src.generic)
     say(f"tracing {opts.model} ({type(src.model).__name__}, microbatch of {rows} rows)")
-    traced = trace(src.model, margs, mkwargs, opts.tracer, opts.model)
+    traced = trace(src.model, margs, mkwargs, opts.tracer, opts.model, src.mf.batch_dims)
     if traced.tracer == "fx":
         src.generic = copy_traced(traced)
     return traced

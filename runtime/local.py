@@ -138,10 +138,12 @@ class LocalPipeline:
         snapshots = [lane.tied.snapshot() for lane in self.lanes]
         total: torch.Tensor | None = None
         try:
+            rows = package.microbatch_rows(inputs, self.manifest)
+            scales = package.loss_scales(rows, dp)  # [Note: microbatch weights]
             for replica in range(dp):
                 mb_inputs = package.split_inputs(inputs, self.manifest, replica)
-                targets = package.split_target(target, m, replica, dp, self.manifest.batch_size)
-                loss = self._run_lanes(self._train, mb_inputs, targets, fn, float(m * dp))
+                targets = package.split_target(target, m, replica, dp, sum(rows) * dp)
+                loss = self._run_lanes(self._train, mb_inputs, targets, fn, scales)
                 total = loss if total is None else total + loss
         except BaseException:
             for lane in self.lanes:
@@ -160,14 +162,14 @@ class LocalPipeline:
         with torch.no_grad():
             for replica in range(self.manifest.mesh.dp):
                 mb_inputs = package.split_inputs(inputs, self.manifest, replica)
-                outs += self._run_lanes(self._forward, mb_inputs, None, None, 1.0)
+                outs += self._run_lanes(self._forward, mb_inputs, None, None, [])
         self.streams.synchronize()
         return concat_outputs(outs)
 
     # -- the interpreter ---------------------------------------------------------------------
 
     def _run_lanes(self, order: list[tuple[int, Action]], mb_inputs: list[dict[str, Any]],
-                   targets: list[Any] | None, loss_fn: LossFn | None, scale: float) -> Any:
+                   targets: list[Any] | None, loss_fn: LossFn | None, scale: list[float]) -> Any:
         """`_run` in every lane at once (step 2), each lane in its own thread, lane 0 in
         this one; returns lane 0's result, or raises the first lane's failure."""
         group = self._group
@@ -202,7 +204,7 @@ class LocalPipeline:
         return results[0]
 
     def _run(self, lane: _Lane, order: list[tuple[int, Action]], mb_inputs: list[dict[str, Any]],
-             targets: list[Any] | None, loss_fn: LossFn | None, scale: float) -> Any:
+             targets: list[Any] | None, loss_fn: LossFn | None, scale: list[float]) -> Any:
         """Interpret one replica's actions in one lane; returns the summed loss (training) or
         the list of microbatch outputs (forward only)."""
         outputs: dict[tuple[int, int], dict[str, Any]] = {}
@@ -223,7 +225,7 @@ class LocalPipeline:
                     elif train:
                         assert loss_fn is not None and targets is not None
                         target = pytree.tree_map(lambda x: self.streams.move(x, None, s), targets[i])
-                        total = total + runner.loss(i, out, target, loss_fn, scale)
+                        total = total + runner.loss(i, out, target, loss_fn, scale[i])
                     else:
                         results.append(out)
             elif a.kind == Kind.B:

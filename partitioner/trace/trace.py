@@ -99,15 +99,17 @@ def trace(
     kwargs: dict[str, Any],
     tracer: str = "auto",
     model_path: str = "",
+    batch_dims: dict[Any, int] | None = None,
 ) -> Traced:
-    """Trace `model` called as `model(*args, **kwargs)` into an fx graph."""
+    """Trace `model` called as `model(*args, **kwargs)` into an fx graph; with
+    `batch_dims` (input key -> dim), export leaves those dimensions dynamic ([Note: free batch])."""
     if tracer not in TRACERS:
         raise TraceError(f"unknown --tracer {tracer!r}: choose one of {', '.join(TRACERS)}.")
     order = ["fx", "export"] if tracer == "auto" else [tracer]
     failures: list[tuple[str, BaseException]] = []
     for name in order:
         try:
-            traced = _trace_fx(model, args, kwargs) if name == "fx" else _trace_export(model, args, kwargs)
+            traced = _trace_fx(model, args, kwargs) if name == "fx" else _trace_export(model, args, kwargs, batch_dims)
             _check_runs(traced, model, args, kwargs)
             return traced
         except Exception as exc:  # every tracer failure is reported together below
@@ -167,14 +169,32 @@ def _plain(value: Any) -> Any:
 # -- export ------------------------------------------------------------------------------
 
 
-def _trace_export(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Traced:
+def _dynamic_shapes(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
+                    batch_dims: dict[Any, int] | None) -> dict[str, Any] | None:
+    """export's `dynamic_shapes`: each tensor input's batch dimension left to export
+    (`Dim.AUTO`: dynamic where the model allows it, else specialised, which the probes of
+    [Note: free batch] then find)."""
+    if batch_dims is None:
+        return None
+    names = [p.name for p in inspect.signature(model.forward).parameters.values()]
+    spec: dict[str, Any] = {}
+    for key, value in [*enumerate(args), *kwargs.items()]:
+        name = names[key] if isinstance(key, int) else str(key)
+        dim = batch_dims.get(key, 0)
+        spec[name] = {dim: torch.export.Dim.AUTO} if isinstance(value, torch.Tensor) and value.dim() > dim else None
+    return spec
+
+
+def _trace_export(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
+                  batch_dims: dict[Any, int] | None = None) -> Traced:
     # export logs and prints its own failures (graph dumps, tracebacks); the TraceError
     # we raise says what matters, so its output is silenced while it runs.
     logging.disable(logging.CRITICAL)
     try:
         with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
             warnings.simplefilter("ignore")
-            ep = torch.export.export(model, args, kwargs, strict=False)
+            ep = torch.export.export(model, args, kwargs, strict=False,
+                                     dynamic_shapes=_dynamic_shapes(model, args, kwargs, batch_dims))
     finally:
         logging.disable(logging.NOTSET)
     gm = ep.module()

@@ -10,6 +10,7 @@ in this same process; prints "RANK ok" and exits 0, or a traceback and exits 1.
 A sharded parameter's gradient is compared with its shard of the reference gradient.
 MODE fault: trains (PIPELINE_FAULT stops one rank); a PipelineError prints its message
 and exits 3.  MODE tp: the unit checks of runtime/tp.py (tp_checks.py; PKG unused).
+MODE short: as check, on the example batch's first SHORT_ROWS rows (a short last batch).
 Once a rank fails, the others are killed after GRACE_S (as torchrun does).
 """
 
@@ -51,11 +52,21 @@ def _model_file(path: str):  # type: ignore[no-untyped-def]
     return module
 
 
-def _check(pkg: str, model_path: str) -> None:
+def _short(pkg: str, model_path: str) -> None:
+    _check(pkg, model_path, int(os.environ["SHORT_ROWS"]))
+
+
+def _first_rows(value: object, rows: int | None) -> object:
+    """`value`'s first `rows` rows along dim 0 (every tensor leaf); all of it for None."""
+    cut = (lambda t: t[:rows] if isinstance(t, torch.Tensor) and t.dim() else t)
+    return value if rows is None else torch.utils._pytree.tree_map(cut, value)
+
+
+def _check(pkg: str, model_path: str, rows: int | None = None) -> None:
     mf = _model_file(model_path)
     torch.manual_seed(0)
     model = mf.build_model()
-    inputs, target = mf.example_inputs(), mf.example_target()
+    inputs, target = _first_rows(mf.example_inputs(), rows), _first_rows(mf.example_target(), rows)
     pipe = runtime.DistributedPipeline(pkg)
     pipe.load_state_dict(model.state_dict())
     # one step: loss on every rank, every local gradient
@@ -146,7 +157,7 @@ def _rank(r: int, mode: str, pkg: str, model_path: str, outdir: Path) -> int:
     os.dup2(out, 1)
     os.dup2(err, 2)
     try:
-        {"check": _check, "fault": _fault, "tp": _tp}[mode](pkg, model_path)
+        {"check": _check, "fault": _fault, "tp": _tp, "short": _short}[mode](pkg, model_path)
     except PipelineError as exc:
         print(f"PipelineError: {exc}", file=sys.stderr, flush=True)
         return 3
