@@ -6,7 +6,9 @@ Like fx's own passes, each takes a GraphModule and writes `node.meta`:
   (returned) and `node.meta["tensor_meta"]` (fx's `TensorMetadata`).
 - `specialize` folds every non-tensor value (sizes, Python numbers) into a constant for that
   microbatch shape and drops assertions, so only tensors are left to cross stage
-  boundaries.  The package is then fixed to the microbatch shape, which the manifest records.
+  boundaries.  The package is then fixed to the microbatch shape, which the manifest records,
+  but for sizes that follow the batch: with the runs of `probe`, those fold into
+  `batch.BatchInt`s that codegen writes as expressions of the batch ([Note: free batch]).
 """
 
 from __future__ import annotations
