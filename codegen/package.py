@@ -61,6 +61,7 @@ class PackageInfo:
     tensor_parallel: dict[str, Any] = field(default_factory=dict)  # the manifest's block (rules, collectives)
     recompute: bool = False  # every stage runs its forward again in backward (the stages' "recompute")
     free_batch: bool = False  # sizes that follow the batch are read from the inputs ([Note: free batch])
+    precision: str = "fp32"  # runtime.precision ([Note: mixed precision])
 
 
 def emit(out: str | Path, gm: torch.fx.GraphModule, plan: Plan, info: PackageInfo) -> dict[str, Any]:
@@ -200,6 +201,7 @@ def _manifest(plan: Plan, info: PackageInfo, stages: list[StageSpec]) -> Manifes
         virtual_stages=plan.virtual_stages,
         batch_size=info.batch_size,
         free_dims=("batch",) if info.free_batch else (),
+        precision=info.precision,
         inputs=tuple(_model_input(i) for i in info.inputs),
         stages=tuple(stages),
         tied_parameters=tuple(TiedParameter(n, tuple(s)) for n, s in tied.items() if len(s) > 1),

@@ -16,6 +16,7 @@ from partitioner.errors import PlanError
 from partitioner.ir import SCHEDULES
 from partitioner.solve.problem import Mesh
 from partitioner.trace import model_file
+from runtime.precision import BUILT, PRECISIONS
 
 __all__ = ["CompileOptions", "batch_size", "check", "fixed_tp", "default_microbatches", "mesh_of", "rows_per_microbatch",
            "split_batch"]
@@ -47,6 +48,7 @@ class CompileOptions:
     quiet: bool = False
     meta: bool | None = None  # build on the meta device; None: when --analytic and too big to build
     recompute: bool = False  # activation recomputation: stages keep their inputs, run forward again in backward
+    precision: str = "fp32"  # runtime.precision.PRECISIONS; those in BUILT compile ([Note: mixed precision])
 
 
 def check(opts: CompileOptions) -> tuple[int, int, int]:
@@ -79,6 +81,10 @@ def check(opts: CompileOptions) -> tuple[int, int, int]:
             f"the interleaved schedule needs --microbatches to be a multiple of --stages "
             f"({microbatches} is not a multiple of {pp}): use --microbatches {2 * pp}."
         )
+    if opts.precision not in BUILT:
+        what = "is not built yet" if opts.precision in PRECISIONS else "is unknown"
+        raise PlanError(f"--precision {opts.precision} {what}: the precisions available are {', '.join(BUILT)} "
+                        f"(bf16-mixed: torch.autocast with bfloat16 around every stage's forward).")
     if opts.optimizer not in ("adam", "adamw", "sgd", "momentum"):
         raise PlanError(f"unknown --optimizer {opts.optimizer!r}: choose adam, sgd or momentum.")
     return pp, virtual, microbatches

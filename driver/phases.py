@@ -25,7 +25,8 @@ from partitioner.solve.solve import solve
 from partitioner.tp import Sharded, shard
 from partitioner.trace import model_file
 from partitioner.trace.passes import probe, propagate, specialize
-from partitioner.trace.trace import Traced, by_input_key, copy_traced, trace
+from partitioner.trace.trace import Traced, by_input_key, check_autocast, copy_traced, trace
+from runtime.precision import autocast
 
 from .costs import node_costs, stage_costs
 from .options import (CompileOptions, batch_size, check, default_microbatches, fixed_tp, mesh_of, rows_per_microbatch,
@@ -71,14 +72,16 @@ def prepare(opts: CompileOptions, say: Callable[[str], None] = lambda _m: None, 
     phase("load")
     # 2. trace, and specialise to the microbatch shape (partitioner.trace).
     traced = _trace(src, margs, mkwargs, opts, rows, say)
+    check_autocast(traced, opts.precision)
     by_key = by_input_key(margs, mkwargs)
-    free = probe(traced.gm, by_key, traced.input_keys, mf.batch_dims, rows)  # [Note: free batch]
-    values = propagate(traced.gm, [by_key[key] for _name, key in traced.input_keys], opts.model)
+    with autocast(opts.precision):  # the values' dtypes are the autocast run's ([Note: mixed precision])
+        free = probe(traced.gm, by_key, traced.input_keys, mf.batch_dims, rows)  # [Note: free batch]
+        values = propagate(traced.gm, [by_key[key] for _name, key in traced.input_keys], opts.model)
     free_batch = specialize(traced.gm, values, free, rows)
     phase("trace")
     # 3. cost every node, measured (cached) or analytic (partitioner.cost).
     hardware = load_hardware(opts.hardware)
-    with rank_threads():  # measured as a rank will compute
+    with rank_threads(), autocast(opts.precision):  # measured as a rank will compute
         costs = node_costs(traced.gm, values, hardware, opts, say)
     phase("cost")
     # 4. tp: the split per node, and the graph one rank runs (partitioner.tp).
@@ -159,7 +162,8 @@ def emit_plan(p: Prepared, plan: Plan, extra: dict[str, Any] | None = None) -> C
     """Phases 6 and 7 for `plan`: predict its step, emit its package."""
     start = time.perf_counter()
     # 6. predict the step (partitioner.predict), on node costs calibrated per stage where they are measured.
-    costs = stage_costs(p, plan)
+    with autocast(p.opts.precision):
+        costs = stage_costs(p, plan)
     predicted = predict(p.traced.gm, plan, costs, p.hardware, cost_source="analytic" if p.opts.analytic else "measured",
                         model_flops=model_flops(p))
     predicted.update(rounded(extra or {}))

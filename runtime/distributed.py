@@ -109,7 +109,7 @@ class DistributedPipeline:
         self.groups = make_groups(m, g, self.rank)
         self._set_tp_group()
         # 3. this rank's stages (tied copies within the rank are one shared Parameter)
-        self.runners = {s: StageRunner(package.import_stage(directory, m, s).to(self.device), m.stages[s])
+        self.runners = {s: StageRunner(package.import_stage(directory, m, s).to(self.device), m.stages[s], m.precision)
                         for s in self.stages}
         self._share_tied()
         # 4. the schedule: every rank lowers and validates the whole one, then keeps its row

@@ -93,7 +93,7 @@ class LocalPipeline:
         m = self.manifest
         modules = [package.import_stage(self.directory, m, k).to(self.devices[k]) for k in range(len(m.stages))]
         tied = _share_tied(modules, m, self.devices)
-        return _Lane(index, [StageRunner(mod, m.stages[k]) for k, mod in enumerate(modules)], tied)
+        return _Lane(index, [StageRunner(mod, m.stages[k], m.precision) for k, mod in enumerate(modules)], tied)
 
     # -- the contract ------------------------------------------------------------------------
 

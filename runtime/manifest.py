@@ -22,6 +22,7 @@ from typing import Any, Literal, Mapping
 from ._fields import (_array, _Bad, _bool, _count, _from, _index, _int, _ints, _is_int, _key, _mapping, _number,
                       _Obj, _opt_int, _opt_str, _shape, _str, _strs, _to)
 from .errors import ManifestError
+from .precision import BUILT
 
 __all__ = [
     "FORMAT_VERSION",
@@ -291,6 +292,8 @@ class Manifest:
     #: when set.  With "batch", a value crossing stages whose `batch_dim` is set has, along
     #: it, its `shape` scaled by the microbatch's rows over the compiled rows.
     free_dims: tuple[str, ...] = ()
+    #: `compile --precision` (runtime.precision), written only when not "fp32"
+    precision: str = "fp32"
     tied_parameters: tuple[TiedParameter, ...] = ()
     state_dict_aliases: Mapping[str, str] = field(default_factory=dict)  # extra state_dict key -> canonical name
     meta_constants: tuple[str, ...] = ()
@@ -305,6 +308,7 @@ class Manifest:
             "tracer": self.tracer, "options": dict(self.options), "mesh": self.mesh.to_dict(),
             "schedule": self.schedule, "microbatches": self.microbatches, "virtual_stages": self.virtual_stages,
             "batch_size": self.batch_size, **({"free_dims": list(self.free_dims)} if self.free_dims else {}),
+            **({"precision": self.precision} if self.precision != "fp32" else {}),
             "inputs": [i.to_dict() for i in self.inputs],
             "stages": [s.to_dict() for s in self.stages],
             "tied_parameters": [t.to_dict() for t in self.tied_parameters],
@@ -444,6 +448,7 @@ def _read_manifest(data: Mapping[str, Any]) -> Manifest:
         format_version=FORMAT_VERSION, generator=m.get("generator", _str, ""), tracer=m.get("tracer", _str, ""),
         options=m.get("options", _mapping, {}), virtual_stages=m.get("virtual_stages", _count, 1),
         batch_size=m.get("batch_size", _opt_int, None), free_dims=tuple(m.get("free_dims", _free, [])),
+        precision=m.get("precision", _precision, "fp32"),
         tied_parameters=m.each("tied_parameters", _tied, optional=True),
         state_dict_aliases=m.get("state_dict_aliases", _mapping, {}),
         meta_constants=tuple(m.get("meta_constants", _strs, [])),
@@ -451,6 +456,12 @@ def _read_manifest(data: Mapping[str, Any]) -> Manifest:
         predicted=m.obj("predicted", _predicted) if predicted else None, hash=m.get("hash", _str, ""))
     _check_stages(manifest)
     return manifest
+
+
+def _precision(value: Any, path: str) -> str:
+    if value not in BUILT:
+        raise _Bad(f"{path}: expected one of {', '.join(BUILT)} (the precisions this runtime runs), got {value!r}")
+    return str(value)
 
 
 def _free(value: Any, path: str) -> list[str]:

@@ -16,10 +16,12 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
+import torch.utils._pytree
 import torch.utils.checkpoint
 
 from .errors import PipelineError
 from .manifest import StageSpec
+from .precision import autocast, device_type
 
 __all__ = ["StageRunner", "as_leaf"]
 
@@ -47,6 +49,7 @@ class StageRunner:
 
     module: torch.nn.Module
     entry: StageSpec
+    precision: str = "fp32"  # the manifest's: forward and loss under its autocast ([Note: mixed precision])
     _saved: dict[int, _Saved] = field(default_factory=dict)
 
     @property
@@ -75,10 +78,11 @@ class StageRunner:
         and runs the forward again (same RNG state) when this microbatch's backward
         needs its activations, so gradients are those of the plain forward.
         """
-        if train and self.recompute and torch.is_grad_enabled():
-            out = torch.utils.checkpoint.checkpoint(self.module, *args, use_reentrant=False)
-        else:
-            out = self.module(*args)
+        with autocast(self.precision, device_type(args)):
+            if train and self.recompute and torch.is_grad_enabled():
+                out = torch.utils.checkpoint.checkpoint(self.module, *args, use_reentrant=False)
+            else:
+                out = self.module(*args)
         if not self.is_last:
             n = len(self.entry.outputs)
             if not isinstance(out, (tuple, list)) or len(out) != n:
@@ -93,7 +97,8 @@ class StageRunner:
     def loss(self, microbatch: int, output: Any, target: Any, loss_fn: Callable[[Any, Any], torch.Tensor],
              scale: float) -> torch.Tensor:
         """`loss_fn(output, target) / scale` for the last stage; kept for backward, returned detached."""
-        value = loss_fn(output, target)
+        with autocast(self.precision, device_type(torch.utils._pytree.tree_leaves(output))):
+            value = loss_fn(output, target)
         if not isinstance(value, torch.Tensor) or value.numel() != 1:
             what = f"shape {list(value.shape)}" if isinstance(value, torch.Tensor) else type(value).__name__
             raise PipelineError(f"loss_fn returned {what}, not a scalar tensor: reduce the loss over the batch (mean).")

@@ -134,16 +134,19 @@ def _fold(gm: torch.fx.GraphModule, values: dict[torch.fx.Node, Any], folded: di
     gm.recompile()
 
 
-def inline_higher_order(gm: torch.fx.GraphModule) -> None:
+def inline_higher_order(gm: torch.fx.GraphModule) -> list[bool]:
     """Inline torch.export's grad-mode and autocast wrappers into the graph.
 
     `wrap_with_set_grad_enabled(False, submod, *args)` (e.g. Llama's rotary embedding under
     `torch.no_grad()`) becomes the submodule's nodes followed by `aten.detach` on each
     output, which stops gradients exactly as no_grad did.  Autocast regions are inlined
-    as they are (on float32 CPU/GPU graphs with autocast disabled they are no-ops).
+    as they are and reported, for `trace.check_autocast` to refuse where that changes what
+    the model computes (a disabled region in a float32 model is a no-op).
     Export's `_guards_fn` module, which only re-checks input shapes, is dropped.
+    Returns the `enabled` flag of each autocast region inlined (`trace.check_autocast`).
     """
     graph = gm.graph
+    regions: list[bool] = []
     for node in list(graph.nodes):
         if node.op == "call_module" and str(node.target) == "_guards_fn" and not node.users:
             graph.erase_node(node)
@@ -154,6 +157,7 @@ def inline_higher_order(gm: torch.fx.GraphModule) -> None:
         if name == "wrap_with_set_grad_enabled":  # (enabled, submod, *args)
             enabled, sub_node, operands = node.args[0], node.args[1], list(node.args[2:])
         else:  # wrap_with_autocast(device, dtype, enabled, cache_enabled, submod, *args)
+            regions.append(bool(node.args[2]))
             enabled, sub_node, operands = True, node.args[4], list(node.args[5:])
         sub = getattr(gm, str(sub_node.target))  # type: ignore[union-attr]
         outputs = _inline(graph, node, sub, operands, detach=not enabled)
@@ -166,6 +170,7 @@ def inline_higher_order(gm: torch.fx.GraphModule) -> None:
     graph.lint()
     gm.delete_all_unused_submodules()
     gm.recompile()
+    return regions
 
 
 def _inline(graph: torch.fx.Graph, at: torch.fx.Node, sub: torch.fx.GraphModule, operands: list[Any],

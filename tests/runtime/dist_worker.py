@@ -11,6 +11,8 @@ A sharded parameter's gradient is compared with its shard of the reference gradi
 MODE fault: trains (PIPELINE_FAULT stops one rank); a PipelineError prints its message
 and exits 3.  MODE tp: the unit checks of runtime/tp.py (tp_checks.py; PKG unused).
 MODE short: as check, on the example batch's first SHORT_ROWS rows (a short last batch).
+MODE amp: a bf16-mixed package, 3 SGD steps: losses and weights no further from the original
+under autocast than that is from the original in fp32.
 Once a rank fails, the others are killed after GRACE_S (as torchrun does).
 """
 
@@ -50,6 +52,43 @@ def _model_file(path: str):  # type: ignore[no-untyped-def]
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def _amp(pkg: str, model_path: str) -> None:
+    mf = _model_file(model_path)
+    inputs, target = mf.example_inputs(), mf.example_target()
+    runs = []
+    for amp in (False, True):
+        torch.manual_seed(0)
+        model = mf.build_model()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        losses = []
+        for _ in range(3):
+            opt.zero_grad()
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp):
+                loss = mf.loss_fn(_call(model, inputs), target)
+            loss.backward()
+            opt.step()
+            losses.append(float(loss))
+        runs.append((losses, model.state_dict()))
+    torch.manual_seed(0)
+    pipe = runtime.DistributedPipeline(pkg)
+    pipe.load_state_dict(mf.build_model().state_dict())
+    opt = torch.optim.SGD(pipe.parameters(), lr=0.1)
+    losses = []
+    for _ in range(3):
+        opt.zero_grad()
+        losses.append(float(pipe.train_step(inputs, target)))
+        opt.step()
+    got = (losses, pipe.state_dict())
+
+    def far(a, b):  # type: ignore[no-untyped-def]
+        return (max(abs(x - y) for x, y in zip(a[0], b[0])),
+                max(float((a[1][k] - b[1][k]).abs().max()) for k in b[1]))
+
+    floor, off = far(runs[1], runs[0]), far(got, runs[1])
+    assert floor[0] > 0 and off[0] <= floor[0] and off[1] <= floor[1], (off, floor)
+    print(f"{pipe.rank} ok", flush=True)
 
 
 def _short(pkg: str, model_path: str) -> None:
@@ -157,7 +196,7 @@ def _rank(r: int, mode: str, pkg: str, model_path: str, outdir: Path) -> int:
     os.dup2(out, 1)
     os.dup2(err, 2)
     try:
-        {"check": _check, "fault": _fault, "tp": _tp, "short": _short}[mode](pkg, model_path)
+        {"check": _check, "fault": _fault, "tp": _tp, "short": _short, "amp": _amp}[mode](pkg, model_path)
     except PipelineError as exc:
         print(f"PipelineError: {exc}", file=sys.stderr, flush=True)
         return 3
