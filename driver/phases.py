@@ -66,6 +66,11 @@ def prepare(opts: CompileOptions, say: Callable[[str], None] = lambda _m: None, 
     # 1. load: the model file and one microbatch of its example batch (partitioner.trace.model_file).
     src = source or load_source(opts, say)
     mf, model, args, kwargs, batch = src.mf, src.model, src.args, src.kwargs, src.batch
+    if opts.precision != "fp32" and _is_meta(model):
+        raise PlanError(f"--precision {opts.precision} needs the model built with real weights: autocast does not "
+                        f"apply to meta tensors, so the dtypes it gives the stage boundaries cannot be found. Compile "
+                        f"without --meta (with --analytic the model is built for real when it fits in memory), or "
+                        f"with --precision fp32.")
     microbatches = microbatches or default_microbatches(batch, pp, opts)
     rows = rows_per_microbatch(batch, microbatches, opts.dp)
     margs, mkwargs = split_batch(args, kwargs, mf.batch_dims, rows)

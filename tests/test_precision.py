@@ -120,6 +120,11 @@ def test_precisions_not_built_are_refused(precision: str, says: str, tmp_path: P
     assert not (tmp_path / "pkg").exists()
 
 
+def test_bf16_mixed_on_the_meta_device_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(PartitionerError, match=r"autocast does not apply to meta tensors"):
+        compile_example("examples/mlp.py", tmp_path / "pkg", stages=2, precision="bf16-mixed", meta=True)
+
+
 INNER = '''
 import torch
 
