@@ -84,7 +84,7 @@ def check(opts: CompileOptions) -> tuple[int, int, int]:
     if opts.precision not in BUILT:
         what = "is not built yet" if opts.precision in PRECISIONS else "is unknown"
         raise PlanError(f"--precision {opts.precision} {what}: the precisions available are {', '.join(BUILT)} "
-                        f"(bf16-mixed: torch.autocast with bfloat16 around every stage's forward).")
+                        f"(the -mixed ones: torch.autocast around every stage's forward).")
     if opts.optimizer not in ("adam", "adamw", "sgd", "momentum"):
         raise PlanError(f"unknown --optimizer {opts.optimizer!r}: choose adam, sgd or momentum.")
     return pp, virtual, microbatches

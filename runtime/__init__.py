@@ -12,6 +12,7 @@ from .distributed import DistributedPipeline
 from .errors import PipelineError
 from .local import LocalPipeline
 from .manifest import FORMAT_VERSION, SCHEDULES, Manifest
+from .scaler import GradScaler
 from .schedule import (
     Action,
     Kind,
@@ -32,6 +33,7 @@ __all__ = [
     "LocalPipeline",
     "DistributedPipeline",
     "PipelineError",
+    "GradScaler",
     "Manifest",
     "FORMAT_VERSION",
     "SCHEDULES",

@@ -15,7 +15,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from runtime import DistributedPipeline, package
+from runtime import DistributedPipeline, GradScaler, package
 from runtime.errors import PipelineError
 
 __all__ = ["main"]
@@ -32,13 +32,16 @@ def _train(ns: argparse.Namespace) -> None:
     inputs, target = model_file.example_inputs(), model_file.example_target()
     params = pipe.parameters()
     opt = torch.optim.SGD(params, lr=ns.lr) if params else None
+    # fp16-mixed scales the loss ([Note: a global loss scale]); otherwise the scaler does nothing
+    scaler = GradScaler(pipe.device.type, enabled=pipe.manifest.precision == "fp16-mixed")
+    loss_fn = scaler.loss_fn(model_file.loss_fn)
     for k in range(1, ns.steps + 1):
         start = time.perf_counter()
         if opt is not None:
             opt.zero_grad()
-        loss = pipe.train_step(inputs, target)
-        if opt is not None:
-            opt.step()
+        loss = pipe.train_step(inputs, target, loss_fn=loss_fn) / scaler.get_scale()
+        scaler.step(opt)
+        scaler.update()
         if pipe.device.type == "cuda":
             torch.cuda.synchronize(pipe.device)
         ms = (time.perf_counter() - start) * 1e3

@@ -22,13 +22,15 @@ __all__ = ["PRECISIONS", "BUILT", "autocast", "device_type"]
 
 #: every --precision the contract names, and those built so far
 PRECISIONS = ("fp32", "bf16-mixed", "bf16", "fp16-mixed")
-BUILT = ("fp32", "bf16-mixed")
+BUILT = ("fp32", "bf16-mixed", "fp16-mixed")
 
 
 def autocast(precision: str, device: str = "cpu") -> contextlib.AbstractContextManager[Any]:
     """The autocast context `precision` runs a forward under on a `device` type."""
     if precision == "bf16-mixed":
         return torch.autocast(device, dtype=torch.bfloat16)
+    if precision == "fp16-mixed":  # with runtime.GradScaler ([Note: a global loss scale])
+        return torch.autocast(device, dtype=torch.float16)
     return contextlib.nullcontext()
 
 

@@ -11,6 +11,8 @@ A sharded parameter's gradient is compared with its shard of the reference gradi
 MODE fault: trains (PIPELINE_FAULT stops one rank); a PipelineError prints its message
 and exits 3.  MODE tp: the unit checks of runtime/tp.py (tp_checks.py; PKG unused).
 MODE short: as check, on the example batch's first SHORT_ROWS rows (a short last batch).
+MODE scaler: an fp16-mixed package with runtime.GradScaler: a step with an inf gradient on the
+last stage's rank is skipped on every rank, and every rank's scale halves.
 MODE amp: a bf16-mixed package, 3 SGD steps: losses and weights no further from the original
 under autocast than that is from the original in fp32.
 Once a rank fails, the others are killed after GRACE_S (as torchrun does).
@@ -88,6 +90,29 @@ def _amp(pkg: str, model_path: str) -> None:
 
     floor, off = far(runs[1], runs[0]), far(got, runs[1])
     assert floor[0] > 0 and off[0] <= floor[0] and off[1] <= floor[1], (off, floor)
+    print(f"{pipe.rank} ok", flush=True)
+
+
+def _scaler(pkg: str, model_path: str) -> None:
+    mf = _model_file(model_path)
+    torch.manual_seed(0)
+    pipe = runtime.DistributedPipeline(pkg)
+    pipe.load_state_dict(mf.build_model().state_dict())
+    params = list(pipe.parameters())
+    opt = torch.optim.SGD(params, lr=0.1)
+    scaler = runtime.GradScaler("cpu")
+    last = pipe.graph.num_stages - 1 in pipe.runners
+    for step in range(3):
+        opt.zero_grad()
+        pipe.train_step(mf.example_inputs(), mf.example_target(), loss_fn=scaler.loss_fn(mf.loss_fn))
+        if step == 1 and last:
+            params[0].grad[0, 0] = float("inf")  # only the last stage's rank overflows
+        before, scale = [p.detach().clone() for p in params], float(scaler.get_scale())
+        scaler.step(opt)
+        scaler.update()
+        moved = any(not torch.equal(b, p) for b, p in zip(before, params))
+        assert moved == (step != 1), (step, moved)  # step 1 is skipped on every rank
+        assert float(scaler.get_scale()) == (scale / 2 if step == 1 else scale), (step, scaler.get_scale())
     print(f"{pipe.rank} ok", flush=True)
 
 
@@ -196,7 +221,7 @@ def _rank(r: int, mode: str, pkg: str, model_path: str, outdir: Path) -> int:
     os.dup2(out, 1)
     os.dup2(err, 2)
     try:
-        {"check": _check, "fault": _fault, "tp": _tp, "short": _short, "amp": _amp}[mode](pkg, model_path)
+        {"check": _check, "fault": _fault, "tp": _tp, "short": _short, "amp": _amp, "scaler": _scaler}[mode](pkg, model_path)
     except PipelineError as exc:
         print(f"PipelineError: {exc}", file=sys.stderr, flush=True)
         return 3
