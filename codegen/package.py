@@ -109,10 +109,10 @@ def _stage(
     ]
     names = {n: values[n] for n in layout.inputs + layout.nodes}
     names.update({a: f"self.{attrs[str(a.target)]}" for a in layout.attrs})
-    writer = StageSource(imports=set())
+    writer = StageSource(imports=set(), batch=_batch_name(set(names.values())))
     body = [f"        {line}" for line in writer.statements(layout.nodes, names)]
     if uses_batch(layout.nodes):
-        body.insert(0, f"        {_read_batch(layout, names, k)}")
+        body.insert(0, f"        {_read_batch(layout, names, k, writer.batch)}")
     if last:
         body.append(f"        return {writer.build_output(info.out_spec, info.output_leaves, names)}")
     else:
@@ -257,14 +257,22 @@ def _batch_dim(node: torch.fx.Node, depth: int = 8) -> tuple[int, int] | None:
     return None
 
 
-def _read_batch(layout: StageLayout, names: dict[torch.fx.Node, str], k: int) -> str:
+def _batch_name(taken: set[str]) -> str:
+    """`batch`, or the first of `batch_rows`, `batch_rows_1`, ... no value of the stage is named."""
+    for name in (BATCH, *(f"{BATCH}_rows" + (f"_{i}" if i else "") for i in range(len(taken) + 1))):
+        if name not in taken:
+            return name
+    raise AssertionError("unreachable: more candidates than names")
+
+
+def _read_batch(layout: StageLayout, names: dict[torch.fx.Node, str], k: int, batch: str) -> str:
     """`batch = x.shape[d]` (or `// coef`): the microbatch's rows, read from an input."""
     for node in layout.inputs:
         found = _batch_dim(node) if "tensor_meta" in node.meta else None
         if found and found[1] > 0:
             d, coef = found
             rows = f"{names[node]}.shape[{d}]"
-            return f"{BATCH} = {rows}" if coef == 1 else f"{BATCH} = {rows} // {coef}"
+            return f"{batch} = {rows}" if coef == 1 else f"{batch} = {rows} // {coef}"
     raise EmitError(f"stage {k} computes sizes from the batch size but none of its inputs has a batch dimension "
                     f"to read it from: compile with a fixed batch (report this model).")
 

@@ -43,19 +43,19 @@ class EmitError(Exception):
     """A node the code generator cannot write as Python source."""
 
 
-def format_value(value: Any, names: dict[torch.fx.Node, str]) -> str:
-    """A node argument as Python source."""
+def format_value(value: Any, names: dict[torch.fx.Node, str], batch: str = BATCH) -> str:
+    """A node argument as Python source; `batch` names the microbatch's rows ([Note: free batch])."""
     if isinstance(value, torch.fx.Node):
         return names[value]
     if isinstance(value, BatchInt):
-        return value.expr(BATCH)
+        return value.expr(batch)
     if isinstance(value, tuple):
-        items = [format_value(v, names) for v in value]
+        items = [format_value(v, names, batch) for v in value]
         return f"({items[0]},)" if len(items) == 1 else f"({', '.join(items)})"
     if isinstance(value, list):
-        return f"[{', '.join(format_value(v, names) for v in value)}]"
+        return f"[{', '.join(format_value(v, names, batch) for v in value)}]"
     if isinstance(value, dict):
-        return "{" + ", ".join(f"{k!r}: {format_value(v, names)}" for k, v in value.items()) + "}"
+        return "{" + ", ".join(f"{k!r}: {format_value(v, names, batch)}" for k, v in value.items()) + "}"
     if isinstance(value, float):
         if math.isinf(value):
             return "float('inf')" if value > 0 else "float('-inf')"
@@ -67,7 +67,8 @@ def format_value(value: Any, names: dict[torch.fx.Node, str]) -> str:
     if value is Ellipsis:
         return "..."
     if isinstance(value, slice):
-        return f"slice({format_value(value.start, names)}, {format_value(value.stop, names)}, {format_value(value.step, names)})"
+        return (f"slice({format_value(value.start, names, batch)}, {format_value(value.stop, names, batch)}, "
+                f"{format_value(value.step, names, batch)})")
     if isinstance(value, (int, bool, str, type(None))):
         return repr(value)
     raise EmitError(f"cannot write a constant of type {type(value).__name__}: {value!r}")
@@ -86,15 +87,15 @@ def uses_batch(nodes: list[torch.fx.Node]) -> bool:
     return any(found)
 
 
-def _format_index(index: Any, names: dict[torch.fx.Node, str]) -> str:
+def _format_index(index: Any, names: dict[torch.fx.Node, str], batch: str = BATCH) -> str:
     """The inside of `x[...]`, with slices written as `a:b`."""
     if isinstance(index, tuple):
-        return ", ".join(_format_index(i, names) for i in index) if index else "()"
+        return ", ".join(_format_index(i, names, batch) for i in index) if index else "()"
     if isinstance(index, slice):
-        parts = ["" if p is None else format_value(p, names) for p in (index.start, index.stop)]
+        parts = ["" if p is None else format_value(p, names, batch) for p in (index.start, index.stop)]
         text = ":".join(parts)
-        return text + (f":{format_value(index.step, names)}" if index.step is not None else "")
-    return format_value(index, names)
+        return text + (f":{format_value(index.step, names, batch)}" if index.step is not None else "")
+    return format_value(index, names, batch)
 
 
 @dataclass
@@ -102,6 +103,7 @@ class StageSource:
     """Collects the imports a stage needs while its statements are written."""
 
     imports: set[str]
+    batch: str = BATCH  # the name of the microbatch's rows in this stage ([Note: free batch])
 
     def callee(self, target: Callable[..., Any]) -> str:
         """The shortest importable name for a call target."""
@@ -135,14 +137,14 @@ class StageSource:
     def statement(self, node: torch.fx.Node, names: dict[torch.fx.Node, str]) -> str:
         """`<name> = <expression>` for one call node."""
         args, kwargs = node.args, node.kwargs
-        fmt = lambda v: format_value(v, names)  # noqa: E731
+        fmt = lambda v: format_value(v, names, self.batch)  # noqa: E731
         target = node.target
         if node.op == "call_function" and target in _BINARY and len(args) == 2 and not kwargs:
             expr = f"{fmt(args[0])} {_BINARY[target]} {fmt(args[1])}"  # type: ignore[index]
         elif node.op == "call_function" and target in _UNARY and len(args) == 1:
             expr = f"{_UNARY[target]}{fmt(args[0])}"  # type: ignore[index]
         elif node.op == "call_function" and target is operator.getitem:
-            expr = f"{fmt(args[0])}[{_format_index(args[1], names)}]"
+            expr = f"{fmt(args[0])}[{_format_index(args[1], names, self.batch)}]"
         elif node.op == "call_function" and target is getattr:
             expr = f"{fmt(args[0])}.{args[1]}"
         elif node.op == "call_method":
@@ -175,7 +177,7 @@ class StageSource:
 
     def _build(self, spec: pytree.TreeSpec, leaves: Any, names: dict[torch.fx.Node, str]) -> str:
         if spec.is_leaf():
-            return format_value(next(leaves), names)
+            return format_value(next(leaves), names, self.batch)
         children = [self._build(c, leaves, names) for c in spec.children()]
         kind = spec.type
         if kind is tuple:

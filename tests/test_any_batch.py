@@ -136,6 +136,40 @@ def test_a_model_with_a_literal_batch_keeps_it_fixed(tmp_path: Path) -> None:
         pipe.train_step((torch.randn(4, 8),), torch.randint(0, 2, (4,)))
 
 
+NAMED = '''
+import torch
+
+class Named(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.Linear(8, 16)
+        self.b = torch.nn.Linear(8, 2)
+
+    def forward(self, batch):  # an input named as the stages name the rows
+        return self.b(self.a(batch).view(batch.shape[0], 2, 8).sum(1))
+
+def build_model():
+    return Named()
+
+def example_inputs():
+    return (torch.randn(8, 8),)
+
+def example_target():
+    return torch.randint(0, 2, (8,))
+
+def loss_fn(out, target):
+    return torch.nn.functional.cross_entropy(out, target)
+'''
+
+
+def test_an_input_named_batch_keeps_its_name(tmp_path: Path) -> None:
+    (tmp_path / "named.py").write_text(NAMED)
+    compile_example(str(tmp_path / "named.py"), tmp_path / "pkg", stages=1, microbatches=2)
+    source = (tmp_path / "pkg" / "stage_0.py").read_text()
+    assert "batch_rows = batch.shape[0]" in source and "view(batch_rows, 2, 8)" in source, source
+    _check_short_batch(str(tmp_path / "named.py"), tmp_path / "pkg", 5)
+
+
 @pytest.mark.multiproc
 @pytest.mark.parametrize("example, options, rows", [
     ("mlp", {"stages": 2}, 5),
