@@ -174,7 +174,7 @@ def test_an_input_named_batch_keeps_its_name(tmp_path: Path) -> None:
 @pytest.mark.parametrize("example, options, rows", [
     ("mlp", {"stages": 2}, 5),
     ("gpt", {"stages": 2}, 5),
-    ("hf_gpt2", {"stages": 2}, 5),
+    pytest.param("hf_gpt2", {"stages": 2}, 5, marks=pytest.mark.slow),  # ~25 s
     ("gpt", {"stages": 1, "dp": 2}, 6),
 ])
 def test_short_batch_on_two_ranks(example: str, options: dict[str, Any], rows: int, tmp_path: Path) -> None:
