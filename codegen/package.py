@@ -31,7 +31,7 @@ from runtime.manifest import (FORMAT_VERSION, BufferSpec, Manifest, Mesh, ModelI
 from .layout import StageLayout, lay_out
 from .names import attr_name, attr_names, module_roots, value_names
 from .report import format_plan
-from .source import StageSource
+from .source import BATCH, EmitError, StageSource, uses_batch
 
 __all__ = ["PackageInfo", "emit", "FORMAT_VERSION"]
 
@@ -61,12 +61,14 @@ class PackageInfo:
     shards: dict[str, Layout] = field(default_factory=dict)  # parameter -> its tensor-parallel layout
     tensor_parallel: dict[str, Any] = field(default_factory=dict)  # the manifest's block (rules, collectives)
     recompute: bool = False  # every stage runs its forward again in backward (the stages' "recompute")
+    free_batch: bool = False  # sizes that follow the batch are read from the inputs ([Note: free batch])
+    precision: str = "fp32"  # runtime.precision ([Note: mixed precision])
 
 
 def emit(out: str | Path, gm: torch.fx.GraphModule, plan: Plan, info: PackageInfo) -> dict[str, Any]:
     """Write the package for `plan` into `out`; return the manifest as its JSON object."""
     layouts = lay_out(gm.graph, plan.stage_of(), plan.num_stages)
-    values = value_names(gm.graph, layouts, module_roots(info.out_spec))
+    values = value_names(gm.graph, layouts, [*module_roots(info.out_spec), BATCH])
     tensors = _attr_tensors(gm, info)
     files: dict[str, bytes] = {}
     stages = []
@@ -108,8 +110,10 @@ def _stage(
     ]
     names = {n: values[n] for n in layout.inputs + layout.nodes}
     names.update({a: f"self.{attrs[str(a.target)]}" for a in layout.attrs})
-    writer = StageSource(imports=set(), device=_device_expr(layout, names))
+    writer = StageSource(imports=set(), batch=_batch_name(set(names.values())), device=_device_expr(layout, names))
     body = [f"        {line}" for line in writer.statements(layout.nodes, names)]
+    if uses_batch(layout.nodes):
+        body.insert(0, f"        {_read_batch(layout, names, k, writer.batch)}")
     if last:
         body.append(f"        return {writer.build_output(info.out_spec, info.output_leaves, names)}")
     else:
@@ -120,9 +124,9 @@ def _stage(
         module=f"stage_{k}",
         class_name=f"Stage{k}",
         ranks=tuple(_ranks(k, plan)),
-        inputs=tuple(_boundary_in(n, names[n], plan) for n in layout.inputs),
+        inputs=tuple(_boundary_in(n, names[n], plan, info.free_batch) for n in layout.inputs),
         outputs=(StageOutput("output", None, None, "output", True),) if last
-        else tuple(_boundary_out(n, names[n], layout.consumers[n]) for n in layout.outputs),
+        else tuple(_boundary_out(n, names[n], layout.consumers[n], info.free_batch) for n in layout.outputs),
         parameters=tuple(param_entries),
         buffers=tuple(buffer_entries),
         nodes=len(layout.nodes),
@@ -197,6 +201,8 @@ def _manifest(plan: Plan, info: PackageInfo, stages: list[StageSpec]) -> Manifes
         microbatches=plan.microbatches,
         virtual_stages=plan.virtual_stages,
         batch_size=info.batch_size,
+        free_dims=("batch",) if info.free_batch else (),
+        precision=info.precision,
         inputs=tuple(_model_input(i) for i in info.inputs),
         stages=tuple(stages),
         tied_parameters=tuple(TiedParameter(n, tuple(s)) for n, s in tied.items() if len(s) > 1),
@@ -223,16 +229,53 @@ def _meta(node: torch.fx.Node) -> tuple[list[int], str, bool]:
     return [int(d) for d in meta.shape], str(meta.dtype).replace("torch.", ""), bool(meta.requires_grad)
 
 
-def _boundary_in(node: torch.fx.Node, name: str, plan: Plan) -> StageInput:
+def _boundary_in(node: torch.fx.Node, name: str, plan: Plan, free: bool) -> StageInput:
     shape, dtype, grad = _meta(node)
     if node.op == "placeholder":
         return StageInput(name, tuple(shape), dtype, "input", False)
-    return StageInput(name, tuple(shape), dtype, plan.stage_of()[node.name], grad)
+    found = _batch_dim(node) if free else None
+    return StageInput(name, tuple(shape), dtype, plan.stage_of()[node.name], grad, found[0] if found else None)
 
 
-def _boundary_out(node: torch.fx.Node, name: str, readers: list[int]) -> StageOutput:
+def _boundary_out(node: torch.fx.Node, name: str, readers: list[int], free: bool) -> StageOutput:
     shape, dtype, grad = _meta(node)
-    return StageOutput(name, tuple(shape), dtype, tuple(readers), grad)
+    found = _batch_dim(node) if free else None
+    return StageOutput(name, tuple(shape), dtype, tuple(readers), grad, found[0] if found else None)
+
+
+def _batch_dim(node: torch.fx.Node, depth: int = 8) -> tuple[int, int] | None:
+    """(dim, rows per microbatch row) of a tensor that follows the batch ([Note: free
+    batch]).  A node tensor parallelism inserted (a collective, a shard) has no record: it
+    keeps the batch dimension of the input it was made from, where the sizes agree."""
+    if "batch_dim" in node.meta:
+        return node.meta["batch_dim"]  # type: ignore[no-any-return]
+    shape = node.meta["tensor_meta"].shape if "tensor_meta" in node.meta else None
+    for src in node.all_input_nodes if depth else ():
+        found = _batch_dim(src, depth - 1) if "tensor_meta" in src.meta else None
+        if found and shape is not None and len(src.meta["tensor_meta"].shape) == len(shape) \
+                and src.meta["tensor_meta"].shape[found[0]] == shape[found[0]]:
+            return found
+    return None
+
+
+def _batch_name(taken: set[str]) -> str:
+    """`batch`, or the first of `batch_rows`, `batch_rows_1`, ... no value of the stage is named."""
+    for name in (BATCH, *(f"{BATCH}_rows" + (f"_{i}" if i else "") for i in range(len(taken) + 1))):
+        if name not in taken:
+            return name
+    raise AssertionError("unreachable: more candidates than names")
+
+
+def _read_batch(layout: StageLayout, names: dict[torch.fx.Node, str], k: int, batch: str) -> str:
+    """`batch = x.shape[d]` (or `// coef`): the microbatch's rows, read from an input."""
+    for node in layout.inputs:
+        found = _batch_dim(node) if "tensor_meta" in node.meta else None
+        if found and found[1] > 0:
+            d, coef = found
+            rows = f"{names[node]}.shape[{d}]"
+            return f"{batch} = {rows}" if coef == 1 else f"{batch} = {rows} // {coef}"
+    raise EmitError(f"stage {k} computes sizes from the batch size but none of its inputs has a batch dimension "
+                    f"to read it from: compile with a fixed batch (report this model).")
 
 
 def _param(name: str, t: torch.Tensor, layout: Layout, tp: int, attr: str) -> ParamSpec:

@@ -20,9 +20,14 @@ import torch.fx
 import torch.nn.functional as F
 import torch.utils._pytree as pytree
 
+from partitioner.trace.batch import BatchInt
+
 from .names import attr_name, section
 
-__all__ = ["StageSource", "format_value", "attr_name"]
+__all__ = ["BATCH", "StageSource", "format_value", "attr_name", "uses_batch"]
+
+#: the name a stage gives its microbatch's rows when sizes follow them ([Note: free batch])
+BATCH = "batch"
 
 _BINARY = {
     operator.add: "+", operator.sub: "-", operator.mul: "*", operator.truediv: "/",
@@ -72,13 +77,16 @@ class EmitError(Exception):
     """A node the code generator cannot write as Python source."""
 
 
-def format_value(value: Any, names: dict[torch.fx.Node, str], device: str | None = None) -> str:
-    """A node argument as Python source; a `torch.device` as `device` where one is given
-    ([Note: devices in stage code])."""
+def format_value(value: Any, names: dict[torch.fx.Node, str], batch: str = BATCH, device: str | None = None) -> str:
+    """A node argument as Python source: `batch` names the microbatch's rows ([Note: free
+    batch]); a `torch.device` is written as `device` where one is given ([Note: devices in
+    stage code])."""
     if isinstance(value, torch.fx.Node):
         return names[value]
+    if isinstance(value, BatchInt):
+        return value.expr(batch)
     if isinstance(value, (tuple, list, dict)):
-        return _format_container(value, names, device)
+        return _format_container(value, names, batch, device)
     if isinstance(value, float):
         if math.isinf(value):
             return "float('inf')" if value > 0 else "float('-inf')"
@@ -92,31 +100,45 @@ def format_value(value: Any, names: dict[torch.fx.Node, str], device: str | None
     if value is TRAINING:
         return "self.training"
     if isinstance(value, slice):
-        return f"slice({format_value(value.start, names)}, {format_value(value.stop, names)}, {format_value(value.step, names)})"
+        return (f"slice({format_value(value.start, names, batch)}, {format_value(value.stop, names, batch)}, "
+                f"{format_value(value.step, names, batch)})")
     if isinstance(value, (int, bool, str, type(None))):
         return repr(value)
     raise EmitError(f"cannot write a constant of type {type(value).__name__}: {value!r}")
 
 
 def _format_container(value: tuple[Any, ...] | list[Any] | dict[Any, Any], names: dict[torch.fx.Node, str],
-                      device: str | None) -> str:
+                      batch: str, device: str | None) -> str:
     if isinstance(value, dict):
-        return "{" + ", ".join(f"{k!r}: {format_value(v, names, device)}" for k, v in value.items()) + "}"
-    items = [format_value(v, names, device) for v in value]
+        return "{" + ", ".join(f"{k!r}: {format_value(v, names, batch, device)}" for k, v in value.items()) + "}"
+    items = [format_value(v, names, batch, device) for v in value]
     if isinstance(value, list):
         return f"[{', '.join(items)}]"
     return f"({items[0]},)" if len(items) == 1 else f"({', '.join(items)})"
 
 
-def _format_index(index: Any, names: dict[torch.fx.Node, str]) -> str:
+def uses_batch(nodes: list[torch.fx.Node]) -> bool:
+    """Whether any of `nodes` has an argument that follows the batch size (a BatchInt)."""
+    found: list[bool] = []
+
+    def visit(value: Any) -> Any:
+        found.append(isinstance(value, BatchInt))
+        return value
+
+    for node in nodes:
+        torch.fx.node.map_aggregate((node.args, node.kwargs), visit)
+    return any(found)
+
+
+def _format_index(index: Any, names: dict[torch.fx.Node, str], batch: str = BATCH) -> str:
     """The inside of `x[...]`, with slices written as `a:b`."""
     if isinstance(index, tuple):
-        return ", ".join(_format_index(i, names) for i in index) if index else "()"
+        return ", ".join(_format_index(i, names, batch) for i in index) if index else "()"
     if isinstance(index, slice):
-        parts = ["" if p is None else format_value(p, names) for p in (index.start, index.stop)]
+        parts = ["" if p is None else format_value(p, names, batch) for p in (index.start, index.stop)]
         text = ":".join(parts)
-        return text + (f":{format_value(index.step, names)}" if index.step is not None else "")
-    return format_value(index, names)
+        return text + (f":{format_value(index.step, names, batch)}" if index.step is not None else "")
+    return format_value(index, names, batch)
 
 
 @dataclass
@@ -126,6 +148,7 @@ class StageSource:
 
     imports: set[str]
     device: str | None = None
+    batch: str = BATCH  # the name of the microbatch's rows in this stage ([Note: free batch])
 
     def callee(self, target: Callable[..., Any]) -> str:
         """The shortest importable name for a call target."""
@@ -159,14 +182,14 @@ class StageSource:
     def statement(self, node: torch.fx.Node, names: dict[torch.fx.Node, str]) -> str:
         """`<name> = <expression>` for one call node."""
         args, kwargs = node.args, node.kwargs
-        fmt = lambda v: format_value(v, names, self.device)  # noqa: E731
+        fmt = lambda v: format_value(v, names, self.batch, self.device)  # noqa: E731
         target = node.target
         if node.op == "call_function" and target in _BINARY and len(args) == 2 and not kwargs:
             expr = f"{fmt(args[0])} {_BINARY[target]} {fmt(args[1])}"  # type: ignore[index]
         elif node.op == "call_function" and target in _UNARY and len(args) == 1:
             expr = f"{_UNARY[target]}{fmt(args[0])}"  # type: ignore[index]
         elif node.op == "call_function" and target is operator.getitem:
-            expr = f"{fmt(args[0])}[{_format_index(args[1], names)}]"
+            expr = f"{fmt(args[0])}[{_format_index(args[1], names, self.batch)}]"
         elif node.op == "call_function" and target is getattr:
             expr = f"{fmt(args[0])}.{args[1]}"
         elif node.op == "call_method":
@@ -201,7 +224,7 @@ class StageSource:
 
     def _build(self, spec: pytree.TreeSpec, leaves: Any, names: dict[torch.fx.Node, str]) -> str:
         if spec.is_leaf():
-            return format_value(next(leaves), names)
+            return format_value(next(leaves), names, self.batch)
         children = [self._build(c, leaves, names) for c in spec.children()]
         kind = spec.type
         if kind is tuple:

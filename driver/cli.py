@@ -15,6 +15,7 @@ import traceback
 from pathlib import Path
 from typing import Any, Sequence
 
+from runtime import launch
 from runtime.checkpoint import run as checkpointing
 from runtime.errors import PipelineError
 from runtime.manifest import Manifest
@@ -60,6 +61,7 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--hardware", help="cpu | a100 | h100 | h200 | a JSON profile (default: this machine)")
     c.add_argument("--analytic", action="store_true", help="costs from FLOPs and bytes (roofline), deterministic")
     c.add_argument("--tracer", default="auto", help="auto | fx | export (default auto)")
+    c.add_argument("--precision", default="fp32", help="fp32 | bf16-mixed | fp16-mixed (default fp32; bf16: not yet)")
     c.add_argument("--time-limit", type=float, default=30.0, help="solver time limit in seconds (default 30)")
     c.add_argument("--seed", type=int, default=0)
     c.add_argument("--entry", default="build_model", help="the function that builds the model")
@@ -80,6 +82,7 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--nproc", type=int, required=True)
     r.add_argument("--steps", type=int, default=5)
     r.add_argument("--lr", type=float, default=0.01)
+    launch.add_training_arguments(r)
     r.add_argument("--trace", help="write a Chrome/Perfetto trace of the steps to this file")
     checkpointing.add_arguments(r)
     e = sub.add_parser("export", help="write a checkpoint's weights as safetensors (--hf: a from_pretrained folder)")
@@ -100,6 +103,7 @@ def _compile(ns: argparse.Namespace) -> int:
         memory=parse_size(ns.memory) if ns.memory else None, hardware=ns.hardware, analytic=ns.analytic,
         tracer=ns.tracer, time_limit=ns.time_limit, seed=ns.seed, entry=ns.entry, optimizer=ns.optimizer,
         reprofile=ns.reprofile, quiet=ns.quiet, meta=ns.meta, recompute=ns.recompute, zero=ns.zero,
+        precision=ns.precision,
     )
     compile_model(opts)
     if not ns.quiet:
@@ -134,9 +138,7 @@ def _show(ns: argparse.Namespace) -> int:
 
 def _run(ns: argparse.Namespace) -> int:
     read_manifest(ns.dir)
-    from runtime import launch
-
-    argv = [ns.dir, "--nproc", str(ns.nproc), "--steps", str(ns.steps), "--lr", str(ns.lr)]
+    argv = [ns.dir, "--nproc", str(ns.nproc), "--steps", str(ns.steps), "--lr", str(ns.lr)] + launch.training_arguments(ns)
     if ns.trace:
         argv += ["--trace", ns.trace]
     checkpointing.check_arguments(ns)

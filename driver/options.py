@@ -16,6 +16,7 @@ from partitioner.errors import PlanError
 from partitioner.ir import SCHEDULES
 from partitioner.solve.problem import Mesh
 from partitioner.trace import model_file
+from runtime.precision import BUILT, PRECISIONS
 
 __all__ = ["CompileOptions", "batch_size", "check", "fixed_tp", "default_microbatches", "mesh_of", "rows_per_microbatch",
            "split_batch"]
@@ -48,6 +49,7 @@ class CompileOptions:
     meta: bool | None = None  # build on the meta device; None: when --analytic and too big to build
     zero: int = 0  # 1: optimizer state sharded across data-parallel replicas (ZeRO-1)
     recompute: bool = False  # activation recomputation: stages keep their inputs, run forward again in backward
+    precision: str = "fp32"  # runtime.precision.PRECISIONS; those in BUILT compile ([Note: mixed precision])
 
 
 def check(opts: CompileOptions) -> tuple[int, int, int]:
@@ -83,6 +85,10 @@ def check(opts: CompileOptions) -> tuple[int, int, int]:
     if opts.zero not in (0, 1):
         raise PlanError(f"--zero {opts.zero}: choose 0 (optimizer state on every replica) or 1 (sharded across the "
                         f"data-parallel replicas, ZeRO-1).")
+    if opts.precision not in BUILT:
+        what = "is not built yet" if opts.precision in PRECISIONS else "is unknown"
+        raise PlanError(f"--precision {opts.precision} {what}: the precisions available are {', '.join(BUILT)} "
+                        f"(the -mixed ones: torch.autocast around every stage's forward).")
     if opts.optimizer not in ("adam", "adamw", "sgd", "momentum"):
         raise PlanError(f"unknown --optimizer {opts.optimizer!r}: choose adam, sgd or momentum.")
     return pp, virtual, microbatches

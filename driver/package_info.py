@@ -50,8 +50,8 @@ def package_info(p: Prepared, plan: Plan, predicted: dict[str, Any]) -> PackageI
     unused = {k: t for k, t in original.items() if storage_key(t) not in canonical and k not in aliases}
     options = {"stages": plan.pp, "tp": plan.tp, "microbatches": plan.microbatches, "schedule": plan.schedule,
                "memory": opts.memory, "hardware": hardware.name, "analytic": opts.analytic,
-               "optimizer": opts.optimizer} | ({"recompute": True} if plan.recompute else {}) | (
-                   {"zero": 1} if opts.zero else {})
+               "optimizer": opts.optimizer} | ({"recompute": True} if plan.recompute else {}) \
+        | ({"zero": 1} if opts.zero else {}) | ({"precision": opts.precision} if opts.precision != "fp32" else {})
     return PackageInfo(
         source_path=opts.model, source_sha256=mf.sha256, entry=opts.entry, seed=opts.seed, tracer=traced.tracer,
         batch_size=batch, inputs=inputs, out_spec=traced.out_spec, output_leaves=traced.output_leaves,
@@ -59,7 +59,8 @@ def package_info(p: Prepared, plan: Plan, predicted: dict[str, Any]) -> PackageI
         unused_params={k for k, t in unused.items() if isinstance(t, torch.nn.Parameter)},
         predicted=predicted, options=options, tp=plan.tp,
         shards=dict(sharded.params) if sharded is not None else {},
-        tensor_parallel=_tp_summary(sharded), recompute=plan.recompute,
+        tensor_parallel=_tp_summary(sharded), recompute=plan.recompute, free_batch=p.free_batch,
+        precision=opts.precision,
     )
 
 

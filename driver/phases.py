@@ -24,8 +24,9 @@ from partitioner.solve.problem import coarse_graph, make_plan, pose
 from partitioner.solve.solve import solve
 from partitioner.tp import Sharded, shard
 from partitioner.trace import model_file
-from partitioner.trace.passes import propagate, specialize
-from partitioner.trace.trace import Traced, by_input_key, copy_traced, trace
+from partitioner.trace.passes import probe, propagate, specialize
+from partitioner.trace.trace import Traced, by_input_key, check_autocast, copy_traced, trace
+from runtime.precision import autocast
 
 from .costs import node_costs, stage_costs
 from .options import (CompileOptions, batch_size, check, default_microbatches, fixed_tp, mesh_of, rows_per_microbatch,
@@ -65,19 +66,27 @@ def prepare(opts: CompileOptions, say: Callable[[str], None] = lambda _m: None, 
     # 1. load: the model file and one microbatch of its example batch (partitioner.trace.model_file).
     src = source or load_source(opts, say)
     mf, model, args, kwargs, batch = src.mf, src.model, src.args, src.kwargs, src.batch
+    if opts.precision != "fp32" and _is_meta(model):
+        raise PlanError(f"--precision {opts.precision} needs the model built with real weights: autocast does not "
+                        f"apply to meta tensors, so the dtypes it gives the stage boundaries cannot be found. Compile "
+                        f"without --meta (with --analytic the model is built for real when it fits in memory), or "
+                        f"with --precision fp32.")
     microbatches = microbatches or default_microbatches(batch, pp, opts)
     rows = rows_per_microbatch(batch, microbatches, opts.dp)
     margs, mkwargs = split_batch(args, kwargs, mf.batch_dims, rows)
     phase("load")
     # 2. trace, and specialise to the microbatch shape (partitioner.trace).
     traced = _trace(src, margs, mkwargs, opts, rows, say)
+    check_autocast(traced, opts.precision)
     by_key = by_input_key(margs, mkwargs)
-    values = propagate(traced.gm, [by_key[key] for _name, key in traced.input_keys], opts.model)
-    specialize(traced.gm, values)
+    with autocast(opts.precision):  # the values' dtypes are the autocast run's ([Note: mixed precision])
+        free = probe(traced.gm, by_key, traced.input_keys, mf.batch_dims, rows)  # [Note: free batch]
+        values = propagate(traced.gm, [by_key[key] for _name, key in traced.input_keys], opts.model)
+    free_batch = specialize(traced.gm, values, free, rows)
     phase("trace")
     # 3. cost every node, measured (cached) or analytic (partitioner.cost).
     hardware = load_hardware(opts.hardware)
-    with rank_threads():  # measured as a rank will compute
+    with rank_threads(), autocast(opts.precision):  # measured as a rank will compute
         costs = node_costs(traced.gm, values, hardware, opts, say)
     phase("cost")
     # 4. tp: the split per node, and the graph one rank runs (partitioner.tp).
@@ -90,7 +99,7 @@ def prepare(opts: CompileOptions, say: Callable[[str], None] = lambda _m: None, 
     problem = pose(coarse, mesh, hardware)
     phase("coarsen")
     return Prepared(opts, mf, model, traced, costs, hardware, problem, coarse.blocks, batch, rows, args, kwargs,
-                    mesh, timings, whole, sharded, coarse, values if sharded is None else None, say)
+                    mesh, timings, whole, sharded, coarse, values if sharded is None else None, say, free_batch)
 
 
 def _trace(src: Source, margs: tuple[Any, ...], mkwargs: dict[str, Any], opts: CompileOptions, rows: int,
@@ -100,7 +109,7 @@ def _trace(src: Source, margs: tuple[Any, ...], mkwargs: dict[str, Any], opts: C
     if src.generic is not None:
         return copy_traced(src.generic)
     say(f"tracing {opts.model} ({type(src.model).__name__}, microbatch of {rows} rows)")
-    traced = trace(src.model, margs, mkwargs, opts.tracer, opts.model)
+    traced = trace(src.model, margs, mkwargs, opts.tracer, opts.model, src.mf.batch_dims)
     if traced.tracer == "fx":
         src.generic = copy_traced(traced)
     return traced
@@ -158,7 +167,8 @@ def emit_plan(p: Prepared, plan: Plan, extra: dict[str, Any] | None = None) -> C
     """Phases 6 and 7 for `plan`: predict its step, emit its package."""
     start = time.perf_counter()
     # 6. predict the step (partitioner.predict), on node costs calibrated per stage where they are measured.
-    costs = stage_costs(p, plan)
+    with autocast(p.opts.precision):
+        costs = stage_costs(p, plan)
     predicted = predict(p.traced.gm, plan, costs, p.hardware, cost_source="analytic" if p.opts.analytic else "measured",
                         model_flops=model_flops(p))
     predicted.update(rounded(extra or {}))

@@ -14,6 +14,7 @@ from .errors import PipelineError
 from .initialize import init_weights
 from .local import LocalPipeline
 from .manifest import FORMAT_VERSION, SCHEDULES, Manifest
+from .scaler import GradScaler
 from .schedule import (
     Action,
     Kind,
@@ -36,6 +37,7 @@ __all__ = [
     "PipelineError",
     "latest_checkpoint",
     "init_weights",
+    "GradScaler",
     "Manifest",
     "FORMAT_VERSION",
     "SCHEDULES",

@@ -2,26 +2,41 @@
 
 Builds the original model (torch.manual_seed(seed); build_model()) for its initial
 weights (or, with --init / --load, init_weights / load_checkpoint: checkpoint/run.py),
-loads them into this rank's stages and trains K SGD steps on the model file's example
-batch (with --resume, from the newest checkpoint's step on; --checkpoint saves); rank 0
-prints `step k  loss X.XXXXXX  time Y ms`.
+loads them into this rank's stages and trains K steps (--optimizer sgd | adamw, --lr,
+--clip) on the model file's `batches()`, or on its example batch when it has none (with
+--resume, from the newest checkpoint's step on; --checkpoint saves); fp16-mixed packages
+scale the loss ([Note: a global loss scale]). Rank 0 prints
+`step k  loss X.XXXXXX  time Y ms`.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import sys
 import time
+from typing import Any, Iterator
 
 import torch
 import torch.distributed as dist
 
-from runtime import DistributedPipeline, package
+from runtime import DistributedPipeline, GradScaler, package
 from runtime.checkpoint import run as checkpointing
 from runtime.errors import PipelineError
+from runtime.launch import add_training_arguments
 
-__all__ = ["main"]
+__all__ = ["main", "OPTIMIZERS"]
+
+OPTIMIZERS = {"sgd": torch.optim.SGD, "adamw": torch.optim.AdamW}
+
+
+def _batches(model_file: Any) -> Iterator[tuple[Any, Any]]:
+    """The model file's `batches()` (run through again when it ends), or its example batch
+    for ever: (inputs, target) pairs, the same on every rank."""
+    if not hasattr(model_file, "batches"):
+        return itertools.repeat((model_file.example_inputs(), model_file.example_target()))
+    return itertools.chain.from_iterable(model_file.batches() for _ in itertools.count())
 
 
 def _train(ns: argparse.Namespace) -> None:
@@ -33,16 +48,21 @@ def _train(ns: argparse.Namespace) -> None:
         model = getattr(model_file, source.entry)()
         pipe.load_state_dict(model.state_dict())
         del model
-    inputs, target = model_file.example_inputs(), model_file.example_target()
-    params = pipe.parameters()
-    opt = torch.optim.SGD(params, lr=ns.lr) if params else None
-    for k in range(checkpointing.resume(pipe, opt, ns) + 1, ns.steps + 1):
+    opt = pipe.make_optimizer(OPTIMIZERS[ns.optimizer], lr=ns.lr) if pipe.parameters() else None
+    # fp16-mixed scales the loss ([Note: a global loss scale]); otherwise the scaler does nothing
+    scaler = GradScaler(pipe.device.type, enabled=pipe.manifest.precision == "fp16-mixed")
+    loss_fn = scaler.loss_fn(model_file.loss_fn)
+    first = checkpointing.resume(pipe, opt, ns) + 1
+    data = itertools.islice(_batches(model_file), first - 1, None)  # a resumed run goes on with the next batch
+    for k, (inputs, target) in zip(range(first, ns.steps + 1), data):
         start = time.perf_counter()
         if opt is not None:
             opt.zero_grad()
-        loss = pipe.train_step(inputs, target)
-        if opt is not None:
-            opt.step()
+        loss = pipe.train_step(inputs, target, loss_fn=loss_fn) / scaler.get_scale()
+        if ns.clip is not None:  # not with fp16-mixed (launch refuses it): the gradients are not scaled
+            pipe.clip_grad_norm_(ns.clip)
+        scaler.step(opt)
+        scaler.update()
         if pipe.device.type == "cuda":
             torch.cuda.synchronize(pipe.device)
         ms = (time.perf_counter() - start) * 1e3
@@ -58,6 +78,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("dir")
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--lr", type=float, default=0.01)
+    add_training_arguments(parser)
     parser.add_argument("--trace")
     checkpointing.add_arguments(parser)
     ns = parser.parse_args(argv)

@@ -48,7 +48,7 @@ from .errors import ManifestError, MeshError, PipelineError
 from .faults import parse_fault
 from .groups import Mesh, make_groups
 from .local import concat_outputs
-from .manifest import Manifest, StageOutput
+from .manifest import Manifest
 from .schedule import Action, Kind, Schedule, StageGraph, lower, make_schedule, validate
 from .stage import StageRunner, as_leaf
 from .steps import StepGuard
@@ -72,6 +72,8 @@ class _Step:
     sends: list[tuple[Any, Action, torch.Tensor]] = field(default_factory=list)
     loss: torch.Tensor | None = None
     results: list[Any] = field(default_factory=list)
+    rows: list[int] = field(default_factory=list)  # each microbatch's rows ([Note: free batch])
+    scales: list[float] = field(default_factory=list)  # [Note: microbatch weights]
 
 
 @dataclass
@@ -109,7 +111,7 @@ class DistributedPipeline:
         self.groups = make_groups(m, g, self.rank)
         self._set_tp_group()
         # 3. this rank's stages (tied copies within the rank are one shared Parameter)
-        self.runners = {s: StageRunner(package.import_stage(directory, m, s).to(self.device), m.stages[s])
+        self.runners = {s: StageRunner(package.import_stage(directory, m, s).to(self.device), m.stages[s], m.precision)
                         for s in self.stages}
         self._share_tied()
         # 4. the schedule: every rank lowers and validates the whole one, then keeps its row
@@ -199,9 +201,10 @@ class DistributedPipeline:
         holds_last = self.graph.num_stages - 1 in self.runners
         fn = loss_fn or (self._default_loss_fn() if holds_last else None)
         mb_inputs = package.split_inputs(inputs, m, self.replica)
-        targets = package.split_target(target, m.microbatches, self.replica, self.dp, m.batch_size)
+        rows = package.microbatch_rows(inputs, m)
+        targets = package.split_target(target, m.microbatches, self.replica, self.dp, sum(rows) * self.dp)
         self._steps.check()
-        step = _Step(train=False, evaluate=True)
+        step = _Step(train=False, evaluate=True, rows=rows, scales=package.loss_scales(rows))
         with torch.no_grad():
             for a in self._forward_actions:
                 self._execute(a, step, mb_inputs, targets, fn)
@@ -250,12 +253,13 @@ class DistributedPipeline:
         holds_last = self.graph.num_stages - 1 in self.runners
         fn = loss_fn or (self._default_loss_fn() if holds_last else None)  # only the last stage needs it
         mb_inputs = package.split_inputs(inputs, m, self.replica)
-        targets = package.split_target(target, m.microbatches, self.replica, self.dp, m.batch_size)
+        rows = package.microbatch_rows(inputs, m)
+        targets = package.split_target(target, m.microbatches, self.replica, self.dp, sum(rows) * self.dp)
         snapshot = self._ties.snapshot()
         if self._buckets is not None:
             self._buckets.reset()
         self._steps.check()
-        step = _Step(train=True)
+        step = _Step(train=True, rows=rows, scales=package.loss_scales(rows))
         try:
             for t, a in enumerate(self._train_actions):
                 if t in self._arm_at and self._buckets is not None:
@@ -291,7 +295,7 @@ class DistributedPipeline:
         self._set_tp_group()
         mb_inputs = package.split_inputs(inputs, self.manifest, self.replica)
         self._steps.check()
-        step = _Step(train=False)
+        step = _Step(train=False, rows=package.microbatch_rows(inputs, self.manifest))
         with torch.no_grad():
             for a in self._forward_actions:
                 self._execute(a, step, mb_inputs, None, None)
@@ -364,7 +368,7 @@ class DistributedPipeline:
             step.outputs[(s, i)] = dict(zip(runner.output_names, out))
         elif step.train or step.evaluate:
             assert targets is not None and loss_fn is not None
-            loss = runner.loss(i, out, _to(targets[i], self.device), loss_fn, float(m.microbatches), keep=step.train)
+            loss = runner.loss(i, out, _to(targets[i], self.device), loss_fn, step.scales[i], keep=step.train)
             step.loss = loss if step.loss is None else step.loss + loss
         else:
             step.results.append(out)
@@ -394,14 +398,15 @@ class DistributedPipeline:
         group, dst = self.groups.edges[(a.stage, a.peer) if forward else (a.peer, a.stage)], self._rank_of(a.peer)
         tensors = []
         for spec in specs:
+            shape = package.value_shape(spec, step.rows[a.microbatch], self.manifest)
             if forward:
                 tensor = step.outputs[(a.stage, a.microbatch)][spec.name].detach()
             else:
                 g = step.in_grads.get((a.stage, a.microbatch), {}).pop(spec.name, None)
-                tensor = g if g is not None else torch.zeros(_shape(spec), dtype=package.dtype_of(spec), device=self.device)
-            if list(tensor.shape) != _shape(spec) or tensor.dtype != package.dtype_of(spec):
+                tensor = g if g is not None else torch.zeros(shape, dtype=package.dtype_of(spec), device=self.device)
+            if list(tensor.shape) != shape or tensor.dtype != package.dtype_of(spec):
                 raise PipelineError(f"stage {a.stage} sends {spec.name!r} of microbatch {a.microbatch} with shape "
-                                    f"{list(tensor.shape)} {tensor.dtype} but the manifest says {_shape(spec)} "
+                                    f"{list(tensor.shape)} {tensor.dtype} but the manifest says {shape} "
                                     f"{spec.dtype}: compile the model again (the runtime sends no shapes).")
             tensors.append(tensor.contiguous())
         if not tensors:
@@ -418,7 +423,9 @@ class DistributedPipeline:
         if not specs:
             return
         group, src = self.groups.edges[(a.peer, a.stage) if forward else (a.stage, a.peer)], self._rank_of(a.peer)
-        shapes, dtypes = [_shape(spec) for spec in specs], [package.dtype_of(spec) for spec in specs]
+        rows = step.rows[a.microbatch]
+        shapes = [package.value_shape(spec, rows, self.manifest) for spec in specs]
+        dtypes = [package.dtype_of(spec) for spec in specs]
         if len(specs) == 1:
             buffer = torch.empty(shapes[0], dtype=dtypes[0], device=self.device)
         else:  # the edge's values packed in one message (messages.py)
@@ -566,12 +573,6 @@ def _describer(rank: int, stages: list[int]) -> Callable[[str, Any], Callable[[b
 def _row(lowered: Schedule, g: StageGraph, microbatches: int, position: int) -> list[Action]:
     validate(lowered, g, microbatches)
     return lowered[position]
-
-
-def _shape(spec: StageOutput) -> list[int]:
-    """A value's shape per microbatch; only the model's output (never sent) has none."""
-    assert spec.shape is not None, f"{spec.name} has no shape"
-    return list(spec.shape)
 
 
 def _check_ranks(m: Manifest, mesh: Mesh) -> None:

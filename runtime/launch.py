@@ -21,7 +21,7 @@ from .checkpoint import run as checkpointing
 from .errors import ManifestError, MeshError, PipelineError
 from .manifest import Manifest
 
-__all__ = ["main", "torchrun_command"]
+__all__ = ["add_training_arguments", "main", "torchrun_command", "training_arguments"]
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -29,10 +29,22 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("dir", help="the compiled package directory")
     parser.add_argument("--nproc", type=int, required=True, help="processes (ranks): pp x tp x dp of the plan")
     parser.add_argument("--steps", type=int, default=5, help="training steps (default 5)")
-    parser.add_argument("--lr", type=float, default=0.01, help="SGD learning rate (default 0.01)")
+    parser.add_argument("--lr", type=float, default=0.01, help="learning rate (default 0.01)")
     parser.add_argument("--trace", help="write a Chrome/Perfetto trace of the steps to this file")
+    add_training_arguments(parser)
     checkpointing.add_arguments(parser)
     return parser
+
+
+def add_training_arguments(parser: argparse.ArgumentParser) -> None:
+    """`partitioner run`'s choices of how to train (beside --steps and --lr)."""
+    parser.add_argument("--optimizer", choices=["sgd", "adamw"], default="sgd", help="the optimizer (default sgd)")
+    parser.add_argument("--clip", type=float, help="clip the whole model's gradient norm to this (pipe.clip_grad_norm_)")
+
+
+def training_arguments(ns: argparse.Namespace) -> list[str]:
+    """The worker's arguments for `add_training_arguments`' choices."""
+    return ["--optimizer", ns.optimizer] + (["--clip", repr(ns.clip)] if ns.clip is not None else [])
 
 
 def torchrun_command(directory: str, nproc: int, steps: int, lr: float, trace: str | None,
@@ -58,6 +70,12 @@ def main(argv: list[str]) -> int:
                         f"{ns.nproc} devices (--devices {ns.nproc}).")
     if ns.steps < 1 or not ns.lr > 0:
         raise PipelineError(f"--steps {ns.steps} --lr {ns.lr}: give at least one step and a positive learning rate.")
+    if ns.clip is not None and not ns.clip > 0:
+        raise PipelineError(f"--clip {ns.clip}: give the largest gradient norm to keep, a positive number.")
+    if ns.clip is not None and manifest.precision == "fp16-mixed":
+        raise PipelineError(f"--clip with an fp16-mixed package ({ns.dir}) is not built: the loss scaler would have "
+                            f"to unscale the gradients on every rank first. Train without --clip, or compile with "
+                            f"--precision bf16-mixed.")
     _check_model_file(manifest, ns.dir)
     checkpointing.check_arguments(ns)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -65,7 +83,7 @@ def main(argv: list[str]) -> int:
     env["PYTHONPATH"] = os.pathsep.join([root] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
     trace = str(Path(ns.trace).resolve()) if ns.trace else None
     rc = subprocess.call(torchrun_command(str(Path(ns.dir).resolve()), ns.nproc, ns.steps, ns.lr, trace,
-                                          checkpointing.worker_arguments(ns)), env=env)
+                                          training_arguments(ns) + checkpointing.worker_arguments(ns)), env=env)
     return 0 if rc == 0 else 1
 
 

@@ -96,7 +96,7 @@ class LocalPipeline:
         m = self.manifest
         modules = [package.import_stage(self.directory, m, k).to(self.devices[k]) for k in range(len(m.stages))]
         tied = _share_tied(modules, m, self.devices)
-        return _Lane(index, [StageRunner(mod, m.stages[k]) for k, mod in enumerate(modules)], tied)
+        return _Lane(index, [StageRunner(mod, m.stages[k], m.precision) for k, mod in enumerate(modules)], tied)
 
     # -- the contract ------------------------------------------------------------------------
 
@@ -154,16 +154,18 @@ class LocalPipeline:
         m, dp = self.manifest.microbatches, self.manifest.mesh.dp
         self._calls += 1
         total = torch.zeros((), device=self.devices[-1])
+        rows = package.microbatch_rows(inputs, self.manifest)
+        scales = package.loss_scales(rows, dp)  # [Note: microbatch weights]
         with torch.no_grad():
             for replica in range(dp):
                 self._replica = replica
                 mb_inputs = package.split_inputs(inputs, self.manifest, replica)
-                targets = package.split_target(target, m, replica, dp, self.manifest.batch_size)
-                outs = self._run_lanes(self._forward, mb_inputs, None, None, 1.0)
+                targets = package.split_target(target, m, replica, dp, sum(rows) * dp)
+                outs = self._run_lanes(self._forward, mb_inputs, None, None, scales)
                 last = self.runners[-1]
                 for i, out in enumerate(outs):
                     t = pytree.tree_map(lambda x: self.streams.move(x, None, len(self.runners) - 1), targets[i])
-                    total = total + last.loss(i, out, t, fn, float(m * dp), keep=False)
+                    total = total + last.loss(i, out, t, fn, scales[i], keep=False)
         self.streams.synchronize()
         return total
 
@@ -205,11 +207,13 @@ class LocalPipeline:
         total: torch.Tensor | None = None
         self._calls += 1
         try:
+            rows = package.microbatch_rows(inputs, self.manifest)
+            scales = package.loss_scales(rows, dp)  # [Note: microbatch weights]
             for replica in range(dp):
                 self._replica = replica
                 mb_inputs = package.split_inputs(inputs, self.manifest, replica)
-                targets = package.split_target(target, m, replica, dp, self.manifest.batch_size)
-                loss = self._run_lanes(self._train, mb_inputs, targets, fn, float(m * dp))
+                targets = package.split_target(target, m, replica, dp, sum(rows) * dp)
+                loss = self._run_lanes(self._train, mb_inputs, targets, fn, scales)
                 total = loss if total is None else total + loss
         except BaseException:
             for lane in self.lanes:
@@ -230,7 +234,7 @@ class LocalPipeline:
             for replica in range(self.manifest.mesh.dp):
                 self._replica = replica
                 mb_inputs = package.split_inputs(inputs, self.manifest, replica)
-                outs += self._run_lanes(self._forward, mb_inputs, None, None, 1.0)
+                outs += self._run_lanes(self._forward, mb_inputs, None, None, [])
         self.streams.synchronize()
         return concat_outputs(outs)
 
@@ -261,7 +265,7 @@ class LocalPipeline:
     # -- the interpreter ---------------------------------------------------------------------
 
     def _run_lanes(self, order: list[tuple[int, Action]], mb_inputs: list[dict[str, Any]],
-                   targets: list[Any] | None, loss_fn: LossFn | None, scale: float) -> Any:
+                   targets: list[Any] | None, loss_fn: LossFn | None, scale: list[float]) -> Any:
         """`_run` in every lane at once (step 2), each lane in its own thread, lane 0 in
         this one; returns lane 0's result, or raises the first lane's failure."""
         group = self._group
@@ -296,7 +300,7 @@ class LocalPipeline:
         return results[0]
 
     def _run(self, lane: _Lane, order: list[tuple[int, Action]], mb_inputs: list[dict[str, Any]],
-             targets: list[Any] | None, loss_fn: LossFn | None, scale: float) -> Any:
+             targets: list[Any] | None, loss_fn: LossFn | None, scale: list[float]) -> Any:
         """Interpret one replica's actions in one lane; returns the summed loss (training) or
         the list of microbatch outputs (forward only)."""
         outputs: dict[tuple[int, int], dict[str, Any]] = {}
@@ -318,7 +322,7 @@ class LocalPipeline:
                     elif train:
                         assert loss_fn is not None and targets is not None
                         target = pytree.tree_map(lambda x: self.streams.move(x, None, s), targets[i])
-                        total = total + runner.loss(i, out, target, loss_fn, scale)
+                        total = total + runner.loss(i, out, target, loss_fn, scale[i])
                     else:
                         results.append(out)
             elif a.kind == Kind.B:

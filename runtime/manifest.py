@@ -22,6 +22,7 @@ from typing import Any, Literal, Mapping
 from ._fields import (_array, _Bad, _bool, _count, _from, _index, _int, _ints, _is_int, _key, _mapping, _number,
                       _Obj, _opt_int, _opt_str, _shape, _str, _strs, _to)
 from .errors import ManifestError
+from .precision import BUILT
 
 __all__ = [
     "FORMAT_VERSION",
@@ -108,14 +109,16 @@ class StageInput(TensorSpec):
 
     source: int | Literal["input"] = "input"
     requires_grad: bool = False
+    batch_dim: int | None = None  # written only when set: see Manifest.free_dims
 
     @property
     def from_batch(self) -> bool:
         return self.source == "input"
 
     def to_dict(self) -> dict[str, Any]:
-        return {"name": self.name, "shape": _list(self.shape), "dtype": self.dtype, "from": self.source,
-                "requires_grad": self.requires_grad}
+        out = {"name": self.name, "shape": _list(self.shape), "dtype": self.dtype, "from": self.source,
+               "requires_grad": self.requires_grad}
+        return out if self.batch_dim is None else {**out, "batch_dim": self.batch_dim}
 
 
 @dataclass(frozen=True)
@@ -124,11 +127,13 @@ class StageOutput(TensorSpec):
 
     to: tuple[int, ...] | Literal["output"] = "output"
     requires_grad: bool = True
+    batch_dim: int | None = None  # written only when set: see Manifest.free_dims
 
     def to_dict(self) -> dict[str, Any]:
         to = self.to if self.to == "output" else list(self.to)
-        return {"name": self.name, "shape": _list(self.shape), "dtype": self.dtype, "to": to,
-                "requires_grad": self.requires_grad}
+        out = {"name": self.name, "shape": _list(self.shape), "dtype": self.dtype, "to": to,
+               "requires_grad": self.requires_grad}
+        return out if self.batch_dim is None else {**out, "batch_dim": self.batch_dim}
 
 
 @dataclass(frozen=True)
@@ -283,6 +288,12 @@ class Manifest:
     options: Mapping[str, Any] = field(default_factory=dict)
     virtual_stages: int = 1
     batch_size: int | None = None
+    #: the dimensions a batch may change ([Note: free batch]): () or ("batch",), written only
+    #: when set.  With "batch", a value crossing stages whose `batch_dim` is set has, along
+    #: it, its `shape` scaled by the microbatch's rows over the compiled rows.
+    free_dims: tuple[str, ...] = ()
+    #: `compile --precision` (runtime.precision), written only when not "fp32"
+    precision: str = "fp32"
     tied_parameters: tuple[TiedParameter, ...] = ()
     state_dict_aliases: Mapping[str, str] = field(default_factory=dict)  # extra state_dict key -> canonical name
     meta_constants: tuple[str, ...] = ()
@@ -296,7 +307,9 @@ class Manifest:
             "format_version": self.format_version, "generator": self.generator, "source": self.source.to_dict(),
             "tracer": self.tracer, "options": dict(self.options), "mesh": self.mesh.to_dict(),
             "schedule": self.schedule, "microbatches": self.microbatches, "virtual_stages": self.virtual_stages,
-            "batch_size": self.batch_size, "inputs": [i.to_dict() for i in self.inputs],
+            "batch_size": self.batch_size, **({"free_dims": list(self.free_dims)} if self.free_dims else {}),
+            **({"precision": self.precision} if self.precision != "fp32" else {}),
+            "inputs": [i.to_dict() for i in self.inputs],
             "stages": [s.to_dict() for s in self.stages],
             "tied_parameters": [t.to_dict() for t in self.tied_parameters],
             "state_dict_aliases": dict(self.state_dict_aliases), "meta_constants": list(self.meta_constants),
@@ -364,13 +377,14 @@ def _model_input(o: _Obj) -> ModelInput:
 
 def _stage_input(o: _Obj) -> StageInput:
     return StageInput(o.get("name", _str), o.get("shape", _shape), o.get("dtype", _opt_str), o.get("from", _from),
-                      o.get("requires_grad", _bool, False))
+                      o.get("requires_grad", _bool, False), o.get("batch_dim", _opt_int, None))
 
 
 def _stage_output(o: _Obj) -> StageOutput:
     to = o.get("to", _to)
     return StageOutput(o.get("name", _str), o.get("shape", _shape), o.get("dtype", _opt_str),
-                       to if to == "output" else tuple(to), o.get("requires_grad", _bool, False))
+                       to if to == "output" else tuple(to), o.get("requires_grad", _bool, False),
+                       o.get("batch_dim", _opt_int, None))
 
 
 def _shard(o: _Obj) -> Shard:
@@ -433,13 +447,28 @@ def _read_manifest(data: Mapping[str, Any]) -> Manifest:
         microbatches=m.data["microbatches"], inputs=m.each("inputs", _model_input), stages=m.each("stages", _stage),
         format_version=FORMAT_VERSION, generator=m.get("generator", _str, ""), tracer=m.get("tracer", _str, ""),
         options=m.get("options", _mapping, {}), virtual_stages=m.get("virtual_stages", _count, 1),
-        batch_size=m.get("batch_size", _opt_int, None), tied_parameters=m.each("tied_parameters", _tied, optional=True),
+        batch_size=m.get("batch_size", _opt_int, None), free_dims=tuple(m.get("free_dims", _free, [])),
+        precision=m.get("precision", _precision, "fp32"),
+        tied_parameters=m.each("tied_parameters", _tied, optional=True),
         state_dict_aliases=m.get("state_dict_aliases", _mapping, {}),
         meta_constants=tuple(m.get("meta_constants", _strs, [])),
         tensor_parallel=m.get("tensor_parallel", _mapping, {}),
         predicted=m.obj("predicted", _predicted) if predicted else None, hash=m.get("hash", _str, ""))
     _check_stages(manifest)
     return manifest
+
+
+def _precision(value: Any, path: str) -> str:
+    if value not in BUILT:
+        raise _Bad(f"{path}: expected one of {', '.join(BUILT)} (the precisions this runtime runs), got {value!r}")
+    return str(value)
+
+
+def _free(value: Any, path: str) -> list[str]:
+    names = _strs(value, path)
+    if any(n != "batch" for n in names):
+        raise _Bad(f"{path}: expected [] or [\"batch\"] (only the batch dimension is ever free), got {value!r}")
+    return names
 
 
 def _check_stages(m: Manifest) -> None:

@@ -42,6 +42,9 @@ __all__ = [
     "assemble_state_dict",
     "split_inputs",
     "split_target",
+    "microbatch_rows",
+    "loss_scales",
+    "value_shape",
     "edge_values",
     "edge_grads",
     "dtype_of",
@@ -297,15 +300,63 @@ def _by_key(inputs: Any) -> dict[Any, Any]:
 
 
 def _chunks(value: torch.Tensor, dim: int, m: int, replica: int, replicas: int, what: str) -> list[torch.Tensor]:
+    """Replica `replica`'s rows of `value` along `dim`, cut into `m` microbatches
+    ([Note: microbatch weights])."""
     if value.dim() <= dim:
         raise BatchError(f"{what} has shape {list(value.shape)}, with no batch dimension {dim}.")
     rows = value.shape[dim]
-    if rows % (m * replicas):
-        raise BatchError(f"{what} has {rows} rows along its batch dimension {dim}, which do not split into "
-                         f"{m} microbatches x {replicas} replica(s): give a batch of a multiple of {m * replicas} rows.")
-    per = rows // (m * replicas)
-    start = replica * per * m
-    return [value.narrow(dim, start + i * per, per) for i in range(m)]
+    if rows % replicas:
+        raise BatchError(f"{what} has {rows} rows along its batch dimension {dim}, which do not split evenly across "
+                         f"{replicas} data-parallel replicas: give a batch of a multiple of {replicas} rows (drop or "
+                         f"pad the last batch), or compile with a --dp that divides it.")
+    per = rows // replicas
+    if per < m:
+        raise BatchError(f"{what} has {rows} rows along its batch dimension {dim}: {per} per replica cannot fill "
+                         f"{m} microbatches: give at least {m * replicas} rows, or compile with fewer --microbatches.")
+    return list(torch.tensor_split(value.narrow(dim, replica * per, per), m, dim=dim))
+
+
+def microbatch_rows(inputs: Any, manifest: Manifest) -> list[int]:
+    """The rows of each microbatch of one replica, as `split_inputs` cuts `inputs`."""
+    given = _by_key(inputs)
+    for spec in manifest.inputs:
+        value = given.get(spec.key)
+        if isinstance(value, torch.Tensor) and value.dim() > spec.batch_dim:
+            pieces = _chunks(value, spec.batch_dim, manifest.microbatches, 0, manifest.mesh.dp, f"input {spec.key!r}")
+            return [p.shape[spec.batch_dim] for p in pieces]
+    compiled = (manifest.batch_size or manifest.microbatches * manifest.mesh.dp) // manifest.mesh.dp
+    return [p.numel() for p in torch.tensor_split(torch.empty(compiled), manifest.microbatches)]
+
+
+def loss_scales(rows: list[int], replicas: int = 1) -> list[float]:
+    """What each microbatch's mean loss is divided by, so the sum over the microbatches (and
+    `replicas` replicas of equal rows) is the whole batch's mean loss.
+
+    [Note: microbatch weights]
+        A batch of B rows is cut into dp replicas of B/dp rows (dp must divide B) and each
+        replica into M microbatches by `torch.tensor_split` (the first (B/dp) % M are one row
+        longer; M <= B/dp).  Microbatch i's mean loss L_i over its r_i rows counts with
+        weight r_i / B: sum_i (r_i / B) L_i is the mean over all B rows, exactly what
+        `loss.backward()` on the whole batch differentiates.  With equal microbatches the
+        divisor B / r_i is M x dp, as before.  LocalPipeline divides by B / r_i; a
+        DistributedPipeline replica by (B/dp) / r_i, and the all-reduced loss (and the
+        gradients' mean across replicas) by dp.
+    """
+    total = sum(rows) * replicas
+    return [total / r for r in rows]
+
+
+def value_shape(spec: TensorSpec, rows: int, manifest: Manifest) -> list[int]:
+    """A value's shape for a microbatch of `rows` rows: the manifest's, with its
+    `batch_dim` (when the batch is free, [Note: free batch]) scaled from the compiled rows."""
+    assert spec.shape is not None, f"{spec.name} has no shape"
+    shape = list(spec.shape)
+    dim = getattr(spec, "batch_dim", None)
+    if dim is not None and "batch" in manifest.free_dims:
+        compiled = (manifest.batch_size or 0) // (manifest.microbatches * manifest.mesh.dp)
+        if compiled:
+            shape[dim] = shape[dim] // compiled * rows
+    return shape
 
 
 def split_inputs(inputs: Any, manifest: Manifest, replica: int = 0) -> list[dict[str, Any]]:
@@ -329,13 +380,29 @@ def split_inputs(inputs: Any, manifest: Manifest, replica: int = 0) -> list[dict
                 mb[spec.name] = value
             continue
         pieces = _chunks(value, spec.batch_dim, m, replica, dp, f"input {key!r}")
-        if spec.shape is not None and list(pieces[0].shape) != list(spec.shape):
-            raise BatchError(f"input {key!r} gives microbatches of shape {list(pieces[0].shape)} but the package was "
-                             f"compiled for {list(spec.shape)} ({m} microbatches x {dp} replica(s) of the example "
-                             f"batch): train on batches shaped like example_inputs(), or compile again.")
+        for piece in pieces:
+            _check_shape(piece, spec, manifest, key)
         for mb, piece in zip(out, pieces):
             mb[spec.name] = piece
     return out
+
+
+def _check_shape(piece: torch.Tensor, spec: ModelInput, manifest: Manifest, key: Any) -> None:
+    """A microbatch's shape must be the compiled one, but for the batch dimension when it is free."""
+    if spec.shape is None:
+        return
+    got, want = list(piece.shape), list(spec.shape)
+    free = "batch" in manifest.free_dims
+    if free and len(got) == len(want):
+        got[spec.batch_dim] = want[spec.batch_dim]
+    if got != want:
+        m, dp = manifest.microbatches, manifest.mesh.dp
+        fixed = ("only its batch dimension is free: the others (sequence length included) are the example "
+                 "batch's" if free else f"its batch is fixed at {manifest.batch_size} rows (the model's sizes do "
+                 f"not follow the batch)")
+        raise BatchError(f"input {key!r} gives microbatches of shape {list(piece.shape)} but the package was "
+                         f"compiled for {list(spec.shape)} ({m} microbatches x {dp} replica(s) of the example batch), "
+                         f"and {fixed}: train on batches shaped like example_inputs(), or compile again.")
 
 
 def split_target(target: Any, microbatches: int, replica: int = 0, replicas: int = 1,
@@ -345,7 +412,7 @@ def split_target(target: Any, microbatches: int, replica: int = 0, replicas: int
     leaves, spec = pytree.tree_flatten(target)
     for x in leaves:
         if batch_size is not None and isinstance(x, torch.Tensor) and x.dim() and x.shape[0] != batch_size:
-            raise BatchError(f"the target has {x.shape[0]} rows along dim 0 but the package's batch has {batch_size}: "
+            raise BatchError(f"the target has {x.shape[0]} rows along dim 0 but the inputs have {batch_size}: "
                              f"give one target row per example, as example_target() does.")
     cut = [_chunks(x, 0, microbatches, replica, replicas, "the target") if isinstance(x, torch.Tensor) else [x] * microbatches
            for x in leaves]

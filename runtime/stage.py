@@ -16,11 +16,13 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
+import torch.utils._pytree
 import torch.utils.checkpoint
 
 from . import modes
 from .errors import PipelineError
 from .manifest import StageSpec
+from .precision import autocast, device_type
 
 __all__ = ["StageRunner", "as_leaf"]
 
@@ -48,6 +50,7 @@ class StageRunner:
 
     module: torch.nn.Module
     entry: StageSpec
+    precision: str = "fp32"  # the manifest's: forward and loss under its autocast ([Note: mixed precision])
     _saved: dict[int, _Saved] = field(default_factory=dict)
 
     @property
@@ -79,12 +82,13 @@ class StageRunner:
         `seed`: in training mode, the forward draws from a generator seeded by it
         ([Note: dropout streams] in modes.py).
         """
-        if seed is not None and self.module.training:
-            device = next((a.device for a in args if isinstance(a, torch.Tensor)), torch.device("cpu"))
-            with modes.seeded(seed, device):
+        with autocast(self.precision, device_type(args)):
+            if seed is not None and self.module.training:
+                device = next((a.device for a in args if isinstance(a, torch.Tensor)), torch.device("cpu"))
+                with modes.seeded(seed, device):
+                    out = self._call(args, train)
+            else:
                 out = self._call(args, train)
-        else:
-            out = self._call(args, train)
         if not self.is_last:
             n = len(self.entry.outputs)
             if not isinstance(out, (tuple, list)) or len(out) != n:
@@ -105,7 +109,8 @@ class StageRunner:
              scale: float, keep: bool = True) -> torch.Tensor:
         """`loss_fn(output, target) / scale` for the last stage; kept for backward (unless
         `keep` is false: evaluate), returned detached."""
-        value = loss_fn(output, target)
+        with autocast(self.precision, device_type(torch.utils._pytree.tree_leaves(output))):
+            value = loss_fn(output, target)
         if not isinstance(value, torch.Tensor) or value.numel() != 1:
             what = f"shape {list(value.shape)}" if isinstance(value, torch.Tensor) else type(value).__name__
             raise PipelineError(f"loss_fn returned {what}, not a scalar tensor: reduce the loss over the batch (mean).")

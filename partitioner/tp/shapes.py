@@ -128,12 +128,18 @@ def _sizes_arg(node: torch.fx.Node) -> tuple[str, Any]:
     return "list", list(sizes)
 
 
+def _shrink(size: Any, local: int) -> Any:
+    """`size` cut to `local`, by division, so a size that follows the batch still does
+    ([Note: free batch] in partitioner/trace/batch.py)."""
+    return size // (int(size) // local) if local and int(size) % local == 0 else local
+
+
 def _localize_sizes(node: torch.fx.Node, strategy: Strategy, tp: int) -> None:
     """Write the shard's sizes into the node's size arguments (-1 stays -1)."""
     shape = tuple(int(s) for s in node.meta["tensor_meta"].shape)
     local = strategy.output.local_shape(shape, tp)
     kind, sizes = _sizes_arg(node)
-    new = [s if s == -1 else local[i] for i, s in enumerate(sizes)]
+    new = [s if s == -1 or s == local[i] else _shrink(s, local[i]) for i, s in enumerate(sizes)]
     if kind == "varargs":
         node.args = (node.args[0], *new)
     elif len(node.args) > 1:
@@ -239,7 +245,7 @@ def slice_(ctx: SplitContext) -> list[Strategy]:
 def _split_rewrite(node: torch.fx.Node, strategy: Strategy, tp: int) -> None:
     """Split sizes along the sharded dimension become the shard's."""
     size: Any = node.args[1]
-    local = [s // tp for s in size] if isinstance(size, (list, tuple)) else int(size) // tp
+    local = [s // tp for s in size] if isinstance(size, (list, tuple)) else size // tp
     node.args = (node.args[0], local, *node.args[2:])
 
 

@@ -6,7 +6,9 @@ Like fx's own passes, each takes a GraphModule and writes `node.meta`:
   (returned) and `node.meta["tensor_meta"]` (fx's `TensorMetadata`).
 - `specialize` folds every non-tensor value (sizes, Python numbers) into a constant for that
   microbatch shape and drops assertions, so only tensors are left to cross stage
-  boundaries.  The package is then fixed to the microbatch shape, which the manifest records.
+  boundaries.  The package is then fixed to the microbatch shape, which the manifest records,
+  but for sizes that follow the batch: with the runs of `probe`, those fold into
+  `batch.BatchInt`s that codegen writes as expressions of the batch ([Note: free batch]).
 """
 
 from __future__ import annotations
@@ -19,8 +21,9 @@ import torch.fx
 from torch.fx.passes.shape_prop import TensorMetadata, _extract_tensor_metadata
 
 from ..errors import TraceError
+from .batch import PROBE_EXTRA, FreeBatch, NotFree, batch_constant, batch_dim, probe_batch
 
-__all__ = ["get_attr", "inline_higher_order", "propagate", "specialize", "is_tensor_node", "node_module"]
+__all__ = ["get_attr", "inline_higher_order", "probe", "propagate", "specialize", "is_tensor_node", "node_module"]
 
 _ASSERTS = {
     "_assert_tensor_metadata",
@@ -55,8 +58,61 @@ def propagate(gm: torch.fx.GraphModule, flat_inputs: list[Any], model_path: str 
     return values
 
 
-def specialize(gm: torch.fx.GraphModule, values: dict[torch.fx.Node, Any]) -> None:
-    """Fold non-tensor nodes into constants and remove assertions and dead code."""
+def probe(gm: torch.fx.GraphModule, keyed: dict[int | str, Any], input_keys: list[tuple[str, int | str]],
+          batch_dims: dict[Any, int], rows: int) -> FreeBatch | None:
+    """Run `gm` on the probe microbatches of [Note: free batch] (call it BEFORE the real
+    `propagate`, whose tensor_meta must be the compiled microbatch's); None when a probe
+    run fails, which keeps the batch fixed."""
+    free = FreeBatch([], [], [])
+    for extra in PROBE_EXTRA:
+        batch = probe_batch(keyed, batch_dims, rows + extra)
+        try:
+            with torch.no_grad():
+                values = propagate(gm, [batch[key] for _name, key in input_keys])
+        except TraceError:
+            return None
+        free.rows.append(rows + extra)
+        free.values.append(values)
+        free.shapes.append({n: tuple(int(d) for d in v.shape) for n, v in values.items() if isinstance(v, torch.Tensor)})
+    return free
+
+
+def specialize(gm: torch.fx.GraphModule, values: dict[torch.fx.Node, Any], free: FreeBatch | None = None,
+               rows: int = 0) -> bool:
+    """Fold non-tensor nodes into constants and remove assertions and dead code.
+
+    With the probe runs `free` (`probe`) of a microbatch of `rows` rows, sizes that follow
+    the batch fold into `BatchInt`s and tensors get `meta["batch_dim"]` ([Note: free
+    batch]); returns whether the batch is free (False: folded for `rows` only)."""
+    folded: dict[torch.fx.Node, Any] | None = None
+    if free is not None:
+        every = FreeBatch([rows, *free.rows], [values, *free.values],
+                          [{n: tuple(int(d) for d in v.shape) for n, v in values.items()
+                            if isinstance(v, torch.Tensor)}, *free.shapes])
+        try:
+            folded = _fold_free(gm, values, every)
+        except NotFree:
+            folded = None
+    _fold(gm, values, folded)
+    return folded is not None
+
+
+def _fold_free(gm: torch.fx.GraphModule, values: dict[torch.fx.Node, Any], free: FreeBatch) -> dict[torch.fx.Node, Any]:
+    """The constant of each foldable node, BatchInts included, and each tensor's batch dim."""
+    folded: dict[torch.fx.Node, Any] = {}
+    dims: dict[torch.fx.Node, tuple[int, int] | None] = {}
+    for node in gm.graph.nodes:
+        value = values.get(node)
+        if isinstance(value, torch.Tensor):
+            dims[node] = batch_dim(node, free)
+        elif node.op not in ("placeholder", "output", "get_attr") and not _is_assert(node) and _foldable(value):
+            folded[node] = batch_constant(node, _constant(value), free)
+    for node, dim in dims.items():
+        node.meta["batch_dim"] = dim
+    return folded
+
+
+def _fold(gm: torch.fx.GraphModule, values: dict[torch.fx.Node, Any], folded: dict[torch.fx.Node, Any] | None) -> None:
     graph = gm.graph
     for node in list(graph.nodes):
         if node.op in ("placeholder", "output", "get_attr"):
@@ -67,23 +123,30 @@ def specialize(gm: torch.fx.GraphModule, values: dict[torch.fx.Node, Any]) -> No
             continue
         value = values.get(node)
         if _foldable(value):
-            node.replace_all_uses_with(_constant(value), propagate_meta=False)  # type: ignore[arg-type]
+            constant = folded[node] if folded is not None and node in folded else _constant(value)
+            node.replace_all_uses_with(constant, propagate_meta=False)  # type: ignore[arg-type]
+            graph.erase_node(node)
+        elif _whole_slice(node):  # export's `x[:]` on a dynamic dimension: x itself
+            node.replace_all_uses_with(node.args[0])  # type: ignore[arg-type]
             graph.erase_node(node)
     graph.eliminate_dead_code()
     graph.lint()
     gm.recompile()
 
 
-def inline_higher_order(gm: torch.fx.GraphModule) -> None:
+def inline_higher_order(gm: torch.fx.GraphModule) -> list[bool]:
     """Inline torch.export's grad-mode and autocast wrappers into the graph.
 
     `wrap_with_set_grad_enabled(False, submod, *args)` (e.g. Llama's rotary embedding under
     `torch.no_grad()`) becomes the submodule's nodes followed by `aten.detach` on each
     output, which stops gradients exactly as no_grad did.  Autocast regions are inlined
-    as they are (on float32 CPU/GPU graphs with autocast disabled they are no-ops).
+    as they are and reported, for `trace.check_autocast` to refuse where that changes what
+    the model computes (a disabled region in a float32 model is a no-op).
     Export's `_guards_fn` module, which only re-checks input shapes, is dropped.
+    Returns the `enabled` flag of each autocast region inlined (`trace.check_autocast`).
     """
     graph = gm.graph
+    regions: list[bool] = []
     for node in list(graph.nodes):
         if node.op == "call_module" and str(node.target) == "_guards_fn" and not node.users:
             graph.erase_node(node)
@@ -94,6 +157,7 @@ def inline_higher_order(gm: torch.fx.GraphModule) -> None:
         if name == "wrap_with_set_grad_enabled":  # (enabled, submod, *args)
             enabled, sub_node, operands = node.args[0], node.args[1], list(node.args[2:])
         else:  # wrap_with_autocast(device, dtype, enabled, cache_enabled, submod, *args)
+            regions.append(bool(node.args[2]))
             enabled, sub_node, operands = True, node.args[4], list(node.args[5:])
         sub = getattr(gm, str(sub_node.target))  # type: ignore[union-attr]
         outputs = _inline(graph, node, sub, operands, detach=not enabled)
@@ -106,6 +170,7 @@ def inline_higher_order(gm: torch.fx.GraphModule) -> None:
     graph.lint()
     gm.delete_all_unused_submodules()
     gm.recompile()
+    return regions
 
 
 def _inline(graph: torch.fx.Graph, at: torch.fx.Node, sub: torch.fx.GraphModule, operands: list[Any],
@@ -155,6 +220,14 @@ def node_module(node: torch.fx.Node) -> str:
 def _is_assert(node: torch.fx.Node) -> bool:
     name = getattr(node.target, "__name__", "") or str(node.target)
     return any(a in name for a in _ASSERTS) and node.op == "call_function"
+
+
+def _whole_slice(node: torch.fx.Node) -> bool:
+    """`aten.slice.Tensor(x, dim, 0, 2**63 - 1)`: every row, step 1."""
+    if node.target is not torch.ops.aten.slice.Tensor or node.kwargs:
+        return False
+    args = list(node.args) + [0, 0, None, 1][len(node.args) - 1:]
+    return bool(args[2] in (0, None) and args[3] in (None, 2**63 - 1) and args[4] == 1)
 
 
 def _foldable(value: Any) -> bool:

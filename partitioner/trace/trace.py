@@ -24,7 +24,7 @@ import io
 import logging
 import warnings
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 import torch.fx
@@ -34,7 +34,7 @@ from ..errors import TraceError
 from .model_file import user_frame
 from .passes import inline_higher_order
 
-__all__ = ["Traced", "by_input_key", "copy_traced", "trace", "TRACERS"]
+__all__ = ["Traced", "by_input_key", "check_autocast", "copy_traced", "trace", "TRACERS"]
 
 TRACERS = ("auto", "fx", "export")
 
@@ -51,6 +51,9 @@ class Traced:
     #: the structure of the model's output over `output_leaves`
     out_spec: pytree.TreeSpec
     output_leaves: list[Any]
+    #: the `enabled` flag of each torch.autocast region the model enters in forward(),
+    #: which the graph does not keep (`check_autocast`)
+    autocast: tuple[bool, ...] = ()
 
 
 class _ThroughTracer(torch.fx.Tracer):
@@ -99,8 +102,10 @@ def trace(
     kwargs: dict[str, Any],
     tracer: str = "auto",
     model_path: str = "",
+    batch_dims: dict[Any, int] | None = None,
 ) -> Traced:
-    """Trace `model` called as `model(*args, **kwargs)` into an fx graph."""
+    """Trace `model` called as `model(*args, **kwargs)` into an fx graph; with
+    `batch_dims` (input key -> dim), export leaves those dimensions dynamic ([Note: free batch])."""
     if tracer not in TRACERS:
         raise TraceError(f"unknown --tracer {tracer!r}: choose one of {', '.join(TRACERS)}.")
     order = ["fx", "export"] if tracer == "auto" else [tracer]
@@ -110,9 +115,11 @@ def trace(
     try:
         for name in order:
             try:
-                traced = _trace_fx(model, args, kwargs) if name == "fx" else _trace_export(model, args, kwargs)
+                traced = _trace_fx(model, args, kwargs) if name == "fx" else _trace_export(model, args, kwargs, batch_dims)
                 _check_runs(traced, model, args, kwargs)
                 return traced
+            except _AutocastRefused:
+                raise
             except Exception as exc:  # every tracer failure is reported together below
                 failures.append((name, exc))
     finally:
@@ -135,7 +142,8 @@ def _trace_fx(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, A
         and p.default is not inspect.Parameter.empty
         and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
     }
-    graph = _ThroughTracer().trace(model, concrete_args=concrete or None)
+    with _recording_autocast() as regions:
+        graph = _ThroughTracer().trace(model, concrete_args=concrete or None)
     gm = torch.fx.GraphModule(model, graph)
     # fx makes a placeholder for every parameter of forward(), in signature order; those
     # fixed to their defaults are replaced by the default and their guards dropped.
@@ -155,7 +163,50 @@ def _trace_fx(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, A
     gm.recompile()
     out = next(n for n in gm.graph.nodes if n.op == "output")
     leaves, spec = pytree.tree_flatten(_plain(out.args[0]))
-    return Traced(gm, "fx", keys, spec, leaves)
+    return Traced(gm, "fx", keys, spec, leaves, tuple(regions))
+
+
+@contextlib.contextmanager
+def _recording_autocast() -> Iterator[list[bool]]:
+    """Record each torch.autocast region entered while fx traces (fx runs the `with` at
+    trace time and keeps nothing of it in the graph)."""
+    regions: list[bool] = []
+    cls = torch.amp.autocast_mode.autocast
+    original = cls.__enter__
+
+    def enter(self: Any) -> Any:
+        regions.append(bool(self._enabled))
+        return original(self)
+
+    cls.__enter__ = enter  # type: ignore[method-assign]
+    try:
+        yield regions
+    finally:
+        cls.__enter__ = original  # type: ignore[method-assign]
+
+
+class _AutocastRefused(TraceError):
+    """Autocast written inside the model: refused whichever tracer found it."""
+
+
+def check_autocast(traced: Traced, precision: str) -> None:
+    """Refuse a model that enters torch.autocast itself where dropping it would change what
+    it computes ([Note: mixed precision] in runtime/precision.py): an enabled region always,
+    a disabled one unless the whole model runs in fp32 (where it is a no-op)."""
+    _refuse_autocast(traced.autocast, traced.tracer, precision)
+
+
+def _refuse_autocast(regions: tuple[bool, ...], tracer: str, precision: str) -> None:
+    enabled = [e for e in regions if e]
+    if not enabled and (not regions or precision == "fp32"):
+        return
+    what = "an enabled torch.autocast region" if enabled else "a torch.autocast(enabled=False) region"
+    raise _AutocastRefused(
+        f"the model enters {what} inside forward() ({len(regions)} region(s) found by the {tracer} "
+        f"tracer), which the traced stages cannot keep, so it would be silently dropped. Remove the autocast from "
+        f"the model and compile with --precision bf16-mixed, which runs every stage under autocast"
+        + ("" if enabled else f" (a region that disables autocast is allowed only with --precision fp32, "
+                              f"not {precision})") + ".")
 
 
 def _plain(value: Any) -> Any:
@@ -172,19 +223,39 @@ def _plain(value: Any) -> Any:
 # -- export ------------------------------------------------------------------------------
 
 
-def _trace_export(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Traced:
+def _dynamic_shapes(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
+                    batch_dims: dict[Any, int] | None) -> dict[str, Any] | None:
+    """export's `dynamic_shapes`: each tensor input's batch dimension left to export
+    (`Dim.AUTO`: dynamic where the model allows it, else specialised, which the probes of
+    [Note: free batch] then find)."""
+    if batch_dims is None:
+        return None
+    names = [p.name for p in inspect.signature(model.forward).parameters.values()]
+    spec: dict[str, Any] = {}
+    for key, value in [*enumerate(args), *kwargs.items()]:
+        name = names[key] if isinstance(key, int) else str(key)
+        dim = batch_dims.get(key, 0)
+        spec[name] = {dim: torch.export.Dim.AUTO} if isinstance(value, torch.Tensor) and value.dim() > dim else None
+    return spec
+
+
+def _trace_export(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
+                  batch_dims: dict[Any, int] | None = None) -> Traced:
     # export logs and prints its own failures (graph dumps, tracebacks); the TraceError
     # we raise says what matters, so its output is silenced while it runs.
     logging.disable(logging.CRITICAL)
     try:
         with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
             warnings.simplefilter("ignore")
-            ep = torch.export.export(model, args, kwargs, strict=False)
+            ep = torch.export.export(model, args, kwargs, strict=False,
+                                     dynamic_shapes=_dynamic_shapes(model, args, kwargs, batch_dims))
     finally:
         logging.disable(logging.NOTSET)
     gm = ep.module()
     assert isinstance(gm, torch.fx.GraphModule)
-    inline_higher_order(gm)
+    regions = inline_higher_order(gm)
+    if any(regions):  # an enabled region is refused at any precision, before the graph runs
+        _refuse_autocast(tuple(regions), "export", "fp32")
     flat, _ = pytree.tree_flatten_with_path((args, kwargs))
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     if len(flat) != len(placeholders):
@@ -205,7 +276,7 @@ def _trace_export(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[st
     leaves = list(out.args[0])
     spec = ep.call_spec.out_spec
     assert spec is not None
-    return Traced(gm, "export", keys, spec, leaves)
+    return Traced(gm, "export", keys, spec, leaves, tuple(regions))
 
 
 def copy_traced(traced: Traced) -> Traced:
@@ -218,7 +289,7 @@ def copy_traced(traced: Traced) -> Traced:
     graph.output(graph.graph_copy(traced.gm.graph, mapping), type_expr=out.type)
     gm = torch.fx.GraphModule(traced.gm, graph)
     leaves = [mapping.get(leaf, leaf) if isinstance(leaf, torch.fx.Node) else leaf for leaf in traced.output_leaves]
-    return Traced(gm, traced.tracer, list(traced.input_keys), traced.out_spec, leaves)
+    return Traced(gm, traced.tracer, list(traced.input_keys), traced.out_spec, leaves, traced.autocast)
 
 
 def by_input_key(args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[int | str, Any]:

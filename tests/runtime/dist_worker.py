@@ -11,6 +11,11 @@ A sharded parameter's gradient is compared with its shard of the reference gradi
 MODE train: clip_grad_norm_ and AdamW through make_optimizer (5 steps) against the
 reference, then eval() and evaluate().  MODE drift: step safety (runtime/steps.py).  MODE fault: trains (PIPELINE_FAULT stops one rank); a PipelineError prints its message
 and exits 3.  MODE tp: the unit checks of runtime/tp.py (tp_checks.py; PKG unused).
+MODE short: as check, on the example batch's first SHORT_ROWS rows (a short last batch).
+MODE scaler: an fp16-mixed package with runtime.GradScaler: a step with an inf gradient on the
+last stage's rank is skipped on every rank, and every rank's scale halves.
+MODE amp: a bf16-mixed package, 3 SGD steps: losses and weights no further from the original
+under autocast than that is from the original in fp32.
 Once a rank fails, the others are killed after GRACE_S (as torchrun does).
 """
 
@@ -52,11 +57,81 @@ def _model_file(path: str):  # type: ignore[no-untyped-def]
     return module
 
 
-def _check(pkg: str, model_path: str) -> None:
+def _amp(pkg: str, model_path: str) -> None:
+    mf = _model_file(model_path)
+    inputs, target = mf.example_inputs(), mf.example_target()
+    runs = []
+    for amp in (False, True):
+        torch.manual_seed(0)
+        model = mf.build_model()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        losses = []
+        for _ in range(3):
+            opt.zero_grad()
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp):
+                loss = mf.loss_fn(_call(model, inputs), target)
+            loss.backward()
+            opt.step()
+            losses.append(float(loss))
+        runs.append((losses, model.state_dict()))
+    torch.manual_seed(0)
+    pipe = runtime.DistributedPipeline(pkg)
+    pipe.load_state_dict(mf.build_model().state_dict())
+    opt = torch.optim.SGD(pipe.parameters(), lr=0.1)
+    losses = []
+    for _ in range(3):
+        opt.zero_grad()
+        losses.append(float(pipe.train_step(inputs, target)))
+        opt.step()
+    got = (losses, pipe.state_dict())
+
+    def far(a, b):  # type: ignore[no-untyped-def]
+        return (max(abs(x - y) for x, y in zip(a[0], b[0])),
+                max(float((a[1][k] - b[1][k]).abs().max()) for k in b[1]))
+
+    floor, off = far(runs[1], runs[0]), far(got, runs[1])
+    assert floor[0] > 0 and off[0] <= floor[0] and off[1] <= floor[1], (off, floor)
+    print(f"{pipe.rank} ok", flush=True)
+
+
+def _scaler(pkg: str, model_path: str) -> None:
+    mf = _model_file(model_path)
+    torch.manual_seed(0)
+    pipe = runtime.DistributedPipeline(pkg)
+    pipe.load_state_dict(mf.build_model().state_dict())
+    params = list(pipe.parameters())
+    opt = torch.optim.SGD(params, lr=0.1)
+    scaler = runtime.GradScaler("cpu")
+    last = pipe.graph.num_stages - 1 in pipe.runners
+    for step in range(3):
+        opt.zero_grad()
+        pipe.train_step(mf.example_inputs(), mf.example_target(), loss_fn=scaler.loss_fn(mf.loss_fn))
+        if step == 1 and last:
+            params[0].grad[0, 0] = float("inf")  # only the last stage's rank overflows
+        before, scale = [p.detach().clone() for p in params], float(scaler.get_scale())
+        scaler.step(opt)
+        scaler.update()
+        moved = any(not torch.equal(b, p) for b, p in zip(before, params))
+        assert moved == (step != 1), (step, moved)  # step 1 is skipped on every rank
+        assert float(scaler.get_scale()) == (scale / 2 if step == 1 else scale), (step, scaler.get_scale())
+    print(f"{pipe.rank} ok", flush=True)
+
+
+def _short(pkg: str, model_path: str) -> None:
+    _check(pkg, model_path, int(os.environ["SHORT_ROWS"]))
+
+
+def _first_rows(value: object, rows: int | None) -> object:
+    """`value`'s first `rows` rows along dim 0 (every tensor leaf); all of it for None."""
+    cut = (lambda t: t[:rows] if isinstance(t, torch.Tensor) and t.dim() else t)
+    return value if rows is None else torch.utils._pytree.tree_map(cut, value)
+
+
+def _check(pkg: str, model_path: str, rows: int | None = None) -> None:
     mf = _model_file(model_path)
     torch.manual_seed(0)
     model = mf.build_model()
-    inputs, target = mf.example_inputs(), mf.example_target()
+    inputs, target = _first_rows(mf.example_inputs(), rows), _first_rows(mf.example_target(), rows)
     pipe = runtime.DistributedPipeline(pkg)
     pipe.load_state_dict(model.state_dict())
     # one step: loss on every rank, every local gradient
@@ -238,7 +313,8 @@ def _rank(r: int, mode: str, pkg: str, model_path: str, outdir: Path) -> int:
     os.dup2(out, 1)
     os.dup2(err, 2)
     try:
-        {"check": _check, "fault": _fault, "tp": _tp, "train": _train, "drift": _drift}[mode](pkg, model_path)
+        {"check": _check, "fault": _fault, "tp": _tp, "train": _train, "drift": _drift, "short": _short, "amp": _amp,
+         "scaler": _scaler}[mode](pkg, model_path)
     except PipelineError as exc:
         print(f"PipelineError: {exc}", file=sys.stderr, flush=True)
         return 3

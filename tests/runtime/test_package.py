@@ -92,8 +92,12 @@ def test_split_target_tuple() -> None:
     pieces = package.split_target(target, 2, replica=1, replicas=2)
     assert [p[0].tolist() for p in pieces] == [[4.0, 5.0], [6.0, 7.0]]
     assert pieces[1][1].tolist() == [[12.0, 13.0], [14.0, 15.0]]
-    with pytest.raises(BatchError, match="do not split into 3 microbatches x 1 replica"):
-        package.split_target(torch.zeros(8), 3)
+    # [Note: microbatch weights]: uneven microbatches as torch.tensor_split cuts them
+    assert [p.shape[0] for p in package.split_target(torch.zeros(8), 3)] == [3, 3, 2]
+    with pytest.raises(BatchError, match="do not split evenly across 2 data-parallel replicas"):
+        package.split_target(torch.zeros(7), 2, replicas=2)
+    with pytest.raises(BatchError, match="2 per replica cannot fill 3 microbatches: give at least 3 rows"):
+        package.split_target(torch.zeros(2), 3)
 
 
 def test_split_inputs_along_batch_dim() -> None:

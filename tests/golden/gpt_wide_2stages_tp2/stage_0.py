@@ -33,6 +33,7 @@ class Stage0(torch.nn.Module):
         self.h_0_mlp_c_proj_bias = torch.nn.Parameter(torch.zeros(1024))  # h.0.mlp.c_proj.bias
 
     def forward(self, idx: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        batch = idx.shape[0]
         # -- (top level) --
         arange = torch.arange(0, 128, dtype=torch.int64, device=idx.device)  # (128,) int64
         # -- wte --
@@ -56,16 +57,16 @@ class Stage0(torch.nn.Module):
         getitem_3 = split[0]  # (4, 128, 512)
         getitem_4 = split[1]  # (4, 128, 512)
         getitem_5 = split[2]  # (4, 128, 512)
-        view = getitem_3.view(4, 128, 8, 64)  # (4, 128, 8, 64)
+        view = getitem_3.view(batch, 128, 8, 64)  # (4, 128, 8, 64)
         transpose = view.transpose(1, 2)  # (4, 8, 128, 64)
-        view_1 = getitem_4.view(4, 128, 8, 64)  # (4, 128, 8, 64)
+        view_1 = getitem_4.view(batch, 128, 8, 64)  # (4, 128, 8, 64)
         transpose_1 = view_1.transpose(1, 2)  # (4, 8, 128, 64)
-        view_2 = getitem_5.view(4, 128, 8, 64)  # (4, 128, 8, 64)
+        view_2 = getitem_5.view(batch, 128, 8, 64)  # (4, 128, 8, 64)
         transpose_2 = view_2.transpose(1, 2)  # (4, 8, 128, 64)
         scaled_dot_product_attention = F.scaled_dot_product_attention(transpose, transpose_1, transpose_2, is_causal=True)  # (4, 8, 128, 64)
         transpose_3 = scaled_dot_product_attention.transpose(1, 2)  # (4, 128, 8, 64)
         contiguous = transpose_3.contiguous()  # (4, 128, 8, 64)
-        view_3 = contiguous.view(4, 128, 512)  # (4, 128, 512)
+        view_3 = contiguous.view(batch, 128, 512)  # (4, 128, 512)
         linear_1_partial = F.linear(view_3, self.h_0_attn_c_proj_weight)  # (4, 128, 1024)
         linear_1_sum = tp.all_reduce(linear_1_partial)  # (4, 128, 1024)
         linear_1 = linear_1_sum + self.h_0_attn_c_proj_bias  # (4, 128, 1024)

@@ -36,6 +36,7 @@ class Stage1(torch.nn.Module):
         self.ln_f_bias = torch.nn.Parameter(torch.zeros(1024))  # ln_f.bias
 
     def forward(self, h_0: torch.Tensor) -> Any:
+        batch = h_0.shape[0]
         # -- h.1.ln_1 --
         layer_norm_2 = F.layer_norm(h_0, (1024,), weight=self.h_1_ln_1_weight, bias=self.h_1_ln_1_bias)  # (4, 128, 1024)
         # -- h.1.attn --
@@ -45,16 +46,16 @@ class Stage1(torch.nn.Module):
         getitem_9 = split_1[0]  # (4, 128, 512)
         getitem_10 = split_1[1]  # (4, 128, 512)
         getitem_11 = split_1[2]  # (4, 128, 512)
-        view_4 = getitem_9.view(4, 128, 8, 64)  # (4, 128, 8, 64)
+        view_4 = getitem_9.view(batch, 128, 8, 64)  # (4, 128, 8, 64)
         transpose_4 = view_4.transpose(1, 2)  # (4, 8, 128, 64)
-        view_5 = getitem_10.view(4, 128, 8, 64)  # (4, 128, 8, 64)
+        view_5 = getitem_10.view(batch, 128, 8, 64)  # (4, 128, 8, 64)
         transpose_5 = view_5.transpose(1, 2)  # (4, 8, 128, 64)
-        view_6 = getitem_11.view(4, 128, 8, 64)  # (4, 128, 8, 64)
+        view_6 = getitem_11.view(batch, 128, 8, 64)  # (4, 128, 8, 64)
         transpose_6 = view_6.transpose(1, 2)  # (4, 8, 128, 64)
         scaled_dot_product_attention_1 = F.scaled_dot_product_attention(transpose_4, transpose_5, transpose_6, is_causal=True)  # (4, 8, 128, 64)
         transpose_7 = scaled_dot_product_attention_1.transpose(1, 2)  # (4, 128, 8, 64)
         contiguous_1 = transpose_7.contiguous()  # (4, 128, 8, 64)
-        view_7 = contiguous_1.view(4, 128, 512)  # (4, 128, 512)
+        view_7 = contiguous_1.view(batch, 128, 512)  # (4, 128, 512)
         linear_5_partial = F.linear(view_7, self.h_1_attn_c_proj_weight)  # (4, 128, 1024)
         linear_5_sum = tp.all_reduce(linear_5_partial)  # (4, 128, 1024)
         linear_5 = linear_5_sum + self.h_1_attn_c_proj_bias  # (4, 128, 1024)

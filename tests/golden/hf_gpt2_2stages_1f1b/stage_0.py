@@ -62,6 +62,7 @@ class Stage0(torch.nn.Module):
         self.transformer_wte_weight = torch.nn.Parameter(torch.zeros(96, 32))  # transformer.wte.weight (= lm_head.weight)
 
     def forward(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        batch = input_ids.shape[0]
         # -- transformer --
         view = aten.view.default(input_ids, [-1, 8])  # (6, 8) int64
         # -- transformer.wte --
@@ -75,14 +76,14 @@ class Stage0(torch.nn.Module):
         # -- transformer --
         to = aten.to.dtype_layout(embedding_1, dtype=torch.float32, layout=torch.strided, device=input_ids.device)  # (1, 8, 32)
         add_1 = aten.add.Tensor(embedding, to)  # (6, 8, 32)
-        expand = aten.expand.default(unsqueeze, [6, -1])  # (6, 8) int64
-        slice_1 = aten.slice.Tensor(expand, 1, 0, 1)  # (6, 1) int64
-        sub = aten.sub.Tensor(slice_1, 1)  # (6, 1) int64
+        expand = aten.expand.default(unsqueeze, [batch, -1])  # (6, 8) int64
+        slice_2 = aten.slice.Tensor(expand, 1, 0, 1)  # (6, 1) int64
+        sub = aten.sub.Tensor(slice_2, 1)  # (6, 1) int64
         diff = aten.diff.default(expand, 1, -1, sub)  # (6, 8) int64
-        ne = aten.ne.Scalar(diff, 1)  # (6, 8) bool
-        cumsum = aten.cumsum.default(ne, -1)  # (6, 8) int64
-        expand_1 = aten.expand.default(unsqueeze, [6, -1])  # (6, 8) int64
-        arange_1 = aten.arange.default(6, device=input_ids.device, pin_memory=False)  # (6,) int64
+        ne_1 = aten.ne.Scalar(diff, 1)  # (6, 8) bool
+        cumsum = aten.cumsum.default(ne_1, -1)  # (6, 8) int64
+        expand_1 = aten.expand.default(unsqueeze, [batch, -1])  # (6, 8) int64
+        arange_1 = aten.arange.default(batch, device=input_ids.device, pin_memory=False)  # (6,) int64
         arange_3 = aten.arange.default(8, device=input_ids.device, pin_memory=False)  # (8,) int64
         add_2 = aten.add.Tensor(arange_3, 0)  # (8,) int64
         arange_4 = aten.arange.default(8, device=input_ids.device, pin_memory=False)  # (8,) int64
@@ -104,10 +105,10 @@ class Stage0(torch.nn.Module):
         and_1 = aten.__and__.Tensor(new_ones, to_1)  # (6, 1, 8, 8) bool
         index_2 = aten.index.Tensor(expand_1, [unsqueeze_3, unsqueeze_9])  # (6, 1, 8, 1) int64
         index_3 = aten.index.Tensor(expand_1, [unsqueeze_3, unsqueeze_12])  # (6, 1, 1, 8) int64
-        le = aten.le.Tensor(index_3, index_2)  # (6, 1, 8, 8) bool
-        to_2 = aten.to.dtype_layout(le, dtype=torch.bool, layout=torch.strided, device=input_ids.device)  # (6, 1, 8, 8) bool
+        le_2 = aten.le.Tensor(index_3, index_2)  # (6, 1, 8, 8) bool
+        to_2 = aten.to.dtype_layout(le_2, dtype=torch.bool, layout=torch.strided, device=input_ids.device)  # (6, 1, 8, 8) bool
         and_2 = aten.__and__.Tensor(and_1, to_2)  # (6, 1, 8, 8) bool
-        expand_2 = aten.expand.default(and_2, [6, -1, 8, 8])  # (6, 1, 8, 8) bool
+        expand_2 = aten.expand.default(and_2, [batch, -1, 8, 8])  # (6, 1, 8, 8) bool
         # -- transformer.drop --
         dropout = aten.dropout.default(add_1, 0.0, self.training)  # (6, 8, 32)
         # -- transformer.h.0.ln_1 --
@@ -115,24 +116,24 @@ class Stage0(torch.nn.Module):
         # -- transformer.h.0.attn --
         view_1 = aten.view.default(layer_norm, [-1, 32])  # (48, 32)
         addmm = aten.addmm.default(self.transformer_h_0_attn_c_attn_bias, view_1, self.transformer_h_0_attn_c_attn_weight)  # (48, 96)
-        view_2 = aten.view.default(addmm, [6, 8, 96])  # (6, 8, 96)
+        view_2 = aten.view.default(addmm, [batch, 8, 96])  # (6, 8, 96)
         split = aten.split.Tensor(view_2, 32, 2)
         getitem = split[0]  # (6, 8, 32)
         getitem_1 = split[1]  # (6, 8, 32)
         getitem_2 = split[2]  # (6, 8, 32)
-        view_3 = aten.view.default(getitem_1, [6, 8, -1, 8])  # (6, 8, 4, 8)
+        view_3 = aten.view.default(getitem_1, [batch, 8, -1, 8])  # (6, 8, 4, 8)
         transpose = aten.transpose.int(view_3, 1, 2)  # (6, 4, 8, 8)
-        view_4 = aten.view.default(getitem_2, [6, 8, -1, 8])  # (6, 8, 4, 8)
+        view_4 = aten.view.default(getitem_2, [batch, 8, -1, 8])  # (6, 8, 4, 8)
         transpose_1 = aten.transpose.int(view_4, 1, 2)  # (6, 4, 8, 8)
-        view_5 = aten.view.default(getitem, [6, 8, -1, 8])  # (6, 8, 4, 8)
+        view_5 = aten.view.default(getitem, [batch, 8, -1, 8])  # (6, 8, 4, 8)
         transpose_2 = aten.transpose.int(view_5, 1, 2)  # (6, 4, 8, 8)
         scaled_dot_product_attention = aten.scaled_dot_product_attention.default(transpose_2, transpose, transpose_1, expand_2, scale=0.3535533905932738)  # (6, 4, 8, 8)
-        reshape = aten.reshape.default(scaled_dot_product_attention, [6, -1, 8, 8])  # (6, 4, 8, 8)
+        reshape = aten.reshape.default(scaled_dot_product_attention, [batch, -1, 8, 8])  # (6, 4, 8, 8)
         transpose_3 = aten.transpose.int(reshape, 1, 2)  # (6, 8, 4, 8)
-        reshape_1 = aten.reshape.default(transpose_3, [6, 8, -1])  # (6, 8, 32)
+        reshape_1 = aten.reshape.default(transpose_3, [batch, 8, -1])  # (6, 8, 32)
         view_6 = aten.view.default(reshape_1, [-1, 32])  # (48, 32)
         addmm_1 = aten.addmm.default(self.transformer_h_0_attn_c_proj_bias, view_6, self.transformer_h_0_attn_c_proj_weight)  # (48, 32)
-        view_7 = aten.view.default(addmm_1, [6, 8, 32])  # (6, 8, 32)
+        view_7 = aten.view.default(addmm_1, [batch, 8, 32])  # (6, 8, 32)
         dropout_1 = aten.dropout.default(view_7, 0.0, self.training)  # (6, 8, 32)
         # -- transformer.h.0 --
         add_4 = aten.add.Tensor(dropout_1, dropout)  # (6, 8, 32)
@@ -141,18 +142,18 @@ class Stage0(torch.nn.Module):
         # -- transformer.h.0.mlp --
         view_8 = aten.view.default(layer_norm_1, [-1, 32])  # (48, 32)
         addmm_2 = aten.addmm.default(self.transformer_h_0_mlp_c_fc_bias, view_8, self.transformer_h_0_mlp_c_fc_weight)  # (48, 128)
-        view_9 = aten.view.default(addmm_2, [6, 8, 128])  # (6, 8, 128)
-        mul = aten.mul.Tensor(view_9, 0.5)  # (6, 8, 128)
+        view_9 = aten.view.default(addmm_2, [batch, 8, 128])  # (6, 8, 128)
+        mul_4 = aten.mul.Tensor(view_9, 0.5)  # (6, 8, 128)
         pow_1 = aten.pow.Tensor_Scalar(view_9, 3.0)  # (6, 8, 128)
-        mul_1 = aten.mul.Tensor(pow_1, 0.044715)  # (6, 8, 128)
-        add_5 = aten.add.Tensor(view_9, mul_1)  # (6, 8, 128)
-        mul_2 = aten.mul.Tensor(add_5, 0.7978845608028654)  # (6, 8, 128)
-        tanh = aten.tanh.default(mul_2)  # (6, 8, 128)
+        mul_5 = aten.mul.Tensor(pow_1, 0.044715)  # (6, 8, 128)
+        add_5 = aten.add.Tensor(view_9, mul_5)  # (6, 8, 128)
+        mul_6 = aten.mul.Tensor(add_5, 0.7978845608028654)  # (6, 8, 128)
+        tanh = aten.tanh.default(mul_6)  # (6, 8, 128)
         add_6 = aten.add.Tensor(tanh, 1.0)  # (6, 8, 128)
-        mul_3 = aten.mul.Tensor(mul, add_6)  # (6, 8, 128)
-        view_10 = aten.view.default(mul_3, [-1, 128])  # (48, 128)
+        mul_7 = aten.mul.Tensor(mul_4, add_6)  # (6, 8, 128)
+        view_10 = aten.view.default(mul_7, [-1, 128])  # (48, 128)
         addmm_3 = aten.addmm.default(self.transformer_h_0_mlp_c_proj_bias, view_10, self.transformer_h_0_mlp_c_proj_weight)  # (48, 32)
-        view_11 = aten.view.default(addmm_3, [6, 8, 32])  # (6, 8, 32)
+        view_11 = aten.view.default(addmm_3, [batch, 8, 32])  # (6, 8, 32)
         dropout_2 = aten.dropout.default(view_11, 0.0, self.training)  # (6, 8, 32)
         # -- transformer.h.0 --
         add_7 = aten.add.Tensor(add_4, dropout_2)  # (6, 8, 32)
@@ -161,24 +162,24 @@ class Stage0(torch.nn.Module):
         # -- transformer.h.1.attn --
         view_12 = aten.view.default(layer_norm_2, [-1, 32])  # (48, 32)
         addmm_4 = aten.addmm.default(self.transformer_h_1_attn_c_attn_bias, view_12, self.transformer_h_1_attn_c_attn_weight)  # (48, 96)
-        view_13 = aten.view.default(addmm_4, [6, 8, 96])  # (6, 8, 96)
+        view_13 = aten.view.default(addmm_4, [batch, 8, 96])  # (6, 8, 96)
         split_1 = aten.split.Tensor(view_13, 32, 2)
         getitem_3 = split_1[0]  # (6, 8, 32)
         getitem_4 = split_1[1]  # (6, 8, 32)
         getitem_5 = split_1[2]  # (6, 8, 32)
-        view_14 = aten.view.default(getitem_4, [6, 8, -1, 8])  # (6, 8, 4, 8)
+        view_14 = aten.view.default(getitem_4, [batch, 8, -1, 8])  # (6, 8, 4, 8)
         transpose_4 = aten.transpose.int(view_14, 1, 2)  # (6, 4, 8, 8)
-        view_15 = aten.view.default(getitem_5, [6, 8, -1, 8])  # (6, 8, 4, 8)
+        view_15 = aten.view.default(getitem_5, [batch, 8, -1, 8])  # (6, 8, 4, 8)
         transpose_5 = aten.transpose.int(view_15, 1, 2)  # (6, 4, 8, 8)
-        view_16 = aten.view.default(getitem_3, [6, 8, -1, 8])  # (6, 8, 4, 8)
+        view_16 = aten.view.default(getitem_3, [batch, 8, -1, 8])  # (6, 8, 4, 8)
         transpose_6 = aten.transpose.int(view_16, 1, 2)  # (6, 4, 8, 8)
         scaled_dot_product_attention_1 = aten.scaled_dot_product_attention.default(transpose_6, transpose_4, transpose_5, expand_2, scale=0.3535533905932738)  # (6, 4, 8, 8)
-        reshape_2 = aten.reshape.default(scaled_dot_product_attention_1, [6, -1, 8, 8])  # (6, 4, 8, 8)
+        reshape_2 = aten.reshape.default(scaled_dot_product_attention_1, [batch, -1, 8, 8])  # (6, 4, 8, 8)
         transpose_7 = aten.transpose.int(reshape_2, 1, 2)  # (6, 8, 4, 8)
-        reshape_3 = aten.reshape.default(transpose_7, [6, 8, -1])  # (6, 8, 32)
+        reshape_3 = aten.reshape.default(transpose_7, [batch, 8, -1])  # (6, 8, 32)
         view_17 = aten.view.default(reshape_3, [-1, 32])  # (48, 32)
         addmm_5 = aten.addmm.default(self.transformer_h_1_attn_c_proj_bias, view_17, self.transformer_h_1_attn_c_proj_weight)  # (48, 32)
-        view_18 = aten.view.default(addmm_5, [6, 8, 32])  # (6, 8, 32)
+        view_18 = aten.view.default(addmm_5, [batch, 8, 32])  # (6, 8, 32)
         dropout_3 = aten.dropout.default(view_18, 0.0, self.training)  # (6, 8, 32)
         # -- transformer.h.1 --
         add_8 = aten.add.Tensor(dropout_3, add_7)  # (6, 8, 32)
@@ -187,18 +188,18 @@ class Stage0(torch.nn.Module):
         # -- transformer.h.1.mlp --
         view_19 = aten.view.default(layer_norm_3, [-1, 32])  # (48, 32)
         addmm_6 = aten.addmm.default(self.transformer_h_1_mlp_c_fc_bias, view_19, self.transformer_h_1_mlp_c_fc_weight)  # (48, 128)
-        view_20 = aten.view.default(addmm_6, [6, 8, 128])  # (6, 8, 128)
-        mul_4 = aten.mul.Tensor(view_20, 0.5)  # (6, 8, 128)
+        view_20 = aten.view.default(addmm_6, [batch, 8, 128])  # (6, 8, 128)
+        mul_8 = aten.mul.Tensor(view_20, 0.5)  # (6, 8, 128)
         pow_2 = aten.pow.Tensor_Scalar(view_20, 3.0)  # (6, 8, 128)
-        mul_5 = aten.mul.Tensor(pow_2, 0.044715)  # (6, 8, 128)
-        add_9 = aten.add.Tensor(view_20, mul_5)  # (6, 8, 128)
-        mul_6 = aten.mul.Tensor(add_9, 0.7978845608028654)  # (6, 8, 128)
-        tanh_1 = aten.tanh.default(mul_6)  # (6, 8, 128)
+        mul_9 = aten.mul.Tensor(pow_2, 0.044715)  # (6, 8, 128)
+        add_9 = aten.add.Tensor(view_20, mul_9)  # (6, 8, 128)
+        mul_10 = aten.mul.Tensor(add_9, 0.7978845608028654)  # (6, 8, 128)
+        tanh_1 = aten.tanh.default(mul_10)  # (6, 8, 128)
         add_10 = aten.add.Tensor(tanh_1, 1.0)  # (6, 8, 128)
-        mul_7 = aten.mul.Tensor(mul_4, add_10)  # (6, 8, 128)
-        view_21 = aten.view.default(mul_7, [-1, 128])  # (48, 128)
+        mul_11 = aten.mul.Tensor(mul_8, add_10)  # (6, 8, 128)
+        view_21 = aten.view.default(mul_11, [-1, 128])  # (48, 128)
         addmm_7 = aten.addmm.default(self.transformer_h_1_mlp_c_proj_bias, view_21, self.transformer_h_1_mlp_c_proj_weight)  # (48, 32)
-        view_22 = aten.view.default(addmm_7, [6, 8, 32])  # (6, 8, 32)
+        view_22 = aten.view.default(addmm_7, [batch, 8, 32])  # (6, 8, 32)
         dropout_4 = aten.dropout.default(view_22, 0.0, self.training)  # (6, 8, 32)
         # -- transformer.h.1 --
         add_11 = aten.add.Tensor(add_8, dropout_4)  # (6, 8, 32)
@@ -207,24 +208,24 @@ class Stage0(torch.nn.Module):
         # -- transformer.h.2.attn --
         view_23 = aten.view.default(layer_norm_4, [-1, 32])  # (48, 32)
         addmm_8 = aten.addmm.default(self.transformer_h_2_attn_c_attn_bias, view_23, self.transformer_h_2_attn_c_attn_weight)  # (48, 96)
-        view_24 = aten.view.default(addmm_8, [6, 8, 96])  # (6, 8, 96)
+        view_24 = aten.view.default(addmm_8, [batch, 8, 96])  # (6, 8, 96)
         split_2 = aten.split.Tensor(view_24, 32, 2)
         getitem_6 = split_2[0]  # (6, 8, 32)
         getitem_7 = split_2[1]  # (6, 8, 32)
         getitem_8 = split_2[2]  # (6, 8, 32)
-        view_25 = aten.view.default(getitem_7, [6, 8, -1, 8])  # (6, 8, 4, 8)
+        view_25 = aten.view.default(getitem_7, [batch, 8, -1, 8])  # (6, 8, 4, 8)
         transpose_8 = aten.transpose.int(view_25, 1, 2)  # (6, 4, 8, 8)
-        view_26 = aten.view.default(getitem_8, [6, 8, -1, 8])  # (6, 8, 4, 8)
+        view_26 = aten.view.default(getitem_8, [batch, 8, -1, 8])  # (6, 8, 4, 8)
         transpose_9 = aten.transpose.int(view_26, 1, 2)  # (6, 4, 8, 8)
-        view_27 = aten.view.default(getitem_6, [6, 8, -1, 8])  # (6, 8, 4, 8)
+        view_27 = aten.view.default(getitem_6, [batch, 8, -1, 8])  # (6, 8, 4, 8)
         transpose_10 = aten.transpose.int(view_27, 1, 2)  # (6, 4, 8, 8)
         scaled_dot_product_attention_2 = aten.scaled_dot_product_attention.default(transpose_10, transpose_8, transpose_9, expand_2, scale=0.3535533905932738)  # (6, 4, 8, 8)
-        reshape_4 = aten.reshape.default(scaled_dot_product_attention_2, [6, -1, 8, 8])  # (6, 4, 8, 8)
+        reshape_4 = aten.reshape.default(scaled_dot_product_attention_2, [batch, -1, 8, 8])  # (6, 4, 8, 8)
         transpose_11 = aten.transpose.int(reshape_4, 1, 2)  # (6, 8, 4, 8)
-        reshape_5 = aten.reshape.default(transpose_11, [6, 8, -1])  # (6, 8, 32)
+        reshape_5 = aten.reshape.default(transpose_11, [batch, 8, -1])  # (6, 8, 32)
         view_28 = aten.view.default(reshape_5, [-1, 32])  # (48, 32)
         addmm_9 = aten.addmm.default(self.transformer_h_2_attn_c_proj_bias, view_28, self.transformer_h_2_attn_c_proj_weight)  # (48, 32)
-        view_29 = aten.view.default(addmm_9, [6, 8, 32])  # (6, 8, 32)
+        view_29 = aten.view.default(addmm_9, [batch, 8, 32])  # (6, 8, 32)
         dropout_5 = aten.dropout.default(view_29, 0.0, self.training)  # (6, 8, 32)
         # -- transformer.h.2 --
         add_12 = aten.add.Tensor(dropout_5, add_11)  # (6, 8, 32)
@@ -233,18 +234,18 @@ class Stage0(torch.nn.Module):
         # -- transformer.h.2.mlp --
         view_30 = aten.view.default(layer_norm_5, [-1, 32])  # (48, 32)
         addmm_10 = aten.addmm.default(self.transformer_h_2_mlp_c_fc_bias, view_30, self.transformer_h_2_mlp_c_fc_weight)  # (48, 128)
-        view_31 = aten.view.default(addmm_10, [6, 8, 128])  # (6, 8, 128)
-        mul_8 = aten.mul.Tensor(view_31, 0.5)  # (6, 8, 128)
+        view_31 = aten.view.default(addmm_10, [batch, 8, 128])  # (6, 8, 128)
+        mul_12 = aten.mul.Tensor(view_31, 0.5)  # (6, 8, 128)
         pow_3 = aten.pow.Tensor_Scalar(view_31, 3.0)  # (6, 8, 128)
-        mul_9 = aten.mul.Tensor(pow_3, 0.044715)  # (6, 8, 128)
-        add_13 = aten.add.Tensor(view_31, mul_9)  # (6, 8, 128)
-        mul_10 = aten.mul.Tensor(add_13, 0.7978845608028654)  # (6, 8, 128)
-        tanh_2 = aten.tanh.default(mul_10)  # (6, 8, 128)
+        mul_13 = aten.mul.Tensor(pow_3, 0.044715)  # (6, 8, 128)
+        add_13 = aten.add.Tensor(view_31, mul_13)  # (6, 8, 128)
+        mul_14 = aten.mul.Tensor(add_13, 0.7978845608028654)  # (6, 8, 128)
+        tanh_2 = aten.tanh.default(mul_14)  # (6, 8, 128)
         add_14 = aten.add.Tensor(tanh_2, 1.0)  # (6, 8, 128)
-        mul_11 = aten.mul.Tensor(mul_8, add_14)  # (6, 8, 128)
-        view_32 = aten.view.default(mul_11, [-1, 128])  # (48, 128)
+        mul_15 = aten.mul.Tensor(mul_12, add_14)  # (6, 8, 128)
+        view_32 = aten.view.default(mul_15, [-1, 128])  # (48, 128)
         addmm_11 = aten.addmm.default(self.transformer_h_2_mlp_c_proj_bias, view_32, self.transformer_h_2_mlp_c_proj_weight)  # (48, 32)
-        view_33 = aten.view.default(addmm_11, [6, 8, 32])  # (6, 8, 32)
+        view_33 = aten.view.default(addmm_11, [batch, 8, 32])  # (6, 8, 32)
         dropout_6 = aten.dropout.default(view_33, 0.0, self.training)  # (6, 8, 32)
         # -- transformer.h.2 --
         add_15 = aten.add.Tensor(add_12, dropout_6)  # (6, 8, 32)
@@ -253,24 +254,24 @@ class Stage0(torch.nn.Module):
         # -- transformer.h.3.attn --
         view_34 = aten.view.default(layer_norm_6, [-1, 32])  # (48, 32)
         addmm_12 = aten.addmm.default(self.transformer_h_3_attn_c_attn_bias, view_34, self.transformer_h_3_attn_c_attn_weight)  # (48, 96)
-        view_35 = aten.view.default(addmm_12, [6, 8, 96])  # (6, 8, 96)
+        view_35 = aten.view.default(addmm_12, [batch, 8, 96])  # (6, 8, 96)
         split_3 = aten.split.Tensor(view_35, 32, 2)
         getitem_9 = split_3[0]  # (6, 8, 32)
         getitem_10 = split_3[1]  # (6, 8, 32)
         getitem_11 = split_3[2]  # (6, 8, 32)
-        view_36 = aten.view.default(getitem_10, [6, 8, -1, 8])  # (6, 8, 4, 8)
+        view_36 = aten.view.default(getitem_10, [batch, 8, -1, 8])  # (6, 8, 4, 8)
         transpose_12 = aten.transpose.int(view_36, 1, 2)  # (6, 4, 8, 8)
-        view_37 = aten.view.default(getitem_11, [6, 8, -1, 8])  # (6, 8, 4, 8)
+        view_37 = aten.view.default(getitem_11, [batch, 8, -1, 8])  # (6, 8, 4, 8)
         transpose_13 = aten.transpose.int(view_37, 1, 2)  # (6, 4, 8, 8)
-        view_38 = aten.view.default(getitem_9, [6, 8, -1, 8])  # (6, 8, 4, 8)
+        view_38 = aten.view.default(getitem_9, [batch, 8, -1, 8])  # (6, 8, 4, 8)
         transpose_14 = aten.transpose.int(view_38, 1, 2)  # (6, 4, 8, 8)
         scaled_dot_product_attention_3 = aten.scaled_dot_product_attention.default(transpose_14, transpose_12, transpose_13, expand_2, scale=0.3535533905932738)  # (6, 4, 8, 8)
-        reshape_6 = aten.reshape.default(scaled_dot_product_attention_3, [6, -1, 8, 8])  # (6, 4, 8, 8)
+        reshape_6 = aten.reshape.default(scaled_dot_product_attention_3, [batch, -1, 8, 8])  # (6, 4, 8, 8)
         transpose_15 = aten.transpose.int(reshape_6, 1, 2)  # (6, 8, 4, 8)
-        reshape_7 = aten.reshape.default(transpose_15, [6, 8, -1])  # (6, 8, 32)
+        reshape_7 = aten.reshape.default(transpose_15, [batch, 8, -1])  # (6, 8, 32)
         view_39 = aten.view.default(reshape_7, [-1, 32])  # (48, 32)
         addmm_13 = aten.addmm.default(self.transformer_h_3_attn_c_proj_bias, view_39, self.transformer_h_3_attn_c_proj_weight)  # (48, 32)
-        view_40 = aten.view.default(addmm_13, [6, 8, 32])  # (6, 8, 32)
+        view_40 = aten.view.default(addmm_13, [batch, 8, 32])  # (6, 8, 32)
         dropout_7 = aten.dropout.default(view_40, 0.0, self.training)  # (6, 8, 32)
         # -- transformer.h.3 --
         transformer_h_3_add = aten.add.Tensor(dropout_7, add_15)  # (6, 8, 32)

@@ -1,0 +1,184 @@
+"""Any batch ([Note: free batch], [Note: microbatch weights]): a package compiled for the
+example batch trains on a batch of any size the data-parallel degree divides, a short last
+batch included, exactly as the original model on that batch (loss and every gradient, rtol
+1e-5), in one process and on 2 gloo ranks."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.utils._pytree as pytree
+
+import runtime
+from partitioner.trace import model_file
+from runtime.errors import BatchError
+
+from .conftest import FREE_LINKS, ROOT, compile_example
+from .runtime.test_distributed import _ok, launch
+
+RTOL, ATOL = 1e-5, 1e-6
+
+
+def _first_rows(value: Any, rows: int) -> Any:
+    return pytree.tree_map(lambda t: t[:rows] if isinstance(t, torch.Tensor) and t.dim() else t, value)
+
+
+def _check_short_batch(path: str, pkg: Path, rows: int) -> None:
+    """The pipeline's loss, every gradient (tp = 1), the weights after 2 SGD steps and the
+    output on `rows` rows, against the original."""
+    mf = model_file.load(path)
+    model = mf.build(0)
+    args, kwargs = _first_rows(mf.example_inputs(), rows)
+    target = _first_rows(mf.example_target(), rows)
+    pipe = runtime.LocalPipeline(str(pkg))
+    pipe.load_state_dict(model.state_dict())
+    opt_ref = torch.optim.SGD(model.parameters(), lr=0.05)
+    opt = torch.optim.SGD(pipe.parameters(), lr=0.05)
+    aliases = pipe.manifest.state_dict_aliases
+    for _ in range(2):
+        opt_ref.zero_grad()
+        opt.zero_grad()
+        want = mf.loss_fn()(model(*args, **kwargs), target)
+        want.backward()
+        got = pipe.train_step(kwargs or args, target)
+        torch.testing.assert_close(got, want.detach(), rtol=RTOL, atol=ATOL)
+        grads = dict(pipe.named_parameters()) if pipe.manifest.mesh.tp == 1 else {}  # tp: weights below
+        for name, p in model.named_parameters() if grads else ():
+            torch.testing.assert_close(grads[aliases.get(name, name)].grad, p.grad, rtol=RTOL, atol=ATOL,
+                                       msg=lambda m: f"grad {name}: {m}")
+        opt_ref.step()
+        opt.step()
+    got, want_sd = pipe.state_dict(), model.state_dict()
+    for name in want_sd:
+        torch.testing.assert_close(got[name], want_sd[name], rtol=RTOL, atol=ATOL, msg=lambda m: f"{name}: {m}")
+    with torch.no_grad():
+        torch.testing.assert_close(pytree.tree_leaves(pipe(kwargs or args)),
+                                   pytree.tree_leaves(model(*args, **kwargs)), rtol=RTOL, atol=ATOL)
+
+
+@pytest.mark.parametrize("example", ["mlp", "gpt", "hf_gpt2"])
+def test_short_last_batch_trains_like_the_original(example: str, tmp_path: Path) -> None:
+    path = f"examples/{example}.py"
+    compiled = compile_example(path, tmp_path / "pkg", stages=2, microbatches=4)
+    assert compiled.manifest["free_dims"] == ["batch"]
+    source = (tmp_path / "pkg" / "stage_0.py").read_text()
+    rows = compiled.manifest["inputs"][0]["shape"][0]  # the compiled microbatch's rows
+    assert "batch = " in source or example == "mlp", source  # sizes read from the inputs
+    if example == "gpt":
+        assert f".view({rows}, " not in source and ".view(batch, " in source
+    _check_short_batch(path, tmp_path / "pkg", 5)  # 4 microbatches of 2, 1, 1, 1 rows
+
+
+@pytest.mark.parametrize("example", ["gpt", "hf_gpt2"])
+def test_short_batch_with_tensor_parallelism(example: str, tmp_path: Path) -> None:
+    """Sizes the tensor-parallel split rewrites (a view's heads) keep following the batch."""
+    compiled = compile_example(f"examples/{example}.py", tmp_path / "pkg", stages=2, tp=2, microbatches=2,
+                               hardware=FREE_LINKS)
+    assert compiled.manifest["tensor_parallel"]["rules"] and compiled.manifest["free_dims"] == ["batch"]
+    _check_short_batch(f"examples/{example}.py", tmp_path / "pkg", 5)
+
+
+def test_short_batch_with_two_replicas(tmp_path: Path) -> None:
+    compile_example("examples/gpt.py", tmp_path / "pkg", stages=2, dp=2, microbatches=2)
+    _check_short_batch("examples/gpt.py", tmp_path / "pkg", 6)  # 3 rows a replica: microbatches of 2 and 1
+
+
+def test_bad_batches_are_refused(tmp_path: Path) -> None:
+    compile_example("examples/gpt.py", tmp_path / "pkg", stages=2, dp=2, microbatches=2)
+    mf = model_file.load("examples/gpt.py")
+    pipe = runtime.LocalPipeline(str(tmp_path / "pkg"))
+    (idx,), _ = mf.example_inputs()
+    target = mf.example_target()
+    with pytest.raises(BatchError, match=r"5 rows .* do not split evenly across 2 data-parallel replicas"):
+        pipe.train_step((idx[:5],), target[:5])
+    with pytest.raises(BatchError, match=r"1 per replica cannot fill 2 microbatches: give at least 4 rows"):
+        pipe.train_step((idx[:2],), target[:2])
+    with pytest.raises(BatchError, match=r"only its batch dimension is free"):
+        pipe.train_step((idx[:, :4],), target[:, :4])
+
+
+FIXED = '''
+import torch
+
+class Fixed(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.Linear(8, 8)
+        self.b = torch.nn.Linear(8, 2)
+
+    def forward(self, x):
+        return self.b(torch.relu(self.a(x)).reshape(3, 8))  # the batch written as a literal
+
+def build_model():
+    return Fixed()
+
+def example_inputs():
+    return (torch.randn(6, 8),)
+
+def example_target():
+    return torch.randint(0, 2, (6,))
+
+def loss_fn(out, target):
+    return torch.nn.functional.cross_entropy(out, target)
+'''
+
+
+def test_a_model_with_a_literal_batch_keeps_it_fixed(tmp_path: Path) -> None:
+    (tmp_path / "fixed.py").write_text(FIXED)
+    compiled = compile_example(str(tmp_path / "fixed.py"), tmp_path / "pkg", stages=2, microbatches=2)
+    assert "free_dims" not in compiled.manifest
+    pipe = runtime.LocalPipeline(str(tmp_path / "pkg"))
+    with pytest.raises(BatchError, match=r"its batch is fixed at 6 rows"):
+        pipe.train_step((torch.randn(4, 8),), torch.randint(0, 2, (4,)))
+
+
+NAMED = '''
+import torch
+
+class Named(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.Linear(8, 16)
+        self.b = torch.nn.Linear(8, 2)
+
+    def forward(self, batch):  # an input named as the stages name the rows
+        return self.b(self.a(batch).view(batch.shape[0], 2, 8).sum(1))
+
+def build_model():
+    return Named()
+
+def example_inputs():
+    return (torch.randn(8, 8),)
+
+def example_target():
+    return torch.randint(0, 2, (8,))
+
+def loss_fn(out, target):
+    return torch.nn.functional.cross_entropy(out, target)
+'''
+
+
+def test_an_input_named_batch_keeps_its_name(tmp_path: Path) -> None:
+    (tmp_path / "named.py").write_text(NAMED)
+    compile_example(str(tmp_path / "named.py"), tmp_path / "pkg", stages=1, microbatches=2)
+    source = (tmp_path / "pkg" / "stage_0.py").read_text()
+    assert "batch_rows = batch.shape[0]" in source and "view(batch_rows, 2, 8)" in source, source
+    _check_short_batch(str(tmp_path / "named.py"), tmp_path / "pkg", 5)
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("example, options, rows", [
+    ("mlp", {"stages": 2}, 5),
+    ("gpt", {"stages": 2}, 5),
+    pytest.param("hf_gpt2", {"stages": 2}, 5, marks=pytest.mark.slow),  # ~25 s
+    ("gpt", {"stages": 1, "dp": 2}, 6),
+])
+def test_short_batch_on_two_ranks(example: str, options: dict[str, Any], rows: int, tmp_path: Path) -> None:
+    compile_example(f"examples/{example}.py", tmp_path / "pkg", microbatches=2, **options)
+    copy = tmp_path / f"{example}.py"
+    shutil.copy(ROOT / "examples" / f"{example}.py", copy)
+    _ok(launch(2, "short", [tmp_path / "pkg"], copy, deadline_s=90, env={"SHORT_ROWS": str(rows)}))
