@@ -108,7 +108,7 @@ def _stage(
     names = {n: values[n] for n in layout.inputs + layout.nodes}
     names.update({a: f"self.{attrs[str(a.target)]}" for a in layout.attrs})
     writer = StageSource(imports=set())
-    body = [f"        {line}" for line in writer.statements(layout.nodes, names)]
+    body = [f"        {line}" for line in _clone_written_inputs(layout, names) + writer.statements(layout.nodes, names)]
     if last:
         body.append(f"        return {writer.build_output(info.out_spec, info.output_leaves, names)}")
     else:
@@ -129,6 +129,14 @@ def _stage(
         recompute=info.recompute,
     )
     return entry, _render(entry, layout, plan, info, writer, body)
+
+
+def _clone_written_inputs(layout: StageLayout, names: dict[torch.fx.Node, str]) -> list[str]:
+    """`x = x.clone()` for each input the stage writes in place (`x += y`, `relu_`): a
+    stage input is an autograd leaf, which in-place ops may not touch ([Note: in-place ops]
+    in partitioner/trace/passes.py)."""
+    written = {w for n in layout.nodes for w in n.meta.get("writes", ())}
+    return [f"{names[x]} = {names[x]}.clone()  # written in place below" for x in layout.inputs if x.name in written]
 
 
 def _render(entry: StageSpec, layout: StageLayout, plan: Plan, info: PackageInfo, writer: StageSource, body: list[str]) -> str:

@@ -85,12 +85,8 @@ class StageSource:
 
     def callee(self, target: Callable[..., Any]) -> str:
         """The shortest importable name for a call target."""
-        if isinstance(target, torch._ops.OpOverload):
-            self.imports.add("aten")
-            return f"aten.{target.__name__}"
-        if isinstance(target, torch._ops.OpOverloadPacket):
-            self.imports.add("aten")
-            return f"aten.{target.__name__}"
+        if isinstance(target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
+            return self._operator(target)
         name = getattr(target, "__name__", "")
         if getattr(target, "__module__", None) == "runtime.tp":  # the tensor-parallel collectives
             self.imports.add("tp")
@@ -111,6 +107,21 @@ class StageSource:
             )
         self.imports.add(f"import {module}")
         return qualified
+
+    def _operator(self, target: torch._ops.OpOverload | torch._ops.OpOverloadPacket) -> str:
+        """`aten.<name>` for an aten op; `torch.ops.<ns>.<name>` for a custom one (Hugging
+        Face's `transformers::grouped_mm_fallback`), with an import of the module that
+        registers it when torch.library knows it (`torch.library.custom_op`)."""
+        namespace = getattr(target, "namespace", "aten")
+        if namespace == "aten":
+            self.imports.add("aten")
+            return f"aten.{target.__name__}"
+        packet = target.__name__.split(".")[0]
+        definition = torch._library.custom_ops.OPDEFS.get(f"{namespace}::{packet}")
+        module = getattr(getattr(definition, "_init_fn", None), "__module__", None)
+        if module and not module.startswith("_partitioner_model"):
+            self.imports.add(f"import {module}")
+        return f"torch.ops.{namespace}.{target.__name__}"
 
     def statement(self, node: torch.fx.Node, names: dict[torch.fx.Node, str]) -> str:
         """`<name> = <expression>` for one call node."""

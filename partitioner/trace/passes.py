@@ -37,6 +37,7 @@ def propagate(gm: torch.fx.GraphModule, flat_inputs: list[Any], model_path: str 
 
     class _Recorder(torch.fx.Interpreter):
         def run_node(self, n: torch.fx.Node) -> Any:
+            versions = _versions(n, values)
             try:
                 result = super().run_node(n)
             except Exception as exc:
@@ -46,6 +47,7 @@ def propagate(gm: torch.fx.GraphModule, flat_inputs: list[Any], model_path: str 
                     f"({type(exc).__name__}: {exc}). Model source: {_last_user_line(where, model_path)}"
                 ) from exc
             values[n] = result
+            _record_writes(n, values, versions)
             if isinstance(result, torch.Tensor):
                 n.meta["tensor_meta"] = _extract_tensor_metadata(result)
             return result
@@ -150,6 +152,23 @@ def node_module(node: torch.fx.Node) -> str:
 
 
 # -- helpers -----------------------------------------------------------------------------
+
+
+def _versions(node: torch.fx.Node, values: dict[torch.fx.Node, Any]) -> dict[torch.fx.Node, int]:
+    """The version counter of every tensor `node` reads, before it runs."""
+    return {x: values[x]._version for x in node.all_input_nodes if isinstance(values.get(x), torch.Tensor)}
+
+
+def _record_writes(node: torch.fx.Node, values: dict[torch.fx.Node, Any], before: dict[torch.fx.Node, int]) -> None:
+    """`node.meta["writes"]`: the names of the inputs `node` wrote in place (their version
+    counters moved: `relu_`, `x += y`, BatchNorm's running statistics and counter).
+    [Note: in-place ops] The profiler clones what a node writes before each timed call
+    (cost/profile.py), and a stage clones an input it writes, since a stage input is an
+    autograd leaf (codegen/package.py)."""
+    written = tuple(x.name for x, v in before.items() if values[x]._version != v)
+    if written:
+        node.meta["writes"] = written
+
 
 
 def _is_assert(node: torch.fx.Node) -> bool:
