@@ -71,9 +71,15 @@ def specialize(gm: torch.fx.GraphModule, values: dict[torch.fx.Node, Any]) -> No
         if _foldable(value):
             node.replace_all_uses_with(_constant(value), propagate_meta=False)  # type: ignore[arg-type]
             graph.erase_node(node)
-    graph.eliminate_dead_code()
+    graph.eliminate_dead_code(is_impure_node=_writes_or_impure)
     graph.lint()
     gm.recompile()
+
+
+def _writes_or_impure(node: torch.fx.Node) -> bool:
+    """Kept without users: a node that writes an input in place (fx's `x.add_(1)` on a
+    buffer is a call_method fx would drop), or one fx calls impure."""
+    return "writes" in node.meta or node.is_impure()
 
 
 def inline_higher_order(gm: torch.fx.GraphModule) -> None:

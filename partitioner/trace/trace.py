@@ -22,8 +22,10 @@ import contextlib
 import inspect
 import io
 import logging
+import traceback
 import warnings
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -63,6 +65,9 @@ class _ThroughTracer(torch.fx.Tracer):
     """
 
     _names: tuple[int, dict[int, str], dict[int, str]] | None = None
+    #: a buffer read in forward is a get_attr of its name, never a constant of its value at
+    #: trace time (`self.cval.clone()` would be frozen into the stage's code)
+    proxy_buffer_attributes = True
 
     def is_leaf_module(self, m: torch.nn.Module, module_qualified_name: str) -> bool:
         return False
@@ -130,7 +135,10 @@ def _trace_fx(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, A
         and p.default is not inspect.Parameter.empty
         and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
     }
-    graph = _ThroughTracer().trace(model, concrete_args=concrete or None)
+    graph = _traced_keeping_buffers(model, concrete)
+    for node in graph.nodes:  # a tensor default would be written as an unbound `_tensor_constant0`
+        if node.op == "placeholder" and any(isinstance(a, (torch.Tensor, torch.fx.Node)) for a in node.args):
+            node.args = ()
     gm = torch.fx.GraphModule(model, graph)
     # fx makes a placeholder for every parameter of forward(), in signature order; those
     # fixed to their defaults are replaced by the default and their guards dropped.
@@ -142,7 +150,7 @@ def _trace_fx(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, A
             for user in list(node.users):
                 if "_assert_is_none" in getattr(user.target, "__name__", ""):
                     gm.graph.erase_node(user)
-            node.replace_all_uses_with(concrete[param.name])  # type: ignore[arg-type]
+            node.replace_all_uses_with(_default_value(gm, node, param.name, concrete[param.name]))
             gm.graph.erase_node(node)
         else:
             index = named.index(param)
@@ -151,6 +159,34 @@ def _trace_fx(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, A
     out = next(n for n in gm.graph.nodes if n.op == "output")
     leaves, spec = pytree.tree_flatten(_plain(out.args[0]))
     return Traced(gm, "fx", keys, spec, leaves)
+
+
+def _traced_keeping_buffers(model: torch.nn.Module, concrete: dict[str, Any]) -> torch.fx.Graph:
+    """The fx graph of `model`; a buffer the forward rebinds (`self.steps += 1` assigns the
+    in-place result back, a Proxy while tracing) is put back as it was."""
+    owners = [(path, m, name, b) for path, m in model.named_modules() for name, b in m._buffers.items()]
+    try:
+        graph = _ThroughTracer().trace(model, concrete_args=concrete or None)
+    finally:
+        rebound = [f"{path}.{name}".lstrip(".") for path, m, name, b in owners if m._buffers.get(name) is not b]
+        for _path, module, name, buffer in owners:
+            module._buffers[name] = buffer
+    if rebound:
+        raise TraceError(f"forward() assigns to buffer {rebound[0]} (`self.{rebound[0].split('.')[-1]} = ...` or "
+                         f"`+=` on it), which torch.fx cannot record; torch.export can (--tracer export or auto).")
+    return graph
+
+
+def _default_value(gm: torch.fx.GraphModule, node: torch.fx.Node, name: str, value: Any) -> Any:
+    """What replaces the placeholder of an argument fixed to its default: the value itself,
+    or for a tensor (`shift=torch.tensor(0.25)`) a get_attr of a non-persistent buffer
+    `_default_<name>` holding it (fx would write it as an unbound `_tensor_constant0`)."""
+    if not isinstance(value, torch.Tensor):
+        return value
+    attr = f"_default_{name}"
+    gm.register_buffer(attr, value, persistent=False)
+    with gm.graph.inserting_before(node):
+        return gm.graph.get_attr(attr)
 
 
 def _plain(value: Any) -> Any:
@@ -241,14 +277,19 @@ def _failure_message(failures: list[tuple[str, BaseException]], model_path: str)
     for name, exc in failures:
         where = user_frame(exc, model_path) if model_path else ""
         line = line or where
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        first = str(exc).strip().splitlines()[0].rstrip(".") if str(exc).strip() else ""
         parts.append(f"{name}: {type(exc).__name__}: {first[:300]}")
     data_dependent = any(
         "control flow" in str(e) or "data-dependent" in str(e).lower() or "GuardOnDataDependent" in type(e).__name__
         for _, e in failures
     )
+    library = _library_frame(failures[0][1], model_path) if len(failures) == 1 and failures[0][0] == "fx" else ""
     advice = (
-        "The model's Python control flow depends on tensor values; rewrite the branch with "
+        f"fx stopped inside library code{library}, a Python check torch.fx cannot "
+        f"evaluate (BatchNorm testing `input.dim()`, say), not a branch in the model: use --tracer export "
+        f"(or auto, which falls back to it)."
+        if library
+        else "The model's Python control flow depends on tensor values; rewrite the branch with "
         "tensor ops (torch.where, masking) or move it out of forward()."
         if data_dependent
         else "Make forward() traceable (no Python branching on tensor values, no unsupported "
@@ -257,3 +298,17 @@ def _failure_message(failures: list[tuple[str, BaseException]], model_path: str)
     return (
         f"could not trace the model{line or ''}. Tried {'; '.join(parts)}. {advice}"
     )
+
+
+def _library_frame(exc: BaseException, model_path: str) -> str:
+    """' (<file>, line N: `<source>`)' when the deepest frame of an fx failure, below fx's own
+    frames, lies outside the model file (PyTorch's BatchNorm checking `input.dim()`), else ''."""
+    frames = [f for f in traceback.extract_tb(exc.__traceback__)
+              if "torch/fx/" not in f.filename.replace("\\", "/")]
+    if not frames or (model_path and Path(frames[-1].filename).resolve() == Path(model_path).resolve()):
+        return ""
+    last = frames[-1]
+    if "site-packages" not in last.filename and "/torch/" not in last.filename:
+        return ""
+    short = last.filename.split("site-packages/")[-1]
+    return f" ({short}, line {last.lineno}: `{(last.line or '').strip()}`)"

@@ -3,9 +3,19 @@ the original (ResNet-18's structure: inplace ReLU, `out += identity`, BatchNorm 
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 
 import pytest
+import torch
+
+import runtime
+from partitioner.errors import TraceError
+from partitioner.trace import model_file
+from partitioner.trace.buffers import BatchStatisticsWarning
+from partitioner.trace.trace import trace
+
+from ..conftest import compile_example
 
 from .harness import trains_like_original
 
@@ -13,3 +23,42 @@ from .harness import trains_like_original
 @pytest.mark.parametrize("analytic", [True, False])
 def test_resnet_profiles_and_trains(analytic: bool, tmp_path: Path) -> None:
     trains_like_original("resnet_tiny", tmp_path / "pkg", stages=2, microbatches=1, analytic=analytic)
+
+
+@pytest.mark.parametrize("tracer", ["fx", "export"])
+def test_buffers_are_read_from_the_stage_not_frozen(tracer: str, tmp_path: Path) -> None:
+    """A buffer read (`self.cval.clone()`), a counter `add_` and a tensor default argument:
+    trained like the original, and a state_dict with another `cval` changes the forward."""
+    pipe = trains_like_original("buffer_read", tmp_path / "pkg", stages=2, microbatches=1, tracer=tracer)
+    model = model_file.load("tests/zoo/models/buffer_read.py").build(0)
+    state = model.state_dict()
+    state["cval"] = torch.full((8,), -1.5)
+    model.load_state_dict(state)
+    pipe.load_state_dict(state)
+    x = torch.randn(8, 4)
+    with torch.no_grad():
+        torch.testing.assert_close(pipe(x), model(x), rtol=1e-5, atol=1e-6)
+
+
+def test_batch_norm_with_several_microbatches_warns(tmp_path: Path) -> None:
+    with pytest.warns(BatchStatisticsWarning, match=r"layers\.0\.bn1.*--microbatches 1.*GroupNorm"):
+        compile_example("tests/zoo/models/resnet_tiny.py", tmp_path / "m2", stages=2, microbatches=2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", BatchStatisticsWarning)
+        compile_example("tests/zoo/models/resnet_tiny.py", tmp_path / "m1", stages=2, microbatches=1)
+
+
+def test_compiling_leaves_the_running_statistics_as_they_were(tmp_path: Path) -> None:
+    """The package's buffers are the model's: compiling runs the model (checks, profiling),
+    which must not move BatchNorm's running statistics or counters."""
+    compile_example("tests/zoo/models/resnet_tiny.py", tmp_path / "pkg", stages=2, microbatches=1, analytic=False)
+    want = model_file.load("tests/zoo/models/resnet_tiny.py").build(0).state_dict()
+    got = runtime.LocalPipeline(str(tmp_path / "pkg")).state_dict()
+    for key in [k for k in want if "running" in k or "num_batches" in k]:
+        torch.testing.assert_close(got[key], want[key], rtol=0, atol=0, msg=lambda m: f"{key}: {m}")
+
+
+def test_fx_blames_the_library_check_not_the_model() -> None:
+    with pytest.raises(TraceError, match=r"batchnorm\.py, line \d+: `if input\.dim\(\) != 4:`.*--tracer export"):
+        mf = model_file.load("tests/zoo/models/resnet_tiny.py")
+        trace(mf.build(0), mf.example_inputs()[0], {}, "fx", mf.path)
