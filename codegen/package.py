@@ -30,7 +30,7 @@ from runtime.manifest import (FORMAT_VERSION, BufferSpec, Manifest, Mesh, ModelI
 from .layout import StageLayout, lay_out
 from .names import attr_name, attr_names, module_roots, value_names
 from .report import format_plan
-from .source import StageSource
+from .source import MODEL_FILE, StageSource
 
 __all__ = ["PackageInfo", "emit", "FORMAT_VERSION"]
 
@@ -156,6 +156,7 @@ def _render(entry: StageSpec, layout: StageLayout, plan: Plan, info: PackageInfo
     lines = header + ["", "from __future__ import annotations", ""] + _imports(writer, bool(entry.buffers), last)
     if "aten" in writer.imports:
         lines += ["aten = torch.ops.aten", ""]
+    lines += _model_file_line(writer)
     lines += ["", f"class Stage{k}(torch.nn.Module):", f'    """Stage {k} of {S}: {_summary(entry)}."""', ""]
     lines += ["    def __init__(self) -> None:", "        super().__init__()"]
     for p in entry.parameters:
@@ -175,12 +176,20 @@ def _render(entry: StageSpec, layout: StageLayout, plan: Plan, info: PackageInfo
     return "\n".join(lines) + "\n"
 
 
+def _model_file_line(writer: StageSource) -> list[str]:
+    """`model = model_file_of(__file__)` when the stage calls code of the model file itself."""
+    if MODEL_FILE not in writer.imports:
+        return []
+    return ["model = model_file_of(__file__)  # the model file this package was compiled from", ""]
+
+
 def _imports(writer: StageSource, constants: bool, last: bool) -> list[str]:
     """The stage's imports in isort's groups: the standard library, then torch and others."""
     stdlib = (["import os"] if constants else []) + (["from typing import Any"] if last else [])
     others = sorted(i for i in writer.imports if i.startswith("import ") and i != "import torch")
     third = ["import torch"] + (["import torch.nn.functional as F"] if "F" in writer.imports else []) + others
-    ours = ["", "from runtime import tp"] if "tp" in writer.imports else []
+    ours = sorted(i for i in writer.imports if i.startswith("from runtime"))
+    ours = ([""] + ours) if ours else []
     return (stdlib + [""] if stdlib else []) + third + ours + [""]
 
 

@@ -20,9 +20,14 @@ import torch.fx
 import torch.nn.functional as F
 import torch.utils._pytree as pytree
 
+from partitioner.trace.functions import function_of
+
 from .names import attr_name, section
 
-__all__ = ["StageSource", "format_value", "attr_name"]
+__all__ = ["MODEL_FILE", "StageSource", "format_value", "attr_name"]
+
+#: in `StageSource.imports`: the stage reads classes of the model file (`model = model_file_of(__file__)`)
+MODEL_FILE = "model file"
 
 _BINARY = {
     operator.add: "+", operator.sub: "-", operator.mul: "*", operator.truediv: "/",
@@ -87,9 +92,12 @@ class StageSource:
         """The shortest importable name for a call target."""
         if isinstance(target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
             return self._operator(target)
+        function = function_of(target)
+        if function is not None:
+            return f"{self.user_class(function)}.apply"
         name = getattr(target, "__name__", "")
         if getattr(target, "__module__", None) == "runtime.tp":  # the tensor-parallel collectives
-            self.imports.add("tp")
+            self.imports.add("from runtime import tp")
             return f"tp.{name}"
         if name and getattr(F, name, None) is target:
             self.imports.add("F")
@@ -107,6 +115,18 @@ class StageSource:
             )
         self.imports.add(f"import {module}")
         return qualified
+
+    def user_class(self, cls: type) -> str:
+        """How a stage names a class of the user's: `model.<Name>` when the model file defines
+        it (`runtime.package.model_file_of`), else `<module>.<Name>` imported."""
+        if cls.__module__.startswith("_partitioner_model") or "<" in cls.__qualname__:
+            if "<" in cls.__qualname__:
+                raise EmitError(f"{cls.__qualname__} is defined inside a function; the generated stages cannot "
+                                f"import it. Define it at the top level of the model file.")
+            self.imports.update({MODEL_FILE, "from runtime.package import model_file_of"})
+            return f"model.{cls.__qualname__}"
+        self.imports.add(f"import {cls.__module__}")
+        return f"{cls.__module__}.{cls.__qualname__}"
 
     def _operator(self, target: torch._ops.OpOverload | torch._ops.OpOverloadPacket) -> str:
         """`aten.<name>` for an aten op; `torch.ops.<ns>.<name>` for a custom one (Hugging

@@ -36,6 +36,7 @@ __all__ = [
     "import_stage",
     "load_model_file",
     "load_loss_fn",
+    "model_file_of",
     "stage_tensors",
     "check_state_dict",
     "load_stage_state",
@@ -48,6 +49,7 @@ __all__ = [
 ]
 
 _counter = itertools.count()
+_model_files: dict[Path, types.ModuleType] = {}
 Held = Union[ParamSpec, BufferSpec]  # a stage tensor's manifest entry
 
 
@@ -119,6 +121,16 @@ def load_model_file(manifest: Manifest, directory: str | Path) -> types.ModuleTy
     looked = " and ".join(str(p) for p in candidates)
     raise ManifestError(f"the package's model file {given!r} is not found (looked at {looked}): run from the directory "
                         f"it was compiled in, or pass loss_fn= to train_step.")
+
+
+def model_file_of(stage_file: str) -> types.ModuleType:
+    """The model file the package holding `stage_file` was compiled from, imported once per
+    package: a stage that calls the user's own code (a custom autograd Function, a module
+    kept whole) reads it from there, so every stage shares the same classes."""
+    directory = Path(stage_file).resolve().parent
+    if directory not in _model_files:
+        _model_files[directory] = load_model_file(load_manifest(directory), directory)
+    return _model_files[directory]
 
 
 def load_loss_fn(manifest: Manifest, directory: str | Path) -> Callable[[Any, Any], torch.Tensor]:

@@ -33,6 +33,7 @@ import torch.fx
 import torch.utils._pytree as pytree
 
 from ..errors import TraceError
+from .functions import functions_as_leaves, recorded_functions
 from .model_file import user_frame
 from .passes import inline_higher_order
 
@@ -165,16 +166,28 @@ def _traced_keeping_buffers(model: torch.nn.Module, concrete: dict[str, Any]) ->
     """The fx graph of `model`; a buffer the forward rebinds (`self.steps += 1` assigns the
     in-place result back, a Proxy while tracing) is put back as it was."""
     owners = [(path, m, name, b) for path, m in model.named_modules() for name, b in m._buffers.items()]
+    tracer, inlined = _ThroughTracer(), list[str]()
     try:
-        graph = _ThroughTracer().trace(model, concrete_args=concrete or None)
+        with functions_as_leaves(tracer, inlined):
+            graph = tracer.trace(model, concrete_args=concrete or None)
     finally:
         rebound = [f"{path}.{name}".lstrip(".") for path, m, name, b in owners if m._buffers.get(name) is not b]
         for _path, module, name, buffer in owners:
             module._buffers[name] = buffer
+    if inlined:
+        raise TraceError(f"the forward of custom autograd Function {_short(inlined[0])} was traced into, which would "
+                         f"lose its backward: call `{_short(inlined[0])}.apply(...)` in forward() itself (not an alias "
+                         f"of it taken at import), so that the stage calls it whole.")
     if rebound:
         raise TraceError(f"forward() assigns to buffer {rebound[0]} (`self.{rebound[0].split('.')[-1]} = ...` or "
                          f"`+=` on it), which torch.fx cannot record; torch.export can (--tracer export or auto).")
     return graph
+
+
+def _short(name: str) -> str:
+    """A Function's name without the private module name of a model file."""
+    module, _, rest = name.partition(".")
+    return rest if module.startswith("_partitioner_model") else name
 
 
 def _default_value(gm: torch.fx.GraphModule, node: torch.fx.Node, name: str, value: Any) -> Any:
@@ -207,12 +220,18 @@ def _trace_export(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[st
     # export logs and prints its own failures (graph dumps, tracebacks); the TraceError
     # we raise says what matters, so its output is silenced while it runs.
     logging.disable(logging.CRITICAL)
+    called: list[str] = []
     try:
         with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
             warnings.simplefilter("ignore")
-            ep = torch.export.export(model, args, kwargs, strict=False)
+            with recorded_functions(called):
+                ep = torch.export.export(model, args, kwargs, strict=False)
     finally:
         logging.disable(logging.NOTSET)
+    if called:
+        raise TraceError(f"torch.export traces into custom autograd Function {_short(called[0])}'s forward, which would "
+                         f"lose its backward: make forward() traceable by torch.fx (--tracer fx), which keeps "
+                         f"`{_short(called[0])}.apply(...)` as one call the stage makes.")
     gm = ep.module()
     assert isinstance(gm, torch.fx.GraphModule)
     inline_higher_order(gm)
