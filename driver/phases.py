@@ -24,7 +24,7 @@ from partitioner.solve.problem import coarse_graph, make_plan, pose
 from partitioner.solve.solve import solve
 from partitioner.tp import Sharded, shard
 from partitioner.trace import model_file
-from partitioner.trace.buffers import kept_buffers, warn_batch_statistics
+from partitioner.trace.buffers import BufferSnapshot, kept_buffers, warn_batch_statistics
 from partitioner.trace.passes import propagate, specialize
 from partitioner.trace.trace import Traced, by_input_key, copy_traced, trace
 
@@ -71,18 +71,19 @@ def prepare(opts: CompileOptions, say: Callable[[str], None] = lambda _m: None, 
     margs, mkwargs = split_batch(args, kwargs, mf.batch_dims, rows)
     phase("load")
     # 2. trace, and specialise to the microbatch shape (partitioner.trace).
-    with kept_buffers(model):  # running the model moves BatchNorm's statistics (partitioner.trace.buffers)
-        traced = _trace(src, margs, mkwargs, opts, rows, say)
-        by_key = by_input_key(margs, mkwargs)
-        values = propagate(traced.gm, [by_key[key] for _name, key in traced.input_keys], opts.model)
-        specialize(traced.gm, values)
-        warn_batch_statistics(traced.gm, microbatches, None if opts.quiet else say)
-        phase("trace")
-        # 3. cost every node, measured (cached) or analytic (partitioner.cost).
-        hardware = load_hardware(opts.hardware)
-        with rank_threads():  # measured as a rank will compute
-            costs = node_costs(traced.gm, values, hardware, opts, say)
-        phase("cost")
+    buffers = BufferSnapshot(model)  # running the model moves BatchNorm's statistics (partitioner.trace.buffers)
+    traced = _trace(src, margs, mkwargs, opts, rows, say)
+    by_key = by_input_key(margs, mkwargs)
+    values = propagate(traced.gm, [by_key[key] for _name, key in traced.input_keys], opts.model)
+    specialize(traced.gm, values)
+    warn_batch_statistics(traced.gm, microbatches, None if opts.quiet else say)
+    phase("trace")
+    # 3. cost every node, measured (cached) or analytic (partitioner.cost).
+    hardware = load_hardware(opts.hardware)
+    with rank_threads():  # measured as a rank will compute
+        costs = node_costs(traced.gm, values, hardware, opts, say)
+    buffers.restore()
+    phase("cost")
     # 4. tp: the split per node, and the graph one rank runs (partitioner.tp).
     whole = (traced, costs)
     traced, costs, sharded = apply_tp(traced, costs, opts.tp or 1, hardware, opts, say)

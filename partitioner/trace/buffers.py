@@ -1,6 +1,6 @@
 """Buffers a model changes as it runs (BatchNorm's running statistics and counter).
 
-- `kept_buffers`: compiling runs the model (tracing checks, shape propagation, profiling),
+- `BufferSnapshot`, `kept_buffers`: compiling runs the model (tracing checks, shape propagation, profiling),
   which would move a train-mode BatchNorm's running statistics; the user's module gets its
   buffers back as they were, so the package's buffers are the model's.
 - `batch_statistics_warning`: a train-mode BatchNorm normalises each microbatch by that
@@ -21,23 +21,33 @@ import torch.fx
 
 from .passes import node_module
 
-__all__ = ["BatchStatisticsWarning", "batch_statistics_modules", "kept_buffers", "warn_batch_statistics"]
+__all__ = ["BatchStatisticsWarning", "BufferSnapshot", "batch_statistics_modules", "kept_buffers", "warn_batch_statistics"]
 
 
 class BatchStatisticsWarning(UserWarning):
     """A train-mode BatchNorm in a model compiled for more than one microbatch."""
 
 
+class BufferSnapshot:
+    """Every buffer of a module as it is now; `restore()` puts them back."""
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        self.saved = [(b, b.detach().clone()) for b in module.buffers() if not b.is_meta]
+
+    def restore(self) -> None:
+        with torch.no_grad():
+            for buffer, value in self.saved:
+                buffer.copy_(value)
+
+
 @contextlib.contextmanager
 def kept_buffers(module: torch.nn.Module) -> Iterator[None]:
     """Run the body, then put every buffer of `module` back to its value before it."""
-    before = [(b, b.detach().clone()) for b in module.buffers() if not b.is_meta]
+    snapshot = BufferSnapshot(module)
     try:
         yield
     finally:
-        with torch.no_grad():
-            for buffer, value in before:
-                buffer.copy_(value)
+        snapshot.restore()
 
 
 def batch_statistics_modules(gm: torch.fx.GraphModule) -> list[str]:
