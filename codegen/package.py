@@ -29,7 +29,7 @@ from runtime.manifest import (FORMAT_VERSION, BufferSpec, Manifest, Mesh, ModelI
 
 from .layout import StageLayout, lay_out
 from .names import attr_name, attr_names, module_roots, value_names
-from .report import format_plan
+from .report import format_kept, format_plan
 from .source import MODEL_FILE, StageSource
 
 __all__ = ["PackageInfo", "emit", "FORMAT_VERSION"]
@@ -81,7 +81,8 @@ def emit(out: str | Path, gm: torch.fx.GraphModule, plan: Plan, info: PackageInf
     manifest = _manifest(plan, info, stages)
     manifest = dataclasses.replace(manifest, hash=_hash(manifest.to_dict(), files))
     files["manifest.json"] = manifest.to_json().encode()
-    files["plan.txt"] = format_plan(manifest).encode()
+    sources = [files[f"{s.module}.py"].decode() for s in stages]
+    files["plan.txt"] = (format_plan(manifest) + format_kept(sources)).encode()
     files["__init__.py"] = _INIT.format(source=info.source_path).encode()
     _write_atomically(Path(out), files)
     return manifest.to_dict()
@@ -161,6 +162,7 @@ def _render(entry: StageSpec, layout: StageLayout, plan: Plan, info: PackageInfo
     lines += ["    def __init__(self) -> None:", "        super().__init__()"]
     for p in entry.parameters:
         lines.append(f"        self.{p.name} = torch.nn.Parameter({_zeros(p)}{_grad(p)})  # {_origin(p, info.aliases)}")
+    lines += _kept_lines(writer)
     if entry.buffers:
         lines.append("        constants = _constants()")
     for b in entry.buffers:
@@ -174,6 +176,12 @@ def _render(entry: StageSpec, layout: StageLayout, plan: Plan, info: PackageInfo
                   '    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "constants.pt")',
                   "    return torch.load(path, weights_only=True)"]
     return "\n".join(lines) + "\n"
+
+
+def _kept_lines(writer: StageSource) -> list[str]:
+    """`self.<attr> = kept_module(__file__, "<path>")` per user module the stage keeps whole."""
+    return [f"        self.{attr} = kept_module(__file__, {kept.path!r})  # kept whole: {kept.reason}"
+            for attr, kept in sorted(writer.kept.items())]
 
 
 def _model_file_line(writer: StageSource) -> list[str]:

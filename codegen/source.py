@@ -12,7 +12,7 @@ from __future__ import annotations
 import inspect
 import math
 import operator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
@@ -21,6 +21,7 @@ import torch.nn.functional as F
 import torch.utils._pytree as pytree
 
 from partitioner.trace.functions import function_of
+from partitioner.trace.kept import KeptModule
 
 from .names import attr_name, section
 
@@ -87,6 +88,8 @@ class StageSource:
     """Collects the imports a stage needs while its statements are written."""
 
     imports: set[str]
+    #: attribute -> the user's module kept whole it holds (partitioner.trace.kept)
+    kept: dict[str, KeptModule] = field(default_factory=dict)
 
     def callee(self, target: Callable[..., Any]) -> str:
         """The shortest importable name for a call target."""
@@ -115,6 +118,16 @@ class StageSource:
             )
         self.imports.add(f"import {module}")
         return qualified
+
+    def _kept_call(self, target: KeptModule, args: Any, kwargs: Any, fmt: Callable[[Any], str]) -> str:
+        """`torch.func.functional_call(self.<module>, {<its tensors>}, (<inputs>,))`: the user's
+        module kept whole, run on the stage's parameters and buffers."""
+        attr = f"{attr_name(target.path)}_module"
+        self.kept[attr] = target
+        self.imports.add("from runtime.package import kept_module")
+        inputs = fmt(tuple(args[1:]))
+        extra = f", {fmt(dict(kwargs))}" if kwargs else ""
+        return f"torch.func.functional_call(self.{attr}, {fmt(args[0])}, {inputs}{extra})"
 
     def user_class(self, cls: type) -> str:
         """How a stage names a class of the user's: `model.<Name>` when the model file defines
@@ -159,6 +172,8 @@ class StageSource:
         elif node.op == "call_method":
             call = ", ".join([fmt(a) for a in args[1:]] + [f"{k}={fmt(v)}" for k, v in kwargs.items()])
             expr = f"{fmt(args[0])}.{target}({call})"
+        elif node.op == "call_function" and isinstance(target, KeptModule):
+            expr = self._kept_call(target, args, kwargs, fmt)
         elif node.op == "call_function":
             kwargs = _without_defaults(target, kwargs)
             call = ", ".join([fmt(a) for a in args] + [f"{k}={fmt(v)}" for k, v in kwargs.items()])

@@ -15,6 +15,7 @@ files and the model file: a rank needs torch alone.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import importlib.util
 import itertools
@@ -37,6 +38,7 @@ __all__ = [
     "load_model_file",
     "load_loss_fn",
     "model_file_of",
+    "kept_module",
     "stage_tensors",
     "check_state_dict",
     "load_stage_state",
@@ -50,6 +52,7 @@ __all__ = [
 
 _counter = itertools.count()
 _model_files: dict[Path, types.ModuleType] = {}
+_models: dict[Path, torch.nn.Module] = {}
 Held = Union[ParamSpec, BufferSpec]  # a stage tensor's manifest entry
 
 
@@ -131,6 +134,20 @@ def model_file_of(stage_file: str) -> types.ModuleType:
     if directory not in _model_files:
         _model_files[directory] = load_model_file(load_manifest(directory), directory)
     return _model_files[directory]
+
+
+def kept_module(stage_file: str, path: str) -> torch.nn.Module:
+    """A fresh copy of the user's submodule `path` (a module the compiler kept whole): the
+    model built once per package by the model file's entry (`manifest.source`), with the
+    caller's RNG left as it was; its weights are the stage's, passed at each call."""
+    directory = Path(stage_file).resolve().parent
+    if directory not in _models:
+        source = load_manifest(directory).source
+        build = getattr(model_file_of(stage_file), source.entry)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(source.seed)
+            _models[directory] = build()
+    return copy.deepcopy(_models[directory].get_submodule(path))
 
 
 def load_loss_fn(manifest: Manifest, directory: str | Path) -> Callable[[Any, Any], torch.Tensor]:

@@ -24,9 +24,9 @@ import io
 import logging
 import traceback
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Collection
 
 import torch
 import torch.fx
@@ -34,6 +34,7 @@ import torch.utils._pytree as pytree
 
 from ..errors import TraceError
 from .functions import functions_as_leaves, recorded_functions
+from .kept import failing_submodule, rewrite_kept
 from .model_file import user_frame
 from .passes import inline_higher_order
 
@@ -54,6 +55,8 @@ class Traced:
     #: the structure of the model's output over `output_leaves`
     out_spec: pytree.TreeSpec
     output_leaves: list[Any]
+    #: submodules kept whole (partitioner.trace.kept): dotted path -> the line that broke tracing
+    kept: dict[str, str] = field(default_factory=dict)
 
 
 class _ThroughTracer(torch.fx.Tracer):
@@ -66,12 +69,16 @@ class _ThroughTracer(torch.fx.Tracer):
     """
 
     _names: tuple[int, dict[int, str], dict[int, str]] | None = None
+
+    def __init__(self, leaves: Collection[str] = ()) -> None:
+        super().__init__()
+        self.leaves = set(leaves)  # submodules kept whole
     #: a buffer read in forward is a get_attr of its name, never a constant of its value at
     #: trace time (`self.cval.clone()` would be frozen into the stage's code)
     proxy_buffer_attributes = True
 
     def is_leaf_module(self, m: torch.nn.Module, module_qualified_name: str) -> bool:
-        return False
+        return module_qualified_name in self.leaves
 
     def getattr(self, attr: str, attr_val: Any, parameter_proxy_cache: dict[str, Any]) -> Any:
         if not isinstance(attr_val, torch.Tensor):
@@ -118,13 +125,42 @@ def trace(
             return traced
         except Exception as exc:  # every tracer failure is reported together below
             failures.append((name, exc))
+    kept = _trace_keeping_whole(model, args, kwargs, failures[0][1], model_path) if order[0] == "fx" else None
+    if kept is not None:
+        return kept
     raise TraceError(_failure_message(failures, model_path))
+
+
+#: how many submodules one trace may keep whole before giving up
+MAX_KEPT = 32
+
+
+def _trace_keeping_whole(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], exc: BaseException,
+                         model_path: str) -> Traced | None:
+    """fx again with the submodule that broke tracing kept whole, as often as it helps
+    (partitioner.trace.kept); None when the failure is in the top-level module itself."""
+    reasons: dict[str, str] = {}
+    for _ in range(MAX_KEPT):
+        path = failing_submodule(exc, model)
+        if not path or path in reasons:
+            return None
+        where = user_frame(exc, model_path).strip() if model_path else ""
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        reasons[path] = f"{where.removeprefix('at ')}: {first[:120]}" if where else first[:160]
+        try:
+            traced = _trace_fx(model, args, kwargs, reasons)
+            _check_runs(traced, model, args, kwargs)
+            return traced
+        except Exception as again:  # the next module to keep whole, or give up
+            exc = again
+    return None
 
 
 # -- fx ----------------------------------------------------------------------------------
 
 
-def _trace_fx(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Traced:
+def _trace_fx(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
+              kept: dict[str, str] | None = None) -> Traced:
     params = list(inspect.signature(model.forward).parameters.values())
     given = {p.name for p in params[: len(args)]} | set(kwargs)
     # Arguments the example batch leaves out are fixed to their defaults, so `if mask is
@@ -136,7 +172,7 @@ def _trace_fx(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, A
         and p.default is not inspect.Parameter.empty
         and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
     }
-    graph = _traced_keeping_buffers(model, concrete)
+    graph = _traced_keeping_buffers(model, concrete, kept or {})
     for node in graph.nodes:  # a tensor default would be written as an unbound `_tensor_constant0`
         if node.op == "placeholder" and any(isinstance(a, (torch.Tensor, torch.fx.Node)) for a in node.args):
             node.args = ()
@@ -157,16 +193,18 @@ def _trace_fx(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, A
             index = named.index(param)
             keys.append((node.name, index if index < len(args) else param.name))
     gm.recompile()
+    if kept:
+        rewrite_kept(gm, kept)
     out = next(n for n in gm.graph.nodes if n.op == "output")
     leaves, spec = pytree.tree_flatten(_plain(out.args[0]))
-    return Traced(gm, "fx", keys, spec, leaves)
+    return Traced(gm, "fx", keys, spec, leaves, dict(kept or {}))
 
 
-def _traced_keeping_buffers(model: torch.nn.Module, concrete: dict[str, Any]) -> torch.fx.Graph:
+def _traced_keeping_buffers(model: torch.nn.Module, concrete: dict[str, Any], kept: dict[str, str]) -> torch.fx.Graph:
     """The fx graph of `model`; a buffer the forward rebinds (`self.steps += 1` assigns the
     in-place result back, a Proxy while tracing) is put back as it was."""
     owners = [(path, m, name, b) for path, m in model.named_modules() for name, b in m._buffers.items()]
-    tracer, inlined = _ThroughTracer(), list[str]()
+    tracer, inlined = _ThroughTracer(kept), list[str]()
     try:
         with functions_as_leaves(tracer, inlined):
             graph = tracer.trace(model, concrete_args=concrete or None)
@@ -268,7 +306,7 @@ def copy_traced(traced: Traced) -> Traced:
     graph.output(graph.graph_copy(traced.gm.graph, mapping), type_expr=out.type)
     gm = torch.fx.GraphModule(traced.gm, graph)
     leaves = [mapping.get(leaf, leaf) if isinstance(leaf, torch.fx.Node) else leaf for leaf in traced.output_leaves]
-    return Traced(gm, traced.tracer, list(traced.input_keys), traced.out_spec, leaves)
+    return Traced(gm, traced.tracer, list(traced.input_keys), traced.out_spec, leaves, dict(traced.kept))
 
 
 def by_input_key(args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[int | str, Any]:

@@ -46,6 +46,7 @@ ZOO: list[tuple[str, dict[str, Any]]] = [
     ("rnn_lstm", {}),
     ("custom_function", {}),
     ("buffer_read", dict(ONE_MB)),
+    ("kept_whole", {}),
 ]
 
 #: more meshes for a few of them (slow: run in CI)
