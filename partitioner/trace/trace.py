@@ -146,7 +146,9 @@ def _trace_keeping_whole(model: torch.nn.Module, args: tuple[Any, ...], kwargs: 
             return None
         where = user_frame(exc, model_path).strip() if model_path else ""
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        reasons[path] = f"{where.removeprefix('at ')}: {first[:120]}" if where else first[:160]
+        inside = _library_frame(exc, model_path)
+        reasons[path] = (f"{where.removeprefix('at ')}" + (f", inside{inside}" if inside else "") +
+                         f": {first[:120]}") if where else first[:160]
         try:
             traced = _trace_fx(model, args, kwargs, reasons)
             _check_runs(traced, model, args, kwargs)
