@@ -35,7 +35,8 @@ from .layout import StageLayout
 __all__ = ["attr_name", "attr_names", "module_roots", "section", "value_names"]
 
 #: names the generated stage files use themselves
-_RESERVED = frozenset({"self", "torch", "F", "aten", "tp", "os", "Any", "annotations", "constants"}) | frozenset(
+_RESERVED = frozenset({"self", "torch", "F", "aten", "tp", "os", "Any", "annotations", "constants",
+                        "model", "model_file_of"}) | frozenset(
     dir(builtins)
 )
 

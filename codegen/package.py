@@ -30,8 +30,8 @@ from runtime.manifest import (FORMAT_VERSION, BufferSpec, Manifest, Mesh, ModelI
 
 from .layout import StageLayout, lay_out
 from .names import attr_name, attr_names, module_roots, value_names
-from .report import format_plan
-from .source import BATCH, EmitError, StageSource, uses_batch
+from .report import format_kept, format_plan
+from .source import BATCH, MODEL_FILE, EmitError, StageSource, uses_batch
 
 __all__ = ["PackageInfo", "emit", "FORMAT_VERSION"]
 
@@ -84,7 +84,8 @@ def emit(out: str | Path, gm: torch.fx.GraphModule, plan: Plan, info: PackageInf
     manifest = _manifest(plan, info, stages)
     manifest = dataclasses.replace(manifest, hash=_hash(manifest.to_dict(), files))
     files["manifest.json"] = manifest.to_json().encode()
-    files["plan.txt"] = format_plan(manifest).encode()
+    sources = [files[f"{s.module}.py"].decode() for s in stages]
+    files["plan.txt"] = (format_plan(manifest) + format_kept(sources)).encode()
     files["__init__.py"] = _INIT.format(source=info.source_path).encode()
     _write_atomically(Path(out), files)
     return manifest.to_dict()
@@ -111,7 +112,7 @@ def _stage(
     names = {n: values[n] for n in layout.inputs + layout.nodes}
     names.update({a: f"self.{attrs[str(a.target)]}" for a in layout.attrs})
     writer = StageSource(imports=set(), batch=_batch_name(set(names.values())), device=_device_expr(layout, names))
-    body = [f"        {line}" for line in writer.statements(layout.nodes, names)]
+    body = [f"        {line}" for line in _clone_written_inputs(layout, names) + writer.statements(layout.nodes, names)]
     if uses_batch(layout.nodes):
         body.insert(0, f"        {_read_batch(layout, names, k, writer.batch)}")
     if last:
@@ -136,6 +137,14 @@ def _stage(
     return entry, _render(entry, layout, plan, info, writer, body)
 
 
+def _clone_written_inputs(layout: StageLayout, names: dict[torch.fx.Node, str]) -> list[str]:
+    """`x = x.clone()` for each input the stage writes in place (`x += y`, `relu_`): a
+    stage input is an autograd leaf, which in-place ops may not touch ([Note: in-place ops]
+    in partitioner/trace/passes.py)."""
+    written = {w for n in layout.nodes for w in n.meta.get("writes", ())}
+    return [f"{names[x]} = {names[x]}.clone()  # written in place below" for x in layout.inputs if x.name in written]
+
+
 def _render(entry: StageSpec, layout: StageLayout, plan: Plan, info: PackageInfo, writer: StageSource, body: list[str]) -> str:
     k, S = layout.index, plan.num_stages
     stage_plan = plan.stages[k]
@@ -153,10 +162,12 @@ def _render(entry: StageSpec, layout: StageLayout, plan: Plan, info: PackageInfo
     lines = header + ["", "from __future__ import annotations", ""] + _imports(writer, bool(entry.buffers), last)
     if "aten" in writer.imports:
         lines += ["aten = torch.ops.aten", ""]
+    lines += _model_file_line(writer)
     lines += ["", f"class Stage{k}(torch.nn.Module):", f'    """Stage {k} of {S}: {_summary(entry)}."""', ""]
     lines += ["    def __init__(self) -> None:", "        super().__init__()"]
     for p in entry.parameters:
         lines.append(f"        self.{p.name} = torch.nn.Parameter({_zeros(p)}{_grad(p)})  # {_origin(p, info.aliases)}")
+    lines += _kept_lines(writer)
     if entry.buffers:
         lines.append("        constants = _constants()")
     for b in entry.buffers:
@@ -172,12 +183,26 @@ def _render(entry: StageSpec, layout: StageLayout, plan: Plan, info: PackageInfo
     return "\n".join(lines) + "\n"
 
 
+def _kept_lines(writer: StageSource) -> list[str]:
+    """`self.<attr> = kept_module(__file__, "<path>")` per user module the stage keeps whole."""
+    return [f"        self.{attr} = kept_module(__file__, {kept.path!r})  # kept whole: {kept.reason}"
+            for attr, kept in sorted(writer.kept.items())]
+
+
+def _model_file_line(writer: StageSource) -> list[str]:
+    """`model = model_file_of(__file__)` when the stage calls code of the model file itself."""
+    if MODEL_FILE not in writer.imports:
+        return []
+    return ["model = model_file_of(__file__)  # the model file this package was compiled from", ""]
+
+
 def _imports(writer: StageSource, constants: bool, last: bool) -> list[str]:
     """The stage's imports in isort's groups: the standard library, then torch and others."""
     stdlib = (["import os"] if constants else []) + (["from typing import Any"] if last else [])
     others = sorted(i for i in writer.imports if i.startswith("import ") and i != "import torch")
     third = ["import torch"] + (["import torch.nn.functional as F"] if "F" in writer.imports else []) + others
-    ours = ["", "from runtime import tp"] if "tp" in writer.imports else []
+    ours = sorted(i for i in writer.imports if i.startswith("from runtime"))
+    ours = ([""] + ours) if ours else []
     return (stdlib + [""] if stdlib else []) + third + ours + [""]
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from runtime.manifest import Manifest, Predicted, StagePrediction
 
-__all__ = ["format_plan", "format_bytes"]
+__all__ = ["format_plan", "format_bytes", "format_kept"]
 
 
 def format_bytes(n: float) -> str:
@@ -102,3 +102,17 @@ def _predicted_line(predicted: Predicted | None) -> str:
         return "predicted  step 0.000 ms, MFU 0.00%, costs ? on ?"
     return (f"predicted  step {predicted.step_time_s * 1e3:.3f} ms, MFU {predicted.mfu * 100:.2f}%, "
             f"costs {predicted.cost_source or '?'} on {predicted.hardware or '?'}")
+
+
+def format_kept(stage_sources: list[str]) -> str:
+    """The modules kept whole (partitioner.trace.kept) and why, one line each, read from the
+    `# kept whole: <the line that broke tracing>` comments of the stage sources ('' if none)."""
+    lines = []
+    for k, source in enumerate(stage_sources):
+        for line in source.splitlines():
+            if "= kept_module(__file__, " in line and "# kept whole: " in line:
+                path = line.split("kept_module(__file__, ", 1)[1].split(")", 1)[0].strip("'\"")
+                lines.append(f"  {path} (stage {k}): {line.split('# kept whole: ', 1)[1]}")
+    if not lines:
+        return ""
+    return "\nkept whole (not traceable; placed whole, run as written, never tensor-split):\n" + "\n".join(lines) + "\n"

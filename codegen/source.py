@@ -12,7 +12,7 @@ from __future__ import annotations
 import inspect
 import math
 import operator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
@@ -21,13 +21,17 @@ import torch.nn.functional as F
 import torch.utils._pytree as pytree
 
 from partitioner.trace.batch import BatchInt
+from partitioner.trace.functions import function_of
+from partitioner.trace.kept import KeptModule
 
 from .names import attr_name, section
 
-__all__ = ["BATCH", "StageSource", "format_value", "attr_name", "uses_batch"]
+__all__ = ["BATCH", "MODEL_FILE", "StageSource", "format_value", "attr_name", "uses_batch"]
 
 #: the name a stage gives its microbatch's rows when sizes follow them ([Note: free batch])
 BATCH = "batch"
+#: in `StageSource.imports`: the stage reads classes of the model file (`model = model_file_of(__file__)`)
+MODEL_FILE = "model file"
 
 _BINARY = {
     operator.add: "+", operator.sub: "-", operator.mul: "*", operator.truediv: "/",
@@ -149,18 +153,19 @@ class StageSource:
     imports: set[str]
     device: str | None = None
     batch: str = BATCH  # the name of the microbatch's rows in this stage ([Note: free batch])
+    #: attribute -> the user's module kept whole it holds (partitioner.trace.kept)
+    kept: dict[str, KeptModule] = field(default_factory=dict)
 
     def callee(self, target: Callable[..., Any]) -> str:
         """The shortest importable name for a call target."""
-        if isinstance(target, torch._ops.OpOverload):
-            self.imports.add("aten")
-            return f"aten.{target.__name__}"
-        if isinstance(target, torch._ops.OpOverloadPacket):
-            self.imports.add("aten")
-            return f"aten.{target.__name__}"
+        if isinstance(target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
+            return self._operator(target)
+        function = function_of(target)
+        if function is not None:
+            return f"{self.user_class(function)}.apply"
         name = getattr(target, "__name__", "")
         if getattr(target, "__module__", None) == "runtime.tp":  # the tensor-parallel collectives
-            self.imports.add("tp")
+            self.imports.add("from runtime import tp")
             return f"tp.{name}"
         if name and getattr(F, name, None) is target:
             self.imports.add("F")
@@ -179,6 +184,43 @@ class StageSource:
         self.imports.add(f"import {module}")
         return qualified
 
+    def _kept_call(self, target: KeptModule, args: Any, kwargs: Any, fmt: Callable[[Any], str]) -> str:
+        """`torch.func.functional_call(self.<module>, {<its tensors>}, (<inputs>,))`: the user's
+        module kept whole, run on the stage's parameters and buffers."""
+        attr = f"{attr_name(target.path)}_module"
+        self.kept[attr] = target
+        self.imports.add("from runtime.package import kept_module")
+        inputs = fmt(tuple(args[1:]))
+        extra = f", {fmt(dict(kwargs))}" if kwargs else ""
+        return f"torch.func.functional_call(self.{attr}, {fmt(args[0])}, {inputs}{extra})"
+
+    def user_class(self, cls: type) -> str:
+        """How a stage names a class of the user's: `model.<Name>` when the model file defines
+        it (`runtime.package.model_file_of`), else `<module>.<Name>` imported."""
+        if cls.__module__.startswith("_partitioner_model") or "<" in cls.__qualname__:
+            if "<" in cls.__qualname__:
+                raise EmitError(f"{cls.__qualname__} is defined inside a function; the generated stages cannot "
+                                f"import it. Define it at the top level of the model file.")
+            self.imports.update({MODEL_FILE, "from runtime.package import model_file_of"})
+            return f"model.{cls.__qualname__}"
+        self.imports.add(f"import {cls.__module__}")
+        return f"{cls.__module__}.{cls.__qualname__}"
+
+    def _operator(self, target: torch._ops.OpOverload | torch._ops.OpOverloadPacket) -> str:
+        """`aten.<name>` for an aten op; `torch.ops.<ns>.<name>` for a custom one (Hugging
+        Face's `transformers::grouped_mm_fallback`), with an import of the module that
+        registers it when torch.library knows it (`torch.library.custom_op`)."""
+        namespace = getattr(target, "namespace", "aten")
+        if namespace == "aten":
+            self.imports.add("aten")
+            return f"aten.{target.__name__}"
+        packet = target.__name__.split(".")[0]
+        definition = torch._library.custom_ops.OPDEFS.get(f"{namespace}::{packet}")
+        module = getattr(getattr(definition, "_init_fn", None), "__module__", None)
+        if module and not module.startswith("_partitioner_model"):
+            self.imports.add(f"import {module}")
+        return f"torch.ops.{namespace}.{target.__name__}"
+
     def statement(self, node: torch.fx.Node, names: dict[torch.fx.Node, str]) -> str:
         """`<name> = <expression>` for one call node."""
         args, kwargs = node.args, node.kwargs
@@ -195,6 +237,8 @@ class StageSource:
         elif node.op == "call_method":
             call = ", ".join([fmt(a) for a in args[1:]] + [f"{k}={fmt(v)}" for k, v in kwargs.items()])
             expr = f"{fmt(args[0])}.{target}({call})"
+        elif node.op == "call_function" and isinstance(target, KeptModule):
+            expr = self._kept_call(target, args, kwargs, fmt)
         elif node.op == "call_function":
             args, kwargs = with_mode(target, args, _without_defaults(target, kwargs))
             if self.device is not None and "device" not in kwargs and _is_factory(target):

@@ -20,7 +20,7 @@ from runtime.checkpoint import run as checkpointing
 from runtime.errors import PipelineError
 from runtime.manifest import Manifest
 
-from codegen import format_plan
+from codegen import format_kept, format_plan
 from partitioner.errors import PackageError, PartitionerError, PlanError
 
 from .compile import compile_model
@@ -130,7 +130,9 @@ def read_manifest(directory: str) -> dict[str, Any]:
 def _show(ns: argparse.Namespace) -> int:
     manifest = read_manifest(ns.dir)
     try:
-        print(format_plan(Manifest.from_json(manifest, f"{ns.dir}/manifest.json")), end="")
+        typed = Manifest.from_json(manifest, f"{ns.dir}/manifest.json")
+        sources = [p.read_text() for p in (Path(ns.dir) / f"{s.module}.py" for s in typed.stages) if p.is_file()]
+        print(format_plan(typed) + format_kept(sources), end="")
     except (KeyError, TypeError, IndexError) as exc:
         raise PackageError(f"{ns.dir}/manifest.json is missing fields ({exc}): compile the model again.") from None
     return 0

@@ -24,6 +24,7 @@ from partitioner.solve.problem import coarse_graph, make_plan, pose
 from partitioner.solve.solve import solve
 from partitioner.tp import Sharded, shard
 from partitioner.trace import model_file
+from partitioner.trace.buffers import BufferSnapshot, kept_buffers, warn_batch_statistics
 from partitioner.trace.passes import probe, propagate, specialize
 from partitioner.trace.trace import Traced, by_input_key, check_autocast, copy_traced, trace
 from runtime.precision import autocast
@@ -76,6 +77,7 @@ def prepare(opts: CompileOptions, say: Callable[[str], None] = lambda _m: None, 
     margs, mkwargs = split_batch(args, kwargs, mf.batch_dims, rows)
     phase("load")
     # 2. trace, and specialise to the microbatch shape (partitioner.trace).
+    buffers = BufferSnapshot(model)  # running the model moves BatchNorm's statistics (partitioner.trace.buffers)
     traced = _trace(src, margs, mkwargs, opts, rows, say)
     check_autocast(traced, opts.precision)
     by_key = by_input_key(margs, mkwargs)
@@ -83,11 +85,13 @@ def prepare(opts: CompileOptions, say: Callable[[str], None] = lambda _m: None, 
         free = probe(traced.gm, by_key, traced.input_keys, mf.batch_dims, rows)  # [Note: free batch]
         values = propagate(traced.gm, [by_key[key] for _name, key in traced.input_keys], opts.model)
     free_batch = specialize(traced.gm, values, free, rows)
+    warn_batch_statistics(traced.gm, microbatches, None if opts.quiet else say)
     phase("trace")
     # 3. cost every node, measured (cached) or analytic (partitioner.cost).
     hardware = load_hardware(opts.hardware)
     with rank_threads(), autocast(opts.precision):  # measured as a rank will compute
         costs = node_costs(traced.gm, values, hardware, opts, say)
+    buffers.restore()
     phase("cost")
     # 4. tp: the split per node, and the graph one rank runs (partitioner.tp).
     whole = (traced, costs)
@@ -167,7 +171,7 @@ def emit_plan(p: Prepared, plan: Plan, extra: dict[str, Any] | None = None) -> C
     """Phases 6 and 7 for `plan`: predict its step, emit its package."""
     start = time.perf_counter()
     # 6. predict the step (partitioner.predict), on node costs calibrated per stage where they are measured.
-    with autocast(p.opts.precision):
+    with autocast(p.opts.precision), kept_buffers(p.model):
         costs = stage_costs(p, plan)
     predicted = predict(p.traced.gm, plan, costs, p.hardware, cost_source="analytic" if p.opts.analytic else "measured",
                         model_flops=model_flops(p))

@@ -305,6 +305,7 @@ class LocalPipeline:
         the list of microbatch outputs (forward only)."""
         outputs: dict[tuple[int, int], dict[str, Any]] = {}
         in_grads: dict[tuple[int, int], dict[str, torch.Tensor | None]] = {}
+        unread: dict[tuple[int, int, str], set[int]] = {}
         results: list[Any] = []
         self.streams.begin()
         with self.streams.on(len(lane.runners) - 1):
@@ -315,6 +316,7 @@ class LocalPipeline:
             if a.kind == Kind.F:
                 args = [self._arg(spec, s, i, mb_inputs, outputs) for spec in runner.entry.inputs]
                 seed = modes.microbatch_seed(self.manifest.source.seed, self._calls, s, self._replica * len(mb_inputs) + i)
+                _forget_read(self.manifest, runner, i, outputs, unread)
                 with self.streams.on(s):
                     out = runner.forward(i, args, train, seed)
                     if not runner.is_last:
@@ -330,7 +332,6 @@ class LocalPipeline:
                 with self.streams.on(s):
                     got = runner.backward(i, grads)
                 in_grads[(s, i)] = {spec.name: g for spec, g in zip(runner.entry.inputs, got) if not spec.from_batch}
-                outputs.pop((s, i), None)
         return total if train else results
 
     def _arg(self, spec: StageInput, stage: int, mb: int, mb_inputs: list[dict[str, Any]],
@@ -356,6 +357,28 @@ class LocalPipeline:
         if self._loss_fn is None:
             self._loss_fn = package.load_loss_fn(self.manifest, self.directory)
         return self._loss_fn
+
+
+def _forget_read(manifest: Manifest, reader: StageRunner, mb: int,
+                 outputs: dict[tuple[int, int], dict[str, Any]], unread: dict[tuple[int, int, str], set[int]]) -> None:
+    """Drop microbatch `mb`'s values that `reader`'s forward was the last to read
+    (`unread`: the stages yet to read each value).
+
+    A value is kept until every stage that reads it has run its forward, not until its
+    producer's backward: a producer whose outputs need no gradient (CLIP's text model: stage
+    0 builds only a constant mask) may run its backward before a reader's forward (1F1B
+    ran `0B3` before `1F3`)."""
+    for spec in reader.entry.inputs:
+        if spec.source == "input":
+            continue
+        key = (spec.source, mb, spec.name)
+        if key not in unread:
+            out = next(o for o in manifest.stages[spec.source].outputs if o.name == spec.name)
+            unread[key] = set(out.to) if out.to != "output" else set()
+        unread[key].discard(reader.index)
+        if not unread[key]:
+            del unread[key]
+            outputs[(spec.source, mb)].pop(spec.name, None)
 
 
 def concat_outputs(outputs: list[Any]) -> Any:

@@ -15,6 +15,7 @@ files and the model file: a rank needs torch alone.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import importlib.util
 import itertools
@@ -36,6 +37,8 @@ __all__ = [
     "import_stage",
     "load_model_file",
     "load_loss_fn",
+    "model_file_of",
+    "kept_module",
     "stage_tensors",
     "check_state_dict",
     "load_stage_state",
@@ -51,6 +54,8 @@ __all__ = [
 ]
 
 _counter = itertools.count()
+_model_files: dict[Path, types.ModuleType] = {}
+_models: dict[Path, torch.nn.Module] = {}
 Held = Union[ParamSpec, BufferSpec]  # a stage tensor's manifest entry
 
 
@@ -122,6 +127,30 @@ def load_model_file(manifest: Manifest, directory: str | Path) -> types.ModuleTy
     looked = " and ".join(str(p) for p in candidates)
     raise ManifestError(f"the package's model file {given!r} is not found (looked at {looked}): run from the directory "
                         f"it was compiled in, or pass loss_fn= to train_step.")
+
+
+def model_file_of(stage_file: str) -> types.ModuleType:
+    """The model file the package holding `stage_file` was compiled from, imported once per
+    package: a stage that calls the user's own code (a custom autograd Function, a module
+    kept whole) reads it from there, so every stage shares the same classes."""
+    directory = Path(stage_file).resolve().parent
+    if directory not in _model_files:
+        _model_files[directory] = load_model_file(load_manifest(directory), directory)
+    return _model_files[directory]
+
+
+def kept_module(stage_file: str, path: str) -> torch.nn.Module:
+    """A fresh copy of the user's submodule `path` (a module the compiler kept whole): the
+    model built once per package by the model file's entry (`manifest.source`), with the
+    caller's RNG left as it was; its weights are the stage's, passed at each call."""
+    directory = Path(stage_file).resolve().parent
+    if directory not in _models:
+        source = load_manifest(directory).source
+        build = getattr(model_file_of(stage_file), source.entry)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(source.seed)
+            _models[directory] = build()
+    return copy.deepcopy(_models[directory].get_submodule(path))
 
 
 def load_loss_fn(manifest: Manifest, directory: str | Path) -> Callable[[Any, Any], torch.Tensor]:

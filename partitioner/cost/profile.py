@@ -27,6 +27,7 @@ from typing import Any, Callable, Hashable, Iterable
 
 import torch
 import torch.fx
+import torch.utils._pytree as pytree
 from torch.utils.flop_counter import FlopCounterMode
 
 from ..ir import NodeCost
@@ -40,7 +41,7 @@ __all__ = ["PROFILE_VERSION", "annotate"]
 #: what a measured profile means; part of a profile cache key, so that profiles measured
 #: by older code (forward under no_grad, no whole-graph calibration, calibration without
 #: the wait before each pass) are measured again
-PROFILE_VERSION = 4
+PROFILE_VERSION = 5
 
 
 def annotate(
@@ -96,7 +97,16 @@ def annotate(
 
 
 def _bind(node: torch.fx.Node, values: dict[torch.fx.Node, Any]) -> tuple[Callable[..., Any], tuple[Any, ...], dict[str, Any]]:
-    """The node as a plain call on fresh autograd leaves that share the real storage."""
+    """The node as a plain call on fresh autograd leaves that share the real storage.
+
+    [Note: profiling in-place ops] A node that writes an input in place (`relu_` from
+    `ReLU(inplace=True)`, `out += identity`, a router's `/=`, BatchNorm's
+    `num_batches_tracked += 1`, T5's `relative_buckets += ...`) may not run on a leaf that
+    requires grad, and run again and again on the stored value it would change the values
+    later nodes are profiled on (T5's bucket ids grew past the embedding).  So the
+    arguments it writes (`node.meta["writes"]`, recorded by trace.passes.propagate) are
+    cloned at every call: a non-leaf of the leaf, fresh storage each time.  The clone is
+    timed with the op, as the copy's few bytes per element are small beside the op."""
 
     def leaf(n: torch.fx.Node) -> Any:
         v = values[n]
@@ -104,12 +114,41 @@ def _bind(node: torch.fx.Node, values: dict[torch.fx.Node, Any]) -> tuple[Callab
             return v.detach().requires_grad_(v.requires_grad)
         return v
 
-    args = torch.fx.node.map_arg(node.args, leaf)
-    kwargs = torch.fx.node.map_arg(node.kwargs, leaf)
+    args = tuple(torch.fx.node.map_arg(node.args, leaf))
+    kwargs = dict(torch.fx.node.map_arg(node.kwargs, leaf))
     if node.op == "call_method":
         name = str(node.target)
-        return (lambda self, *a, **k: getattr(self, name)(*a, **k)), tuple(args), dict(kwargs)
-    return node.target, tuple(args), dict(kwargs)  # type: ignore[return-value]
+        fn: Callable[..., Any] = lambda self, *a, **k: getattr(self, name)(*a, **k)  # noqa: E731
+    else:
+        fn = node.target  # type: ignore[assignment]
+    written = _written_positions(node, values)
+    if not written:
+        return fn, args, kwargs
+    return _cloning(fn, written), args, kwargs
+
+
+def _written_positions(node: torch.fx.Node, values: dict[torch.fx.Node, Any]) -> set[int]:
+    """Positions, among the bound call's flattened (args, kwargs), of the tensors the node
+    writes in place."""
+    writes = set(node.meta.get("writes", ()))
+    if not writes:
+        return set()
+    mark: Any = object()
+    bound = torch.fx.node.map_arg((node.args, node.kwargs), lambda n: mark if n.name in writes else values[n])
+    flat, _ = pytree.tree_flatten(bound)
+    return {i for i, v in enumerate(flat) if v is mark}
+
+
+def _cloning(fn: Callable[..., Any], written: set[int]) -> Callable[..., Any]:
+    """`fn` with the flat arguments at `written` cloned at each call ([Note: profiling in-place ops])."""
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        flat, spec = pytree.tree_flatten((args, kwargs))
+        flat = [v.clone() if i in written and isinstance(v, torch.Tensor) else v for i, v in enumerate(flat)]
+        a, k = pytree.tree_unflatten(flat, spec)
+        return fn(*a, **k)
+
+    return call
 
 
 def _meta_signature(node: torch.fx.Node, args: tuple[Any, ...], kwargs: dict[str, Any],

@@ -40,6 +40,7 @@ def propagate(gm: torch.fx.GraphModule, flat_inputs: list[Any], model_path: str 
 
     class _Recorder(torch.fx.Interpreter):
         def run_node(self, n: torch.fx.Node) -> Any:
+            versions = _versions(n, values)
             try:
                 result = super().run_node(n)
             except Exception as exc:
@@ -49,6 +50,7 @@ def propagate(gm: torch.fx.GraphModule, flat_inputs: list[Any], model_path: str 
                     f"({type(exc).__name__}: {exc}). Model source: {_last_user_line(where, model_path)}"
                 ) from exc
             values[n] = result
+            _record_writes(n, values, versions)
             if isinstance(result, torch.Tensor):
                 n.meta["tensor_meta"] = _extract_tensor_metadata(result)
             return result
@@ -63,6 +65,8 @@ def probe(gm: torch.fx.GraphModule, keyed: dict[int | str, Any], input_keys: lis
     """Run `gm` on the probe microbatches of [Note: free batch] (call it BEFORE the real
     `propagate`, whose tensor_meta must be the compiled microbatch's); None when a probe
     run fails, which keeps the batch fixed."""
+    if any(_recurrent(n) for n in gm.graph.nodes):
+        return None  # see _RECURRENT
     free = FreeBatch([], [], [])
     for extra in PROBE_EXTRA:
         batch = probe_batch(keyed, batch_dims, rows + extra)
@@ -75,6 +79,16 @@ def probe(gm: torch.fx.GraphModule, keyed: dict[int | str, Any], input_keys: lis
         free.values.append(values)
         free.shapes.append({n: tuple(int(d) for d in v.shape) for n, v in values.items() if isinstance(v, torch.Tensor)})
     return free
+
+
+#: recurrent ops keep a fixed batch: their initial state is traced at the compiled batch, and
+#: the CPU kernels abort the process (not an exception `probe` could catch) on another one
+_RECURRENT = {"lstm", "gru", "rnn_tanh", "rnn_relu"}
+
+
+def _recurrent(node: torch.fx.Node) -> bool:
+    name = getattr(node.target, "__name__", "") if node.op == "call_function" else ""
+    return name.split(".")[0] in _RECURRENT
 
 
 def specialize(gm: torch.fx.GraphModule, values: dict[torch.fx.Node, Any], free: FreeBatch | None = None,
@@ -129,9 +143,15 @@ def _fold(gm: torch.fx.GraphModule, values: dict[torch.fx.Node, Any], folded: di
         elif _whole_slice(node):  # export's `x[:]` on a dynamic dimension: x itself
             node.replace_all_uses_with(node.args[0])  # type: ignore[arg-type]
             graph.erase_node(node)
-    graph.eliminate_dead_code()
+    graph.eliminate_dead_code(is_impure_node=_writes_or_impure)
     graph.lint()
     gm.recompile()
+
+
+def _writes_or_impure(node: torch.fx.Node) -> bool:
+    """Kept without users: a node that writes an input in place (fx's `x.add_(1)` on a
+    buffer is a call_method fx would drop), or one fx calls impure."""
+    return "writes" in node.meta or node.is_impure()
 
 
 def inline_higher_order(gm: torch.fx.GraphModule) -> list[bool]:
@@ -215,6 +235,23 @@ def node_module(node: torch.fx.Node) -> str:
 
 
 # -- helpers -----------------------------------------------------------------------------
+
+
+def _versions(node: torch.fx.Node, values: dict[torch.fx.Node, Any]) -> dict[torch.fx.Node, int]:
+    """The version counter of every tensor `node` reads, before it runs."""
+    return {x: values[x]._version for x in node.all_input_nodes if isinstance(values.get(x), torch.Tensor)}
+
+
+def _record_writes(node: torch.fx.Node, values: dict[torch.fx.Node, Any], before: dict[torch.fx.Node, int]) -> None:
+    """`node.meta["writes"]`: the names of the inputs `node` wrote in place (their version
+    counters moved: `relu_`, `x += y`, BatchNorm's running statistics and counter).
+    [Note: in-place ops] The profiler clones what a node writes before each timed call
+    (cost/profile.py), and a stage clones an input it writes, since a stage input is an
+    autograd leaf (codegen/package.py)."""
+    written = tuple(x.name for x, v in before.items() if values[x]._version != v)
+    if written:
+        node.meta["writes"] = written
+
 
 
 def _is_assert(node: torch.fx.Node) -> bool:

@@ -22,15 +22,19 @@ import contextlib
 import inspect
 import io
 import logging
+import traceback
 import warnings
-from dataclasses import dataclass
-from typing import Any, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Collection, Iterator
 
 import torch
 import torch.fx
 import torch.utils._pytree as pytree
 
 from ..errors import TraceError
+from .functions import functions_as_leaves, recorded_functions
+from .kept import failing_submodule, rewrite_kept
 from .model_file import user_frame
 from .passes import inline_higher_order
 
@@ -54,6 +58,8 @@ class Traced:
     #: the `enabled` flag of each torch.autocast region the model enters in forward(),
     #: which the graph does not keep (`check_autocast`)
     autocast: tuple[bool, ...] = ()
+    #: submodules kept whole (partitioner.trace.kept): dotted path -> the line that broke tracing
+    kept: dict[str, str] = field(default_factory=dict)
 
 
 class _ThroughTracer(torch.fx.Tracer):
@@ -67,8 +73,15 @@ class _ThroughTracer(torch.fx.Tracer):
 
     _names: tuple[int, dict[int, str], dict[int, str]] | None = None
 
+    def __init__(self, leaves: Collection[str] = ()) -> None:
+        super().__init__()
+        self.leaves = set(leaves)  # submodules kept whole
+    #: a buffer read in forward is a get_attr of its name, never a constant of its value at
+    #: trace time (`self.cval.clone()` would be frozen into the stage's code)
+    proxy_buffer_attributes = True
+
     def is_leaf_module(self, m: torch.nn.Module, module_qualified_name: str) -> bool:
-        return False
+        return module_qualified_name in self.leaves
 
     def getattr(self, attr: str, attr_val: Any, parameter_proxy_cache: dict[str, Any]) -> Any:
         if not isinstance(attr_val, torch.Tensor):
@@ -122,15 +135,46 @@ def trace(
                 raise
             except Exception as exc:  # every tracer failure is reported together below
                 failures.append((name, exc))
+        kept = _trace_keeping_whole(model, args, kwargs, failures[0][1], model_path) if order[0] == "fx" else None
+        if kept is not None:
+            return kept
     finally:
         model.train(was_training)
     raise TraceError(_failure_message(failures, model_path))
 
 
+#: how many submodules one trace may keep whole before giving up
+MAX_KEPT = 32
+
+
+def _trace_keeping_whole(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], exc: BaseException,
+                         model_path: str) -> Traced | None:
+    """fx again with the submodule that broke tracing kept whole, as often as it helps
+    (partitioner.trace.kept); None when the failure is in the top-level module itself."""
+    reasons: dict[str, str] = {}
+    for _ in range(MAX_KEPT):
+        path = failing_submodule(exc, model)
+        if not path or path in reasons:
+            return None
+        where = user_frame(exc, model_path).strip() if model_path else ""
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        inside = _library_frame(exc, model_path)
+        reasons[path] = (f"{where.removeprefix('at ')}" + (f", inside{inside}" if inside else "") +
+                         f": {first[:120]}") if where else first[:160]
+        try:
+            traced = _trace_fx(model, args, kwargs, reasons)
+            _check_runs(traced, model, args, kwargs)
+            return traced
+        except Exception as again:  # the next module to keep whole, or give up
+            exc = again
+    return None
+
+
 # -- fx ----------------------------------------------------------------------------------
 
 
-def _trace_fx(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Traced:
+def _trace_fx(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
+              kept: dict[str, str] | None = None) -> Traced:
     params = list(inspect.signature(model.forward).parameters.values())
     given = {p.name for p in params[: len(args)]} | set(kwargs)
     # Arguments the example batch leaves out are fixed to their defaults, so `if mask is
@@ -143,7 +187,10 @@ def _trace_fx(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, A
         and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
     }
     with _recording_autocast() as regions:
-        graph = _ThroughTracer().trace(model, concrete_args=concrete or None)
+        graph = _traced_keeping_buffers(model, concrete, kept or {})
+    for node in graph.nodes:  # a tensor default would be written as an unbound `_tensor_constant0`
+        if node.op == "placeholder" and any(isinstance(a, (torch.Tensor, torch.fx.Node)) for a in node.args):
+            node.args = ()
     gm = torch.fx.GraphModule(model, graph)
     # fx makes a placeholder for every parameter of forward(), in signature order; those
     # fixed to their defaults are replaced by the default and their guards dropped.
@@ -155,15 +202,17 @@ def _trace_fx(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, A
             for user in list(node.users):
                 if "_assert_is_none" in getattr(user.target, "__name__", ""):
                     gm.graph.erase_node(user)
-            node.replace_all_uses_with(concrete[param.name])  # type: ignore[arg-type]
+            node.replace_all_uses_with(_default_value(gm, node, param.name, concrete[param.name]))
             gm.graph.erase_node(node)
         else:
             index = named.index(param)
             keys.append((node.name, index if index < len(args) else param.name))
     gm.recompile()
+    if kept:
+        rewrite_kept(gm, kept)
     out = next(n for n in gm.graph.nodes if n.op == "output")
     leaves, spec = pytree.tree_flatten(_plain(out.args[0]))
-    return Traced(gm, "fx", keys, spec, leaves, tuple(regions))
+    return Traced(gm, "fx", keys, spec, leaves, tuple(regions), dict(kept or {}))
 
 
 @contextlib.contextmanager
@@ -209,6 +258,46 @@ def _refuse_autocast(regions: tuple[bool, ...], tracer: str, precision: str) -> 
                               f"not {precision})") + ".")
 
 
+def _traced_keeping_buffers(model: torch.nn.Module, concrete: dict[str, Any], kept: dict[str, str]) -> torch.fx.Graph:
+    """The fx graph of `model`; a buffer the forward rebinds (`self.steps += 1` assigns the
+    in-place result back, a Proxy while tracing) is put back as it was."""
+    owners = [(path, m, name, b) for path, m in model.named_modules() for name, b in m._buffers.items()]
+    tracer, inlined = _ThroughTracer(kept), list[str]()
+    try:
+        with functions_as_leaves(tracer, inlined):
+            graph = tracer.trace(model, concrete_args=concrete or None)
+    finally:
+        rebound = [f"{path}.{name}".lstrip(".") for path, m, name, b in owners if m._buffers.get(name) is not b]
+        for _path, module, name, buffer in owners:
+            module._buffers[name] = buffer
+    if inlined:
+        raise TraceError(f"the forward of custom autograd Function {_short(inlined[0])} was traced into, which would "
+                         f"lose its backward: call `{_short(inlined[0])}.apply(...)` in forward() itself (not an alias "
+                         f"of it taken at import), so that the stage calls it whole.")
+    if rebound:
+        raise TraceError(f"forward() assigns to buffer {rebound[0]} (`self.{rebound[0].split('.')[-1]} = ...` or "
+                         f"`+=` on it), which torch.fx cannot record; torch.export can (--tracer export or auto).")
+    return graph
+
+
+def _short(name: str) -> str:
+    """A Function's name without the private module name of a model file."""
+    module, _, rest = name.partition(".")
+    return rest if module.startswith("_partitioner_model") else name
+
+
+def _default_value(gm: torch.fx.GraphModule, node: torch.fx.Node, name: str, value: Any) -> Any:
+    """What replaces the placeholder of an argument fixed to its default: the value itself,
+    or for a tensor (`shift=torch.tensor(0.25)`) a get_attr of a non-persistent buffer
+    `_default_<name>` holding it (fx would write it as an unbound `_tensor_constant0`)."""
+    if not isinstance(value, torch.Tensor):
+        return value
+    attr = f"_default_{name}"
+    gm.register_buffer(attr, value, persistent=False)
+    with gm.graph.inserting_before(node):
+        return gm.graph.get_attr(attr)
+
+
 def _plain(value: Any) -> Any:
     """fx's immutable_dict / immutable_list as the dict / list the model returned."""
     if isinstance(value, dict):
@@ -244,13 +333,19 @@ def _trace_export(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[st
     # export logs and prints its own failures (graph dumps, tracebacks); the TraceError
     # we raise says what matters, so its output is silenced while it runs.
     logging.disable(logging.CRITICAL)
+    called: list[str] = []
     try:
         with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
             warnings.simplefilter("ignore")
-            ep = torch.export.export(model, args, kwargs, strict=False,
-                                     dynamic_shapes=_dynamic_shapes(model, args, kwargs, batch_dims))
+            with recorded_functions(called):
+                ep = torch.export.export(model, args, kwargs, strict=False,
+                                         dynamic_shapes=_dynamic_shapes(model, args, kwargs, batch_dims))
     finally:
         logging.disable(logging.NOTSET)
+    if called:
+        raise TraceError(f"torch.export traces into custom autograd Function {_short(called[0])}'s forward, which would "
+                         f"lose its backward: make forward() traceable by torch.fx (--tracer fx), which keeps "
+                         f"`{_short(called[0])}.apply(...)` as one call the stage makes.")
     gm = ep.module()
     assert isinstance(gm, torch.fx.GraphModule)
     regions = inline_higher_order(gm)
@@ -289,7 +384,8 @@ def copy_traced(traced: Traced) -> Traced:
     graph.output(graph.graph_copy(traced.gm.graph, mapping), type_expr=out.type)
     gm = torch.fx.GraphModule(traced.gm, graph)
     leaves = [mapping.get(leaf, leaf) if isinstance(leaf, torch.fx.Node) else leaf for leaf in traced.output_leaves]
-    return Traced(gm, traced.tracer, list(traced.input_keys), traced.out_spec, leaves, traced.autocast)
+    return Traced(gm, traced.tracer, list(traced.input_keys), traced.out_spec, leaves, traced.autocast,
+                  dict(traced.kept))
 
 
 def by_input_key(args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[int | str, Any]:
@@ -317,14 +413,19 @@ def _failure_message(failures: list[tuple[str, BaseException]], model_path: str)
     for name, exc in failures:
         where = user_frame(exc, model_path) if model_path else ""
         line = line or where
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        first = str(exc).strip().splitlines()[0].rstrip(".") if str(exc).strip() else ""
         parts.append(f"{name}: {type(exc).__name__}: {first[:300]}")
     data_dependent = any(
         "control flow" in str(e) or "data-dependent" in str(e).lower() or "GuardOnDataDependent" in type(e).__name__
         for _, e in failures
     )
+    library = _library_frame(failures[0][1], model_path) if len(failures) == 1 and failures[0][0] == "fx" else ""
     advice = (
-        "The model's Python control flow depends on tensor values; rewrite the branch with "
+        f"fx stopped inside library code{library}, a Python check torch.fx cannot "
+        f"evaluate (BatchNorm testing `input.dim()`, say), not a branch in the model: use --tracer export "
+        f"(or auto, which falls back to it)."
+        if library
+        else "The model's Python control flow depends on tensor values; rewrite the branch with "
         "tensor ops (torch.where, masking) or move it out of forward()."
         if data_dependent
         else "Make forward() traceable (no Python branching on tensor values, no unsupported "
@@ -333,3 +434,17 @@ def _failure_message(failures: list[tuple[str, BaseException]], model_path: str)
     return (
         f"could not trace the model{line or ''}. Tried {'; '.join(parts)}. {advice}"
     )
+
+
+def _library_frame(exc: BaseException, model_path: str) -> str:
+    """' (<file>, line N: `<source>`)' when the deepest frame of an fx failure, below fx's own
+    frames, lies outside the model file (PyTorch's BatchNorm checking `input.dim()`), else ''."""
+    frames = [f for f in traceback.extract_tb(exc.__traceback__)
+              if "torch/fx/" not in f.filename.replace("\\", "/")]
+    if not frames or (model_path and Path(frames[-1].filename).resolve() == Path(model_path).resolve()):
+        return ""
+    last = frames[-1]
+    if "site-packages" not in last.filename and "/torch/" not in last.filename:
+        return ""
+    short = last.filename.split("site-packages/")[-1]
+    return f" ({short}, line {last.lineno}: `{(last.line or '').strip()}`)"

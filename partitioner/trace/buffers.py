@@ -1,0 +1,112 @@
+"""Buffers a model changes as it runs (BatchNorm's running statistics and counter).
+
+- `BufferSnapshot`, `kept_buffers`: compiling runs the model (tracing checks, shape propagation, profiling),
+  which would move a train-mode BatchNorm's running statistics; the user's module gets its
+  buffers back as they were, so the package's buffers are the model's.
+- `batch_statistics_warning`: a train-mode BatchNorm normalises each microbatch by that
+  microbatch's own mean and variance, which differ from the whole batch's; with more than
+  one microbatch the partitioned model would train differently from the original, so the
+  compile says so, naming the modules and the fixes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import warnings
+from typing import Any, Callable, Iterator
+
+import torch
+import torch.fx
+
+from .passes import node_module
+
+__all__ = ["BatchStatisticsWarning", "BufferSnapshot", "batch_statistics_modules", "kept_buffers", "warn_batch_statistics"]
+
+
+class BatchStatisticsWarning(UserWarning):
+    """A train-mode BatchNorm in a model compiled for more than one microbatch."""
+
+
+class BufferSnapshot:
+    """Every buffer of a module as it is now; `restore()` puts them back."""
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        self.saved = [(b, b.detach().clone()) for b in module.buffers() if not b.is_meta]
+
+    def restore(self) -> None:
+        with torch.no_grad():
+            for buffer, value in self.saved:
+                buffer.copy_(value)
+
+
+@contextlib.contextmanager
+def kept_buffers(module: torch.nn.Module) -> Iterator[None]:
+    """Run the body, then put every buffer of `module` back to its value before it."""
+    snapshot = BufferSnapshot(module)
+    try:
+        yield
+    finally:
+        snapshot.restore()
+
+
+def batch_statistics_modules(gm: torch.fx.GraphModule) -> list[str]:
+    """The modules (dotted paths, graph order) whose batch norm uses the batch's statistics."""
+    found: list[str] = []
+    for node in gm.graph.nodes:
+        if node.op in ("call_function", "call_method") and _batch_statistics(node):
+            module = node_module(node) or node.name
+            if module not in found:
+                found.append(module)
+    return found
+
+
+def warn_batch_statistics(gm: torch.fx.GraphModule, microbatches: int, say: Callable[[str], None] | None = None) -> str | None:
+    """When a train-mode batch norm meets several microbatches: `say("warning: ...")`, or
+    without `say` a `BatchStatisticsWarning`; the message, or None."""
+    modules = batch_statistics_modules(gm)
+    if microbatches <= 1 or not modules:
+        return None
+    shown = ", ".join(modules[:6]) + (f" and {len(modules) - 6} more" if len(modules) > 6 else "")
+    message = (
+        f"{len(modules)} BatchNorm module(s) in train mode ({shown}) normalise each of the {microbatches} "
+        f"microbatches by its own mean and variance, and update their running statistics once per "
+        f"microbatch: training will differ from the original model's on the whole batch. Compile with "
+        f"--microbatches 1, or replace BatchNorm with GroupNorm or LayerNorm (statistics per sample), or "
+        f"call model.eval() on the BatchNorm modules in build_model() to use the running statistics."
+    )
+    if say is None:
+        warnings.warn(message, BatchStatisticsWarning, stacklevel=3)
+    else:
+        say(f"warning: {message}")
+    return message
+
+
+def _batch_statistics(node: torch.fx.Node) -> bool:
+    """Whether a call node is a batch norm with `training=True` (any tracer's spelling)."""
+    target: Any = node.target
+    name = target if isinstance(target, str) else getattr(target, "__name__", "")
+    if "batch_norm" not in name:
+        return False
+    if "with_update" in name or "functional" in name:  # these always use the batch's statistics
+        return True
+    if "no_training" in name or "no_update" in name:
+        return False
+    return bool(_argument(node, "training"))
+
+
+def _argument(node: torch.fx.Node, name: str) -> Any:
+    """The value of argument `name` of a call node, by keyword or by its position."""
+    if name in node.kwargs:
+        return node.kwargs[name]
+    schema = getattr(node.target, "_schema", None)
+    if schema is not None:
+        names = [a.name for a in schema.arguments]
+    else:
+        try:
+            names = list(inspect.signature(node.target).parameters)  # type: ignore[arg-type]
+        except (TypeError, ValueError):
+            return None
+    if name in names and names.index(name) < len(node.args):
+        return node.args[names.index(name)]
+    return None

@@ -1,0 +1,69 @@
+"""Issue 17, point 1 and 2: in-place ops and mutated buffers, profiled, placed and run like
+the original (ResNet-18's structure: inplace ReLU, `out += identity`, BatchNorm in train mode)."""
+
+from __future__ import annotations
+
+import re
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+import runtime
+from partitioner.trace import model_file
+from partitioner.trace.buffers import BatchStatisticsWarning
+from partitioner.trace.trace import trace
+
+from ..conftest import compile_example
+
+from .harness import trains_like_original
+
+
+@pytest.mark.parametrize("analytic", [True, False])
+def test_resnet_profiles_and_trains(analytic: bool, tmp_path: Path) -> None:
+    trains_like_original("resnet_tiny", tmp_path / "pkg", stages=2, microbatches=1, analytic=analytic)
+
+
+@pytest.mark.parametrize("tracer", ["fx", "export"])
+def test_buffers_are_read_from_the_stage_not_frozen(tracer: str, tmp_path: Path) -> None:
+    """A buffer read (`self.cval.clone()`), a counter `add_` and a tensor default argument:
+    trained like the original, and a state_dict with another `cval` changes the forward."""
+    pipe = trains_like_original("buffer_read", tmp_path / "pkg", stages=2, microbatches=1, tracer=tracer)
+    model = model_file.load("tests/zoo/models/buffer_read.py").build(0)
+    state = model.state_dict()
+    state["cval"] = torch.full((8,), -1.5)
+    model.load_state_dict(state)
+    pipe.load_state_dict(state)
+    x = torch.randn(8, 4)
+    with torch.no_grad():
+        torch.testing.assert_close(pipe(x), model(x), rtol=1e-5, atol=1e-6)
+
+
+def test_batch_norm_with_several_microbatches_warns(tmp_path: Path) -> None:
+    with pytest.warns(BatchStatisticsWarning, match=r"layers\.0\.bn1.*--microbatches 1.*GroupNorm"):
+        compile_example("tests/zoo/models/resnet_tiny.py", tmp_path / "m2", stages=2, microbatches=2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", BatchStatisticsWarning)
+        compile_example("tests/zoo/models/resnet_tiny.py", tmp_path / "m1", stages=2, microbatches=1)
+
+
+def test_compiling_leaves_the_running_statistics_as_they_were(tmp_path: Path) -> None:
+    """The package's buffers are the model's: compiling runs the model (checks, profiling),
+    which must not move BatchNorm's running statistics or counters."""
+    compile_example("tests/zoo/models/resnet_tiny.py", tmp_path / "pkg", stages=2, microbatches=1, analytic=False)
+    want = model_file.load("tests/zoo/models/resnet_tiny.py").build(0).state_dict()
+    got = runtime.LocalPipeline(str(tmp_path / "pkg")).state_dict()
+    for key in [k for k in want if "running" in k or "num_batches" in k]:
+        torch.testing.assert_close(got[key], want[key], rtol=0, atol=0, msg=lambda m: f"{key}: {m}")
+
+
+def test_fx_keeps_batch_norm_whole_naming_the_library_check(tmp_path: Path) -> None:
+    """fx cannot trace BatchNorm's `input.dim()` check; with --tracer fx each BatchNorm is kept
+    whole, the reason naming PyTorch's line (not "rewrite the branch"), and trains the same."""
+    mf = model_file.load("tests/zoo/models/resnet_tiny.py")
+    traced = trace(mf.build(0), mf.example_inputs()[0], {}, "fx", mf.path)
+    assert len(traced.kept) == 10 and all(k.split(".")[-1] in ("bn1", "bn2", "1") for k in traced.kept)
+    assert re.search(r"line \d+: `out = self\.bn1\(out\)`, inside \(torch/nn/modules/batchnorm\.py, line \d+: "
+                     r"`if input\.dim\(\) != 4:`\)", traced.kept["layers.0.bn1"])
+    trains_like_original("resnet_tiny", tmp_path / "pkg", stages=2, microbatches=1, tracer="fx")
