@@ -17,6 +17,7 @@ from typing import Any
 
 import torch.fx
 
+from ..cost.costmodel import message_s, pair_bytes
 from ..cost.nodes import compute_nodes, storage_key
 from ..cost.hardware import Hardware
 from ..ir import NodeCost, Plan
@@ -75,15 +76,12 @@ def simulate_plan(gm: torch.fx.GraphModule, plan: Plan, costs: dict[str, NodeCos
     backward = [sum(costs[n].backward_s for n in s.nodes) for s in plan.stages]
     if plan.recompute:  # the backward runs the stage's forward again first
         backward = [b + f for f, b in zip(forward, backward)]
-    traffic: dict[tuple[int, int], int] = {}
     last = plan.num_stages - 1
-    for node in compute_nodes(gm):
-        a = stage_of[node.name]
-        readers = {last if u.op == "output" else stage_of.get(u.name, a) for u in node.users}
-        for b in sorted(readers - {a}):
-            traffic[(a, b)] = traffic.get((a, b), 0) + costs[node.name].output_bytes
+    traffic = pair_bytes((stage_of[node.name],
+                          [last if u.op == "output" else stage_of.get(u.name, stage_of[node.name]) for u in node.users],
+                          costs[node.name].output_bytes) for node in compute_nodes(gm))
     alpha, beta = pipeline_link(hardware, plan.pp, plan.tp)
-    links = {pair: alpha + nbytes * beta for pair, nbytes in traffic.items()}
+    links = {pair: message_s(alpha, beta, nbytes) for pair, nbytes in traffic.items()}  # [Note: the cost of a boundary]
     # The loss on the last stage, per microbatch (the profile times the model's nodes, not
     # the loss): costed as one typical node, the median node's forward and backward, or, if
     # longer, one pass over the model's output at memory bandwidth.

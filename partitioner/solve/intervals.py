@@ -10,9 +10,14 @@ forward.  Among those cuts the DP finds the one whose slowest stage is fastest:
 
 where a run's cost is its stage time under [Note: the cost model] (in `solve`), or inf
 where its memory exceeds the limit (`dp_time`); `dp_memory` minimises the fullest stage
-instead, for the error that says what would fit.  When each block feeds the next (a
-chain) every valid plan is contiguous and this is the optimum; `solve` hands other DAGs
-on to CP-SAT, warm-started with this plan.
+instead, for the error that says what would fit.  A run's messages depend on the other
+runs (one per stage pair, [Note: the cost of a boundary]), so the DP charges a run the
+least it can pay: one message each way if it receives anything, one if it sends
+anything, each value's bytes once.  That is a lower bound of every contiguous plan's
+cost, `dp_time` returns it with the plan, and `solve` evaluates the plan exactly: when
+each block feeds the next (a chain) every valid plan is contiguous, and a plan whose
+exact cost meets the bound is the optimum; `solve` hands other DAGs (and chains where
+it does not meet it) on to CP-SAT, warm-started with this plan.
 
 This is the problem PipeDream's optimizer solves with a DP over layers (Narayanan et
 al., "PipeDream: Generalized Pipeline Parallelism for DNN Training", SOSP 2019), and that
@@ -24,12 +29,13 @@ its blocks (a value crossing the cut costs both sides, a tied parameter is held 
 
 from __future__ import annotations
 
+import heapq
 import math
 from typing import Callable, Sequence
 
 import numpy as np
 
-from ..cost.costmodel import shared_params, values
+from ..cost.costmodel import message_s, shared_params, values
 from ..ir import PartitionProblem
 
 __all__ = ["dp_memory", "dp_time"]
@@ -40,9 +46,11 @@ _CHUNK_ENTRIES = 1 << 21
 _Rect = tuple[int, int, int, int, float]
 
 
-def dp_time(problem: PartitionProblem, upper_s: float = math.inf) -> tuple[int, ...] | None:
-    """The contiguous plan with the fastest slowest stage that fits the memory limit, or
-    None if none fits.  `upper_s`, the slowest stage of a known plan, only prunes."""
+def dp_time(problem: PartitionProblem, upper_s: float = math.inf) -> tuple[tuple[int, ...] | None, float]:
+    """The contiguous plan with the fastest slowest stage that fits the memory limit (None
+    if none fits), and the lower bound of every contiguous plan's slowest stage it
+    minimised (the module docstring).  `upper_s`, the slowest stage of a known plan, only
+    prunes."""
     limit = problem.memory_limit_bytes
     iv = _Intervals(problem, upper_s)
 
@@ -60,7 +68,7 @@ def dp_memory(problem: PartitionProblem) -> tuple[int, ...] | None:
     """The contiguous plan with the least memory on its fullest stage, whatever the limit
     (None only when there are more stages than blocks)."""
     iv = _Intervals(problem)
-    return _interval_dp(iv, problem.stages, iv.memory)
+    return _interval_dp(iv, problem.stages, iv.memory)[0]
 
 
 class _Intervals:
@@ -83,13 +91,14 @@ class _Intervals:
         held: list[_Rect] = []
         received: list[_Rect] = []
         for v in values(problem):
-            w = 2 * (p.comm_alpha_s + p.comm_beta_s_per_byte * v.bytes)
-            comm.append((0, v.producer, v.producer + 1, v.readers[-1], w))  # sent
+            w = 2 * message_s(0.0, p.comm_beta_s_per_byte, v.bytes)
+            comm.append((0, v.producer, v.producer + 1, v.readers[-1], w))  # sent (to one stage at least)
             comm += _first_reader_rects(v.producer + 1, v.readers, n, w)  # received
             if p.recompute:
                 received += _first_reader_rects(v.producer + 1, v.readers, n, v.bytes)
         for size, blocks in shared:
             held += _first_reader_rects(0, blocks, n, size)
+        comm += _message_rects(problem, n, 2 * message_s(p.comm_alpha_s, 0.0, 0))
         self.comm = _corners([r for r in comm if r[-1]], np.float64)
         self.held = _corners(held, np.int64)
         self.received = _corners([r for r in received if r[-1]], np.int64)
@@ -125,6 +134,35 @@ class _Intervals:
         return lambda k: fixed + acts * p.inflight(k)
 
 
+def _message_rects(problem: PartitionProblem, n: int, w: float) -> list[_Rect]:
+    """Runs [a, b) that receive something (a value made before a, read in [a, b): b is
+    past the first such reader at or after a) and runs that send something (a value made
+    in [a, b) read at or after b: a is at most the last such producer before b), `w`
+    each: by a sweep over the cut with a heap of the edges open across it."""
+    if not w:
+        return []
+    edges = sorted({(v.producer, r) for v in values(problem) for r in v.readers})
+    rects: list[_Rect] = []
+    by_producer: dict[int, list[int]] = {}
+    for src, dst in edges:
+        by_producer.setdefault(src, []).append(dst)
+    open_min: list[int] = []  # readers of values made before the cut
+    open_max: list[tuple[int, int]] = []  # (-producer, reader) of values made before the cut
+    for cut in range(1, n):
+        for dst in by_producer.get(cut - 1, []):
+            heapq.heappush(open_min, dst)
+            heapq.heappush(open_max, (-(cut - 1), dst))
+        while open_min and open_min[0] < cut:
+            heapq.heappop(open_min)
+        if open_min:  # runs starting at the cut receive once they reach its first reader
+            rects.append((cut, cut, open_min[0] + 1, n, w))
+        while open_max and open_max[0][1] < cut:
+            heapq.heappop(open_max)
+        if open_max:  # runs ending at the cut send if they hold its last open producer
+            rects.append((0, -open_max[0][0], cut, cut, w))
+    return rects
+
+
 def _first_reader_rects(start: int, readers: Sequence[int], n: int, w: float) -> list[_Rect]:
     """Runs [a, b) with a >= start that contain one of `readers` (sorted): for a in
     (r_{j-1}, r_j], the first reader at or after a is r_j, so b > r_j."""
@@ -158,9 +196,11 @@ def _sum_corners(corners: tuple[np.ndarray, ...], c0: int, c1: int, a0: int, dty
 
 
 def _interval_dp(iv: _Intervals, stages: int,
-                 chunk_cost: Callable[[int, int, int], Callable[[int], np.ndarray]]) -> tuple[int, ...] | None:
+                 chunk_cost: Callable[[int, int, int], Callable[[int], np.ndarray]]
+                 ) -> tuple[tuple[int, ...] | None, float]:
     """The contiguous plan into `stages` runs that minimises the max over its runs of
-    chunk_cost(c0, c1, a0)(stage) (a (b, a) matrix), or None if every plan costs inf.
+    chunk_cost(c0, c1, a0)(stage) (a (b, a) matrix), or None if every plan costs inf,
+    and that max.
 
     f[k, b] is the best such max over the first k stages holding blocks [0, b).
     """
@@ -175,10 +215,10 @@ def _interval_dp(iv: _Intervals, stages: int,
             best = np.argmin(cand, axis=1)
             f[k + 1, c0:c1], arg[k + 1, c0:c1] = cand[rows, best], best + a0
     if not np.isfinite(f[stages, n]):
-        return None
+        return None, math.inf
     assignment, b = [0] * n, n
     for k in range(stages, 0, -1):
         a = int(arg[k, b])
         assignment[a:b] = [k - 1] * (b - a)
         b = a
-    return tuple(assignment)
+    return tuple(assignment), float(f[stages, n])

@@ -15,6 +15,7 @@ from typing import Any, Sequence
 
 import torch
 
+from ..cost.costmodel import pair_bytes, values
 from ..cost.hardware import Hardware
 from ..cost.nodes import compute_nodes, param_names
 from ..ir import (BlockCost, Edge, GraphNode, NodeCost, PartitionProblem, Plan, SolverReport, StagePlan,
@@ -139,11 +140,10 @@ def make_plan(problem: PartitionProblem, blocks: list[Any], assignment: tuple[in
         stage_nodes[stage].extend(n for n in block.nodes if n != "output")
     sent = [0] * problem.stages
     received = [0] * problem.stages
-    crossings = {(e.value, assignment[e.src], assignment[e.dst]): e.bytes for e in problem.edges}
-    for (_value, a, b), nbytes in sorted(crossings.items()):
-        if a != b:
-            sent[a] += nbytes
-            received[b] += nbytes
+    for (a, b), nbytes in pair_bytes((assignment[v.producer], [assignment[r] for r in v.readers], v.bytes)
+                                     for v in values(problem)).items():
+        sent[a] += nbytes
+        received[b] += nbytes
     stage_plans = tuple(
         StagePlan(index=k, nodes=tuple(stage_nodes[k]), time_s=c.time_s, compute_s=c.compute_s,
                   comm_s=c.time_s - c.compute_s, memory_bytes=int(c.memory_bytes), param_bytes=c.weight_bytes,

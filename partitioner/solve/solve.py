@@ -5,8 +5,9 @@
     `evaluate`, `objective`, the interval DP (`intervals`), the CP-SAT model and the tests
     follow it, reading the same tables (`costmodel`).
     A value is a (producer block, name) pair: a stage receives once each value that its
-    blocks read from earlier stages, and sends once each value it makes that a later
-    stage reads; both count twice (activation forward, gradient backward).  A parameter
+    blocks read from earlier stages, and sends each value it makes once to each later
+    stage that reads it; the values a stage pair exchanges are one message, forward and
+    backward ([Note: the cost of a boundary] in cost/costmodel.py).  A parameter
     that several blocks read (tied) is held once per stage.  The last block holds the
     graph's output (`coarsen` puts it there) and lies in the last stage.
 
@@ -29,7 +30,7 @@ from typing import Sequence
 import numpy as np
 from ortools.sat.python import cp_model
 
-from ..cost.costmodel import shared_params, values
+from ..cost.costmodel import boundary_s, message_s, pair_bytes, shared_params, values
 from ..errors import InfeasiblePlanError, PlanError
 from .intervals import dp_memory, dp_time
 from ..ir import PartitionProblem, SolverReport
@@ -73,18 +74,18 @@ def stage_costs(problem: PartitionProblem, assignment: Sequence[int]) -> tuple[S
     for size, blocks in shared:
         for k in {assignment[b] for b in blocks}:
             weights[k] += size
+    pairs = pair_bytes((assignment[v.producer], [assignment[r] for r in v.readers], v.bytes)
+                       for v in values(problem))
+    comm_s = boundary_s(pairs, problem.comm_alpha_s, problem.comm_beta_s_per_byte, stages)
     messages, traffic, received = [0] * stages, [0] * stages, [0] * stages
-    for v in values(problem):
-        home = assignment[v.producer]
-        later = {assignment[r] for r in v.readers if assignment[r] > home}
-        for k in later | ({home} if later else set()):
+    for (a, b), nbytes in pairs.items():
+        for k in (a, b):
             messages[k] += 2
-            traffic[k] += 2 * v.bytes
-        for k in later:
-            received[k] += v.bytes
+            traffic[k] += 2 * nbytes
+        received[b] += nbytes
     return tuple(
         StageCost(compute[k], messages[k], traffic[k], weights[k], acts[k], problem.inflight(k),
-                  compute[k] + problem.comm_alpha_s * messages[k] + problem.comm_beta_s_per_byte * traffic[k],
+                  compute[k] + comm_s[k],
                   stage_memory_bytes(weights[k], acts[k], problem.inflight(k), problem.optimizer_factor,
                                      recompute=problem.recompute, input_bytes=received[k]),
                   received[k])
@@ -158,11 +159,13 @@ class _CpModel:
     """The stage assignment as CP-SAT booleans, in the order encoding.
 
     ge[i][k] is stage(i) >= k (ge[i][0] is True, ge[i][S] False), so an edge is S-1
-    implications; at[i][k] is stage(i) == k.  recv/sent[v][k] say that stage k receives /
-    sends value v and held[q][k] that it holds shared parameter q: they are only forced
-    up, which minimising the slowest stage never needs more of, so the optimum and the
-    proved bound are the cost model's.  Times are integer units rounded down, so a bound
-    in units is a bound in seconds.
+    implications; at[i][k] is stage(i) == k.  recv[v][k] says that stage k receives value
+    v, pair[a][b] that stage a sends stage b a message ([Note: the cost of a boundary]),
+    sent[v][k] the units stage k pays to send v (its bytes once per reader stage, when v
+    is made there), held[q][k] that stage k holds shared parameter q: they are only
+    forced up, which minimising the slowest stage never needs more of, so the optimum and
+    the proved bound are the cost model's.  Times are integer units rounded down, so a
+    bound in units is a bound in seconds.
     """
 
     def __init__(self, problem: PartitionProblem, scale: float, upper_units: int) -> None:
@@ -195,14 +198,22 @@ class _CpModel:
             m.add_bool_or([self.at[i][k] for i in range(n)])
 
     def _add_indicators(self) -> None:
-        """recv/sent of each value and held of each shared parameter, per stage."""
-        m, S = self.model, self.problem.stages
+        """recv/sent of each value, the stage pairs' messages and held of each shared
+        parameter, per stage."""
+        m, p, S = self.model, self.problem, self.problem.stages
         self.recv = [[m.new_bool_var(f"r{j}_{k}") for k in range(S)] for j in range(len(self.values))]
-        self.sent = [[m.new_bool_var(f"s{j}_{k}") for k in range(S)] for j in range(len(self.values))]
+        self.pair = {(a, b): m.new_bool_var(f"p{a}_{b}") for a in range(S) for b in range(a + 1, S)}
+        self.byte_units = [self._units(2 * message_s(0.0, p.comm_beta_s_per_byte, v.bytes)) for v in self.values]
+        self.sent = [[m.new_int_var(0, c * S, f"s{j}_{k}") for k in range(S)] for j, c in enumerate(self.byte_units)]
         for j, v in enumerate(self.values):
             for k, r in ((k, r) for k in range(S) for r in v.readers):
                 m.add_bool_or([~self.at[r][k], self.ge[v.producer][k], self.recv[j][k]])
-                m.add_bool_or([~self.at[v.producer][k], ~self.ge[r][k + 1], self.sent[j][k]])
+                for a in range(k):
+                    m.add_bool_or([~self.at[v.producer][a], ~self.at[r][k], self.pair[(a, k)]])
+            for k in range(S - 1):
+                if self.byte_units[j]:
+                    later = sum(self.recv[j][b] for b in range(k + 1, S))
+                    m.add(self.sent[j][k] >= self.byte_units[j] * later).only_enforce_if(self.at[v.producer][k])
         self.held = [[m.new_bool_var(f"q{j}_{k}") for k in range(S)] for j in range(len(self.shared))]
         for j, (_, blocks) in enumerate(self.shared):
             for k, b in ((k, b) for k in range(S) for b in blocks):
@@ -214,8 +225,10 @@ class _CpModel:
     def _time(self, k: int) -> cp_model.LinearExprT:
         p = self.problem
         compute = [self._units(t) * self.at[i][k] for i, t in enumerate(p.block_time_s)]
-        comm = [self._units(2 * p.comm_alpha_s + 2 * p.comm_beta_s_per_byte * v.bytes) for v in self.values]
-        return sum(compute) + sum(c * (self.recv[j][k] + self.sent[j][k]) for j, c in enumerate(comm) if c)
+        received = [c * self.recv[j][k] + self.sent[j][k] for j, c in enumerate(self.byte_units) if c]
+        latency = self._units(2 * message_s(p.comm_alpha_s, 0.0, 0))
+        pairs = [x for (a, b), x in self.pair.items() if k in (a, b)] if latency else []
+        return sum(compute) + sum(received) + latency * sum(pairs)
 
     def _memory(self, k: int) -> cp_model.LinearExprT:
         p = self.problem
@@ -237,7 +250,10 @@ class _CpModel:
             home, later = assignment[v.producer], {assignment[r] for r in v.readers}
             for k in range(S):
                 m.add_hint(self.recv[j][k], home < k and k in later)
-                m.add_hint(self.sent[j][k], home == k and max(later) > k)
+                m.add_hint(self.sent[j][k], self.byte_units[j] * len([b for b in later if b > k]) if home == k else 0)
+        talks = pair_bytes((assignment[v.producer], [assignment[r] for r in v.readers], 1) for v in self.values)
+        for pair, x in self.pair.items():
+            m.add_hint(x, pair in talks)
         for j, (_, blocks) in enumerate(self.shared):
             for k in range(S):
                 m.add_hint(self.held[j][k], k in {assignment[b] for b in blocks})
@@ -271,9 +287,11 @@ def solve_cpsat(problem: PartitionProblem, time_limit_s: float, *, hint: Sequenc
 
 
 def _worst_time(problem: PartitionProblem) -> float:
-    """A stage time no plan exceeds: all compute and every value sent and received."""
-    per_value = [2 * problem.comm_alpha_s + 2 * problem.comm_beta_s_per_byte * v.bytes for v in values(problem)]
-    return sum(problem.block_time_s) + 2 * sum(per_value)
+    """A stage time no plan exceeds: all compute, a message to and from every other stage,
+    and every value sent to every stage and received."""
+    S = problem.stages
+    per_value = [2 * message_s(0.0, problem.comm_beta_s_per_byte, v.bytes) * (S + 1) for v in values(problem)]
+    return sum(problem.block_time_s) + sum(per_value) + 2 * S * message_s(problem.comm_alpha_s, 0.0, 0)
 
 
 # -- the solver ---------------------------------------------------------------------------
@@ -290,12 +308,14 @@ def solve(problem: PartitionProblem, time_limit_s: float = 30.0, *, seed: int = 
     """
     start = time.perf_counter()
     _check(problem)
-    dp = dp_time(problem, _even_split_time(problem))
+    dp, dp_bound = dp_time(problem, _even_split_time(problem))
     report = SolverReport(method="dp", objective_s=0.0, lower_bound_s=0.0, wall_s=0.0, status="OPTIMAL",
                           blocks=problem.num_blocks, nodes=nodes)
     best, bound = dp, _trivial_bound(problem)
-    if _exact(problem):
-        bound = math.inf  # the DP saw every valid plan
+    if _exact(problem):  # every valid plan is contiguous: the DP's bound holds for all of them
+        bound = max(bound, dp_bound)
+    if _exact(problem) and (dp is None or objective(problem, dp) <= dp_bound * (1 + 1e-9)):
+        bound = math.inf  # the DP's plan meets the bound of every valid plan
     elif time_limit_s > 0:
         upper = objective(problem, dp) if dp is not None else None
         cp = solve_cpsat(problem, time_limit_s, hint=dp, upper_bound_s=upper, seed=seed, workers=workers)
