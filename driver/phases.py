@@ -21,7 +21,8 @@ from partitioner.errors import PlanError
 from partitioner.ir import NodeCost, Plan, SolverReport, StagePlan
 from partitioner.predict.predict import predict, rounded
 from partitioner.solve.problem import coarse_graph, make_plan, pose
-from partitioner.solve.solve import solve
+from partitioner.solve.cpsat import computing_blocks
+from partitioner.solve.solve import fills_with_compute, solve
 from partitioner.tp import Sharded, shard
 from partitioner.trace import model_file
 from partitioner.trace.passes import propagate, specialize
@@ -140,6 +141,9 @@ def solve_problem(p: Prepared) -> tuple[tuple[int, ...], SolverReport]:
     start = time.perf_counter()
     p.say(f"solving: {len(compute_nodes(p.traced.gm))} nodes in {p.problem.num_blocks} blocks "
           f"into {p.problem.stages} stages")
+    if not fills_with_compute(p.problem):
+        p.say(f"warning: {p.problem.stages} stages but only {len(computing_blocks(p.problem))} blocks compute: "
+              f"some stage will only pass values on; ask for fewer stages to give every rank work.")
     assignment, report = solve(p.problem, time_limit_s=p.opts.time_limit)
     p.timings["solve"] = time.perf_counter() - start
     return assignment, report

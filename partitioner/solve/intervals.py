@@ -38,7 +38,7 @@ import numpy as np
 from ..cost.costmodel import message_s, shared_params, values
 from ..ir import PartitionProblem
 
-__all__ = ["dp_memory", "dp_time"]
+__all__ = ["dp_balanced", "dp_memory", "dp_time"]
 
 #: entries of one column chunk of the interval matrices (bounds the DP's memory)
 _CHUNK_ENTRIES = 1 << 21
@@ -54,14 +54,33 @@ def dp_time(problem: PartitionProblem, upper_s: float = math.inf) -> tuple[tuple
     limit = problem.memory_limit_bytes
     iv = _Intervals(problem, upper_s)
 
-    def chunk_cost(c0: int, c1: int, a0: int) -> Callable[[int], np.ndarray]:
-        time_s = iv.time_s(c0, c1, a0)
-        if limit is None:
-            return lambda k: time_s
-        memory = iv.memory(c0, c1, a0)
-        return lambda k: np.where(memory(k) <= limit, time_s, np.inf)
+    return _interval_dp(iv, problem.stages, lambda c0, c1, a0: iv.allowed_time_s(c0, c1, a0, limit))
 
-    return _interval_dp(iv, problem.stages, chunk_cost)
+
+def dp_balanced(problem: PartitionProblem, cap_s: float) -> tuple[int, ...] | None:
+    """Among the contiguous plans whose every run costs at most `cap_s` (the bound
+    `dp_time` returned), the one whose runs exceed the mean compute the least in sum,
+    then send the fewest bytes: the second and third objectives (see `solve`)."""
+    limit, stages, n = problem.memory_limit_bytes, problem.stages, problem.num_blocks
+    cap = cap_s * (1 + 1e-9)
+    iv = _Intervals(problem, cap)
+    mean, tol = sum(problem.block_time_s) / stages, 1e-9 * cap_s
+    excess = np.full((stages + 1, n + 1), np.inf)
+    sent = np.full((stages + 1, n + 1), np.inf)
+    excess[0, 0] = sent[0, 0] = 0.0
+    arg = np.zeros((stages + 1, n + 1), dtype=np.int64)
+    for c0, c1, a0 in iv.chunks():
+        cost, rows = iv.allowed_time_s(c0, c1, a0, limit), np.arange(c1 - c0)
+        run_sent = _sum_corners(iv.sent, c0, c1, a0, np.float64)
+        for k in range(stages):
+            time_s = cost(k)
+            cand = np.where(time_s <= cap, excess[k, None, a0:c1] + np.maximum(time_s - mean, 0.0), np.inf)
+            least = cand.min(axis=1, keepdims=True)
+            tied = np.where(np.isfinite(cand) & (cand <= least + tol), sent[k, None, a0:c1] + run_sent, np.inf)
+            best = np.argmin(tied, axis=1)
+            excess[k + 1, c0:c1], sent[k + 1, c0:c1] = cand[rows, best], tied[rows, best]
+            arg[k + 1, c0:c1] = best + a0
+    return _read_plan(arg, stages, n) if np.isfinite(excess[stages, n]) else None
 
 
 def dp_memory(problem: PartitionProblem) -> tuple[int, ...] | None:
@@ -100,6 +119,11 @@ class _Intervals:
             held += _first_reader_rects(0, blocks, n, size)
         comm += _message_rects(problem, n, 2 * message_s(p.comm_alpha_s, 0.0, 0))
         self.comm = _corners([r for r in comm if r[-1]], np.float64)
+        self.sent = _corners([(0, v.producer, v.producer + 1, v.readers[-1], float(v.bytes)) for v in values(problem)],
+                             np.float64)
+        computing = np.asarray(p.block_time_s) > 0
+        self.computing = np.concatenate([[0], np.cumsum(computing)])
+        self.must_compute = int(computing.sum()) >= p.stages  # no stage without compute, when they can all have some
         self.held = _corners(held, np.int64)
         self.received = _corners([r for r in received if r[-1]], np.int64)
 
@@ -120,6 +144,18 @@ class _Intervals:
         b, a = np.arange(c0, c1)[:, None], np.arange(a0, c1)[None, :]
         total = (self.time[b] - self.time[a]) + _sum_corners(self.comm, c0, c1, a0, np.float64)
         return np.where(a < b, total, np.inf)
+
+    def allowed_time_s(self, c0: int, c1: int, a0: int, limit: int | None) -> Callable[[int], np.ndarray]:
+        """Stage time of each run as stage k; inf where it exceeds the memory limit or
+        holds no compute while every stage can have some."""
+        time_s = self.time_s(c0, c1, a0)
+        if self.must_compute:
+            b, a = np.arange(c0, c1)[:, None], np.arange(a0, c1)[None, :]
+            time_s = np.where(self.computing[b] > self.computing[a], time_s, np.inf)
+        if limit is None:
+            return lambda k: time_s
+        memory = self.memory(c0, c1, a0)
+        return lambda k: np.where(memory(k) <= limit, time_s, np.inf)
 
     def memory(self, c0: int, c1: int, a0: int) -> Callable[[int], np.ndarray]:
         """Memory of each run as stage k, as a function of k; inf where a >= b."""
@@ -216,9 +252,14 @@ def _interval_dp(iv: _Intervals, stages: int,
             f[k + 1, c0:c1], arg[k + 1, c0:c1] = cand[rows, best], best + a0
     if not np.isfinite(f[stages, n]):
         return None, math.inf
+    return _read_plan(arg, stages, n), float(f[stages, n])
+
+
+def _read_plan(arg: np.ndarray, stages: int, n: int) -> tuple[int, ...]:
+    """The plan behind a DP's argmins: arg[k, b] is where the k-th run ending at b starts."""
     assignment, b = [0] * n, n
     for k in range(stages, 0, -1):
         a = int(arg[k, b])
         assignment[a:b] = [k - 1] * (b - a)
         b = a
-    return tuple(assignment), float(f[stages, n])
+    return tuple(assignment)

@@ -13,7 +13,7 @@ import pytest
 
 from partitioner.errors import InfeasiblePlanError, PlanError
 from partitioner.ir import Edge, PartitionProblem
-from partitioner.solve.solve import evaluate, objective, solve, stage_costs, violations
+from partitioner.solve.solve import evaluate, fills_with_compute, objective, plan_key, solve, stage_costs, violations
 
 MiB = 1 << 20
 
@@ -290,3 +290,56 @@ def test_a_chain_with_skips_and_latency_equals_brute_force() -> None:
     assignment, report = solve(p, time_limit_s=5)
     assert report.objective_s == pytest.approx(brute_force(p), rel=1e-9)
     assert report.lower_bound_s <= report.objective_s * (1 + 1e-9)
+
+
+# -- ties: balance, then traffic ---------------------------------------------------------
+
+
+def _lex_brute_force(p: PartitionProblem) -> tuple[float, float, int]:
+    """The least `plan_key` over every assignment (times rounded, so ties are ties)."""
+    keys = (plan_key(p, a) for a in itertools.product(range(p.stages), repeat=p.num_blocks))
+    return min((round(k[0], 9), round(k[1], 9), k[2]) for k in keys)
+
+
+def _rounded_key(p: PartitionProblem, assignment: Sequence[int]) -> tuple[float, float, int]:
+    k = plan_key(p, assignment)
+    return round(k[0], 9), round(k[1], 9), k[2]
+
+
+def test_ties_pick_the_balanced_plan_then_the_fewest_bytes() -> None:
+    # block 0 sets the slowest stage (5) whatever the rest does; of the plans with that
+    # max, (5 | 1 | 4) leaves stage 1 a lone cheap node, (5 | 2 | 3) and (5 | 3 | 2) are
+    # as balanced, and the first cuts the smaller value (v2, 50 bytes against v3's 100)
+    p = problem([5, 1, 1, 1, 1, 1], CHAIN, 3, bytes={2: 50})
+    assignment, report = solve(p, time_limit_s=5)
+    assert assignment == (0, 1, 1, 2, 2, 2)
+    assert report.objective_s == pytest.approx(5.0)
+
+
+@pytest.mark.parametrize("name", ["chain", "diamond", "two-towers", "multi-output", "skips"])
+def test_second_and_third_objectives_equal_brute_force(name: str) -> None:
+    edges, times, stages, options = CASES[name]
+    p = problem(times, edges, stages, **options)
+    assignment, _ = solve(p, time_limit_s=5)
+    assert _rounded_key(p, assignment) == _lex_brute_force(p)
+
+
+def test_a_dag_tie_is_broken_by_cpsat_too() -> None:
+    # 1 and 2 both read 0 and feed 3: not a chain, so CP-SAT searches; max 5 is fixed by block 0
+    p = problem([5, 1, 1, 1, 1, 1], [(0, 1), (0, 2), (1, 3), (2, 3), (3, 4), (4, 5)], 3)
+    assignment, report = solve(p, time_limit_s=5)
+    assert report.method in ("dp+cpsat", "cpsat")
+    assert _rounded_key(p, assignment) == _lex_brute_force(p)
+    assert sorted(assignment.count(k) for k in range(3)) == [1, 2, 3]
+
+
+def test_no_stage_without_compute_while_the_blocks_can_fill_them() -> None:
+    p = problem([0.0, 3.0, 0.0, 3.0, 0.0], CHAIN[:4], 2)
+    assert fills_with_compute(p)
+    assert "stage 0 has no compute" in violations(p, (0, 1, 1, 1, 1))
+    assignment, _ = solve(p, time_limit_s=5)
+    assert {assignment[1], assignment[3]} == {0, 1}
+    more = problem([0.0, 3.0, 0.0, 3.0, 0.0], CHAIN[:4], 3)  # 3 stages, 2 blocks that compute
+    assert not fills_with_compute(more)
+    assignment, _ = solve(more, time_limit_s=5)
+    assert not violations(more, assignment)
