@@ -28,7 +28,7 @@ from partitioner.trace import model_file
 from partitioner.trace.passes import propagate, specialize
 from partitioner.trace.trace import Traced, by_input_key, copy_traced, trace
 
-from .costs import node_costs, stage_costs
+from .costs import loss_costs, node_costs, stage_costs
 from .options import (CompileOptions, batch_size, check, default_microbatches, fixed_tp, mesh_of, rows_per_microbatch,
                       split_batch)
 from .package_info import model_flops, package_info
@@ -80,18 +80,19 @@ def prepare(opts: CompileOptions, say: Callable[[str], None] = lambda _m: None, 
     hardware = load_hardware(opts.hardware)
     with rank_threads():  # measured as a rank will compute
         costs = node_costs(traced.gm, values, hardware, opts, say)
+        loss = loss_costs(mf, traced, values, hardware, opts, batch, rows, say)
     phase("cost")
     # 4. tp: the split per node, and the graph one rank runs (partitioner.tp).
     whole = (traced, costs)
     traced, costs, sharded = apply_tp(traced, costs, opts.tp or 1, hardware, opts, say)
     phase("tp")
     # 5. solve, first half: coarsen into blocks, pose the problem for the mesh (partitioner.solve).
-    coarse = coarse_graph(traced, costs, sharded)
+    coarse = coarse_graph(traced, costs, sharded, loss)
     mesh = mesh_of(opts, pp, virtual, microbatches)
     problem = pose(coarse, mesh, hardware)
     phase("coarsen")
     return Prepared(opts, mf, model, traced, costs, hardware, problem, coarse.blocks, batch, rows, args, kwargs,
-                    mesh, timings, whole, sharded, coarse, values if sharded is None else None, say)
+                    mesh, timings, whole, sharded, coarse, values if sharded is None else None, say, loss)
 
 
 def _trace(src: Source, margs: tuple[Any, ...], mkwargs: dict[str, Any], opts: CompileOptions, rows: int,
@@ -164,7 +165,7 @@ def emit_plan(p: Prepared, plan: Plan, extra: dict[str, Any] | None = None) -> C
     # 6. predict the step (partitioner.predict), on node costs calibrated per stage where they are measured.
     costs = stage_costs(p, plan)
     predicted = predict(p.traced.gm, plan, costs, p.hardware, cost_source="analytic" if p.opts.analytic else "measured",
-                        model_flops=model_flops(p))
+                        model_flops=model_flops(p), loss=p.loss)
     predicted.update(rounded(extra or {}))
     # 7. emit the package's files (codegen).
     manifest = emit(p.opts.out, p.traced.gm, plan, package_info(p, plan, predicted))

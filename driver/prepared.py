@@ -56,6 +56,7 @@ class Prepared:
     coarse: Coarse | None = None  # the blocks `problem` was posed from
     values: dict[torch.fx.Node, Any] | None = None  # one microbatch's value of every node (tp = 1)
     say: Callable[[str], None] = field(default=lambda _m: None, repr=False)  # progress and warnings
+    loss: NodeCost | None = None  # the loss_fn on one microbatch's output (partitioner.cost.loss)
 
 
 @dataclass

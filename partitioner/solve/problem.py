@@ -65,7 +65,10 @@ class Coarse:
     templates: dict[bool, PartitionProblem] = field(default_factory=dict, compare=False, repr=False)
 
 
-def coarse_graph(traced: Traced, costs: dict[str, NodeCost], sharded: Sharded | None = None) -> Coarse:
+def coarse_graph(traced: Traced, costs: dict[str, NodeCost], sharded: Sharded | None = None,
+                 loss: NodeCost | None = None) -> Coarse:
+    """`traced` coarsened into blocks; `loss` (the loss_fn's cost per microbatch) goes
+    with the graph's output, which the solver keeps in the last stage."""
     gm = traced.gm
     named = list(gm.named_parameters(remove_duplicate=False))
     params = {name for name, _ in named}
@@ -85,9 +88,10 @@ def coarse_graph(traced: Traced, costs: dict[str, NodeCost], sharded: Sharded | 
         )
         for n in gm.graph.nodes if n in compute
     ]
-    # The graph's output, as a free node that the solver keeps in the last stage.
+    # The graph's output, as a node that the solver keeps in the last stage, costing the loss.
+    out_cost = replace(loss, name=output.name) if loss is not None else NodeCost(output.name)
     nodes.append(GraphNode(name=output.name, inputs=tuple(a.name for a in output.all_input_nodes if a in compute),
-                           cost=NodeCost(output.name), module="", params=(), is_output=True))
+                           cost=out_cost, module="", params=(), is_output=True))
     blocks, edges = coarsen(nodes, max_blocks=MAX_BLOCKS, param_bytes=param_bytes)
     return Coarse(blocks, edges, param_bytes, _mostly_16_bit(named))
 
