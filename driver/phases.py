@@ -28,6 +28,7 @@ from partitioner.trace import model_file
 from partitioner.trace.passes import propagate, specialize
 from partitioner.trace.trace import Traced, by_input_key, copy_traced, trace
 
+from .check import calibration_block, check_plan
 from .costs import loss_costs, node_costs, stage_costs
 from .options import (CompileOptions, batch_size, check, default_microbatches, fixed_tp, mesh_of, rows_per_microbatch,
                       split_batch)
@@ -156,17 +157,21 @@ def finish(prepared: Prepared, assignment: tuple[int, ...], report: SolverReport
     p = prepared
     if report is not None:
         report = dataclasses.replace(report, nodes=len(compute_nodes(p.traced.gm)), blocks=p.problem.num_blocks)
-    return emit_plan(p, make_plan(p.problem, p.blocks, assignment, report, p.mesh), extra)
+    p, plan, resolved, calibrated = check_plan(p, make_plan(p.problem, p.blocks, assignment, report, p.mesh))
+    return emit_plan(p, plan, extra, resolved=resolved, calibrated=calibrated)
 
 
-def emit_plan(p: Prepared, plan: Plan, extra: dict[str, Any] | None = None) -> Compiled:
-    """Phases 6 and 7 for `plan`: predict its step, emit its package."""
+def emit_plan(p: Prepared, plan: Plan, extra: dict[str, Any] | None = None, *, resolved: bool = False,
+              calibrated: dict[str, NodeCost] | None = None) -> Compiled:
+    """Phases 6 and 7 for `plan`: predict its step, emit its package; `resolved`: the plan
+    was solved again with measured stage times ([Note: the model against the machine]);
+    `calibrated`: the node costs already calibrated for `plan`."""
     start = time.perf_counter()
     # 6. predict the step (partitioner.predict), on node costs calibrated per stage where they are measured.
-    costs = stage_costs(p, plan)
+    costs = calibrated if calibrated is not None else stage_costs(p, plan)
     predicted = predict(p.traced.gm, plan, costs, p.hardware, cost_source="analytic" if p.opts.analytic else "measured",
                         model_flops=model_flops(p), loss=p.loss)
-    predicted.update(rounded(extra or {}))
+    predicted.update(rounded({**calibration_block(p, plan, costs, resolved), **(extra or {})}))
     # 7. emit the package's files (codegen).
     manifest = emit(p.opts.out, p.traced.gm, plan, package_info(p, plan, predicted))
     p.timings["emit"] = time.perf_counter() - start
