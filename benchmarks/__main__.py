@@ -13,7 +13,7 @@ import sys
 import time
 import traceback
 
-ALL = ["partition_quality", "solver_scaling", "runtime_vs_peer", "cpu_binding", "simulator_error", "mesh_search",
+ALL = ["partition_quality", "split_quality", "solver_scaling", "runtime_vs_peer", "cpu_binding", "simulator_error", "mesh_search",
        "scale"]
 
 
