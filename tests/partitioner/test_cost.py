@@ -255,7 +255,7 @@ def test_the_compile_falls_back_to_one_stage_at_a_time(tmp_path: Path, monkeypat
     said: list[str] = []
     compile_model(CompileOptions(model="examples/mlp.py", out=str(tmp_path / "pkg"), stages=2,
                                  hardware="cpu", reprofile=True, repeats=1), log=said.append)
-    assert calls == [True, False]
+    assert calls in ([True, False], [True, False] * 2)  # twice when the plan is solved again (driver/check.py)
     assert any("side by side failed (a rank died)" in line for line in said), said
     assert not [key for key in stored if key.startswith("stages-")]  # the fallback is not cached
 
