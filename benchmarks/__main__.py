@@ -13,8 +13,8 @@ import sys
 import time
 import traceback
 
-ALL = ["partition_quality", "solver_scaling", "runtime_vs_peer", "cpu_binding", "simulator_error", "mesh_search",
-       "scale", "checkpoint_io"]
+ALL = ["partition_quality", "split_quality", "solver_scaling", "runtime_vs_peer", "cpu_binding", "simulator_error",
+       "mesh_search", "scale", "checkpoint_io", "zero_memory"]
 
 
 def main(argv: list[str] | None = None) -> int:

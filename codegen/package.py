@@ -68,6 +68,8 @@ class PackageInfo:
 def emit(out: str | Path, gm: torch.fx.GraphModule, plan: Plan, info: PackageInfo) -> dict[str, Any]:
     """Write the package for `plan` into `out`; return the manifest as its JSON object."""
     layouts = lay_out(gm.graph, plan.stage_of(), plan.num_stages)
+    if info.free_batch and not all(_batch_readable(layout) for layout in layouts if uses_batch(layout.nodes)):
+        info = dataclasses.replace(info, free_batch=False)  # a stage could not read the batch: fixed for all
     values = value_names(gm.graph, layouts, [*module_roots(info.out_spec), BATCH])
     tensors = _attr_tensors(gm, info)
     files: dict[str, bytes] = {}
@@ -111,9 +113,10 @@ def _stage(
     ]
     names = {n: values[n] for n in layout.inputs + layout.nodes}
     names.update({a: f"self.{attrs[str(a.target)]}" for a in layout.attrs})
-    writer = StageSource(imports=set(), batch=_batch_name(set(names.values())), device=_device_expr(layout, names))
+    batch = _batch_name(set(names.values())) if info.free_batch else ""
+    writer = StageSource(imports=set(), batch=batch, device=_device_expr(layout, names))
     body = [f"        {line}" for line in _clone_written_inputs(layout, names) + writer.statements(layout.nodes, names)]
-    if uses_batch(layout.nodes):
+    if info.free_batch and uses_batch(layout.nodes):
         body.insert(0, f"        {_read_batch(layout, names, k, writer.batch)}")
     if last:
         body.append(f"        return {writer.build_output(info.out_spec, info.output_leaves, names)}")
@@ -289,6 +292,14 @@ def _batch_name(taken: set[str]) -> str:
         if name not in taken:
             return name
     raise AssertionError("unreachable: more candidates than names")
+
+
+def _batch_readable(layout: StageLayout) -> bool:
+    """Whether one of the stage's inputs has a batch dimension to read the rows from ([Note:
+    free batch]); a stage that computes sizes from the batch without one fixes the package's
+    batch (the solver may place such nodes apart from every batch-carrying value)."""
+    return any(found[1] > 0 for found in (_batch_dim(n) if "tensor_meta" in n.meta else None for n in layout.inputs)
+               if found)
 
 
 def _read_batch(layout: StageLayout, names: dict[torch.fx.Node, str], k: int, batch: str) -> str:

@@ -40,7 +40,13 @@ def format_plan(manifest: Manifest) -> str:
     """Header lines, then one row per stage."""
     mesh, predicted = manifest.mesh, manifest.predicted
     per_stage = predicted.stages if predicted is not None else ()
-    rows = [("stage", "ranks", "nodes", "modules", "time/mb", "memory", "params", "send/mb", "recv/mb")]
+    calibration = predicted.extra.get("calibration", {}) if predicted is not None else {}
+    measured = list(calibration.get("measured_compute_s", []))
+    modelled = list(calibration.get("model_compute_s", []))
+    rows: list[tuple[str, ...]] = [("stage", "ranks", "nodes", "modules", "time/mb", "memory", "params", "send/mb",
+                                    "recv/mb")]
+    if measured:
+        rows[0] = rows[0][:5] + ("compute", "measured") + rows[0][5:]
     for s in manifest.stages:
         p = per_stage[s.index] if s.index < len(per_stage) else StagePrediction(0.0, 0)
         mods = s.modules
@@ -56,6 +62,9 @@ def format_plan(manifest: Manifest) -> str:
             format_bytes(p.send_bytes),
             format_bytes(p.recv_bytes),
         ))
+        if measured and s.index < len(measured) and s.index < len(modelled):
+            row = rows[-1]
+            rows[-1] = row[:5] + (f"{modelled[s.index] * 1e3:.3f} ms", f"{measured[s.index] * 1e3:.3f} ms") + row[5:]
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     table = ["  ".join(c.ljust(w) if i == 3 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))) for r in rows]
     table.insert(1, "  ".join("-" * w for w in widths))
@@ -71,8 +80,16 @@ def format_plan(manifest: Manifest) -> str:
     if solver:
         lines.append(
             f"solver     {solver.get('method', '?')}: slowest stage {solver.get('objective_s', 0.0) * 1e3:.3f} ms, "
-            f"proved bound {solver.get('lower_bound_s', 0.0) * 1e3:.3f} ms (gap {solver.get('gap', 0.0) * 100:.1f}%), "
+            f"proved bound {solver.get('lower_bound_s', 0.0) * 1e3:.3f} ms (gap {solver.get('gap', 0.0) * 100:.1f}% "
+            f"against the cost model), "
             f"{solver.get('blocks', 0)} blocks from {solver.get('nodes', 0)} nodes"
+        )
+    if measured and modelled:
+        slow_m, slow_c = max(modelled), max(measured)
+        lines.append(
+            f"measured   each stage timed as its rank runs it: slowest {slow_c * 1e3:.3f} ms against the model's "
+            f"{slow_m * 1e3:.3f} ms ({(slow_c / slow_m - 1) * 100 if slow_m else 0.0:+.0f}%)"
+            + ("; solved again with the measured times" if calibration.get("resolved") else "")
         )
     tensor = manifest.tensor_parallel
     if tensor:

@@ -87,8 +87,8 @@ def format_value(value: Any, names: dict[torch.fx.Node, str], batch: str = BATCH
     stage code])."""
     if isinstance(value, torch.fx.Node):
         return names[value]
-    if isinstance(value, BatchInt):
-        return value.expr(batch)
+    if isinstance(value, BatchInt):  # written as an expression of the rows, or fixed (batch "")
+        return value.expr(batch) if batch else repr(int(value))
     if isinstance(value, (tuple, list, dict)):
         return _format_container(value, names, batch, device)
     if isinstance(value, float):

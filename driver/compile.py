@@ -40,6 +40,6 @@ def compile_model(opts: CompileOptions, log: Callable[[str], None] | None = None
     prepared = prepare(opts, say)  # 1. load, 2. trace, 3. cost, 4. tp, and the problem of 5 posed
     assignment, report = solve_problem(prepared)  # 5. solve
     compiled = finish(prepared, assignment, report)  # 6. predict, 7. emit
-    say(f"wrote {opts.out}: {prepared.problem.stages} stages; {report.method}, gap {report.gap * 100:.1f}%, "
+    say(f"wrote {opts.out}: {prepared.problem.stages} stages; {report.method}, gap {report.gap * 100:.1f}% against the cost model, "
         f"solver {report.wall_s:.2f} s, total {sum(compiled.timings.values()):.2f} s")
     return compiled

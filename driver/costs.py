@@ -13,21 +13,25 @@ from typing import Any, Callable, Iterable
 
 import torch
 import torch.fx
+import torch.utils._pytree as pytree
 
 from partitioner.cost import cache
 from partitioner.cost.calibrate import CALIBRATION_MIN_S, CalibrationError, calibrate_stages
 from partitioner.cost.hardware import Hardware
+from partitioner.cost.loss import loss_cost
 from partitioner.cost.measure import RANK_THREADS, rank_threads
 from partitioner.cost.nodes import compute_nodes
 from partitioner.cost.profile import PROFILE_VERSION, annotate
 from partitioner.ir import NodeCost, Plan
+from partitioner.trace import model_file
+from partitioner.trace.trace import Traced
 
 from runtime.affinity import binding_enabled, bound_as_local_rank, cpu_share
 
 from .options import CompileOptions
 from .prepared import Prepared
 
-__all__ = ["node_costs", "stage_costs"]
+__all__ = ["loss_costs", "node_costs", "stage_costs"]
 
 
 def node_costs(gm: torch.fx.GraphModule, values: dict[torch.fx.Node, Any], hardware: Hardware,
@@ -52,6 +56,34 @@ def node_costs(gm: torch.fx.GraphModule, values: dict[torch.fx.Node, Any], hardw
     if measure:
         cache.put(key, {name: asdict(c) for name, c in costs.items()})
     return costs
+
+
+def loss_costs(mf: model_file.ModelFile, traced: Traced, values: dict[torch.fx.Node, Any], hardware: Hardware,
+               opts: CompileOptions, batch: int, rows: int, say: Callable[[str], None]) -> NodeCost | None:
+    """The loss's cost on one microbatch (`partitioner.cost.loss`), or None when the model
+    file defines no loss; measured costs are cached as node costs are."""
+    if not (mf.has("loss_fn") and mf.has("example_target")):
+        return None
+    leaves = [values.get(x, x) if isinstance(x, torch.fx.Node) else x for x in traced.output_leaves]
+    output = pytree.tree_unflatten(leaves, traced.out_spec)
+    target = pytree.tree_map_only(torch.Tensor, lambda t: t.narrow(0, 0, rows) if t.dim() and t.shape[0] == batch
+                                  else t, mf.example_target())
+    measure = not opts.analytic
+    key = "loss-" + hashlib.sha256(json.dumps(
+        [PROFILE_VERSION, mf.sha256, traced.gm.code, [str(x.meta.get("tensor_meta")) for x in traced.gm.graph.nodes],
+         hardware.name, measure, opts.repeats, torch.__version__, RANK_THREADS, rows]).encode()).hexdigest()[:32]
+    cached = None if (opts.reprofile or not measure) else cache.get(key)
+    if isinstance(cached, dict):
+        return NodeCost(**cached)
+    try:
+        cost = loss_cost(mf.loss_fn(), output, target, hardware, measure, opts.repeats)
+    except Exception as exc:  # the runtime will say what is wrong with the loss; cost it by its output
+        say(f"warning: loss_fn failed on the traced output ({type(exc).__name__}: {exc}); costing the loss by "
+            f"the output's size")
+        cost = loss_cost(mf.loss_fn(), output, target, hardware, False, opts.repeats)
+    if measure:
+        cache.put(key, asdict(cost))
+    return cost
 
 
 def _progress(opts: CompileOptions, total: int) -> Callable[[Iterable[torch.fx.Node]], Iterable[torch.fx.Node]]:

@@ -21,7 +21,8 @@ from partitioner.errors import PlanError
 from partitioner.ir import NodeCost, Plan, SolverReport, StagePlan
 from partitioner.predict.predict import predict, rounded
 from partitioner.solve.problem import coarse_graph, make_plan, pose
-from partitioner.solve.solve import solve
+from partitioner.solve.cpsat import computing_blocks
+from partitioner.solve.solve import fills_with_compute, solve
 from partitioner.tp import Sharded, shard
 from partitioner.trace import model_file
 from partitioner.trace.buffers import BufferSnapshot, kept_buffers, warn_batch_statistics
@@ -29,7 +30,8 @@ from partitioner.trace.passes import probe, propagate, specialize
 from partitioner.trace.trace import Traced, by_input_key, check_autocast, copy_traced, trace
 from runtime.precision import autocast
 
-from .costs import node_costs, stage_costs
+from .check import calibration_block, check_plan
+from .costs import loss_costs, node_costs, stage_costs
 from .options import (CompileOptions, batch_size, check, default_microbatches, fixed_tp, mesh_of, rows_per_microbatch,
                       split_batch)
 from .package_info import model_flops, package_info
@@ -91,6 +93,7 @@ def prepare(opts: CompileOptions, say: Callable[[str], None] = lambda _m: None, 
     hardware = load_hardware(opts.hardware)
     with rank_threads(), autocast(opts.precision):  # measured as a rank will compute
         costs = node_costs(traced.gm, values, hardware, opts, say)
+        loss = loss_costs(mf, traced, values, hardware, opts, batch, rows, say)
     buffers.restore()
     phase("cost")
     # 4. tp: the split per node, and the graph one rank runs (partitioner.tp).
@@ -98,12 +101,12 @@ def prepare(opts: CompileOptions, say: Callable[[str], None] = lambda _m: None, 
     traced, costs, sharded = apply_tp(traced, costs, opts.tp or 1, hardware, opts, say)
     phase("tp")
     # 5. solve, first half: coarsen into blocks, pose the problem for the mesh (partitioner.solve).
-    coarse = coarse_graph(traced, costs, sharded)
+    coarse = coarse_graph(traced, costs, sharded, loss)
     mesh = mesh_of(opts, pp, virtual, microbatches)
     problem = pose(coarse, mesh, hardware)
     phase("coarsen")
     return Prepared(opts, mf, model, traced, costs, hardware, problem, coarse.blocks, batch, rows, args, kwargs,
-                    mesh, timings, whole, sharded, coarse, values if sharded is None else None, say, free_batch)
+                    mesh, timings, whole, sharded, coarse, values if sharded is None else None, say, free_batch, loss)
 
 
 def _trace(src: Source, margs: tuple[Any, ...], mkwargs: dict[str, Any], opts: CompileOptions, rows: int,
@@ -153,6 +156,9 @@ def solve_problem(p: Prepared) -> tuple[tuple[int, ...], SolverReport]:
     start = time.perf_counter()
     p.say(f"solving: {len(compute_nodes(p.traced.gm))} nodes in {p.problem.num_blocks} blocks "
           f"into {p.problem.stages} stages")
+    if not fills_with_compute(p.problem):
+        p.say(f"warning: {p.problem.stages} stages but only {len(computing_blocks(p.problem))} blocks compute: "
+              f"some stage will only pass values on; ask for fewer stages to give every rank work.")
     assignment, report = solve(p.problem, time_limit_s=p.opts.time_limit)
     p.timings["solve"] = time.perf_counter() - start
     return assignment, report
@@ -164,18 +170,23 @@ def finish(prepared: Prepared, assignment: tuple[int, ...], report: SolverReport
     p = prepared
     if report is not None:
         report = dataclasses.replace(report, nodes=len(compute_nodes(p.traced.gm)), blocks=p.problem.num_blocks)
-    return emit_plan(p, make_plan(p.problem, p.blocks, assignment, report, p.mesh), extra)
+    with autocast(p.opts.precision), kept_buffers(p.model):  # the stages timed as they run, buffers kept
+        p, plan, resolved, calibrated = check_plan(p, make_plan(p.problem, p.blocks, assignment, report, p.mesh))
+    return emit_plan(p, plan, extra, resolved=resolved, calibrated=calibrated)
 
 
-def emit_plan(p: Prepared, plan: Plan, extra: dict[str, Any] | None = None) -> Compiled:
-    """Phases 6 and 7 for `plan`: predict its step, emit its package."""
+def emit_plan(p: Prepared, plan: Plan, extra: dict[str, Any] | None = None, *, resolved: bool = False,
+              calibrated: dict[str, NodeCost] | None = None) -> Compiled:
+    """Phases 6 and 7 for `plan`: predict its step, emit its package; `resolved`: the plan
+    was solved again with measured stage times ([Note: the model against the machine]);
+    `calibrated`: the node costs already calibrated for `plan`."""
     start = time.perf_counter()
     # 6. predict the step (partitioner.predict), on node costs calibrated per stage where they are measured.
     with autocast(p.opts.precision), kept_buffers(p.model):
-        costs = stage_costs(p, plan)
+        costs = calibrated if calibrated is not None else stage_costs(p, plan)
     predicted = predict(p.traced.gm, plan, costs, p.hardware, cost_source="analytic" if p.opts.analytic else "measured",
-                        model_flops=model_flops(p))
-    predicted.update(rounded(extra or {}))
+                        model_flops=model_flops(p), loss=p.loss)
+    predicted.update(rounded({**calibration_block(p, plan, costs, resolved), **(extra or {})}))
     # 7. emit the package's files (codegen).
     manifest = emit(p.opts.out, p.traced.gm, plan, package_info(p, plan, predicted))
     p.timings["emit"] = time.perf_counter() - start

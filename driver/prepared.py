@@ -57,6 +57,7 @@ class Prepared:
     values: dict[torch.fx.Node, Any] | None = None  # one microbatch's value of every node (tp = 1)
     say: Callable[[str], None] = field(default=lambda _m: None, repr=False)  # progress and warnings
     free_batch: bool = False  # the batch dimension is left free ([Note: free batch])
+    loss: NodeCost | None = None  # the loss_fn on one microbatch's output (partitioner.cost.loss)
 
 
 @dataclass

@@ -173,7 +173,7 @@ def _split(base: Prepared, opts: CompileOptions, tp: int) -> Prepared | None:
     if sharded is None or not sharded.rules:
         return None
     return dataclasses.replace(base, opts=opts, traced=traced, costs=costs, sharded=sharded,
-                               whole=(base.traced, base.costs), coarse=coarse_graph(traced, costs, sharded))
+                               whole=(base.traced, base.costs), coarse=coarse_graph(traced, costs, sharded, base.loss))
 
 
 # -- 3. solve ------------------------------------------------------------------------------------------
@@ -252,7 +252,7 @@ def _simulate(solved: list[_Solved], devices: int, say: Callable[[str], None]) -
                 f"fill and drain) exceeds the {SHOWN}th best")
             break
         p, c = item.prepared, item.cand
-        sim = simulate_plan(p.traced.gm, item.plan, p.costs, p.hardware)
+        sim = simulate_plan(p.traced.gm, item.plan, p.costs, p.hardware, p.loss)
         flops = model_flops(p) * (1 + BACKWARD_FLOP_FACTOR) * c.microbatches * c.dp
         cand = dataclasses.replace(c, step_time_s=sim.step_time_s, mfu=mfu(flops, sim.step_time_s, devices,
                                                                            p.hardware.peak_flops))

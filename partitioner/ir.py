@@ -176,11 +176,13 @@ class PartitionProblem:
     Stage time (what is minimised, the slowest stage's):
         sum of block times
         + comm_alpha_s * (messages) + comm_beta_s_per_byte * (bytes)
-    where the stage's traffic is every distinct value it receives from an earlier stage
-    plus every value it produces that a later stage reads (counted once, however many
-    later stages read it: an approximation that is exact for chains).  Forward
+    where a stage exchanges one message with each other stage it sends values to or
+    receives values from, carrying all of them, and a value goes once to each later
+    stage that reads it ([Note: the cost of a boundary] in cost/costmodel.py).  Forward
     activations and backward gradients both travel, so bytes count twice and messages
-    twice.
+    twice.  Among plans with the same slowest stage, the solver prefers the least sum of
+    the stages' excess over the mean compute, then the fewest bytes sent; no stage is
+    left without compute (a block of positive time) while the blocks can fill them all.
 
     Stage memory (must not exceed `memory_limit_bytes`):
         param_bytes * (1 + 1 + optimizer_factor)   weights, gradients, optimizer state

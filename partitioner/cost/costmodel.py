@@ -4,17 +4,36 @@ parameters that several blocks share.
 `solve.stage_costs` ([Note: the cost model]), the interval DP (`intervals`) and the CP-SAT
 model all sum over these tables; they live here, below all three, so that `intervals`
 needs nothing from `solve` and `solve` imports `intervals` without a cycle.
+
+[Note: the cost of a boundary]
+    The runtime sends all the values one stage hands another for a microbatch as ONE
+    packed message (`runtime/messages.py`, [Note: one message per hand-over]), straight
+    from the stage that made them to each stage that reads them.  So the cost of the
+    boundaries is a sum over stage PAIRS (a, b), a < b, that exchange anything:
+
+        bytes(a, b) = the sizes of the values made on a that b reads (`pair_bytes`),
+                      a value read on several later stages counted once per reader stage
+        one message = alpha + beta * bytes(a, b)                            (`message_s`)
+
+    and each stage pays, for every pair it is in, one message forward (the values) and
+    one backward (their gradients): `boundary_s`.  `solve.stage_costs` (the model the
+    solver minimises, the brute-force tests evaluate every plan with) and the step
+    simulator's links (`predict.simulate_plan`) call these functions; the CP-SAT model
+    writes the same sum linearly (an indicator per pair for alpha, the bytes per value
+    and reader stage for beta), and the interval DP minimises a lower bound of it (alpha
+    once per side of a run, each value's bytes once) whose plan `solve` then evaluates
+    exactly, proving it optimal when the two agree.
 """
 
 from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Callable, TypeVar
+from typing import Callable, Iterable, Mapping, TypeVar
 
 from ..ir import PartitionProblem
 
-__all__ = ["Value", "shared_params", "values"]
+__all__ = ["Value", "boundary_s", "message_s", "pair_bytes", "shared_params", "values"]
 
 _T = TypeVar("_T")
 
@@ -79,3 +98,32 @@ def shared_params(problem: PartitionProblem) -> tuple[tuple[int, ...], tuple[tup
             for block in blocks:
                 own[block] -= size[name]
     return tuple(own), tuple(shared)
+
+
+# -- [Note: the cost of a boundary] --------------------------------------------------------
+
+
+def message_s(alpha: float, beta: float, nbytes: float) -> float:
+    """One message between a stage pair: its latency once, and `nbytes` at `beta` s/byte."""
+    return alpha + beta * nbytes
+
+
+def pair_bytes(crossings: Iterable[tuple[int, Iterable[int], int]]) -> dict[tuple[int, int], int]:
+    """The bytes of each stage pair's message, from (home stage, reader stages, bytes) per
+    value: a value goes once to each distinct stage after its home that reads it."""
+    pairs: dict[tuple[int, int], int] = {}
+    for home, readers, nbytes in crossings:
+        for k in sorted({r for r in readers if r > home}):
+            pairs[(home, k)] = pairs.get((home, k), 0) + nbytes
+    return pairs
+
+
+def boundary_s(pairs: Mapping[tuple[int, int], int], alpha: float, beta: float, stages: int) -> list[float]:
+    """Each stage's seconds of messages per microbatch: for every pair it sends to or
+    receives from, one message forward and one (the gradients) backward."""
+    out = [0.0] * stages
+    for (a, b), nbytes in pairs.items():
+        both = 2 * message_s(alpha, beta, nbytes)
+        out[a] += both
+        out[b] += both
+    return out

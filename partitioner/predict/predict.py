@@ -17,6 +17,7 @@ from typing import Any
 
 import torch.fx
 
+from ..cost.costmodel import message_s, pair_bytes
 from ..cost.nodes import compute_nodes, storage_key
 from ..cost.hardware import Hardware
 from ..ir import NodeCost, Plan
@@ -28,10 +29,11 @@ __all__ = ["pipeline_link", "pipeline_posts", "predict", "rounded", "simulate_pl
 
 
 def predict(gm: torch.fx.GraphModule, plan: Plan, costs: dict[str, NodeCost], hardware: Hardware,
-            cost_source: str, model_flops: int | None = None) -> dict[str, Any]:
+            cost_source: str, model_flops: int | None = None, loss: NodeCost | None = None) -> dict[str, Any]:
     """The manifest's `predicted` block for `plan`; `model_flops` is one microbatch's
-    forward of the whole model (default: the sum over `costs`, right when tp = 1)."""
-    sim = simulate_plan(gm, plan, costs, hardware)
+    forward of the whole model (default: the sum over `costs`, right when tp = 1); `loss`
+    the loss_fn's cost per microbatch (`partitioner.cost.loss`)."""
+    sim = simulate_plan(gm, plan, costs, hardware, loss)
     forward = model_flops if model_flops is not None else sum(c.flops for c in costs.values())
     flops = forward * (1 + BACKWARD_FLOP_FACTOR) * plan.microbatches * plan.dp
     report = plan.report
@@ -65,7 +67,8 @@ def rounded(block: Any, key: str = "") -> Any:
     return block
 
 
-def simulate_plan(gm: torch.fx.GraphModule, plan: Plan, costs: dict[str, NodeCost], hardware: Hardware) -> Simulation:
+def simulate_plan(gm: torch.fx.GraphModule, plan: Plan, costs: dict[str, NodeCost], hardware: Hardware,
+                  loss_cost: NodeCost | None = None) -> Simulation:
     """The step as the schedule will run it: stage compute and the loss, one message per stage
     pair (and what posting it costs both ends), the loss all-reduce, the all-reduce of tied
     parameters' gradients, and the data-parallel all-reduce of each stage's gradients where
@@ -75,23 +78,22 @@ def simulate_plan(gm: torch.fx.GraphModule, plan: Plan, costs: dict[str, NodeCos
     backward = [sum(costs[n].backward_s for n in s.nodes) for s in plan.stages]
     if plan.recompute:  # the backward runs the stage's forward again first
         backward = [b + f for f, b in zip(forward, backward)]
-    traffic: dict[tuple[int, int], int] = {}
     last = plan.num_stages - 1
-    for node in compute_nodes(gm):
-        a = stage_of[node.name]
-        readers = {last if u.op == "output" else stage_of.get(u.name, a) for u in node.users}
-        for b in sorted(readers - {a}):
-            traffic[(a, b)] = traffic.get((a, b), 0) + costs[node.name].output_bytes
+    traffic = pair_bytes((stage_of[node.name],
+                          [last if u.op == "output" else stage_of.get(u.name, stage_of[node.name]) for u in node.users],
+                          costs[node.name].output_bytes) for node in compute_nodes(gm))
     alpha, beta = pipeline_link(hardware, plan.pp, plan.tp)
-    links = {pair: alpha + nbytes * beta for pair, nbytes in traffic.items()}
-    # The loss on the last stage, per microbatch (the profile times the model's nodes, not
-    # the loss): costed as one typical node, the median node's forward and backward, or, if
-    # longer, one pass over the model's output at memory bandwidth.
+    links = {pair: message_s(alpha, beta, nbytes) for pair, nbytes in traffic.items()}  # [Note: the cost of a boundary]
+    # The loss on the last stage, per microbatch: the loss_fn's cost where the compile took
+    # it (`partitioner.cost.loss`), else one typical node, the median node's forward and
+    # backward, or, if longer, one pass over the model's output at memory bandwidth.
     nodes = compute_nodes(gm)
     out_bytes = sum(costs[n.name].output_bytes for n in nodes if any(u.op == "output" for u in n.users))
     stream = out_bytes / hardware.memory_bandwidth
     loss = (max(stream, statistics.median(costs[n.name].forward_s for n in nodes)) if nodes else stream,
             max(stream, statistics.median(costs[n.name].backward_s for n in nodes)) if nodes else stream)
+    if loss_cost is not None:
+        loss = (loss_cost.forward_s, loss_cost.backward_s)
     # The step ends with the all-reduce of the 0-dim loss over every rank: its latency.
     final = (hardware.allreduce_latency_s or hardware.p2p_alpha_s) if plan.pp * plan.tp * plan.dp > 1 else 0.0
     send, receive = pipeline_posts(hardware, plan.pp, plan.tp)

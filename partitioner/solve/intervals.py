@@ -10,9 +10,14 @@ forward.  Among those cuts the DP finds the one whose slowest stage is fastest:
 
 where a run's cost is its stage time under [Note: the cost model] (in `solve`), or inf
 where its memory exceeds the limit (`dp_time`); `dp_memory` minimises the fullest stage
-instead, for the error that says what would fit.  When each block feeds the next (a
-chain) every valid plan is contiguous and this is the optimum; `solve` hands other DAGs
-on to CP-SAT, warm-started with this plan.
+instead, for the error that says what would fit.  A run's messages depend on the other
+runs (one per stage pair, [Note: the cost of a boundary]), so the DP charges a run the
+least it can pay: one message each way if it receives anything, one if it sends
+anything, each value's bytes once.  That is a lower bound of every contiguous plan's
+cost, `dp_time` returns it with the plan, and `solve` evaluates the plan exactly: when
+each block feeds the next (a chain) every valid plan is contiguous, and a plan whose
+exact cost meets the bound is the optimum; `solve` hands other DAGs (and chains where
+it does not meet it) on to CP-SAT, warm-started with this plan.
 
 This is the problem PipeDream's optimizer solves with a DP over layers (Narayanan et
 al., "PipeDream: Generalized Pipeline Parallelism for DNN Training", SOSP 2019), and that
@@ -24,15 +29,16 @@ its blocks (a value crossing the cut costs both sides, a tied parameter is held 
 
 from __future__ import annotations
 
+import heapq
 import math
 from typing import Callable, Sequence
 
 import numpy as np
 
-from ..cost.costmodel import shared_params, values
+from ..cost.costmodel import message_s, shared_params, values
 from ..ir import PartitionProblem
 
-__all__ = ["dp_memory", "dp_time"]
+__all__ = ["dp_balanced", "dp_memory", "dp_time"]
 
 #: entries of one column chunk of the interval matrices (bounds the DP's memory)
 _CHUNK_ENTRIES = 1 << 21
@@ -40,27 +46,48 @@ _CHUNK_ENTRIES = 1 << 21
 _Rect = tuple[int, int, int, int, float]
 
 
-def dp_time(problem: PartitionProblem, upper_s: float = math.inf) -> tuple[int, ...] | None:
-    """The contiguous plan with the fastest slowest stage that fits the memory limit, or
-    None if none fits.  `upper_s`, the slowest stage of a known plan, only prunes."""
+def dp_time(problem: PartitionProblem, upper_s: float = math.inf) -> tuple[tuple[int, ...] | None, float]:
+    """The contiguous plan with the fastest slowest stage that fits the memory limit (None
+    if none fits), and the lower bound of every contiguous plan's slowest stage it
+    minimised (the module docstring).  `upper_s`, the slowest stage of a known plan, only
+    prunes."""
     limit = problem.memory_limit_bytes
     iv = _Intervals(problem, upper_s)
 
-    def chunk_cost(c0: int, c1: int, a0: int) -> Callable[[int], np.ndarray]:
-        time_s = iv.time_s(c0, c1, a0)
-        if limit is None:
-            return lambda k: time_s
-        memory = iv.memory(c0, c1, a0)
-        return lambda k: np.where(memory(k) <= limit, time_s, np.inf)
+    return _interval_dp(iv, problem.stages, lambda c0, c1, a0: iv.allowed_time_s(c0, c1, a0, limit))
 
-    return _interval_dp(iv, problem.stages, chunk_cost)
+
+def dp_balanced(problem: PartitionProblem, cap_s: float) -> tuple[int, ...] | None:
+    """Among the contiguous plans whose every run costs at most `cap_s` (the bound
+    `dp_time` returned), the one whose runs exceed the mean compute the least in sum,
+    then send the fewest bytes: the second and third objectives (see `solve`)."""
+    limit, stages, n = problem.memory_limit_bytes, problem.stages, problem.num_blocks
+    cap = cap_s * (1 + 1e-9)
+    iv = _Intervals(problem, cap)
+    mean, tol = sum(problem.block_time_s) / stages, 1e-9 * cap_s
+    excess = np.full((stages + 1, n + 1), np.inf)
+    sent = np.full((stages + 1, n + 1), np.inf)
+    excess[0, 0] = sent[0, 0] = 0.0
+    arg = np.zeros((stages + 1, n + 1), dtype=np.int64)
+    for c0, c1, a0 in iv.chunks():
+        cost, rows = iv.allowed_time_s(c0, c1, a0, limit), np.arange(c1 - c0)
+        run_sent = _sum_corners(iv.sent, c0, c1, a0, np.float64)
+        for k in range(stages):
+            time_s = cost(k)
+            cand = np.where(time_s <= cap, excess[k, None, a0:c1] + np.maximum(time_s - mean, 0.0), np.inf)
+            least = cand.min(axis=1, keepdims=True)
+            tied = np.where(np.isfinite(cand) & (cand <= least + tol), sent[k, None, a0:c1] + run_sent, np.inf)
+            best = np.argmin(tied, axis=1)
+            excess[k + 1, c0:c1], sent[k + 1, c0:c1] = cand[rows, best], tied[rows, best]
+            arg[k + 1, c0:c1] = best + a0
+    return _read_plan(arg, stages, n) if np.isfinite(excess[stages, n]) else None
 
 
 def dp_memory(problem: PartitionProblem) -> tuple[int, ...] | None:
     """The contiguous plan with the least memory on its fullest stage, whatever the limit
     (None only when there are more stages than blocks)."""
     iv = _Intervals(problem)
-    return _interval_dp(iv, problem.stages, iv.memory)
+    return _interval_dp(iv, problem.stages, iv.memory)[0]
 
 
 class _Intervals:
@@ -83,14 +110,20 @@ class _Intervals:
         held: list[_Rect] = []
         received: list[_Rect] = []
         for v in values(problem):
-            w = 2 * (p.comm_alpha_s + p.comm_beta_s_per_byte * v.bytes)
-            comm.append((0, v.producer, v.producer + 1, v.readers[-1], w))  # sent
+            w = 2 * message_s(0.0, p.comm_beta_s_per_byte, v.bytes)
+            comm.append((0, v.producer, v.producer + 1, v.readers[-1], w))  # sent (to one stage at least)
             comm += _first_reader_rects(v.producer + 1, v.readers, n, w)  # received
             if p.recompute:
                 received += _first_reader_rects(v.producer + 1, v.readers, n, v.bytes)
         for size, blocks in shared:
             held += _first_reader_rects(0, blocks, n, size)
+        comm += _message_rects(problem, n, 2 * message_s(p.comm_alpha_s, 0.0, 0))
         self.comm = _corners([r for r in comm if r[-1]], np.float64)
+        self.sent = _corners([(0, v.producer, v.producer + 1, v.readers[-1], float(v.bytes)) for v in values(problem)],
+                             np.float64)
+        computing = np.asarray(p.block_time_s) > 0
+        self.computing = np.concatenate([[0], np.cumsum(computing)])
+        self.must_compute = int(computing.sum()) >= p.stages  # no stage without compute, when they can all have some
         self.held = _corners(held, np.int64)
         self.received = _corners([r for r in received if r[-1]], np.int64)
 
@@ -112,6 +145,18 @@ class _Intervals:
         total = (self.time[b] - self.time[a]) + _sum_corners(self.comm, c0, c1, a0, np.float64)
         return np.where(a < b, total, np.inf)
 
+    def allowed_time_s(self, c0: int, c1: int, a0: int, limit: int | None) -> Callable[[int], np.ndarray]:
+        """Stage time of each run as stage k; inf where it exceeds the memory limit or
+        holds no compute while every stage can have some."""
+        time_s = self.time_s(c0, c1, a0)
+        if self.must_compute:
+            b, a = np.arange(c0, c1)[:, None], np.arange(a0, c1)[None, :]
+            time_s = np.where(self.computing[b] > self.computing[a], time_s, np.inf)
+        if limit is None:
+            return lambda k: time_s
+        memory = self.memory(c0, c1, a0)
+        return lambda k: np.where(memory(k) <= limit, time_s, np.inf)
+
     def memory(self, c0: int, c1: int, a0: int) -> Callable[[int], np.ndarray]:
         """Memory of each run as stage k, as a function of k; inf where a >= b."""
         b, a = np.arange(c0, c1)[:, None], np.arange(a0, c1)[None, :]
@@ -123,6 +168,35 @@ class _Intervals:
             inputs = _sum_corners(self.received, c0, c1, a0, np.int64).astype(np.float64)
             return lambda k: fixed + acts + inputs * p.inflight(k)
         return lambda k: fixed + acts * p.inflight(k)
+
+
+def _message_rects(problem: PartitionProblem, n: int, w: float) -> list[_Rect]:
+    """Runs [a, b) that receive something (a value made before a, read in [a, b): b is
+    past the first such reader at or after a) and runs that send something (a value made
+    in [a, b) read at or after b: a is at most the last such producer before b), `w`
+    each: by a sweep over the cut with a heap of the edges open across it."""
+    if not w:
+        return []
+    edges = sorted({(v.producer, r) for v in values(problem) for r in v.readers})
+    rects: list[_Rect] = []
+    by_producer: dict[int, list[int]] = {}
+    for src, dst in edges:
+        by_producer.setdefault(src, []).append(dst)
+    open_min: list[int] = []  # readers of values made before the cut
+    open_max: list[tuple[int, int]] = []  # (-producer, reader) of values made before the cut
+    for cut in range(1, n):
+        for dst in by_producer.get(cut - 1, []):
+            heapq.heappush(open_min, dst)
+            heapq.heappush(open_max, (-(cut - 1), dst))
+        while open_min and open_min[0] < cut:
+            heapq.heappop(open_min)
+        if open_min:  # runs starting at the cut receive once they reach its first reader
+            rects.append((cut, cut, open_min[0] + 1, n, w))
+        while open_max and open_max[0][1] < cut:
+            heapq.heappop(open_max)
+        if open_max:  # runs ending at the cut send if they hold its last open producer
+            rects.append((0, -open_max[0][0], cut, cut, w))
+    return rects
 
 
 def _first_reader_rects(start: int, readers: Sequence[int], n: int, w: float) -> list[_Rect]:
@@ -158,9 +232,11 @@ def _sum_corners(corners: tuple[np.ndarray, ...], c0: int, c1: int, a0: int, dty
 
 
 def _interval_dp(iv: _Intervals, stages: int,
-                 chunk_cost: Callable[[int, int, int], Callable[[int], np.ndarray]]) -> tuple[int, ...] | None:
+                 chunk_cost: Callable[[int, int, int], Callable[[int], np.ndarray]]
+                 ) -> tuple[tuple[int, ...] | None, float]:
     """The contiguous plan into `stages` runs that minimises the max over its runs of
-    chunk_cost(c0, c1, a0)(stage) (a (b, a) matrix), or None if every plan costs inf.
+    chunk_cost(c0, c1, a0)(stage) (a (b, a) matrix), or None if every plan costs inf,
+    and that max.
 
     f[k, b] is the best such max over the first k stages holding blocks [0, b).
     """
@@ -175,7 +251,12 @@ def _interval_dp(iv: _Intervals, stages: int,
             best = np.argmin(cand, axis=1)
             f[k + 1, c0:c1], arg[k + 1, c0:c1] = cand[rows, best], best + a0
     if not np.isfinite(f[stages, n]):
-        return None
+        return None, math.inf
+    return _read_plan(arg, stages, n), float(f[stages, n])
+
+
+def _read_plan(arg: np.ndarray, stages: int, n: int) -> tuple[int, ...]:
+    """The plan behind a DP's argmins: arg[k, b] is where the k-th run ending at b starts."""
     assignment, b = [0] * n, n
     for k in range(stages, 0, -1):
         a = int(arg[k, b])

@@ -15,6 +15,7 @@ from typing import Any, Sequence
 
 import torch
 
+from ..cost.costmodel import pair_bytes, values
 from ..cost.hardware import Hardware
 from ..cost.nodes import compute_nodes, param_names
 from ..ir import (BlockCost, Edge, GraphNode, NodeCost, PartitionProblem, Plan, SolverReport, StagePlan,
@@ -65,7 +66,10 @@ class Coarse:
     templates: dict[bool, PartitionProblem] = field(default_factory=dict, compare=False, repr=False)
 
 
-def coarse_graph(traced: Traced, costs: dict[str, NodeCost], sharded: Sharded | None = None) -> Coarse:
+def coarse_graph(traced: Traced, costs: dict[str, NodeCost], sharded: Sharded | None = None,
+                 loss: NodeCost | None = None) -> Coarse:
+    """`traced` coarsened into blocks; `loss` (the loss_fn's cost per microbatch) goes
+    with the graph's output, which the solver keeps in the last stage."""
     gm = traced.gm
     named = list(gm.named_parameters(remove_duplicate=False))
     params = {name for name, _ in named}
@@ -85,9 +89,10 @@ def coarse_graph(traced: Traced, costs: dict[str, NodeCost], sharded: Sharded | 
         )
         for n in gm.graph.nodes if n in compute
     ]
-    # The graph's output, as a free node that the solver keeps in the last stage.
+    # The graph's output, as a node that the solver keeps in the last stage, costing the loss.
+    out_cost = replace(loss, name=output.name) if loss is not None else NodeCost(output.name)
     nodes.append(GraphNode(name=output.name, inputs=tuple(a.name for a in output.all_input_nodes if a in compute),
-                           cost=NodeCost(output.name), module="", params=(), is_output=True))
+                           cost=out_cost, module="", params=(), is_output=True))
     blocks, edges = coarsen(nodes, max_blocks=MAX_BLOCKS, param_bytes=param_bytes)
     return Coarse(blocks, edges, param_bytes, _mostly_16_bit(named))
 
@@ -140,11 +145,10 @@ def make_plan(problem: PartitionProblem, blocks: list[Any], assignment: tuple[in
         stage_nodes[stage].extend(n for n in block.nodes if n != "output")
     sent = [0] * problem.stages
     received = [0] * problem.stages
-    crossings = {(e.value, assignment[e.src], assignment[e.dst]): e.bytes for e in problem.edges}
-    for (_value, a, b), nbytes in sorted(crossings.items()):
-        if a != b:
-            sent[a] += nbytes
-            received[b] += nbytes
+    for (a, b), nbytes in pair_bytes((assignment[v.producer], [assignment[r] for r in v.readers], v.bytes)
+                                     for v in values(problem)).items():
+        sent[a] += nbytes
+        received[b] += nbytes
     stage_plans = tuple(
         StagePlan(index=k, nodes=tuple(stage_nodes[k]), time_s=c.time_s, compute_s=c.compute_s,
                   comm_s=c.time_s - c.compute_s, memory_bytes=int(c.memory_bytes), param_bytes=c.weight_bytes,

@@ -5,8 +5,9 @@
     `evaluate`, `objective`, the interval DP (`intervals`), the CP-SAT model and the tests
     follow it, reading the same tables (`costmodel`).
     A value is a (producer block, name) pair: a stage receives once each value that its
-    blocks read from earlier stages, and sends once each value it makes that a later
-    stage reads; both count twice (activation forward, gradient backward).  A parameter
+    blocks read from earlier stages, and sends each value it makes once to each later
+    stage that reads it; the values a stage pair exchanges are one message, forward and
+    backward ([Note: the cost of a boundary] in cost/costmodel.py).  A parameter
     that several blocks read (tied) is held once per stage.  The last block holds the
     graph's output (`coarsen` puts it there) and lies in the last stage.
 
@@ -14,9 +15,15 @@ Two steps (torchgpipe's `blockpartition` and PipeDream solve the first alone):
     1. An exact DP over contiguous runs of the block order (`intervals`).  Every such
        plan is valid; when each block feeds the next (a chain) every valid plan is one,
        and the DP is the optimum.
-    2. Otherwise CP-SAT on the general DAG, warm-started with the DP plan, which it
-       replaces only if strictly better; its proved bound is reported.  Deterministic:
-       deterministic time limit, fixed seed, interleaved search.
+    2. Otherwise CP-SAT on the general DAG (`cpsat`), warm-started with the DP plan,
+       which it replaces only if strictly better; its proved bound is reported.
+       Deterministic: deterministic time limit, fixed seed, interleaved search.
+
+Ties are not left to chance (`plan_key`): among plans with the same slowest stage, both
+steps prefer the least sum of the stages' excess over the mean compute, then the fewest
+bytes sent; so no rank gets a lone cheap node while another plan with the same slowest
+stage spreads the work.  No stage is left without a block that computes unless there are
+fewer such blocks than stages (`fills_with_compute`; the compile says so).
 """
 
 from __future__ import annotations
@@ -27,20 +34,16 @@ from dataclasses import dataclass, replace
 from typing import Sequence
 
 import numpy as np
-from ortools.sat.python import cp_model
 
-from ..cost.costmodel import shared_params, values
+from ..cost.costmodel import boundary_s, pair_bytes, shared_params, values
 from ..errors import InfeasiblePlanError, PlanError
-from .intervals import dp_memory, dp_time
+from .cpsat import CpResult, computing_blocks, solve_cpsat
+from .intervals import dp_balanced, dp_memory, dp_time
 from ..ir import PartitionProblem, SolverReport
 from ..cost.roofline import stage_memory_bytes
 
-__all__ = ["CpResult", "StageCost", "evaluate", "objective", "solve", "solve_cpsat", "stage_costs", "violations"]
-
-#: CP-SAT works in integer units: the upper bound on the slowest stage becomes this many.
-_UNITS = 1e9
-#: a CP-SAT plan replaces the DP plan only if better by more than this fraction
-_BETTER = 1e-12
+__all__ = ["CpResult", "StageCost", "evaluate", "fills_with_compute", "objective", "plan_key", "solve", "solve_cpsat",
+           "stage_costs", "violations"]
 
 
 # -- the cost model ([Note: the cost model]) ----------------------------------------------
@@ -73,18 +76,18 @@ def stage_costs(problem: PartitionProblem, assignment: Sequence[int]) -> tuple[S
     for size, blocks in shared:
         for k in {assignment[b] for b in blocks}:
             weights[k] += size
+    pairs = pair_bytes((assignment[v.producer], [assignment[r] for r in v.readers], v.bytes)
+                       for v in values(problem))
+    comm_s = boundary_s(pairs, problem.comm_alpha_s, problem.comm_beta_s_per_byte, stages)
     messages, traffic, received = [0] * stages, [0] * stages, [0] * stages
-    for v in values(problem):
-        home = assignment[v.producer]
-        later = {assignment[r] for r in v.readers if assignment[r] > home}
-        for k in later | ({home} if later else set()):
+    for (a, b), nbytes in pairs.items():
+        for k in (a, b):
             messages[k] += 2
-            traffic[k] += 2 * v.bytes
-        for k in later:
-            received[k] += v.bytes
+            traffic[k] += 2 * nbytes
+        received[b] += nbytes
     return tuple(
         StageCost(compute[k], messages[k], traffic[k], weights[k], acts[k], problem.inflight(k),
-                  compute[k] + problem.comm_alpha_s * messages[k] + problem.comm_beta_s_per_byte * traffic[k],
+                  compute[k] + comm_s[k],
                   stage_memory_bytes(weights[k], acts[k], problem.inflight(k), problem.optimizer_factor,
                                      recompute=problem.recompute, input_bytes=received[k]),
                   received[k])
@@ -105,6 +108,9 @@ def violations(problem: PartitionProblem, assignment: Sequence[int]) -> list[str
         return [f"need {n} stages in [0, {stages})"]
     found = [f"edge {e.src}->{e.dst} goes backward" for e in problem.edges if assignment[e.src] > assignment[e.dst]]
     found += [f"stage {k} is empty" for k in sorted(set(range(stages)) - set(assignment))]
+    if fills_with_compute(problem):
+        busy = {assignment[i] for i in computing_blocks(problem)}
+        found += [f"stage {k} has no compute" for k in sorted(set(assignment) - busy)]
     if assignment[-1] != stages - 1:
         found.append("the output block is not in the last stage")
     limit = problem.memory_limit_bytes
@@ -118,6 +124,38 @@ def objective(problem: PartitionProblem, assignment: Sequence[int]) -> float:
     if violations(problem, assignment):
         return math.inf
     return max(evaluate(problem, assignment)[0])
+
+
+def fills_with_compute(problem: PartitionProblem) -> bool:
+    """Whether every stage can get a block that computes (positive time): otherwise the
+    user asked for more stages than the graph can fill, and some stage only moves data."""
+    return len(computing_blocks(problem)) >= problem.stages
+
+
+def plan_key(problem: PartitionProblem, assignment: Sequence[int]) -> tuple[float, float, int]:
+    """What `solve` minimises, in order: the slowest stage (inf when invalid), the sum of
+    the stages' excess over the mean compute (balance), the bytes sent (each value once
+    per stage that receives it)."""
+    slowest = objective(problem, assignment)
+    if not math.isfinite(slowest):
+        return (math.inf, math.inf, 0)
+    costs = stage_costs(problem, assignment)
+    mean = sum(problem.block_time_s) / problem.stages
+    return (slowest, sum(max(0.0, c.time_s - mean) for c in costs), sum(c.input_bytes for c in costs))
+
+
+def _better(problem: PartitionProblem, a: Sequence[int], b: Sequence[int] | None) -> bool:
+    """Whether plan `a` is lexicographically better than `b` (`plan_key`, times equal to
+    a relative 1e-9)."""
+    if b is None:
+        return True
+    ka, kb = plan_key(problem, a), plan_key(problem, b)
+    tol = 1e-9 * max(kb[0], 1e-30)
+    if abs(ka[0] - kb[0]) > tol:
+        return ka[0] < kb[0]
+    if abs(ka[1] - kb[1]) > tol:
+        return ka[1] < kb[1]
+    return ka[2] < kb[2]
 
 
 # -- step 1: the interval DP (`intervals`) -----------------------------------------------
@@ -142,140 +180,6 @@ def _exact(problem: PartitionProblem) -> bool:
     return problem.stages == 1 or all(i in linked for i in range(problem.num_blocks - 1))
 
 
-# -- step 2: CP-SAT over the DAG ---------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class CpResult:
-    """What CP-SAT returned: its status, its plan (if any) and the bound it proved."""
-
-    status: str
-    assignment: tuple[int, ...] | None
-    lower_bound_s: float
-
-
-class _CpModel:
-    """The stage assignment as CP-SAT booleans, in the order encoding.
-
-    ge[i][k] is stage(i) >= k (ge[i][0] is True, ge[i][S] False), so an edge is S-1
-    implications; at[i][k] is stage(i) == k.  recv/sent[v][k] say that stage k receives /
-    sends value v and held[q][k] that it holds shared parameter q: they are only forced
-    up, which minimising the slowest stage never needs more of, so the optimum and the
-    proved bound are the cost model's.  Times are integer units rounded down, so a bound
-    in units is a bound in seconds.
-    """
-
-    def __init__(self, problem: PartitionProblem, scale: float, upper_units: int) -> None:
-        self.problem, self.scale, self.model = problem, scale, cp_model.CpModel()
-        self.values, (self.own, self.shared) = values(problem), shared_params(problem)
-        self._add_placement()
-        self._add_indicators()
-        units = [self._units(t) for t in problem.block_time_s]  # no stage is faster than these
-        least = max(max(units), -(-sum(units) // problem.stages))
-        self.slowest = self.model.new_int_var(min(least, upper_units), upper_units, "slowest")
-        for k in range(problem.stages):
-            self.model.add(self.slowest >= self._time(k))
-            if problem.memory_limit_bytes is not None:
-                self.model.add(self._memory(k) <= problem.memory_limit_bytes)
-        self.model.minimize(self.slowest)
-
-    def _add_placement(self) -> None:
-        """ge/at, edges forward, the output block last, no stage empty."""
-        m, n, S = self.model, self.problem.num_blocks, self.problem.stages
-        self.ge = [[True] + [m.new_bool_var(f"ge{i}_{k}") for k in range(1, S)] + [False] for i in range(n)]
-        self.at = [[m.new_bool_var(f"at{i}_{k}") for k in range(S)] for i in range(n)]
-        for i, k in ((i, k) for i in range(n) for k in range(S)):
-            m.add(self.at[i][k] == self.ge[i][k] - self.ge[i][k + 1])
-            m.add_implication(self.ge[i][k + 1], self.ge[i][k])
-        for src, dst in sorted({(e.src, e.dst) for e in self.problem.edges}):
-            for k in range(1, S):
-                m.add_implication(self.ge[src][k], self.ge[dst][k])
-        m.add_bool_or([self.at[n - 1][S - 1]])
-        for k in range(S):
-            m.add_bool_or([self.at[i][k] for i in range(n)])
-
-    def _add_indicators(self) -> None:
-        """recv/sent of each value and held of each shared parameter, per stage."""
-        m, S = self.model, self.problem.stages
-        self.recv = [[m.new_bool_var(f"r{j}_{k}") for k in range(S)] for j in range(len(self.values))]
-        self.sent = [[m.new_bool_var(f"s{j}_{k}") for k in range(S)] for j in range(len(self.values))]
-        for j, v in enumerate(self.values):
-            for k, r in ((k, r) for k in range(S) for r in v.readers):
-                m.add_bool_or([~self.at[r][k], self.ge[v.producer][k], self.recv[j][k]])
-                m.add_bool_or([~self.at[v.producer][k], ~self.ge[r][k + 1], self.sent[j][k]])
-        self.held = [[m.new_bool_var(f"q{j}_{k}") for k in range(S)] for j in range(len(self.shared))]
-        for j, (_, blocks) in enumerate(self.shared):
-            for k, b in ((k, b) for k in range(S) for b in blocks):
-                m.add_implication(self.at[b][k], self.held[j][k])
-
-    def _units(self, seconds: float) -> int:
-        return int(math.floor(seconds * self.scale))
-
-    def _time(self, k: int) -> cp_model.LinearExprT:
-        p = self.problem
-        compute = [self._units(t) * self.at[i][k] for i, t in enumerate(p.block_time_s)]
-        comm = [self._units(2 * p.comm_alpha_s + 2 * p.comm_beta_s_per_byte * v.bytes) for v in self.values]
-        return sum(compute) + sum(c * (self.recv[j][k] + self.sent[j][k]) for j, c in enumerate(comm) if c)
-
-    def _memory(self, k: int) -> cp_model.LinearExprT:
-        p = self.problem
-        per, kept = 2 + p.optimizer_factor, 1 if p.recompute else p.inflight(k)
-        blocks = [(round(per * own) + kept * act) * self.at[i][k]
-                  for i, (own, act) in enumerate(zip(self.own, p.block_activation_bytes))]
-        inputs = [p.inflight(k) * v.bytes * self.recv[j][k] for j, v in enumerate(self.values)] if p.recompute else []
-        return sum(blocks) + sum(inputs) + sum(round(per * size) * self.held[j][k] for j, (size, _) in enumerate(self.shared))
-
-    def hint(self, assignment: Sequence[int]) -> None:
-        """Warm-start from `assignment`, auxiliary booleans included."""
-        m, S = self.model, self.problem.stages
-        for i, s in enumerate(assignment):
-            for k in range(S):
-                m.add_hint(self.at[i][k], s == k)
-                if 0 < k:
-                    m.add_hint(self.ge[i][k], s >= k)  # type: ignore[arg-type]  # a variable for 0 < k < S
-        for j, v in enumerate(self.values):
-            home, later = assignment[v.producer], {assignment[r] for r in v.readers}
-            for k in range(S):
-                m.add_hint(self.recv[j][k], home < k and k in later)
-                m.add_hint(self.sent[j][k], home == k and max(later) > k)
-        for j, (_, blocks) in enumerate(self.shared):
-            for k in range(S):
-                m.add_hint(self.held[j][k], k in {assignment[b] for b in blocks})
-
-    def read(self, solver: cp_model.CpSolver) -> tuple[int, ...]:
-        return tuple(sum(int(solver.boolean_value(g)) for g in ge[1:-1]) for ge in self.ge)
-
-
-def solve_cpsat(problem: PartitionProblem, time_limit_s: float, *, hint: Sequence[int] | None = None,
-                upper_bound_s: float | None = None, seed: int = 0, workers: int = 1,
-                wall_limit_s: float | None = None) -> CpResult:
-    """CP-SAT on the general assignment, within `time_limit_s` of deterministic time (and
-    `wall_limit_s` seconds, for benchmarks: a wall-clock limit makes the result vary)."""
-    upper = upper_bound_s if upper_bound_s is not None else _worst_time(problem)
-    scale = _UNITS / upper if upper > 0 else 1.0
-    cp = _CpModel(problem, scale, int(math.ceil(upper * scale)) + 1)
-    if hint is not None:
-        cp.hint(hint)
-    solver = cp_model.CpSolver()
-    params = solver.parameters
-    params.max_deterministic_time = time_limit_s
-    params.random_seed = seed
-    params.num_workers = workers
-    params.interleave_search = True  # deterministic whatever the workers (and faster here)
-    if wall_limit_s is not None:
-        params.max_time_in_seconds = wall_limit_s
-    status = solver.status_name(solver.solve(cp.model))
-    found = status in ("OPTIMAL", "FEASIBLE")
-    bound = solver.best_objective_bound / scale if status != "INFEASIBLE" else math.inf
-    return CpResult(status, cp.read(solver) if found else None, max(0.0, bound))
-
-
-def _worst_time(problem: PartitionProblem) -> float:
-    """A stage time no plan exceeds: all compute and every value sent and received."""
-    per_value = [2 * problem.comm_alpha_s + 2 * problem.comm_beta_s_per_byte * v.bytes for v in values(problem)]
-    return sum(problem.block_time_s) + 2 * sum(per_value)
-
-
 # -- the solver ---------------------------------------------------------------------------
 
 
@@ -290,18 +194,23 @@ def solve(problem: PartitionProblem, time_limit_s: float = 30.0, *, seed: int = 
     """
     start = time.perf_counter()
     _check(problem)
-    dp = dp_time(problem, _even_split_time(problem))
+    dp, dp_bound = dp_time(problem, _even_split_time(problem))
+    balanced = dp_balanced(problem, dp_bound) if dp is not None else None
+    if balanced is not None and _better(problem, balanced, dp):
+        dp = balanced
     report = SolverReport(method="dp", objective_s=0.0, lower_bound_s=0.0, wall_s=0.0, status="OPTIMAL",
                           blocks=problem.num_blocks, nodes=nodes)
     best, bound = dp, _trivial_bound(problem)
-    if _exact(problem):
-        bound = math.inf  # the DP saw every valid plan
+    if _exact(problem):  # every valid plan is contiguous: the DP's bound holds for all of them
+        bound = max(bound, dp_bound)
+    if _exact(problem) and (dp is None or objective(problem, dp) <= dp_bound * (1 + 1e-9)):
+        bound = math.inf  # the DP's plan meets the bound of every valid plan
     elif time_limit_s > 0:
         upper = objective(problem, dp) if dp is not None else None
         cp = solve_cpsat(problem, time_limit_s, hint=dp, upper_bound_s=upper, seed=seed, workers=workers)
         bound = max(bound, cp.lower_bound_s)
         report = replace(report, method="dp+cpsat", status=cp.status)
-        if cp.assignment is not None and (upper is None or objective(problem, cp.assignment) < upper * (1 - _BETTER)):
+        if cp.assignment is not None and _better(problem, cp.assignment, dp):
             best, report = cp.assignment, replace(report, method="cpsat")
     else:
         report = replace(report, status="FEASIBLE")

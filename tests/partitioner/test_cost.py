@@ -156,7 +156,9 @@ def test_measured_costs_are_taken_on_the_threads_a_rank_computes_on(tmp_path: Pa
         assert torch.get_num_threads() == RANK_THREADS + 1
     finally:
         torch.set_num_threads(before)
-    assert seen == [("nodes", RANK_THREADS), ("stages", RANK_THREADS)]
+    # the stages are timed once per plan: twice when the plan is solved again (driver/check.py)
+    assert seen[0] == ("nodes", RANK_THREADS) and len(seen) in (2, 3)
+    assert all(entry == ("stages", RANK_THREADS) for entry in seen[1:])
 
 
 def test_ranks_are_calibrated_side_by_side_until_the_last_is_done(tmp_path: Path,
@@ -253,7 +255,7 @@ def test_the_compile_falls_back_to_one_stage_at_a_time(tmp_path: Path, monkeypat
     said: list[str] = []
     compile_model(CompileOptions(model="examples/mlp.py", out=str(tmp_path / "pkg"), stages=2,
                                  hardware="cpu", reprofile=True, repeats=1), log=said.append)
-    assert calls == [True, False]
+    assert calls in ([True, False], [True, False] * 2)  # twice when the plan is solved again (driver/check.py)
     assert any("side by side failed (a rank died)" in line for line in said), said
     assert not [key for key in stored if key.startswith("stages-")]  # the fallback is not cached
 

@@ -112,8 +112,8 @@ def test_the_bound_is_below_every_simulated_step(tmp_path: Path, monkeypatch: py
     seen: list[tuple[float, float]] = []
     real = search.simulate_plan
 
-    def check(gm: Any, plan: Any, costs: Any, hardware: Any) -> Any:
-        sim = real(gm, plan, costs, hardware)
+    def check(gm: Any, plan: Any, costs: Any, hardware: Any, loss: Any = None) -> Any:
+        sim = real(gm, plan, costs, hardware, loss)
         seen.append((sim.step_time_s, plan.microbatches))
         return sim
 

@@ -13,7 +13,7 @@ import pytest
 
 from partitioner.errors import InfeasiblePlanError, PlanError
 from partitioner.ir import Edge, PartitionProblem
-from partitioner.solve.solve import evaluate, objective, solve, stage_costs, violations
+from partitioner.solve.solve import evaluate, fills_with_compute, objective, plan_key, solve, stage_costs, violations
 
 MiB = 1 << 20
 
@@ -243,3 +243,103 @@ def test_solve_is_deterministic_across_processes() -> None:
     outputs = {subprocess.run([sys.executable, "-c", _SCRIPT], capture_output=True, text=True, check=True,
                               env={**os.environ, "PYTHONHASHSEED": seed}).stdout for seed in ("1", "2")}
     assert len(outputs) == 1 and "method='" in outputs.pop()
+
+
+# -- [Note: the cost of a boundary] ------------------------------------------------------
+
+
+def _layers(n: int, stages: int, per_boundary: int, **options: Any) -> PartitionProblem:
+    """A chain of `n` equal layers, each handing the next `per_boundary` values of 100 bytes."""
+    edges = tuple(Edge(i, i + 1, f"v{i}_{j}", 100) for i in range(n - 1) for j in range(per_boundary))
+    return PartitionProblem(block_time_s=(1.0,) * n, block_param_bytes=(0,) * n, block_activation_bytes=(0,) * n,
+                            edges=edges, stages=stages, microbatches=4, **options)
+
+
+def test_a_boundary_is_one_message_per_stage_pair() -> None:
+    p = _layers(4, 2, 4, comm_alpha_s=0.5, comm_beta_s_per_byte=0.001)
+    costs = stage_costs(p, (0, 0, 1, 1))
+    assert [(c.messages, c.traffic_bytes) for c in costs] == [(2, 800), (2, 800)]  # 4 values, one message each way
+    assert costs[0].time_s == pytest.approx(2.0 + 2 * (0.5 + 0.001 * 400))
+    assert costs[1].time_s == pytest.approx(2.0 + 2 * (0.5 + 0.001 * 400))
+
+
+def test_a_value_read_on_two_later_stages_costs_its_sender_twice() -> None:
+    # v0 is read on stages 1 and 2: two messages from stage 0, each with its bytes
+    p = problem([1.0, 1.0, 1.0], [(0, 1), (0, 2), (1, 2)], 3, comm_alpha_s=0.5, comm_beta_s_per_byte=0.01)
+    costs = stage_costs(p, (0, 1, 2))
+    assert [(c.messages, c.traffic_bytes) for c in costs] == [(4, 400), (4, 400), (4, 400)]
+    assert costs[0].time_s == pytest.approx(1.0 + 2 * 2 * (0.5 + 0.01 * 100))
+    assert costs[2].time_s == pytest.approx(1.0 + 2 * (0.5 + 0.01 * 100) + 2 * (0.5 + 0.01 * 100))
+    assert costs[2].input_bytes == 200
+
+
+@pytest.mark.parametrize("stages", [2, 3, 4])
+def test_equal_layers_with_four_values_per_boundary_split_evenly(stages: int) -> None:
+    # Charged per value, a middle stage paid 4x the latency and the ends took more layers
+    # (3 stages: 5, 2, 5); one message per stage pair makes the even split the best.
+    p = _layers(12, stages, 4, comm_alpha_s=0.3)
+    assignment, report = solve(p, time_limit_s=5)
+    assert [assignment.count(k) for k in range(stages)] == [12 // stages] * stages
+    assert report.objective_s == pytest.approx(12 / stages + 2 * 0.3 * (2 if stages > 2 else 1))
+    assert report.gap < 1e-6
+
+
+def test_a_chain_with_skips_and_latency_equals_brute_force() -> None:
+    # values that skip stages: the DP's bound is not met, CP-SAT finishes the search
+    p = problem([2, 2, 3, 1, 2, 2], SKIPS + [(4, 5), (0, 5)], 3, comm_alpha_s=0.4, comm_beta_s_per_byte=0.01)
+    assignment, report = solve(p, time_limit_s=5)
+    assert report.objective_s == pytest.approx(brute_force(p), rel=1e-9)
+    assert report.lower_bound_s <= report.objective_s * (1 + 1e-9)
+
+
+# -- ties: balance, then traffic ---------------------------------------------------------
+
+
+def _lex_brute_force(p: PartitionProblem) -> tuple[float, float, int]:
+    """The least `plan_key` over every assignment (times rounded, so ties are ties)."""
+    keys = (plan_key(p, a) for a in itertools.product(range(p.stages), repeat=p.num_blocks))
+    return min((round(k[0], 9), round(k[1], 9), k[2]) for k in keys)
+
+
+def _rounded_key(p: PartitionProblem, assignment: Sequence[int]) -> tuple[float, float, int]:
+    k = plan_key(p, assignment)
+    return round(k[0], 9), round(k[1], 9), k[2]
+
+
+def test_ties_pick_the_balanced_plan_then_the_fewest_bytes() -> None:
+    # block 0 sets the slowest stage (5) whatever the rest does; of the plans with that
+    # max, (5 | 1 | 4) leaves stage 1 a lone cheap node, (5 | 2 | 3) and (5 | 3 | 2) are
+    # as balanced, and the first cuts the smaller value (v2, 50 bytes against v3's 100)
+    p = problem([5, 1, 1, 1, 1, 1], CHAIN, 3, bytes={2: 50})
+    assignment, report = solve(p, time_limit_s=5)
+    assert assignment == (0, 1, 1, 2, 2, 2)
+    assert report.objective_s == pytest.approx(5.0)
+
+
+@pytest.mark.parametrize("name", ["chain", "diamond", "two-towers", "multi-output", "skips"])
+def test_second_and_third_objectives_equal_brute_force(name: str) -> None:
+    edges, times, stages, options = CASES[name]
+    p = problem(times, edges, stages, **options)
+    assignment, _ = solve(p, time_limit_s=5)
+    assert _rounded_key(p, assignment) == _lex_brute_force(p)
+
+
+def test_a_dag_tie_is_broken_by_cpsat_too() -> None:
+    # 1 and 2 both read 0 and feed 3: not a chain, so CP-SAT searches; max 5 is fixed by block 0
+    p = problem([5, 1, 1, 1, 1, 1], [(0, 1), (0, 2), (1, 3), (2, 3), (3, 4), (4, 5)], 3)
+    assignment, report = solve(p, time_limit_s=5)
+    assert report.method in ("dp+cpsat", "cpsat")
+    assert _rounded_key(p, assignment) == _lex_brute_force(p)
+    assert sorted(assignment.count(k) for k in range(3)) == [1, 2, 3]
+
+
+def test_no_stage_without_compute_while_the_blocks_can_fill_them() -> None:
+    p = problem([0.0, 3.0, 0.0, 3.0, 0.0], CHAIN[:4], 2)
+    assert fills_with_compute(p)
+    assert "stage 0 has no compute" in violations(p, (0, 1, 1, 1, 1))
+    assignment, _ = solve(p, time_limit_s=5)
+    assert {assignment[1], assignment[3]} == {0, 1}
+    more = problem([0.0, 3.0, 0.0, 3.0, 0.0], CHAIN[:4], 3)  # 3 stages, 2 blocks that compute
+    assert not fills_with_compute(more)
+    assignment, _ = solve(more, time_limit_s=5)
+    assert not violations(more, assignment)

@@ -1,0 +1,120 @@
+"""Split quality on large-vocabulary transformers: our measured slowest stage against the
+splits users get elsewhere (issue 16).
+
+For Hugging Face GPT-2, Llama and BERT with their real vocabularies and 8 layers
+(`benchmarks/models/hf_*_big.py`) and S = 2, 3, 4 stages, four packages are emitted from
+one trace and each stage is timed alone on a real microbatch (forward + backward, on a
+rank's one thread; the last stage also runs the loss, timed by the compile):
+
+- ours:       the compile's plan (measured costs, the loss charged to the last stage,
+              checked against the machine and re-solved where it was off)
+- torchtitan: layers split evenly, the embedding and the head counted as one layer each
+- parameters: DeepSpeed's partition_method='parameters' (balanced parameter counts)
+- best:       the best contiguous split by the layers' own measured times (exact DP)
+
+Each figure is the median over interleaved rounds (every variant timed once per round):
+this 2-core machine is shared and noisy (~10%).
+
+    python -m benchmarks.split_quality [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from driver.compile import compile_model
+from driver.options import CompileOptions
+from driver.phases import assign_nodes, prepare
+from driver.prepared import Prepared
+from partitioner.cost.measure import rank_threads
+
+from .common import save, table, update_readme
+from .partition_quality import _node, by_layers, layers, measure_stages, split_balanced
+
+MODELS = ["benchmarks/models/hf_gpt2_big.py", "benchmarks/models/hf_llama_big.py", "benchmarks/models/hf_bert_big.py"]
+
+
+def units(prepared: Prepared) -> list[list[str]]:
+    """The model's layers as torchtitan counts them: the embedding (everything before the
+    first numbered layer) one unit, each layer one, the head (everything after) one."""
+    groups = layers(prepared)
+    numbered = [i for i, g in enumerate(groups) if any(part.isdigit() for part in _module(prepared, g).split("."))]
+    first, last = numbered[0], numbered[-1]
+    head = [n for g in groups[last + 1:] for n in g]
+    emb = [n for g in groups[:first] for n in g]
+    return ([emb] if emb else []) + groups[first:last + 1] + ([head] if head else [])
+
+
+def _module(prepared: Prepared, group: list[str]) -> str:
+    from partitioner.trace.passes import node_module
+
+    return next((node_module(_node(prepared, n)) for n in group if node_module(_node(prepared, n))), "")
+
+
+def even(n: int, parts: int) -> list[int]:
+    """torchtitan's even split of n units into parts: boundaries."""
+    return [round(i * n / parts) for i in range(parts + 1)]
+
+
+def run_model(path: str, stages: int, rounds: int, repeats: int, work: Path) -> dict[str, Any]:
+    compile_model(CompileOptions(model=path, out=str(work / "ours"), stages=stages, quiet=True, time_limit=10))
+    prepared = prepare(CompileOptions(model=path, out=str(work / "x"), stages=stages, quiet=True))
+    loss_s = prepared.loss.time_s if prepared.loss is not None else 0.0
+    groups = units(prepared)
+    params = {name: p.numel() for name, p in prepared.traced.gm.named_parameters()}
+    weights = [float(sum(params.get(a.target, 0) for n in g for a in _node(prepared, n).all_input_nodes
+                         if a.op == "get_attr")) for g in groups]
+    prepared.opts.out = str(work / "each")
+    assign_nodes(prepared, by_layers(groups, list(range(len(groups) + 1))))
+    per_unit = [statistics.median(x) for x in zip(*(measure_stages(work / "each", prepared, repeats)
+                                                     for _ in range(rounds)))]
+    per_unit[-1] += loss_s
+    splits = {"torchtitan": even(len(groups), stages), "parameters": split_balanced(weights, stages),
+              "best": split_balanced(per_unit, stages)}
+    for name, bounds in splits.items():
+        prepared.opts.out = str(work / name)
+        assign_nodes(prepared, by_layers(groups, bounds))
+    slowest: dict[str, list[float]] = {name: [] for name in ["ours", *splits]}
+    for _ in range(rounds):  # interleaved: every variant once per round
+        for name in slowest:
+            times = measure_stages(work / name, prepared, repeats)
+            times[-1] += loss_s
+            slowest[name].append(max(times))
+    row: dict[str, Any] = {"model": Path(path).stem.removesuffix("_big"), "stages": stages, "units": len(groups)}
+    for name, samples in slowest.items():
+        row[f"{name}_ms"] = statistics.median(samples) * 1e3
+    row["ours_vs_best"] = row["ours_ms"] / row["best_ms"]
+    row["ours_vs_torchtitan"] = row["ours_ms"] / row["torchtitan_ms"]
+    row["ours_vs_parameters"] = row["ours_ms"] / row["parameters_ms"]
+    return row
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--quick", action="store_true", help="one model, S=2, fewer rounds")
+    ns = parser.parse_args(argv)
+    rounds, repeats = (3, 3) if ns.quick else (5, 5)
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp, rank_threads():
+        for path in MODELS[:1] if ns.quick else MODELS:
+            for stages in [2] if ns.quick else [2, 3, 4]:
+                row = run_model(path, stages, rounds, repeats, Path(tmp) / f"{Path(path).stem}{stages}")
+                rows.append(row)
+                print(f"{row['model']} S={stages}: ours {row['ours_ms']:.2f} ms, best {row['best_ms']:.2f}, "
+                      f"torchtitan {row['torchtitan_ms']:.2f}, parameters {row['parameters_ms']:.2f}", file=sys.stderr)
+    cols = ["model", "stages", "units", "ours_ms", "best_ms", "torchtitan_ms", "parameters_ms", "ours_vs_best",
+            "ours_vs_torchtitan", "ours_vs_parameters"]
+    text = table(rows, cols)
+    print(text)
+    save("split_quality", rows)
+    update_readme("split_quality", text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,81 @@
+"""The plan checked against the machine: each stage timed as its rank runs it, and the
+problem solved once more with those times where the model was far off.
+
+[Note: the model against the machine]
+    The solver's optimum (and its "gap 0.0%") is a statement about the cost model: node
+    times measured one at a time and summed.  After solving, the compile times every
+    stage of the plan as its rank runs it (`driver.costs.stage_costs`, the calibration
+    the prediction uses).  Where the measured slowest stage is more than `RESOLVE_OFF`
+    off the model's, the blocks are posed again with the calibrated node costs (each
+    stage's nodes scaled to its measured time) and solved once more; that plan is
+    timed in turn and emitted if its measured slowest stage (with the model's messages)
+    beats the first plan's, else the first is kept.  The manifest's `predicted.calibration` keeps,
+    per stage, the model's compute and the measured one, which `show` prints side by
+    side (`codegen.report`), and whether the plan was re-solved.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from partitioner.ir import NodeCost, Plan
+from partitioner.solve.problem import coarse_graph, make_plan, pose
+from partitioner.solve.solve import solve
+
+from .costs import stage_costs
+from .prepared import Prepared
+
+__all__ = ["RESOLVE_OFF", "calibration_block", "check_plan", "stage_compute_s"]
+
+#: how far (relative) the measured slowest stage may be from the model's before re-solving
+RESOLVE_OFF = 0.10
+
+
+def stage_compute_s(p: Prepared, plan: Plan, costs: dict[str, NodeCost]) -> list[float]:
+    """Each stage's forward+backward per microbatch under `costs`, the loss on the last."""
+    loss = p.loss.time_s if p.loss is not None else 0.0
+    last = plan.num_stages - 1
+    return [sum(costs[n].time_s for n in s.nodes) + (loss if s.index == last else 0.0) for s in plan.stages]
+
+
+def check_plan(p: Prepared, plan: Plan) -> tuple[Prepared, Plan, bool, dict[str, NodeCost]]:
+    """`plan`, or where its measured slowest stage is more than RESOLVE_OFF off the model's,
+    the plan solved again with the calibrated costs (and the Prepared it was posed in);
+    True when it re-solved; and the node costs calibrated for the plan returned."""
+    calibrated = stage_costs(p, plan)
+    if calibrated is p.costs:  # analytic, or nothing to calibrate
+        return p, plan, False, calibrated
+    model = max(stage_compute_s(p, plan, p.costs))
+    measured = max(stage_compute_s(p, plan, calibrated))
+    if model <= 0 or abs(measured - model) <= RESOLVE_OFF * model:
+        return p, plan, False, calibrated
+    p.say(f"the measured slowest stage ({measured * 1e3:.3f} ms) is {(measured / model - 1) * 100:+.0f}% off the "
+          f"cost model's ({model * 1e3:.3f} ms): solving again with the stages' measured times")
+    coarse = coarse_graph(p.traced, calibrated, p.sharded, p.loss)
+    problem = pose(coarse, p.mesh, p.hardware)
+    assignment, report = solve(problem, time_limit_s=p.opts.time_limit)
+    report = dataclasses.replace(report, nodes=plan.report.nodes if plan.report else 0, blocks=problem.num_blocks)
+    again = dataclasses.replace(p, problem=problem, blocks=coarse.blocks, coarse=coarse)
+    other = make_plan(problem, coarse.blocks, assignment, report, p.mesh)
+    timed = stage_costs(again, other)
+    before, after = _measured_slowest(p, plan, calibrated), _measured_slowest(again, other, timed)
+    if after >= before:  # the model's second answer is no better on the machine: keep the first
+        p.say(f"the plan solved again is no faster measured ({after * 1e3:.3f} ms against {before * 1e3:.3f} ms): "
+              f"keeping the first")
+        return p, plan, False, calibrated
+    return again, other, True, timed
+
+
+def _measured_slowest(p: Prepared, plan: Plan, calibrated: dict[str, NodeCost]) -> float:
+    """The slowest stage of `plan`: measured compute and the model's messages."""
+    return max(c + s.comm_s for c, s in zip(stage_compute_s(p, plan, calibrated), plan.stages))
+
+
+def calibration_block(p: Prepared, plan: Plan, costs: dict[str, NodeCost], resolved: bool) -> dict[str, Any]:
+    """The manifest's `predicted.calibration`: per stage the model's compute and the
+    measured one (`costs` calibrated for `plan`), or nothing when they are the same costs."""
+    if costs is p.costs:
+        return {}
+    return {"calibration": {"model_compute_s": stage_compute_s(p, plan, p.costs),
+                            "measured_compute_s": stage_compute_s(p, plan, costs), "resolved": resolved}}
