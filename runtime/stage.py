@@ -17,11 +17,14 @@
     (`backward_weight`) later runs `torch.autograd.backward` from the same roots with
     `inputs=` the stage's parameters, which accumulates their `.grad` and frees the
     graph.  Each gradient is the one the fused B computes (the same chain rule over the
-    same graph; tests compare them at rtol 1e-5).  The price: W walks the graph again
-    from the outputs down to the deepest weight, so I + W costs more compute than B
-    (torch.distributed.pipelining avoids this by cutting the graph at each weight's
-    consumer; not done here), and the microbatch's activations live until its W.  With
-    recomputation the checkpointed forward runs again for each of the two passes.
+    same graph; tests compare them at rtol 1e-5).  W does not walk the graph again from
+    the outputs: I records the gradient at each node where a weight's edge leaves the
+    path to the inputs, and W starts there ([Note: weight-gradient seeds] in
+    split_backward.py), so I + W costs about what B does.  Where that cannot be exact
+    (a weight reached by two such edges, a stage whose inputs need no gradient, or
+    recomputation, whose checkpointed forward would run once more) W walks the whole
+    graph again from the outputs, computing the input path twice.  A microbatch's
+    activations live until its W.
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ from typing import Any, Callable
 import torch
 import torch.utils.checkpoint
 
-from . import modes
+from . import modes, split_backward
 from .errors import PipelineError
 from .manifest import StageSpec
 
@@ -56,6 +59,7 @@ class _Saved:
     loss: torch.Tensor | None = None
     roots: list[torch.Tensor] | None = None  # set by I, for W: [Note: split backward]
     root_grads: list[torch.Tensor] | None = None
+    seeds: split_backward.Seeds | None = None  # W's starting points, found by I
 
 
 @dataclass
@@ -160,7 +164,16 @@ class StageRunner:
         leaves = [a for a in saved.args if isinstance(a, torch.Tensor) and a.requires_grad]
         found: dict[int, torch.Tensor | None] = {}
         if saved.roots and leaves:
-            got = torch.autograd.grad(saved.roots, leaves, saved.root_grads or None, retain_graph=True, allow_unused=True)
+            params: list[torch.Tensor] = [p for p in self.module.parameters() if p.requires_grad]
+            saved.seeds = None if self.recompute else split_backward.plan(saved.roots, leaves, params)
+            if saved.seeds is not None:
+                saved.seeds.hook()
+            try:
+                got = torch.autograd.grad(saved.roots, leaves, saved.root_grads or None, retain_graph=True,
+                                          allow_unused=True)
+            finally:
+                if saved.seeds is not None:
+                    saved.seeds.unhook()
             found = {id(leaf): g for leaf, g in zip(leaves, got)}
         return [found.get(id(a)) if isinstance(a, torch.Tensor) else None for a in saved.args]
 
@@ -170,6 +183,9 @@ class StageRunner:
         if saved is None or saved.roots is None:
             raise PipelineError(f"stage {self.index}: W of microbatch {microbatch} before its I (the schedule is wrong).")
         del self._saved[microbatch]
+        if saved.seeds is not None and saved.seeds.complete():
+            saved.seeds.run()  # only the weights' own edges: [Note: weight-gradient seeds] in split_backward.py
+            return
         params = [p for p in self.module.parameters() if p.requires_grad]
         if saved.roots and params:
             torch.autograd.backward(saved.roots, saved.root_grads or None, inputs=params)

@@ -12,6 +12,9 @@ import torch
 
 import runtime
 from partitioner.trace import model_file
+from runtime import split_backward
+from runtime.manifest import StageInput, StageOutput, StageSpec
+from runtime.stage import StageRunner
 
 from ..conftest import FREE_LINKS as FREE, compile_example
 
@@ -51,3 +54,45 @@ def test_split_backward_gives_the_fused_gradients(example: str, options: dict[st
         for (name, g), (_, w) in zip(got, want):
             assert g is not None, f"{schedule}: {name} has no gradient"
             torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6, msg=lambda m: f"{schedule}, {name}: {m}")
+
+
+class _Reused(torch.nn.Module):
+    """fc2 runs twice: its weight is below two frontier edges ([Note: weight-gradient seeds])."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = torch.nn.Linear(6, 6), torch.nn.Linear(6, 6)
+        self.norm = torch.nn.LayerNorm(6)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor]:
+        return (self.fc2(torch.tanh(self.fc2(self.norm(self.fc1(x))))),)
+
+
+class _Plain(_Reused):
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor]:
+        return (self.fc2(torch.tanh(self.norm(self.fc1(x)))),)
+
+
+@pytest.mark.parametrize("module, seeded", [(_Plain, True), (_Reused, False)])
+def test_w_starts_at_the_weights_edges_or_walks_again(module: type[torch.nn.Module], seeded: bool) -> None:
+    """W from the recorded frontier gradients where that is exact, else the whole graph
+    again: both give the fused backward's gradients (here bit for bit)."""
+    torch.manual_seed(0)
+    spec = StageSpec(index=1, module="s", class_name="S", ranks=(1,),
+                     inputs=(StageInput(name="x", shape=(4, 6), dtype="float32", source=0, requires_grad=True),),
+                     outputs=(StageOutput(name="y", shape=(4, 6), dtype="float32", to=(2,)),), parameters=())
+    fused, split = module(), module()
+    split.load_state_dict(fused.state_dict())
+    x, g = torch.randn(4, 6), torch.randn(4, 6)
+    runners = [StageRunner(m, spec) for m in (fused, split)]
+    outs = [r.forward(0, [x.clone().requires_grad_()], train=True) for r in runners]
+    want = runners[0].backward(0, [g])
+    got = runners[1].backward_input(0, [g])
+    seeds = runners[1]._saved[0].seeds
+    assert (seeds is not None and seeds.complete()) == seeded
+    assert all(p.grad is None for p in split.parameters())  # I leaves the weights alone
+    runners[1].backward_weight(0)
+    assert torch.equal(got[0], want[0]) and outs[0][0].shape == (4, 6)
+    for (name, p), q in zip(fused.named_parameters(), split.parameters()):
+        assert q.grad is not None and torch.equal(q.grad, p.grad), name
+    assert split_backward.plan([], [], []) is None
