@@ -1,8 +1,9 @@
 """The schedule IR: actions, schedule generators, lowering to SEND/RECV, validation.
 
 A schedule is one list of `Action`s per pipeline RANK (pipeline position), run in order.
-Generators (`gpipe`, `one_f_one_b`, `interleaved_1f1b`; `zb_h1`, `zb_h2` in zero_bubble.py)
-return compute-only schedules (F and B, or F, I and W where the backward is split); `lower` adds the point-to-point actions from the stage graph; `validate`
+Generators (`gpipe`, `one_f_one_b`, `interleaved_1f1b`, `zb_h1`, `zb_h2`: zero_bubble.py)
+return compute-only schedules (F and B, or F, I and W where the backward is split);
+`lower` adds the point-to-point actions from the stage graph; `validate`
 simulates the ranks step by step and returns the rank-by-step grid that the runtimes
 interpret.  Nothing here runs a tensor: the runtimes only interpret what this module says.
 
@@ -23,6 +24,7 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any, Iterable, Mapping, Sequence
 
+from . import zero_bubble
 from .errors import ScheduleError
 from .manifest import SCHEDULES, Manifest
 
@@ -37,6 +39,8 @@ __all__ = [
     "gpipe",
     "one_f_one_b",
     "interleaved_1f1b",
+    "zb_h1",
+    "zb_h2",
     "make_schedule",
     "lower",
     "validate",
@@ -246,6 +250,22 @@ def interleaved_1f1b(ranks: int, virtual_stages: int, microbatches: int) -> Sche
     return schedule
 
 
+def zb_h1(stages: int, microbatches: int) -> Schedule:
+    """ZB-H1 (Qi et al. 2024): 1F1B with B split in I and W, W's deferred (zero_bubble.py)."""
+    _check_counts(stages, microbatches)
+    return _actions(zero_bubble.zb_h1_order(stages, microbatches))
+
+
+def zb_h2(stages: int, microbatches: int) -> Schedule:
+    """ZB-H2 (Qi et al. 2024): twice ZB-H1's warm-up, no idle slot inside a rank's span (zero_bubble.py)."""
+    _check_counts(stages, microbatches)
+    return _actions(zero_bubble.zb_h2_order(stages, microbatches))
+
+
+def _actions(order: list[list[tuple[str, int]]]) -> Schedule:
+    return [[Action(r, Kind(kind), i) for kind, i in row] for r, row in enumerate(order)]
+
+
 def make_schedule(name: str, ranks: int, microbatches: int, virtual_stages: int = 1) -> Schedule:
     """The compute schedule a manifest names: gpipe | 1f1b | interleaved | zb-h1 | zb-h2."""
     if name in ("gpipe", "1f1b", "zb-h1", "zb-h2") and virtual_stages != 1:
@@ -257,8 +277,6 @@ def make_schedule(name: str, ranks: int, microbatches: int, virtual_stages: int 
     if name == "interleaved":
         return interleaved_1f1b(ranks, virtual_stages, microbatches)
     if name in ("zb-h1", "zb-h2"):
-        from .zero_bubble import zb_h1, zb_h2  # (zero_bubble imports this module)
-        _check_counts(ranks, microbatches)
         return zb_h1(ranks, microbatches) if name == "zb-h1" else zb_h2(ranks, microbatches)
     raise ScheduleError(f"unknown schedule {name!r}: use {', '.join(SCHEDULES[:-1])} or {SCHEDULES[-1]}.")
 

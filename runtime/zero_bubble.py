@@ -22,51 +22,52 @@ F = I = W, a step takes (one action per cell; `validate` draws these grids):
     first gradient), then I, the next F while any is left, and a W held back by 2r
     microbatches, the 2r + 1 last W's closing the row: each rank is busy from its first
     action to its last (a parallelogram; the ramp S - 1 is the step's only idle time).
-    Both orders are simulated in tests/partitioner/test_simulate.py against these
-    closed forms.
+    (The orders are plain (kind, microbatch) pairs: schedule.py turns them into its
+    Actions, so this module imports nothing.)  Both orders are simulated in
+    tests/partitioner/test_simulate.py against these closed forms.
 """
 
 from __future__ import annotations
 
-from .schedule import Action, Kind, Schedule
+__all__ = ["Order", "zb_h1_order", "zb_h2_order"]
 
-__all__ = ["zb_h1", "zb_h2"]
+Order = list[list[tuple[str, int]]]  # per rank: (kind "F" | "I" | "W", microbatch); schedule.py makes Actions
 
 
-def zb_h1(stages: int, microbatches: int) -> Schedule:
+def zb_h1_order(stages: int, microbatches: int) -> Order:
     """ZB-H1: 1F1B's order with each B split in I and W and W's deferred ([Note: zero-bubble orders])."""
     rows = []
     for r in range(stages):
         warmup = min(stages - 1 - r, microbatches)
-        row = [Action(r, Kind.F, i) for i in range(warmup)]
+        row: list[tuple[str, int]] = [("F", i) for i in range(warmup)]
         weights = 0
         for j in range(microbatches):
             if warmup + j < microbatches:
-                row.append(Action(r, Kind.F, warmup + j))
-            row.append(Action(r, Kind.I, j))
+                row.append(("F", warmup + j))
+            row.append(("I", j))
             if j >= r:
-                row.append(Action(r, Kind.W, weights))
+                row.append(("W", weights))
                 weights += 1
-        row += [Action(r, Kind.W, i) for i in range(weights, microbatches)]
+        row += [("W", i) for i in range(weights, microbatches)]
         rows.append(row)
     return rows
 
 
-def zb_h2(stages: int, microbatches: int) -> Schedule:
+def zb_h2_order(stages: int, microbatches: int) -> Order:
     """ZB-H2: twice H1's warm-up forwards, W's held back by 2r ([Note: zero-bubble orders])."""
     rows = []
     for r in range(stages):
         forwards = min(2 * (stages - r) - 1, microbatches)
-        row = [Action(r, Kind.F, i) for i in range(forwards)]
+        row: list[tuple[str, int]] = [("F", i) for i in range(forwards)]
         weights = 0
         for j in range(microbatches):
-            row.append(Action(r, Kind.I, j))
+            row.append(("I", j))
             if forwards < microbatches:
-                row.append(Action(r, Kind.F, forwards))
+                row.append(("F", forwards))
                 forwards += 1
             if j >= 2 * r:
-                row.append(Action(r, Kind.W, weights))
+                row.append(("W", weights))
                 weights += 1
-        row += [Action(r, Kind.W, i) for i in range(weights, microbatches)]
+        row += [("W", i) for i in range(weights, microbatches)]
         rows.append(row)
     return rows

@@ -21,8 +21,9 @@ from runtime.schedule import (
     one_f_one_b,
     parse_schedule,
     validate,
+    zb_h1,
+    zb_h2,
 )
-from runtime.zero_bubble import zb_h1, zb_h2
 
 # stage 0 feeds stages 1 and 2 (a skip value), stage 1 feeds stage 2
 SKIP = StageGraph(3, 3, ((0, 1), (0, 2), (1, 2)), frozenset({(0, 1), (0, 2), (1, 2)}))
