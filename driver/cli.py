@@ -74,6 +74,8 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--quiet", action="store_true")
     s = sub.add_parser("show", help="print a package's plan")
     s.add_argument("dir")
+    s.add_argument("--timeline", metavar="FILE.png",
+                   help="also draw the predicted step, ranks x time (README, 'Zero-bubble schedules')")
     r = sub.add_parser("run", help="train a package for a few steps under torchrun")
     r.add_argument("dir")
     r.add_argument("--nproc", type=int, required=True)
@@ -119,9 +121,17 @@ def read_manifest(directory: str) -> dict[str, Any]:
 def _show(ns: argparse.Namespace) -> int:
     manifest = read_manifest(ns.dir)
     try:
-        print(format_plan(Manifest.from_json(manifest, f"{ns.dir}/manifest.json")), end="")
+        parsed = Manifest.from_json(manifest, f"{ns.dir}/manifest.json")
+        print(format_plan(parsed), end="")
     except (KeyError, TypeError, IndexError) as exc:
         raise PackageError(f"{ns.dir}/manifest.json is missing fields ({exc}): compile the model again.") from None
+    if ns.timeline:
+        from partitioner.predict import timeline
+
+        sim = timeline.simulate_manifest(parsed)
+        timeline.draw(sim.events, parsed.mesh.pp, ns.timeline, f"{parsed.schedule}, {parsed.mesh.pp} ranks, "
+                      f"{parsed.microbatches} microbatches (predicted compute)")
+        print(f"wrote {ns.timeline}")
     return 0
 
 

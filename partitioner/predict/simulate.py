@@ -50,6 +50,7 @@ class Simulation:
     step_time_s: float
     busy_s: tuple[float, ...]  # compute per rank (the loss included)
     peak_inflight: tuple[int, ...]  # per stage
+    events: tuple[tuple[int, float, float, str], ...] = ()  # (rank, start, end, action) of each compute
 
 
 def simulate(
@@ -90,7 +91,7 @@ def simulate(
                 progressed = True
         if not progressed:
             raise ValueError(f"the {schedule} schedule deadlocks in simulation")
-    return Simulation(max(clock.free) + final_s, tuple(clock.busy), tuple(clock.peak))
+    return Simulation(max(clock.free) + final_s, tuple(clock.busy), tuple(clock.peak), tuple(clock.events))
 
 
 class _Clock:
@@ -108,6 +109,7 @@ class _Clock:
         self.send_s, self.recv_s, self.loss_s, self.weight_share = send_s, recv_s, loss_s, weight_share
         self.free, self.busy = [0.0] * ranks, [0.0] * ranks
         self.inflight, self.peak = [0] * stages, [0] * stages
+        self.events: list[tuple[int, float, float, str]] = []  # what the timeline draws
         self.posted: dict[tuple[bool, int, int, int], float] = {}  # (backward, from, to, microbatch): posted at
 
     def run(self, rank: int, a: Action) -> bool:
@@ -134,6 +136,7 @@ class _Clock:
         own = share * (self.forward_s[a.stage] if forward else self.backward_s[a.stage])
         loss = self.loss_s[0 if forward else 1] if a.stage == self.last and a.kind != Kind.W else 0.0
         took = own + loss
+        self.events.append((rank, self.free[rank], self.free[rank] + took, repr(a)))
         self.free[rank] += took
         self.busy[rank] += took
         self.inflight[a.stage] += 1 if forward else -1 if a.kind in (Kind.B, Kind.W) else 0
