@@ -82,6 +82,7 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--steps", type=int, default=5)
     r.add_argument("--lr", type=float, default=0.01)
     r.add_argument("--trace", help="write a Chrome/Perfetto trace of the steps to this file")
+    r.add_argument("--timeline", metavar="FILE.png", help="draw the last step's measured timeline (needs --trace)")
     return parser
 
 
@@ -140,9 +141,18 @@ def _run(ns: argparse.Namespace) -> int:
     from runtime import launch
 
     argv = [ns.dir, "--nproc", str(ns.nproc), "--steps", str(ns.steps), "--lr", str(ns.lr)]
+    if ns.timeline and not ns.trace:
+        raise PackageError("--timeline draws the measured steps from the trace: add --trace FILE.json.")
     if ns.trace:
         argv += ["--trace", ns.trace]
-    return launch.main(argv)
+    rc = launch.main(argv)
+    if rc == 0 and ns.timeline:
+        from partitioner.predict import timeline
+
+        events, ranks = timeline.measured_events(ns.trace)
+        timeline.draw(events, ranks, ns.timeline, f"{ns.dir}, last step measured")
+        print(f"wrote {ns.timeline}")
+    return rc
 
 
 def main(argv: Sequence[str] | None = None) -> int:

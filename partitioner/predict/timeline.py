@@ -5,11 +5,13 @@
 2 as the cost model counts FLOPs; messages free: the manifest keeps no link times, so the
 chart shows the schedule's own bubble, not the links') and draws what each rank runs
 when, so the bubble, and where a zero-bubble schedule moved it, can be seen.  matplotlib
-draws it (the `plot` extra).
+draws it (the `plot` extra).  `partitioner run DIR --trace FILE --timeline FILE.png`
+draws the measured last step the same way (`measured_events`).
 """
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 from typing import Sequence
@@ -19,7 +21,7 @@ from runtime.manifest import Manifest
 from ..errors import PackageError
 from .simulate import Simulation, simulate
 
-__all__ = ["simulate_manifest", "draw", "COLORS"]
+__all__ = ["simulate_manifest", "measured_events", "draw", "COLORS"]
 
 COLORS = {"F": "#4c72b0", "B": "#dd8452", "I": "#c44e52", "W": "#55a868"}
 
@@ -32,6 +34,23 @@ def simulate_manifest(m: Manifest) -> Simulation:
     forward, backward = [c / 3 for c in compute], [2 * c / 3 for c in compute]
     links = {(e.source, s.index): 0.0 for s in m.stages for e in s.inputs if e.source != "input"}
     return simulate(forward, backward, links, m.schedule, m.mesh.pp, m.microbatches, m.virtual_stages)
+
+
+def measured_events(trace: str | Path) -> tuple[list[tuple[int, float, float, str]], int]:
+    """The last step's compute of a `partitioner run --trace` file (runtime/tracing.py), as
+    `draw` takes it, and the number of ranks (rows: global ranks)."""
+    try:
+        spans = [e for e in json.loads(Path(trace).read_text())["traceEvents"]
+                 if e.get("ph") == "X" and e.get("cat") in COLORS]
+    except (OSError, ValueError, KeyError) as exc:
+        raise PackageError(f"cannot read the trace {trace} ({exc}): run with --trace FILE again.") from None
+    if not spans:
+        raise PackageError(f"the trace {trace} holds no forward or backward: run with --trace FILE again.")
+    last = max(e["args"]["step"] for e in spans)
+    spans = [e for e in spans if e["args"]["step"] == last]
+    zero = min(e["ts"] for e in spans)
+    events = [(int(e["pid"]), (e["ts"] - zero) / 1e6, (e["ts"] + e["dur"] - zero) / 1e6, str(e["name"])) for e in spans]
+    return events, max(r for r, *_ in events) + 1
 
 
 def draw(events: Sequence[tuple[int, float, float, str]], ranks: int, path: str | Path, title: str) -> None:
