@@ -108,7 +108,7 @@ def format_plan(manifest: Manifest) -> str:
             lines_c.append(
                 f"  pp={c['pp']:<3} dp={c['dp']:<3} tp={c['tp']:<2} microbatches={c['microbatches']:<4} "
                 f"step {c['step_time_s'] * 1e3:9.3f} ms  MFU {c['mfu'] * 100:5.2f}%  peak {format_bytes(c['memory_bytes'])}"
-                + ("  recompute" if c.get("recompute") else "")
+                + (f"  {c['schedule']}" if c.get("schedule") else "") + ("  recompute" if c.get("recompute") else "")
             )
         table = table + lines_c
     return "\n".join(lines + [""] + table) + "\n"

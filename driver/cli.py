@@ -55,7 +55,7 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--dp", type=int, default=1, help="data-parallel replicas (default 1)")
     c.add_argument("--devices", type=int, help="total devices: stages x tp x dp")
     c.add_argument("--microbatches", type=int, help="default: 2 x stages")
-    c.add_argument("--schedule", default="1f1b", help="gpipe | 1f1b | interleaved (default 1f1b)")
+    c.add_argument("--schedule", default="1f1b", help="gpipe | 1f1b | interleaved | zb-h1 | zb-h2 | auto (with --devices: the fastest that fits; default 1f1b)")
     c.add_argument("--virtual-stages", type=int, default=2, help="stages per rank for interleaved (default 2)")
     c.add_argument("--memory", help="memory per device, e.g. 16GiB (default: the device's own)")
     c.add_argument("--hardware", help="cpu | a100 | h100 | h200 | a JSON profile (default: this machine)")
@@ -77,6 +77,8 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--quiet", action="store_true")
     s = sub.add_parser("show", help="print a package's plan")
     s.add_argument("dir")
+    s.add_argument("--timeline", metavar="FILE.png",
+                   help="also draw the predicted step, ranks x time (README, 'Zero-bubble schedules')")
     r = sub.add_parser("run", help="train a package for a few steps under torchrun")
     r.add_argument("dir")
     r.add_argument("--nproc", type=int, required=True)
@@ -84,6 +86,7 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--lr", type=float, default=0.01)
     launch.add_training_arguments(r)
     r.add_argument("--trace", help="write a Chrome/Perfetto trace of the steps to this file")
+    r.add_argument("--timeline", metavar="FILE.png", help="draw the last step's measured timeline (needs --trace)")
     checkpointing.add_arguments(r)
     e = sub.add_parser("export", help="write a checkpoint's weights as safetensors (--hf: a from_pretrained folder)")
     e.add_argument("ckpt", help="a checkpoint folder of save_checkpoint / run --checkpoint")
@@ -135,16 +138,32 @@ def _show(ns: argparse.Namespace) -> int:
         print(format_plan(typed) + format_kept(sources), end="")
     except (KeyError, TypeError, IndexError) as exc:
         raise PackageError(f"{ns.dir}/manifest.json is missing fields ({exc}): compile the model again.") from None
+    if ns.timeline:
+        from partitioner.predict import timeline
+
+        sim = timeline.simulate_manifest(typed)
+        timeline.draw(sim.events, typed.mesh.pp, ns.timeline, f"{typed.schedule}, {typed.mesh.pp} ranks, "
+                      f"{typed.microbatches} microbatches (predicted compute)")
+        print(f"wrote {ns.timeline}")
     return 0
 
 
 def _run(ns: argparse.Namespace) -> int:
     read_manifest(ns.dir)
     argv = [ns.dir, "--nproc", str(ns.nproc), "--steps", str(ns.steps), "--lr", str(ns.lr)] + launch.training_arguments(ns)
+    if ns.timeline and not ns.trace:
+        raise PackageError("--timeline draws the measured steps from the trace: add --trace FILE.json.")
     if ns.trace:
         argv += ["--trace", ns.trace]
     checkpointing.check_arguments(ns)
-    return launch.main(argv + checkpointing.worker_arguments(ns))
+    rc = launch.main(argv + checkpointing.worker_arguments(ns))
+    if rc == 0 and ns.timeline:
+        from partitioner.predict import timeline
+
+        events, ranks = timeline.measured_events(ns.trace)
+        timeline.draw(events, ranks, ns.timeline, f"{ns.dir}, last step measured")
+        print(f"wrote {ns.timeline}")
+    return rc
 
 
 def _export(ns: argparse.Namespace) -> int:

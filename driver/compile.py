@@ -34,7 +34,8 @@ def compile_model(opts: CompileOptions, log: Callable[[str], None] | None = None
     candidate mesh, and 6-7 for the best.
     """
     say = log or (lambda msg: None if opts.quiet else print(msg, file=sys.stderr))
-    if opts.devices is not None and (opts.stages is None or opts.tp is None or opts.microbatches is None):
+    if opts.devices is not None and (opts.stages is None or opts.tp is None or opts.microbatches is None
+                                     or opts.schedule == "auto"):
         return search(opts, say)
     opts = fixed_tp(opts)
     prepared = prepare(opts, say)  # 1. load, 2. trace, 3. cost, 4. tp, and the problem of 5 posed

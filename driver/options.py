@@ -56,8 +56,11 @@ def check(opts: CompileOptions) -> tuple[int, int, int]:
     """(stages per rank, virtual stages, microbatches; 0: chosen from the batch) for
     options whose `tp` is set (see `fixed_tp`)."""
     assert opts.tp is not None, "compile_model fixes --tp before checking"
+    if opts.schedule == "auto":
+        raise PlanError("--schedule auto chooses the schedule while searching the meshes of --devices N: give "
+                        f"--devices, or name a schedule ({', '.join(SCHEDULES)}).")
     if opts.schedule not in SCHEDULES:
-        raise PlanError(f"unknown --schedule {opts.schedule!r}: choose one of {', '.join(SCHEDULES)}.")
+        raise PlanError(f"unknown --schedule {opts.schedule!r}: choose one of {', '.join(SCHEDULES)} or auto.")
     if opts.tp < 1:
         raise PlanError(f"--tp {opts.tp}: the tensor-parallel degree is at least 1 (1: no tensor parallelism).")
     pp = opts.stages if opts.stages is not None else 2

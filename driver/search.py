@@ -15,6 +15,10 @@
                  compute alone), until the bound passes the SHOWN-th best step found:
                  the best SHOWN are those simulating every candidate would find;
     5. emit the best; the best SHOWN are recorded in the manifest for `show`.
+
+With `--schedule auto` every mesh is also tried under each schedule of AUTO_SCHEDULES
+(the zero-bubble ones only with 2 stages or more), each posed with its own memory (ZB-H2
+holds twice the microbatches), so the fastest predicted schedule that fits wins.
 """
 
 from __future__ import annotations
@@ -39,6 +43,8 @@ from .prepared import Compiled, Prepared, Source
 __all__ = ["Candidate", "search"]
 
 SHOWN = 5
+#: what `--schedule auto` tries (interleaved is left out: its stage count is its own choice)
+AUTO_SCHEDULES = ("gpipe", "1f1b", "zb-h1", "zb-h2")
 #: a bound this close to a step time still gets simulated (float sums in another order)
 _BOUND_SLACK = 1e-9
 
@@ -57,6 +63,7 @@ class Candidate:
     fits: bool = True
     note: str = ""
     recompute: bool = False
+    schedule: str = ""
 
 
 @dataclass
@@ -85,15 +92,17 @@ def search(opts: CompileOptions, say: Callable[[str], None]) -> Compiled:
     solved: list[_Solved] = []
     failed: list[Candidate] = []
     for pp, tp, dp, m in meshes:
-        sub = dataclasses.replace(opts, devices=None, stages=pp, tp=tp, dp=dp, microbatches=m, quiet=True)
-        base = shapes.split(sub, source.batch // (m * dp), tp)
-        if base is None:
-            continue  # the solver split nothing: tp ranks would only repeat each other's work
-        found = _solve(base, sub, pp, m)
-        if isinstance(found, Candidate):
-            failed.append(found)
-        elif found is not None:
-            solved.append(found)
+        for schedule in _schedules(opts.schedule, pp):
+            sub = dataclasses.replace(opts, devices=None, stages=pp, tp=tp, dp=dp, microbatches=m, quiet=True,
+                                      schedule=schedule)
+            base = shapes.split(sub, source.batch // (m * dp), tp)
+            if base is None:
+                break  # the solver split nothing: tp ranks would only repeat each other's work
+            found = _solve(base, sub, pp, m)
+            if isinstance(found, Candidate):
+                failed.append(found)
+            elif found is not None:
+                solved.append(found)
     ranked = _simulate(solved, opts.devices, say)
     if not ranked:
         notes = "; ".join(f"pp={c.pp} tp={c.tp} dp={c.dp} M={c.microbatches}: {c.note}" for c in failed[:4])
@@ -101,7 +110,7 @@ def search(opts: CompileOptions, say: Callable[[str], None]) -> Compiled:
             f"no mesh of {opts.devices} devices fits --memory ({notes}): raise --memory or add devices."
         )
     best, win = ranked[0]
-    say(f"best mesh: pp={best.pp} tp={best.tp} dp={best.dp}, {best.microbatches} microbatches"
+    say(f"best mesh: pp={best.pp} tp={best.tp} dp={best.dp}, {best.microbatches} microbatches, {best.schedule}"
         + (", activations recomputed" if best.recompute else ""))
     shown = [dataclasses.asdict(c) for c, _ in ranked[:SHOWN]]
     return finish(win.prepared, win.assignment, win.report, extra={"candidates": shown})
@@ -131,6 +140,14 @@ def _meshes(devices: int, batch: int, opts: CompileOptions, tp_limit: int | None
                 if m > 0 and batch % (m * dp) == 0 and (opts.schedule != "interleaved" or m % pp == 0):
                     out.append((pp, tp, dp, m))
     return out
+
+
+def _schedules(schedule: str, pp: int) -> tuple[str, ...]:
+    """The schedules a mesh of `pp` stages is tried with: the one asked for, or under
+    auto each of AUTO_SCHEDULES (the zero-bubble ones only where there is a pipeline)."""
+    if schedule != "auto":
+        return (schedule,)
+    return tuple(s for s in AUTO_SCHEDULES if pp > 1 or not s.startswith("zb"))
 
 
 def _tp_limit(hardware: Hardware) -> int | None:
@@ -195,9 +212,9 @@ def _solve(base: Prepared, opts: CompileOptions, pp: int, microbatches: int) -> 
             return None
         plan = make_plan(prepared.problem, prepared.blocks, assignment, report, prepared.mesh)
         cand = Candidate(pp, opts.dp, opts.tp or 1, microbatches, memory_bytes=max(s.memory_bytes for s in plan.stages),
-                         recompute=sub.recompute)
+                         recompute=sub.recompute, schedule=opts.schedule)
         return _Solved(cand, prepared, assignment, report, plan, _bound(prepared, assignment, plan))
-    return Candidate(pp, opts.dp, opts.tp or 1, microbatches, fits=False, note=note)
+    return Candidate(pp, opts.dp, opts.tp or 1, microbatches, fits=False, note=note, schedule=opts.schedule)
 
 
 def _repose(base: Prepared, opts: CompileOptions, pp: int, microbatches: int) -> Prepared:
@@ -219,7 +236,9 @@ def _bound(prepared: Prepared, assignment: tuple[int, ...], plan: Plan) -> float
 
     (rank r starts with stage r's first forward and ends with its last backward in
     every schedule; links, the loss and the data-parallel all-reduce only add).  For
-    equal stages and free links it is (M + S - 1) x stage time, the step itself."""
+    equal stages and free links it is (M + S - 1) x stage time, the step itself.  Under a
+    zero-bubble schedule a rank's last action may be a W that waits for nobody: the
+    backward path out is left out there."""
     costs = prepared.costs
     forward = [sum(costs[n].forward_s for n in s.nodes) for s in plan.stages]
     backward = [s.compute_s - f for s, f in zip(plan.stages, forward)]  # recomputation included
@@ -235,6 +254,8 @@ def _bound(prepared: Prepared, assignment: tuple[int, ...], plan: Plan) -> float
     work = [0.0] * plan.pp
     for s in plan.stages:
         work[s.index % plan.pp] += s.compute_s
+    if plan.schedule.startswith("zb"):
+        out = [0.0] * plan.num_stages
     return max(into[r] + plan.microbatches * work[r] + out[r] for r in range(plan.pp)) * (1 - _BOUND_SLACK)
 
 
@@ -258,6 +279,6 @@ def _simulate(solved: list[_Solved], devices: int, say: Callable[[str], None]) -
                                                                            p.hardware.peak_flops))
         ranked.append((cand, item))
         ranked.sort(key=lambda r: (r[0].step_time_s, r[0].tp, r[0].pp, r[0].microbatches, r[0].recompute))
-        say(f"  mesh pp={c.pp} tp={c.tp} dp={c.dp} M={c.microbatches}{' recompute' if c.recompute else ''}: "
+        say(f"  mesh pp={c.pp} tp={c.tp} dp={c.dp} M={c.microbatches} {c.schedule}{' recompute' if c.recompute else ''}: "
             f"{cand.step_time_s * 1e3:.3f} ms, MFU {cand.mfu * 100:.1f}%")
     return ranked

@@ -228,6 +228,8 @@ class PartitionProblem:
         """Microbatches whose activations stage `stage` holds at its peak."""
         if self.schedule == "gpipe":
             return self.microbatches
+        if self.schedule in ("zb-h1", "zb-h2"):  # every rank holds 1F1B's first-rank peak, or twice it
+            return min(self.stages * (1 if self.schedule == "zb-h1" else 2), self.microbatches)
         return min(self.stages - stage, self.microbatches)
 
 

@@ -17,7 +17,8 @@ its own stage files and interprets its own row of the lowered schedule:
                             rank t sends its own local tensors to tp rank t) as one
                             message (messages.py), wait at 7
            RECV_F / RECV_B  irecv into a fresh buffer and wait, with the timeout
-           before the last B of each stage: arm its dp gradient buckets (comm.py)
+           I / W            B split in two ([Note: split backward] in stage.py)
+           before the last B (or W) of each stage: arm its dp gradient buckets (comm.py)
       3. wait for the dp buckets: gradients averaged over the replicas
       4. tied parameters across ranks: sum the copies' contributions (comm.TiedGrads)
       5. the loss: all_reduce of the last stages' sums over the world (t = 0 only: every
@@ -341,8 +342,10 @@ class DistributedPipeline:
         with self.tracer.span(repr(a), s, a.kind.value, i, **({"peer": a.peer} if a.peer is not None else {})):
             if a.kind == Kind.F:
                 self._forward(s, i, step, mb_inputs, targets, loss_fn)
-            elif a.kind == Kind.B:
-                self._backward(s, i, step)
+            elif a.kind == Kind.W:
+                self.runners[s].backward_weight(i)  # [Note: split backward] in stage.py
+            elif a.kind.sends_grads:
+                self._backward(s, i, step, a.kind == Kind.I)
             elif a.kind.is_send:
                 self._send(a, step)
             else:
@@ -373,7 +376,7 @@ class DistributedPipeline:
         else:
             step.results.append(out)
 
-    def _backward(self, s: int, i: int, step: _Step) -> None:
+    def _backward(self, s: int, i: int, step: _Step, input_only: bool = False) -> None:
         runner = self.runners[s]
         grads: list[torch.Tensor | None] | None = None
         if not runner.is_last:
@@ -387,7 +390,7 @@ class DistributedPipeline:
                         if g is not None:
                             total = g if total is None else total + g
                 grads.append(total)
-        got = runner.backward(i, grads)
+        got = runner.backward_input(i, grads) if input_only else runner.backward(i, grads)
         step.in_grads[(s, i)] = {spec.name: g for spec, g in zip(runner.entry.inputs, got) if not spec.from_batch}
         step.outputs.pop((s, i), None)
 
@@ -491,10 +494,10 @@ class DistributedPipeline:
         self._buckets = (GradBuckets(plain, groups.dp, self.dp, self.timeout_s,
                                      self._describe("the data-parallel gradient all_reduce", groups.dp_ranks))
                          if self.dp > 1 and plain else None)
-        # arm each parameter right before the last B (of any stage holding it) on this rank
+        # arm each parameter right before the last B or W (of any stage holding it) on this rank
         last_b: dict[int, int] = {}
         for t, a in enumerate(self._train_actions):
-            if a.kind == Kind.B:
+            if a.kind in (Kind.B, Kind.W):
                 for spec in self.runners[a.stage].entry.parameters:
                     last_b[id(getattr(self.runners[a.stage].module, spec.name))] = t
         self._arm_at: dict[int, list[torch.nn.Parameter]] = {}

@@ -19,6 +19,7 @@ tp.py).  With tp = 1 there is one lane, run in the calling thread.  CPU only whe
               outputs as fresh leaves; the last stage adds loss_fn(out, t_i) / (M*dp)
            B  stage s, microbatch i: output grads = SUM of the readers' input grads;
               autograd.backward; keep this stage's input grads for its producers
+           I  as B, input grads only;  W  the weight grads ([Note: split backward] in stage.py)
       3. the loss returned is the sum of the scaled microbatch losses (lane 0's; every
          lane computes the same)
 """
@@ -327,10 +328,13 @@ class LocalPipeline:
                         total = total + runner.loss(i, out, target, loss_fn, scale[i])
                     else:
                         results.append(out)
-            elif a.kind == Kind.B:
+            elif a.kind == Kind.W:  # [Note: split backward] in stage.py
+                with self.streams.on(s):
+                    runner.backward_weight(i)
+            elif a.kind.sends_grads:  # B, or I
                 grads = None if runner.is_last else [self._grad(o, s, i, in_grads) for o in runner.entry.outputs]
                 with self.streams.on(s):
-                    got = runner.backward(i, grads)
+                    got = runner.backward(i, grads) if a.kind == Kind.B else runner.backward_input(i, grads)
                 in_grads[(s, i)] = {spec.name: g for spec, g in zip(runner.entry.inputs, got) if not spec.from_batch}
         return total if train else results
 

@@ -1,8 +1,9 @@
 """The schedule IR: actions, schedule generators, lowering to SEND/RECV, validation.
 
 A schedule is one list of `Action`s per pipeline RANK (pipeline position), run in order.
-Generators (`gpipe`, `one_f_one_b`, `interleaved_1f1b`) return compute-only schedules
-(F and B); `lower` adds the point-to-point actions from the stage graph; `validate`
+Generators (`gpipe`, `one_f_one_b`, `interleaved_1f1b`, `zb_h1`, `zb_h2`: zero_bubble.py)
+return compute-only schedules (F and B, or F, I and W where the backward is split);
+`lower` adds the point-to-point actions from the stage graph; `validate`
 simulates the ranks step by step and returns the rank-by-step grid that the runtimes
 interpret.  Nothing here runs a tensor: the runtimes only interpret what this module says.
 
@@ -23,6 +24,7 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any, Iterable, Mapping, Sequence
 
+from . import zero_bubble
 from .errors import ScheduleError
 from .manifest import SCHEDULES, Manifest
 
@@ -37,6 +39,8 @@ __all__ = [
     "gpipe",
     "one_f_one_b",
     "interleaved_1f1b",
+    "zb_h1",
+    "zb_h2",
     "make_schedule",
     "lower",
     "validate",
@@ -53,6 +57,8 @@ class Kind(str, Enum):
 
     F = "F"
     B = "B"
+    I = "I"  # noqa: E741  (the input-gradient half of B: [Note: split backward] in stage.py)
+    W = "W"  # the weight-gradient half of B, after the I of the same stage and microbatch
     SEND_F = "SEND_F"
     RECV_F = "RECV_F"
     SEND_B = "SEND_B"
@@ -70,15 +76,20 @@ class Kind(str, Enum):
 
     @property
     def is_backward(self) -> bool:
-        """B, or a message of the backward pass (a gradient)."""
-        return self in (Kind.B, Kind.SEND_B, Kind.RECV_B)
+        """B, I, W, or a message of the backward pass (a gradient)."""
+        return self in (Kind.B, Kind.I, Kind.W, Kind.SEND_B, Kind.RECV_B)
+
+    @property
+    def sends_grads(self) -> bool:
+        """B or I: the action that makes the stage's input gradients (what SEND_B sends)."""
+        return self in (Kind.B, Kind.I)
 
 
-F, B = Kind.F, Kind.B
+F, B, I, W = Kind.F, Kind.B, Kind.I, Kind.W
 SEND_F, RECV_F, SEND_B, RECV_B = Kind.SEND_F, Kind.RECV_F, Kind.SEND_B, Kind.RECV_B
-COMPUTE = (F, B)
+COMPUTE = (F, B, I, W)
 COMM = (SEND_F, RECV_F, SEND_B, RECV_B)
-_ACTION = re.compile(r"^(\d+)(SEND_F|RECV_F|SEND_B|RECV_B|F|B)(\d+)(?:([<>])(\d+))?$")
+_ACTION = re.compile(r"^(\d+)(SEND_F|RECV_F|SEND_B|RECV_B|F|B|I|W)(\d+)(?:([<>])(\d+))?$")
 
 
 @dataclass(frozen=True)
@@ -239,9 +250,25 @@ def interleaved_1f1b(ranks: int, virtual_stages: int, microbatches: int) -> Sche
     return schedule
 
 
+def zb_h1(stages: int, microbatches: int) -> Schedule:
+    """ZB-H1 (Qi et al. 2024): 1F1B with B split in I and W, W's deferred (zero_bubble.py)."""
+    _check_counts(stages, microbatches)
+    return _actions(zero_bubble.zb_h1_order(stages, microbatches))
+
+
+def zb_h2(stages: int, microbatches: int) -> Schedule:
+    """ZB-H2 (Qi et al. 2024): twice ZB-H1's warm-up, no idle slot inside a rank's span (zero_bubble.py)."""
+    _check_counts(stages, microbatches)
+    return _actions(zero_bubble.zb_h2_order(stages, microbatches))
+
+
+def _actions(order: list[list[tuple[str, int]]]) -> Schedule:
+    return [[Action(r, Kind(kind), i) for kind, i in row] for r, row in enumerate(order)]
+
+
 def make_schedule(name: str, ranks: int, microbatches: int, virtual_stages: int = 1) -> Schedule:
-    """The compute schedule a manifest names: gpipe | 1f1b | interleaved."""
-    if name in ("gpipe", "1f1b") and virtual_stages != 1:
+    """The compute schedule a manifest names: gpipe | 1f1b | interleaved | zb-h1 | zb-h2."""
+    if name in ("gpipe", "1f1b", "zb-h1", "zb-h2") and virtual_stages != 1:
         raise ScheduleError(f"schedule {name!r} runs one stage per rank but the package has {virtual_stages}: compile with --schedule interleaved.")
     if name == "gpipe":
         return gpipe(ranks, microbatches)
@@ -249,6 +276,8 @@ def make_schedule(name: str, ranks: int, microbatches: int, virtual_stages: int 
         return one_f_one_b(ranks, microbatches)
     if name == "interleaved":
         return interleaved_1f1b(ranks, virtual_stages, microbatches)
+    if name in ("zb-h1", "zb-h2"):
+        return zb_h1(ranks, microbatches) if name == "zb-h1" else zb_h2(ranks, microbatches)
     raise ScheduleError(f"unknown schedule {name!r}: use {', '.join(SCHEDULES[:-1])} or {SCHEDULES[-1]}.")
 
 
@@ -273,7 +302,9 @@ def lower(schedule: Schedule, graph: StageGraph | Manifest | Mapping[str, Any]) 
                 out += [Action(s, RECV_F, i, p) for p in g.producers(s) if g.rank_of(p) != r]
                 out.append(a)
                 out += [Action(s, SEND_F, i, c) for c in g.consumers(s) if g.rank_of(c) != r]
-            elif a.kind == B:
+            elif a.kind == W:
+                out.append(a)  # no message: W only needs this stage's own I
+            elif a.kind.sends_grads:
                 out += [Action(s, RECV_B, i, c) for c in g.consumers(s) if g.rank_of(c) != r and (s, c) in g.grad_edges]
                 out.append(a)
                 out += [Action(s, SEND_B, i, p) for p in g.producers(s) if g.rank_of(p) != r and (p, s) in g.grad_edges]
@@ -311,7 +342,8 @@ def execution_order(grid: Grid) -> list[tuple[int, Action]]:
 def _expected(schedule: Schedule, g: StageGraph, microbatches: int) -> dict[Action, int]:
     """Every action the schedule must hold, with the rank it belongs on."""
     acts = [a for row in schedule for a in row]
-    kinds = [F, B] if any(a.kind == B for a in acts) else [F]
+    split = any(a.kind in (I, W) for a in acts)
+    kinds = [F, I, W] if split else [F, B] if any(a.kind == B for a in acts) else [F]
     lowered = any(not a.is_compute for a in acts)
     want: dict[Action, int] = {}
     for s in range(g.num_stages):
@@ -324,7 +356,7 @@ def _expected(schedule: Schedule, g: StageGraph, microbatches: int) -> dict[Acti
                 if g.rank_of(c) != g.rank_of(s):
                     want[Action(s, SEND_F, i, c)] = g.rank_of(s)
                     want[Action(c, RECV_F, i, s)] = g.rank_of(c)
-                    if B in kinds and (s, c) in g.grad_edges:
+                    if len(kinds) > 1 and (s, c) in g.grad_edges:
                         want[Action(c, SEND_B, i, s)] = g.rank_of(c)
                         want[Action(s, RECV_B, i, c)] = g.rank_of(s)
     return want
@@ -337,7 +369,9 @@ def _check_actions(schedule: Schedule, g: StageGraph, microbatches: int | None) 
     seen: set[Action] = set()
     for r, row in enumerate(schedule):
         for t, a in enumerate(row):
-            if a not in want:
+            if a not in want and a.kind in (B, I, W) and Action(a.stage, F, a.microbatch) in want:
+                why = "mixes B with I and W: split every backward of the schedule in I and W, or none"
+            elif a not in want:
                 why = "is not part of this pipeline (stage, microbatch or peer out of range)"
             elif want[a] != r:
                 why = f"belongs on rank {want[a]}, not rank {r}"
@@ -382,15 +416,18 @@ def _ready(a: Action, r: int, done: set[Action], g: StageGraph, lowered: bool) -
     if a.kind == F:
         return all(Action(p, F, i) in done if (g.rank_of(p) == r or not lowered) else Action(s, RECV_F, i, p) in done
                    for p in g.producers(s))
-    if a.kind == B:
+    if a.kind.sends_grads:
         return Action(s, F, i) in done and all(
-            Action(c, B, i) in done if (g.rank_of(c) == r or not lowered) else Action(s, RECV_B, i, c) in done
+            (Action(c, B, i) in done or Action(c, I, i) in done) if (g.rank_of(c) == r or not lowered)
+            else Action(s, RECV_B, i, c) in done
             for c in g.consumers(s) if (s, c) in g.grad_edges)
+    if a.kind == W:
+        return Action(s, I, i) in done
     assert a.peer is not None
     if a.kind == SEND_F:
         return Action(s, F, i) in done
     if a.kind == SEND_B:
-        return Action(s, B, i) in done
+        return Action(s, B, i) in done or Action(s, I, i) in done
     if a.kind == RECV_F:
         return Action(a.peer, SEND_F, i, s) in done
     return Action(a.peer, SEND_B, i, s) in done

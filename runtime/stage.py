@@ -8,6 +8,23 @@
     `torch.autograd.backward`, which leaves the gradients of the stage's inputs in those
     leaves' `.grad`, to be passed back to their producers.  The last stage starts from
     `loss_fn(output, target_i) / scale` instead.
+
+[Note: split backward]
+    The zero-bubble schedules (zero_bubble.py) split B in two actions.  I
+    (`backward_input`) runs `torch.autograd.grad` from the same roots and output
+    gradients as B, with respect to the stage's input leaves only, keeping the graph
+    (retain_graph): the input gradients, nothing accumulated into any `.grad`.  W
+    (`backward_weight`) later runs `torch.autograd.backward` from the same roots with
+    `inputs=` the stage's parameters, which accumulates their `.grad` and frees the
+    graph.  Each gradient is the one the fused B computes (the same chain rule over the
+    same graph; tests compare them at rtol 1e-5).  W does not walk the graph again from
+    the outputs: I records the gradient at each node where a weight's edge leaves the
+    path to the inputs, and W starts there ([Note: weight-gradient seeds] in
+    split_backward.py), so I + W costs about what B does.  Where that cannot be exact
+    (a weight reached by two such edges, a stage whose inputs need no gradient, or
+    recomputation, whose checkpointed forward would run once more) W walks the whole
+    graph again from the outputs, computing the input path twice.  A microbatch's
+    activations live until its W.
 """
 
 from __future__ import annotations
@@ -19,7 +36,7 @@ import torch
 import torch.utils._pytree
 import torch.utils.checkpoint
 
-from . import modes
+from . import modes, split_backward
 from .errors import PipelineError
 from .manifest import StageSpec
 from .precision import autocast, device_type
@@ -42,6 +59,9 @@ class _Saved:
     args: list[Any]
     outputs: Any
     loss: torch.Tensor | None = None
+    roots: list[torch.Tensor] | None = None  # set by I, for W: [Note: split backward]
+    root_grads: list[torch.Tensor] | None = None
+    seeds: split_backward.Seeds | None = None  # W's starting points, found by I
 
 
 @dataclass
@@ -137,6 +157,55 @@ class StageRunner:
             if pairs:
                 torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
         return [a.grad if isinstance(a, torch.Tensor) and a.requires_grad else None for a in saved.args]
+
+    def backward_input(self, microbatch: int, grads: list[torch.Tensor | None] | None) -> list[torch.Tensor | None]:
+        """I: the input gradients of one microbatch, as `backward` returns them, leaving the
+        weight gradients to `backward_weight` ([Note: split backward])."""
+        saved = self._saved.get(microbatch)
+        if saved is None or saved.roots is not None:
+            raise PipelineError(f"stage {self.index}: I of microbatch {microbatch} "
+                                f"{'before its forward' if saved is None else 'twice'} (the schedule is wrong).")
+        saved.roots, saved.root_grads = self._roots(microbatch, saved, grads)
+        leaves = [a for a in saved.args if isinstance(a, torch.Tensor) and a.requires_grad]
+        found: dict[int, torch.Tensor | None] = {}
+        if saved.roots and leaves:
+            params: list[torch.Tensor] = [p for p in self.module.parameters() if p.requires_grad]
+            saved.seeds = None if self.recompute else split_backward.plan(saved.roots, leaves, params)
+            if saved.seeds is not None:
+                saved.seeds.hook()
+            try:
+                got = torch.autograd.grad(saved.roots, leaves, saved.root_grads or None, retain_graph=True,
+                                          allow_unused=True)
+            finally:
+                if saved.seeds is not None:
+                    saved.seeds.unhook()
+            found = {id(leaf): g for leaf, g in zip(leaves, got)}
+        return [found.get(id(a)) if isinstance(a, torch.Tensor) else None for a in saved.args]
+
+    def backward_weight(self, microbatch: int) -> None:
+        """W: accumulate the weight gradients of one microbatch whose I has run, and free it."""
+        saved = self._saved.get(microbatch)
+        if saved is None or saved.roots is None:
+            raise PipelineError(f"stage {self.index}: W of microbatch {microbatch} before its I (the schedule is wrong).")
+        del self._saved[microbatch]
+        if saved.seeds is not None and saved.seeds.complete():
+            saved.seeds.run()  # only the weights' own edges: [Note: weight-gradient seeds] in split_backward.py
+            return
+        params = [p for p in self.module.parameters() if p.requires_grad]
+        if saved.roots and params:
+            torch.autograd.backward(saved.roots, saved.root_grads or None, inputs=params)
+
+    def _roots(self, microbatch: int, saved: _Saved,
+               grads: list[torch.Tensor | None] | None) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """What backward starts from: the scaled loss (last stage; no gradient given) or
+        the outputs that need a gradient, with theirs."""
+        if self.is_last:
+            if saved.loss is None:
+                raise PipelineError(f"stage {self.index}: backward of microbatch {microbatch} without a loss.")
+            return ([saved.loss] if saved.loss.requires_grad else []), []
+        pairs = [(o, g) for o, g in zip(saved.outputs, grads or [])
+                 if isinstance(o, torch.Tensor) and o.requires_grad and g is not None]
+        return [o for o, _ in pairs], [g for _, g in pairs]
 
     def clear(self) -> None:
         """Forget every microbatch in flight (after a failed step)."""

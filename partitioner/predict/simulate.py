@@ -50,6 +50,7 @@ class Simulation:
     step_time_s: float
     busy_s: tuple[float, ...]  # compute per rank (the loss included)
     peak_inflight: tuple[int, ...]  # per stage
+    events: tuple[tuple[int, float, float, str], ...] = ()  # (rank, start, end, action) of each compute
 
 
 def simulate(
@@ -65,16 +66,20 @@ def simulate(
     loss_s: tuple[float, float] = (0.0, 0.0),
     recv_s: float = 0.0,
     final_s: float = 0.0,
+    weight_share: float = 0.5,
 ) -> Simulation:
     """Simulate one step; `links[(a, b)]` (a < b) is the seconds of one message from stage
     a to stage b, which is also what its gradient takes back.  `send_s` and `recv_s` are
     what posting one send or receive costs the rank that posts it, `loss_s` the loss's
     (forward, backward) per microbatch on the last stage, `final_s` the collective that
-    ends the step (the loss all-reduce)."""
+    ends the step (the loss all-reduce).  Where the schedule splits B (zb-h1, zb-h2), W
+    takes `weight_share` of the stage's backward time and I the rest (the loss's backward
+    with it); a microbatch's activations stay in flight until its W."""
     stages = len(forward_s)
     graph = StageGraph(stages, pp, tuple(sorted(links)), frozenset(links))  # every edge carries a gradient back
     lowered = lower(make_schedule(schedule, pp, microbatches, virtual), graph)
-    clock = _Clock(forward_s, backward_s, links, pp, send_s=send_s, recv_s=recv_s, loss_s=loss_s)
+    clock = _Clock(forward_s, backward_s, links, pp, send_s=send_s, recv_s=recv_s, loss_s=loss_s,
+                   weight_share=weight_share)
     cursor = [0] * pp
     remaining = sum(len(actions) for actions in lowered)
     while remaining:
@@ -86,7 +91,7 @@ def simulate(
                 progressed = True
         if not progressed:
             raise ValueError(f"the {schedule} schedule deadlocks in simulation")
-    return Simulation(max(clock.free) + final_s, tuple(clock.busy), tuple(clock.peak))
+    return Simulation(max(clock.free) + final_s, tuple(clock.busy), tuple(clock.peak), tuple(clock.events))
 
 
 class _Clock:
@@ -97,17 +102,19 @@ class _Clock:
     as the rank's own order put their compute first."""
 
     def __init__(self, forward_s: Sequence[float], backward_s: Sequence[float], links: Mapping[tuple[int, int], float],
-                 ranks: int, *, send_s: float, recv_s: float, loss_s: tuple[float, float]) -> None:
+                 ranks: int, *, send_s: float, recv_s: float, loss_s: tuple[float, float],
+                 weight_share: float = 0.5) -> None:
         stages = len(forward_s)
         self.forward_s, self.backward_s, self.links, self.last = forward_s, backward_s, links, stages - 1
-        self.send_s, self.recv_s, self.loss_s = send_s, recv_s, loss_s
+        self.send_s, self.recv_s, self.loss_s, self.weight_share = send_s, recv_s, loss_s, weight_share
         self.free, self.busy = [0.0] * ranks, [0.0] * ranks
         self.inflight, self.peak = [0] * stages, [0] * stages
+        self.events: list[tuple[int, float, float, str]] = []  # what the timeline draws
         self.posted: dict[tuple[bool, int, int, int], float] = {}  # (backward, from, to, microbatch): posted at
 
     def run(self, rank: int, a: Action) -> bool:
         """Run `a` on `rank`; False (nothing done) when it is a RECV whose SEND is not posted yet."""
-        if a.kind in (Kind.F, Kind.B):
+        if a.is_compute:
             self._compute(rank, a)
             return True
         assert a.peer is not None
@@ -125,11 +132,14 @@ class _Clock:
 
     def _compute(self, rank: int, a: Action) -> None:
         forward = a.kind == Kind.F
-        own = self.forward_s[a.stage] if forward else self.backward_s[a.stage]
-        took = own + (self.loss_s[0 if forward else 1] if a.stage == self.last else 0.0)
+        share = {Kind.F: 1.0, Kind.B: 1.0, Kind.I: 1.0 - self.weight_share, Kind.W: self.weight_share}[a.kind]
+        own = share * (self.forward_s[a.stage] if forward else self.backward_s[a.stage])
+        loss = self.loss_s[0 if forward else 1] if a.stage == self.last and a.kind != Kind.W else 0.0
+        took = own + loss
+        self.events.append((rank, self.free[rank], self.free[rank] + took, repr(a)))
         self.free[rank] += took
         self.busy[rank] += took
-        self.inflight[a.stage] += 1 if forward else -1
+        self.inflight[a.stage] += 1 if forward else -1 if a.kind in (Kind.B, Kind.W) else 0
         self.peak[a.stage] = max(self.peak[a.stage], self.inflight[a.stage])
 
 

@@ -13,6 +13,7 @@ from driver import search
 from partitioner.trace import model_file
 from driver.options import CompileOptions
 from partitioner.cost.hardware import load_hardware
+from partitioner.errors import PlanError
 from driver.search import _meshes, _tp_limit
 
 from ..conftest import compile_example
@@ -121,8 +122,30 @@ def test_the_bound_is_below_every_simulated_step(tmp_path: Path, monkeypatch: py
     real_bound = search._bound
     monkeypatch.setattr(search, "_bound", lambda *a: bounds.append(real_bound(*a)) or 0.0)
     monkeypatch.setattr(search, "simulate_plan", check)
-    for schedule in ("1f1b", "gpipe", "interleaved"):
+    for schedule in ("1f1b", "gpipe", "interleaved", "auto"):  # auto: zb-h1 and zb-h2 too
         compile_example("examples/gpt.py", tmp_path / schedule, devices=4, stages=None, hardware="h100",
                         schedule=schedule)
     assert len(seen) == len(bounds) > 10
     assert all(b <= step for b, (step, _) in zip(bounds, seen))
+
+
+def test_auto_schedule_keeps_the_fastest_predicted_schedule(tmp_path: Path) -> None:
+    """`--schedule auto`: every mesh under gpipe, 1f1b, zb-h1 and zb-h2, each posed with its
+    own memory; the package runs the fastest, which `show` lists with the others."""
+    compiled = compile_example("examples/gpt.py", tmp_path / "pkg", devices=2, stages=2, microbatches=4,
+                               hardware="h100", schedule="auto")
+    manifest = compiled.manifest
+    candidates = manifest["predicted"]["candidates"]
+    assert {c["schedule"] for c in candidates} == set(search.AUTO_SCHEDULES)
+    assert manifest["schedule"] == candidates[0]["schedule"]
+    assert candidates[0]["step_time_s"] == min(c["step_time_s"] for c in candidates)
+    by = {c["schedule"]: c for c in candidates}
+    assert by["zb-h1"]["step_time_s"] < by["1f1b"]["step_time_s"]  # the bubble a third, the rest equal
+    assert by["zb-h2"]["memory_bytes"] > by["zb-h1"]["memory_bytes"]  # twice the microbatches in flight
+    shown = (tmp_path / "pkg" / "plan.txt").read_text()
+    assert all(f"  {s}" in shown for s in search.AUTO_SCHEDULES)
+
+
+def test_auto_schedule_needs_devices(tmp_path: Path) -> None:
+    with pytest.raises(PlanError, match="--schedule auto chooses the schedule while searching"):
+        compile_example("examples/mlp.py", tmp_path / "pkg", stages=2, schedule="auto")

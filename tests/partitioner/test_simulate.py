@@ -130,3 +130,36 @@ def test_a_receive_costs_its_receiver() -> None:
     sim = simulate([1, 1], [1, 1], links, "gpipe", 2, 2, recv_s=0.25)
     assert sim.step_time_s == pytest.approx(8.5)
     assert sim.busy_s == (4.0, 4.0)  # posts are not compute
+
+
+@pytest.mark.parametrize("stages, microbatches", [(2, 4), (3, 6), (4, 8), (4, 16)])
+def test_zb_h1_bubble_is_a_third_of_1f1b(stages: int, microbatches: int) -> None:
+    """F = I = W = 1 (B = 2, half of it W), free links: 1F1B idles 3 (S - 1) per rank,
+    ZB-H1 S - 1 (Qi et al. 2024: (S - 1)(F + I - W)), at 1F1B's peak memory (S in flight)."""
+    links = {(k, k + 1): 0.0 for k in range(stages - 1)}
+    busy = microbatches * 3.0
+    one = simulate([1.0] * stages, [2.0] * stages, links, "1f1b", stages, microbatches)
+    h1 = simulate([1.0] * stages, [2.0] * stages, links, "zb-h1", stages, microbatches)
+    assert one.step_time_s - busy == pytest.approx(3 * (stages - 1))
+    assert h1.step_time_s - busy == pytest.approx((one.step_time_s - busy) / 3)
+    assert max(h1.peak_inflight) == max(one.peak_inflight) == min(stages, microbatches)
+
+
+@pytest.mark.parametrize("stages, microbatches", [(2, 4), (3, 6), (4, 8), (4, 16)])
+@pytest.mark.parametrize("input_s", [1.0, 2.0])
+def test_zb_h2_has_no_bubble_but_the_ramp_with_twice_the_memory(stages: int, microbatches: int,
+                                                                input_s: float) -> None:
+    """F = W = 1, I = 1 or 2: ZB-H2's step is every rank's work plus the ramp (S - 1) F that
+    no synchronous step hides (the last rank's first forward waits for the others'), so no
+    rank idles between its first and last action; ZB-H1 pays (S - 1)(F + I - W), the same
+    when I = W, twice that when I = 2.  ZB-H2 holds 2S microbatches, twice ZB-H1's S."""
+    links = {(k, k + 1): 0.0 for k in range(stages - 1)}
+    backward = [input_s + 1.0] * stages
+    share = 1.0 / (input_s + 1.0)
+    busy = microbatches * (2.0 + input_s)
+    h1 = simulate([1.0] * stages, backward, links, "zb-h1", stages, microbatches, weight_share=share)
+    h2 = simulate([1.0] * stages, backward, links, "zb-h2", stages, microbatches, weight_share=share)
+    assert h2.step_time_s == pytest.approx(busy + (stages - 1))
+    assert h1.step_time_s == pytest.approx(busy + (stages - 1) * input_s)
+    assert h2.peak_inflight == tuple([min(2 * stages, microbatches)] * stages)
+    assert h1.peak_inflight == tuple([min(stages, microbatches)] * stages)

@@ -148,3 +148,13 @@ def test_a_silent_rank_times_out(make_tiny: Callable[..., Tiny]) -> None:
     assert ranks[0].rc == 3 and ranks[1].rc == -9, ranks[0].err[-2000:]
     assert re.search(r"rank 0 \(stage 0\) timed out in RECV_B from stage 1, microbatch 0: rank 1 stopped or failed "
                      r"\(.+\)\. .*raise PIPELINE_TIMEOUT_S \(now 2 s\)", ranks[0].err), ranks[0].err
+
+
+@multiproc
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("schedule, dp", [("zb-h1", 1), ("zb-h2", 2)])
+def test_zero_bubble_schedules(make_tiny: Callable[..., Tiny], schedule: str, dp: int) -> None:
+    # B split in I and W ([Note: split backward] in runtime/stage.py): the reference's
+    # gradients; with dp = 2 the gradient buckets are armed before each parameter's last W
+    t = make_tiny(stages=2, schedule=schedule, microbatches=4, dp=dp)
+    _ok(launch(2 * dp, "check", [t.dir], t.dir.parent / "tiny.py"))

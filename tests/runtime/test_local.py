@@ -46,6 +46,11 @@ CASES = [
     pytest.param(4, "gpipe", 2, 1, 1, id="4-gpipe-2"),
     pytest.param(4, "interleaved", 4, 1, 2, id="4-interleaved-v2"),
     pytest.param(2, "1f1b", 4, 2, 1, id="2-1f1b-dp2"),
+    # B split in I and W ([Note: split backward] in runtime/stage.py): the same gradients
+    pytest.param(3, "zb-h1", 4, 1, 1, id="3-zb-h1-4"),
+    pytest.param(4, "zb-h1", 2, 1, 1, id="4-zb-h1-2"),
+    pytest.param(3, "zb-h2", 8, 1, 1, id="3-zb-h2-8"),
+    pytest.param(2, "zb-h2", 4, 2, 1, id="2-zb-h2-dp2"),
 ]
 
 

@@ -21,6 +21,8 @@ from runtime.schedule import (
     one_f_one_b,
     parse_schedule,
     validate,
+    zb_h1,
+    zb_h2,
 )
 
 # stage 0 feeds stages 1 and 2 (a skip value), stage 1 feeds stage 2
@@ -113,6 +115,7 @@ def test_lower_skips_gradients_that_do_not_flow() -> None:
 @pytest.mark.parametrize("name, ranks, virtual, m", [
     ("gpipe", 1, 1, 3), ("gpipe", 3, 1, 5), ("1f1b", 3, 1, 2), ("1f1b", 4, 1, 8),
     ("interleaved", 2, 2, 4), ("interleaved", 3, 2, 6), ("interleaved", 2, 3, 2), ("interleaved", 4, 2, 8),
+    ("zb-h1", 1, 1, 2), ("zb-h1", 3, 1, 2), ("zb-h1", 4, 1, 8), ("zb-h2", 2, 1, 1), ("zb-h2", 3, 1, 6), ("zb-h2", 4, 1, 8),
 ])
 def test_every_schedule_validates_lowered(name: str, ranks: int, virtual: int, m: int) -> None:
     stages = ranks * virtual
@@ -187,3 +190,50 @@ def test_stage_graph_from_manifest(tiny: object) -> None:
     manifest = json.loads((tiny.dir / "manifest.json").read_text())  # type: ignore[attr-defined]
     g = StageGraph.from_manifest(manifest)
     assert g.edges == ((0, 1), (0, 2), (1, 2)) and g.grad_edges == frozenset(g.edges) and g.num_ranks == 3
+
+
+def test_zb_h1_defers_w_into_the_cool_down() -> None:
+    """[Note: zero-bubble orders] in runtime/zero_bubble.py: 1F1B's warm-up, I in B's place,
+    rank r holds back its first r W's; each gradient waits for I only, not for a whole B."""
+    grid = validate(zb_h1(3, 4), StageGraph.chain(3))
+    assert format_grid(grid) == _layout("""
+        step    0    1    2    3    4    5    6    7    8    9    10   11   12   13
+        rank 0  0F0  0F1  0F2  .    .    0I0  0W0  0F3  0I1  0W1  0I2  0W2  0I3  0W3
+        rank 1  .    1F0  1F1  .    1I0  1F2  1I1  1W0  1F3  1I2  1W1  1I3  1W2  1W3
+        rank 2  .    .    2F0  2I0  2F1  2I1  2F2  2I2  2W0  2F3  2I3  2W1  2W2  2W3
+    """)
+
+
+def test_zb_h2_warms_up_with_twice_the_forwards() -> None:
+    """Rank r runs 2(S - r) - 1 forwards first, then I, F, and W held back by 2r."""
+    grid = validate(zb_h2(3, 6), StageGraph.chain(3))
+    assert format_grid(grid) == _layout("""
+        step    0    1    2    3    4    5    6    7    8    9    10   11   12   13   14   15   16   17   18   19
+        rank 0  0F0  0F1  0F2  0F3  0F4  0I0  0F5  0W0  0I1  0W1  0I2  0W2  0I3  0W3  0I4  0W4  0I5  0W5  .    .
+        rank 1  .    1F0  1F1  1F2  1I0  1F3  1I1  1F4  1I2  1F5  1W0  1I3  1W1  1I4  1W2  1I5  1W3  1W4  1W5  .
+        rank 2  .    .    2F0  2I0  2F1  2I1  2F2  2I2  2F3  2I3  2F4  2I4  2F5  2W0  2I5  2W1  2W2  2W3  2W4  2W5
+    """)
+
+
+def test_split_backward_lowers_gradients_after_i() -> None:
+    assert format_schedule(lower(zb_h1(2, 1), StageGraph.chain(2))) == _layout("""
+        0F0 0SEND_F0>1 0RECV_B0<1 0I0 0W0
+        1RECV_F0<0 1F0 1I0 1SEND_B0>0 1W0
+    """)
+    assert repr(Action.from_str("3I12")) == "3I12" and repr(Action.from_str("0W0")) == "0W0"
+
+
+def test_bad_split_schedules_show_their_grid() -> None:
+    with pytest.raises(ScheduleError) as w_first:
+        validate(parse_schedule("0F0 0W0 0I0\n1F0 1I0 1W0"), StageGraph.chain(2))
+    assert str(w_first.value) == _layout("""
+        the schedule deadlocks at step 4 (rank 0 waits in 0W0):
+        step    0    1    2    3    4
+        rank 0  0F0  .    .    .    *0W0*
+        rank 1  .    1F0  1I0  1W0  .
+        (* marks the bad or stuck action)
+    """)
+    with pytest.raises(ScheduleError, match="mixes B with I and W"):
+        validate(parse_schedule("0F0 0I0 0W0\n1F0 1B0"), StageGraph.chain(2))
+    with pytest.raises(ScheduleError, match="runs one stage per rank but the package has 2"):
+        make_schedule("zb-h1", 2, 4, 2)
