@@ -34,7 +34,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from gpt import GPT, GPTConfig  # noqa: E402  (examples/gpt.py: the same nanoGPT-like model)
 
 SIZES = {  # (layers, width, heads, sequence length, batch, corpus bytes)
-    "small": (2, 64, 4, 32, 16, 400_000),
+    "small": (2, 64, 4, 32, 16, 40_000),  # an epoch is 71 batches, the last one of 5 rows
     "base": (6, 192, 6, 128, 32, 8_000_000),
 }
 LAYERS, WIDTH, HEADS, BLOCK, BATCH, CORPUS_BYTES = SIZES[os.environ.get("TRAIN_GPT_SIZE", "small")]
@@ -147,13 +147,13 @@ def train(directory: str, steps: int, accumulate: int, eval_every: int, lr: floa
     train_data, eval_data = split()
     evals = [evaluate(pipe, eval_data)]
     bar = _progress(steps, pipe.rank == 0)
-    data, step, tokens, start = _epochs(train_data), 0, 0, time.perf_counter()
+    data, step, tokens, short, start = _epochs(train_data), 0, 0, 0, time.perf_counter()
     while step < steps:
         opt.zero_grad()
         for _ in range(accumulate):  # gradients add up over train_step calls
             x, y = next(data)
             loss = pipe.train_step((x,), y, loss_fn=lambda out, t: loss_fn(out, t) / accumulate)
-            tokens += y.numel()
+            tokens, short = tokens + y.numel(), short + (len(y) < BATCH)
         norm = pipe.clip_grad_norm_(1.0)
         opt.step()
         schedule.step()
@@ -164,6 +164,8 @@ def train(directory: str, steps: int, accumulate: int, eval_every: int, lr: floa
         bar.set_postfix(loss=f"{float(loss) * accumulate:.3f}", norm=f"{float(norm):.2f}", eval=f"{evals[-1]:.3f}",
                         tok_s=f"{tokens / (time.perf_counter() - start):,.0f}")
     bar.close()
+    if pipe.rank == 0:
+        print(f"trained {steps} steps on {tokens} tokens ({short} short batches)", flush=True)
     return evals
 
 
