@@ -122,8 +122,8 @@ def test_the_bound_is_below_every_simulated_step(tmp_path: Path, monkeypatch: py
     real_bound = search._bound
     monkeypatch.setattr(search, "_bound", lambda *a: bounds.append(real_bound(*a)) or 0.0)
     monkeypatch.setattr(search, "simulate_plan", check)
-    for schedule in ("1f1b", "gpipe", "interleaved", "auto"):  # auto: zb-h1 and zb-h2 too
-        compile_example("examples/gpt.py", tmp_path / schedule, devices=4, stages=None, hardware="h100",
+    for schedule, devices in (("1f1b", 4), ("gpipe", 2), ("interleaved", 2), ("auto", 2)):  # auto: zb-h1, zb-h2 too
+        compile_example("examples/gpt.py", tmp_path / schedule, devices=devices, stages=None, hardware="h100",
                         schedule=schedule)
     assert len(seen) == len(bounds) > 10
     assert all(b <= step for b, (step, _) in zip(bounds, seen))
