@@ -3,4 +3,9 @@
     model_file.py  the model file: build_model, example_inputs, loss_fn, ... (README.md, "Use")
     trace.py       the model as a flat fx graph (torch.fx, else torch.export)
     passes.py      graph passes: shapes propagated, the graph specialised to one microbatch
+    autocast.py    autocast written inside the model, found while tracing and refused
+    batch.py       sizes that follow the batch, kept as expressions of it ([Note: free batch])
+    buffers.py     buffers kept as they were while the compile runs the model; BatchNorm's warning
+    functions.py   custom autograd Functions kept as one call (their own backward)
+    kept.py        untraceable submodules kept whole
 """

@@ -26,13 +26,14 @@ import traceback
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Collection, Iterator
+from typing import Any, Collection
 
 import torch
 import torch.fx
 import torch.utils._pytree as pytree
 
 from ..errors import TraceError
+from .autocast import AutocastRefused, recording_autocast, refuse_autocast
 from .functions import functions_as_leaves, recorded_functions
 from .kept import failing_submodule, rewrite_kept
 from .model_file import user_frame
@@ -131,7 +132,7 @@ def trace(
                 traced = _trace_fx(model, args, kwargs) if name == "fx" else _trace_export(model, args, kwargs, batch_dims)
                 _check_runs(traced, model, args, kwargs)
                 return traced
-            except _AutocastRefused:
+            except AutocastRefused:
                 raise
             except Exception as exc:  # every tracer failure is reported together below
                 failures.append((name, exc))
@@ -186,7 +187,7 @@ def _trace_fx(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, A
         and p.default is not inspect.Parameter.empty
         and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
     }
-    with _recording_autocast() as regions:
+    with recording_autocast() as regions:
         graph = _traced_keeping_buffers(model, concrete, kept or {})
     for node in graph.nodes:  # a tensor default would be written as an unbound `_tensor_constant0`
         if node.op == "placeholder" and any(isinstance(a, (torch.Tensor, torch.fx.Node)) for a in node.args):
@@ -215,47 +216,11 @@ def _trace_fx(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, A
     return Traced(gm, "fx", keys, spec, leaves, tuple(regions), dict(kept or {}))
 
 
-@contextlib.contextmanager
-def _recording_autocast() -> Iterator[list[bool]]:
-    """Record each torch.autocast region entered while fx traces (fx runs the `with` at
-    trace time and keeps nothing of it in the graph)."""
-    regions: list[bool] = []
-    cls = torch.amp.autocast_mode.autocast
-    original = cls.__enter__
-
-    def enter(self: Any) -> Any:
-        regions.append(bool(self._enabled))
-        return original(self)
-
-    cls.__enter__ = enter  # type: ignore[method-assign]
-    try:
-        yield regions
-    finally:
-        cls.__enter__ = original  # type: ignore[method-assign]
-
-
-class _AutocastRefused(TraceError):
-    """Autocast written inside the model: refused whichever tracer found it."""
-
-
 def check_autocast(traced: Traced, precision: str) -> None:
     """Refuse a model that enters torch.autocast itself where dropping it would change what
     it computes ([Note: mixed precision] in runtime/precision.py): an enabled region always,
     a disabled one unless the whole model runs in fp32 (where it is a no-op)."""
-    _refuse_autocast(traced.autocast, traced.tracer, precision)
-
-
-def _refuse_autocast(regions: tuple[bool, ...], tracer: str, precision: str) -> None:
-    enabled = [e for e in regions if e]
-    if not enabled and (not regions or precision == "fp32"):
-        return
-    what = "an enabled torch.autocast region" if enabled else "a torch.autocast(enabled=False) region"
-    raise _AutocastRefused(
-        f"the model enters {what} inside forward() ({len(regions)} region(s) found by the {tracer} "
-        f"tracer), which the traced stages cannot keep, so it would be silently dropped. Remove the autocast from "
-        f"the model and compile with --precision bf16-mixed, which runs every stage under autocast"
-        + ("" if enabled else f" (a region that disables autocast is allowed only with --precision fp32, "
-                              f"not {precision})") + ".")
+    refuse_autocast(traced.autocast, traced.tracer, precision)
 
 
 def _traced_keeping_buffers(model: torch.nn.Module, concrete: dict[str, Any], kept: dict[str, str]) -> torch.fx.Graph:
@@ -350,7 +315,7 @@ def _trace_export(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[st
     assert isinstance(gm, torch.fx.GraphModule)
     regions = inline_higher_order(gm)
     if any(regions):  # an enabled region is refused at any precision, before the graph runs
-        _refuse_autocast(tuple(regions), "export", "fp32")
+        refuse_autocast(tuple(regions), "export", "fp32")
     flat, _ = pytree.tree_flatten_with_path((args, kwargs))
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     if len(flat) != len(placeholders):
