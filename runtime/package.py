@@ -21,8 +21,9 @@ import importlib.util
 import itertools
 import sys
 import types
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterable, Mapping, Union
+from typing import Any, Callable, Collection, Iterable, Mapping, Union
 
 import torch
 import torch.utils._pytree as pytree
@@ -41,6 +42,9 @@ __all__ = [
     "kept_module",
     "stage_tensors",
     "check_state_dict",
+    "KeyMismatch",
+    "key_mismatch",
+    "few",
     "load_stage_state",
     "assemble_state_dict",
     "split_inputs",
@@ -204,19 +208,38 @@ def _expected_keys(manifest: Manifest) -> dict[str, list[str]]:
     return keys
 
 
-def check_state_dict(state_dict: Mapping[str, Any], manifest: Manifest) -> None:
-    """Raise unless `state_dict` has exactly the original model's keys (aliases allowed)."""
+@dataclass(frozen=True)
+class KeyMismatch:
+    """The original model's names absent from a set of keys, and the keys it does not have."""
+
+    missing: list[str]
+    unexpected: list[str]
+
+    def __bool__(self) -> bool:
+        return bool(self.missing or self.unexpected)
+
+    def describe(self, unit: str = "") -> str:
+        """`missing N<unit>: a, b; unexpected M<unit>: c`."""
+        parts = [f"missing {len(self.missing)}{unit}: {few(self.missing)}"] if self.missing else []
+        parts += [f"unexpected {len(self.unexpected)}{unit}: {few(self.unexpected)}"] if self.unexpected else []
+        return "; ".join(parts)
+
+
+def key_mismatch(present: Collection[str], manifest: Manifest, strict: bool = True) -> KeyMismatch:
+    """The keys `present` against the original model's state_dict keys (aliases allowed;
+    missing names only count when `strict`).  Every reader of whole-model weights checks
+    them here: load_state_dict, checkpoints, weights files."""
     keys = _expected_keys(manifest)
     allowed = {k for names in keys.values() for k in names}
-    missing = sorted(c for c, names in keys.items() if not any(n in state_dict for n in names))
-    unexpected = sorted(k for k in state_dict if k not in allowed)
-    if missing or unexpected:
-        parts = []
-        if missing:
-            parts.append(f"missing {len(missing)} key(s): {_few(missing)}")
-        if unexpected:
-            parts.append(f"unexpected {len(unexpected)} key(s): {_few(unexpected)}")
-        raise StateDictError(f"the state_dict does not match the package ({'; '.join(parts)}): pass the ORIGINAL "
+    missing = sorted(c for c, names in keys.items() if not any(n in present for n in names)) if strict else []
+    return KeyMismatch(missing, sorted(k for k in present if k not in allowed))
+
+
+def check_state_dict(state_dict: Mapping[str, Any], manifest: Manifest) -> None:
+    """Raise unless `state_dict` has exactly the original model's keys (aliases allowed)."""
+    wrong = key_mismatch(state_dict.keys(), manifest)
+    if wrong:
+        raise StateDictError(f"the state_dict does not match the package ({wrong.describe(' key(s)')}): pass the ORIGINAL "
                              f"model's state_dict (build_model().state_dict()), or load_state_dict(sd, strict=False).")
 
 
@@ -286,7 +309,8 @@ def assemble_state_dict(pieces: Iterable[tuple[Held, torch.Tensor]], manifest: M
     return out
 
 
-def _few(names: list[str]) -> str:
+def few(names: list[str]) -> str:
+    """At most six names, then how many more."""
     return ", ".join(names[:6]) + (f" and {len(names) - 6} more" if len(names) > 6 else "")
 
 

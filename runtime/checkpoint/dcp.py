@@ -37,7 +37,7 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 
 from ..comm import _short
 from ..errors import CheckpointError, PipelineError
-from ..package import Held, _expected_keys
+from ..package import Held, _expected_keys, key_mismatch
 from . import commit as commits
 from .chunks import Chunked, boxes, collect, global_shape, is_sharded
 from .view import View
@@ -224,15 +224,11 @@ def _model_request(view: View, root: Path, meta: Metadata, strict: bool) -> dict
     mis-shaped tensors named."""
     stored = meta.state_dict_metadata
     keys = _expected_keys(view.manifest)
-    known = {n for names in keys.values() for n in names}
-    unexpected = sorted(k for k in stored if k not in known)
-    missing = sorted(c for c, names in keys.items() if not any(n in stored for n in names))
-    if unexpected or (missing and strict):
-        parts = [f"missing {len(missing)}: {_few(missing)}"] if missing and strict else []
-        parts += [f"unexpected {len(unexpected)}: {_few(unexpected)}"] if unexpected else []
-        raise CheckpointError(f"checkpoint {root} does not match the package's model ({'; '.join(parts)}): load a "
+    wrong = key_mismatch(stored.keys(), view.manifest, strict)
+    if wrong:
+        raise CheckpointError(f"checkpoint {root} does not match the package's model ({wrong.describe()}): load a "
                               f"checkpoint of the model the package was compiled from"
-                              f"{'' if unexpected else ', or pass strict=False to leave the missing ones as they are'}.")
+                              f"{'' if wrong.unexpected else ', or pass strict=False to leave the missing ones as they are'}.")
     request: dict[str, Any] = {}
     for name, chunked in collect(view.held).items():
         key = next((n for n in keys[name] if n in stored), None)
@@ -245,10 +241,6 @@ def _model_request(view: View, root: Path, meta: Metadata, strict: bool) -> dict
                                   f"{list(chunked.shape)}: load a checkpoint of the model the package was compiled from.")
         request[key] = chunked
     return request
-
-
-def _few(names: list[str]) -> str:
-    return ", ".join(names[:6]) + (f" and {len(names) - 6} more" if len(names) > 6 else "")
 
 
 def _load_train(view: View, where: Path, optimizer: torch.optim.Optimizer | None) -> Any:

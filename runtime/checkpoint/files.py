@@ -14,7 +14,7 @@ import torch
 from safetensors import safe_open
 
 from ..errors import CheckpointError
-from ..package import _expected_keys
+from ..package import _expected_keys, key_mismatch
 from .chunks import boxes, global_shape
 from .view import View
 
@@ -48,15 +48,11 @@ def load_weights(view: View, path: str | Path, strict: bool = True) -> int:
     root = Path(path)
     where = _where(root)
     keys = _expected_keys(view.manifest)
-    known = {n for names in keys.values() for n in names}
-    unexpected = sorted(k for k in where if k not in known)
-    missing = sorted(c for c, names in keys.items() if not any(n in where for n in names))
-    if unexpected or (missing and strict):
-        parts = [f"missing {len(missing)}: {_few(missing)}"] if missing and strict else []
-        parts += [f"unexpected {len(unexpected)}: {_few(unexpected)}"] if unexpected else []
-        raise CheckpointError(f"{root} does not hold the package's model ({'; '.join(parts)}): give the weights of "
+    wrong = key_mismatch(where.keys(), view.manifest, strict)
+    if wrong:
+        raise CheckpointError(f"{root} does not hold the package's model ({wrong.describe()}): give the weights of "
                               f"the model the package was compiled from"
-                              f"{'' if unexpected else ', or pass strict=False to leave the missing ones as they are'}.")
+                              f"{'' if wrong.unexpected else ', or pass strict=False to leave the missing ones as they are'}.")
     read = 0
     handles: dict[Path, Any] = {}
     done: set[int] = set()
@@ -92,7 +88,3 @@ def _copy(piece: Any, name: str, file: Path, spec: Any, tensor: torch.Tensor) ->
             local.copy_(value.reshape(local.shape))
             read += value.numel() * value.element_size()
     return read
-
-
-def _few(names: list[str]) -> str:
-    return ", ".join(names[:6]) + (f" and {len(names) - 6} more" if len(names) > 6 else "")
