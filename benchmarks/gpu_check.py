@@ -42,6 +42,7 @@ from driver.compile import compile_model  # noqa: E402
 from driver.options import CompileOptions  # noqa: E402
 from partitioner.cost.timer import DeviceTimer, device_timer  # noqa: E402
 from partitioner.trace import model_file  # noqa: E402
+from runtime.stage import as_leaf  # noqa: E402
 
 from .common import save, table  # noqa: E402
 
@@ -254,11 +255,16 @@ def _stage_inputs(pipe: runtime.LocalPipeline, inputs: Any) -> list[list[Any]]:
 def _forward_backward(module: torch.nn.Module, args: list[Any]) -> list[torch.Tensor]:
     """One forward and backward of `module`, from leaves like a stage's; returns what autograd
     keeps alive until the caller drops it (nothing once backward ran)."""
-    leaves = [a.detach().requires_grad_(a.is_floating_point()) if isinstance(a, torch.Tensor) else a for a in args]
-    outs = [o for o in pytree.tree_leaves(module(*leaves)) if isinstance(o, torch.Tensor) and o.requires_grad]
+    outs = [o for o in pytree.tree_leaves(module(*_leaves(args))) if isinstance(o, torch.Tensor) and o.requires_grad]
     if outs:
         torch.autograd.backward(outs, [torch.ones_like(o) for o in outs])
     return []
+
+
+def _leaves(args: list[Any]) -> list[Any]:
+    """The stage's arguments as the runtime hands them over: fresh leaves, floating ones
+    requiring grad ([Note: stage boundaries at run time] in runtime/stage.py)."""
+    return [as_leaf(a, True) for a in args]
 
 
 def _stage_memory(timer: DeviceTimer, module: torch.nn.Module, args: list[Any], inflight: int) -> int | None:
@@ -274,8 +280,7 @@ def _stage_memory(timer: DeviceTimer, module: torch.nn.Module, args: list[Any], 
     def run() -> None:
         kept = []
         for _ in range(max(1, inflight)):
-            leaves = [a.detach().requires_grad_(a.is_floating_point()) if isinstance(a, torch.Tensor) else a for a in args]
-            kept.append([o for o in pytree.tree_leaves(module(*leaves)) if isinstance(o, torch.Tensor)])
+            kept.append([o for o in pytree.tree_leaves(module(*_leaves(args))) if isinstance(o, torch.Tensor)])
         for outs in kept:
             grads = [o for o in outs if o.requires_grad]
             torch.autograd.backward(grads, [torch.ones_like(o) for o in grads])

@@ -68,7 +68,7 @@ class PackageInfo:
 def emit(out: str | Path, gm: torch.fx.GraphModule, plan: Plan, info: PackageInfo) -> dict[str, Any]:
     """Write the package for `plan` into `out`; return the manifest as its JSON object."""
     layouts = lay_out(gm.graph, plan.stage_of(), plan.num_stages)
-    if info.free_batch and not all(_batch_readable(layout) for layout in layouts if uses_batch(layout.nodes)):
+    if info.free_batch and any(_batch_input(layout) is None for layout in layouts if uses_batch(layout.nodes)):
         info = dataclasses.replace(info, free_batch=False)  # a stage could not read the batch: fixed for all
     values = value_names(gm.graph, layouts, [*module_roots(info.out_spec), BATCH])
     tensors = _attr_tensors(gm, info)
@@ -294,24 +294,27 @@ def _batch_name(taken: set[str]) -> str:
     raise AssertionError("unreachable: more candidates than names")
 
 
-def _batch_readable(layout: StageLayout) -> bool:
-    """Whether one of the stage's inputs has a batch dimension to read the rows from ([Note:
-    free batch]); a stage that computes sizes from the batch without one fixes the package's
-    batch (the solver may place such nodes apart from every batch-carrying value)."""
-    return any(found[1] > 0 for found in (_batch_dim(n) if "tensor_meta" in n.meta else None for n in layout.inputs)
-               if found)
+def _batch_input(layout: StageLayout) -> tuple[torch.fx.Node, int, int] | None:
+    """The first stage input with a batch dimension, its dim and rows per microbatch row
+    ([Note: free batch]); None when none has one: a stage that computes sizes from the batch
+    without one fixes the package's batch (the solver may place such nodes apart from every
+    batch-carrying value)."""
+    for node in layout.inputs:
+        found = _batch_dim(node) if "tensor_meta" in node.meta else None
+        if found and found[1] > 0:
+            return node, found[0], found[1]
+    return None
 
 
 def _read_batch(layout: StageLayout, names: dict[torch.fx.Node, str], k: int, batch: str) -> str:
     """`batch = x.shape[d]` (or `// coef`): the microbatch's rows, read from an input."""
-    for node in layout.inputs:
-        found = _batch_dim(node) if "tensor_meta" in node.meta else None
-        if found and found[1] > 0:
-            d, coef = found
-            rows = f"{names[node]}.shape[{d}]"
-            return f"{batch} = {rows}" if coef == 1 else f"{batch} = {rows} // {coef}"
-    raise EmitError(f"stage {k} computes sizes from the batch size but none of its inputs has a batch dimension "
-                    f"to read it from: compile with a fixed batch (report this model).")
+    found = _batch_input(layout)
+    if found is None:
+        raise EmitError(f"stage {k} computes sizes from the batch size but none of its inputs has a batch dimension "
+                        f"to read it from: compile with a fixed batch (report this model).")
+    node, d, coef = found
+    rows = f"{names[node]}.shape[{d}]"
+    return f"{batch} = {rows}" if coef == 1 else f"{batch} = {rows} // {coef}"
 
 
 def _param(name: str, t: torch.Tensor, layout: Layout, tp: int, attr: str) -> ParamSpec:
