@@ -197,13 +197,7 @@ class DistributedPipeline:
         self._steps.recover()
 
     def _evaluate(self, inputs: Any, target: Any, loss_fn: LossFn | None) -> torch.Tensor:
-        self._set_tp_group()
-        m = self.manifest
-        holds_last = self.graph.num_stages - 1 in self.runners
-        fn = loss_fn or (self._default_loss_fn() if holds_last else None)
-        mb_inputs = package.split_inputs(inputs, m, self.replica)
-        rows = package.microbatch_rows(inputs, m)
-        targets = package.split_target(target, m.microbatches, self.replica, self.dp, sum(rows) * self.dp)
+        fn, mb_inputs, targets, rows = self._share(inputs, target, loss_fn)
         self._steps.check()
         step = _Step(train=False, evaluate=True, rows=rows, scales=package.loss_scales(rows))
         with torch.no_grad():
@@ -248,14 +242,21 @@ class DistributedPipeline:
         with self._steps.step():
             return self._train_step(inputs, target, loss_fn)
 
-    def _train_step(self, inputs: Any, target: Any, loss_fn: LossFn | None) -> torch.Tensor:
+    def _share(self, inputs: Any, target: Any, loss_fn: LossFn | None
+               ) -> tuple[LossFn | None, list[dict[str, Any]], list[Any], list[int]]:
+        """This rank's share of a global batch: the loss function (only the last stage needs
+        one), its replica's microbatch inputs and targets, and each microbatch's rows."""
         self._set_tp_group()  # tp.* is process-wide: several pipelines in one process take turns
         m = self.manifest
         holds_last = self.graph.num_stages - 1 in self.runners
-        fn = loss_fn or (self._default_loss_fn() if holds_last else None)  # only the last stage needs it
+        fn = loss_fn or (self._default_loss_fn() if holds_last else None)
         mb_inputs = package.split_inputs(inputs, m, self.replica)
         rows = package.microbatch_rows(inputs, m)
         targets = package.split_target(target, m.microbatches, self.replica, self.dp, sum(rows) * self.dp)
+        return fn, mb_inputs, targets, rows
+
+    def _train_step(self, inputs: Any, target: Any, loss_fn: LossFn | None) -> torch.Tensor:
+        fn, mb_inputs, targets, rows = self._share(inputs, target, loss_fn)
         snapshot = self._ties.snapshot()
         if self._buckets is not None:
             self._buckets.reset()
