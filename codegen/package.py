@@ -347,8 +347,8 @@ def _device_expr(layout: StageLayout, names: dict[torch.fx.Node, str]) -> str | 
         (tests/fake_gpu.py) reports it.
     """
     first = next((n for n in layout.inputs if isinstance(n.meta.get("tensor_meta"), TensorMetadata)), None)
-    if first is None:
-        first = next((a for a in layout.attrs), None)
+    if first is None and layout.attrs:
+        first = layout.attrs[0]
     return None if first is None else f"{names[first]}.device"
 
 

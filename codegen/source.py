@@ -295,9 +295,7 @@ def _is_factory(target: Any) -> bool:
     factory functions, or an aten op with a `device` argument and no tensor argument."""
     if isinstance(target, torch._ops.OpOverload):
         arguments = target._schema.arguments
-        return any(a.name == "device" for a in arguments) and not any(
-            isinstance(a.type, (torch.TensorType, torch.OptionalType, torch.ListType)) and "Tensor" in str(a.type)
-            for a in arguments)
+        return any(a.name == "device" for a in arguments) and not any("Tensor" in str(a.type) for a in arguments)
     try:
         return target in _FACTORIES
     except TypeError:  # an unhashable callable
