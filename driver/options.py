@@ -59,6 +59,9 @@ def check(opts: CompileOptions) -> tuple[int, int, int]:
     if opts.schedule == "auto":
         raise PlanError("--schedule auto chooses the schedule while searching the meshes of --devices N: give "
                         f"--devices, or name a schedule ({', '.join(SCHEDULES)}).")
+    if opts.schedule == "zb-v":  # in the contract, not built: two stages per rank in a V
+        raise PlanError(f"--schedule zb-v is not built yet: choose one of {', '.join(SCHEDULES)} (zb-h1 and zb-h2 "
+                        f"are the zero-bubble schedules with one stage per rank), or auto with --devices.")
     if opts.schedule not in SCHEDULES:
         raise PlanError(f"unknown --schedule {opts.schedule!r}: choose one of {', '.join(SCHEDULES)} or auto.")
     if opts.tp < 1:
