@@ -61,7 +61,7 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--hardware", help="cpu | a100 | h100 | h200 | a JSON profile (default: this machine)")
     c.add_argument("--analytic", action="store_true", help="costs from FLOPs and bytes (roofline), deterministic")
     c.add_argument("--tracer", default="auto", help="auto | fx | export (default auto)")
-    c.add_argument("--precision", default="fp32", help="fp32 | bf16-mixed | fp16-mixed (default fp32; bf16: not yet)")
+    c.add_argument("--precision", default="fp32", help="fp32 | bf16-mixed | bf16 | fp16-mixed (default fp32)")
     c.add_argument("--time-limit", type=float, default=30.0, help="solver time limit in seconds (default 30)")
     c.add_argument("--seed", type=int, default=0)
     c.add_argument("--entry", default="build_model", help="the function that builds the model")

@@ -27,6 +27,7 @@ from partitioner.trace import model_file
 from partitioner.trace.trace import Traced
 
 from runtime.affinity import binding_enabled, bound_as_local_rank, cpu_share
+from runtime.precision import loss_input
 
 from .options import CompileOptions
 from .prepared import Prepared
@@ -65,7 +66,7 @@ def loss_costs(mf: model_file.ModelFile, traced: Traced, values: dict[torch.fx.N
     if not (mf.has("loss_fn") and mf.has("example_target")):
         return None
     leaves = [values.get(x, x) if isinstance(x, torch.fx.Node) else x for x in traced.output_leaves]
-    output = pytree.tree_unflatten(leaves, traced.out_spec)
+    output = loss_input(pytree.tree_unflatten(leaves, traced.out_spec), opts.precision)  # as the runtime gives it
     target = pytree.tree_map_only(torch.Tensor, lambda t: t.narrow(0, 0, rows) if t.dim() and t.shape[0] == batch
                                   else t, mf.example_target())
     measure = not opts.analytic

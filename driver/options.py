@@ -16,7 +16,7 @@ from partitioner.errors import PlanError
 from partitioner.ir import SCHEDULES
 from partitioner.solve.problem import Mesh
 from partitioner.trace import model_file
-from runtime.precision import BUILT, PRECISIONS
+from runtime.precision import PRECISIONS
 
 __all__ = ["CompileOptions", "batch_size", "check", "fixed_tp", "default_microbatches", "mesh_of", "rows_per_microbatch",
            "split_batch"]
@@ -49,7 +49,7 @@ class CompileOptions:
     meta: bool | None = None  # build on the meta device; None: when --analytic and too big to build
     zero: int = 0  # 1: optimizer state sharded across data-parallel replicas (ZeRO-1)
     recompute: bool = False  # activation recomputation: stages keep their inputs, run forward again in backward
-    precision: str = "fp32"  # runtime.precision.PRECISIONS; those in BUILT compile ([Note: mixed precision])
+    precision: str = "fp32"  # runtime.precision.PRECISIONS ([Note: mixed precision], [Note: bf16 with master weights])
 
 
 def check(opts: CompileOptions) -> tuple[int, int, int]:
@@ -91,10 +91,10 @@ def check(opts: CompileOptions) -> tuple[int, int, int]:
     if opts.zero not in (0, 1):
         raise PlanError(f"--zero {opts.zero}: choose 0 (optimizer state on every replica) or 1 (sharded across the "
                         f"data-parallel replicas, ZeRO-1).")
-    if opts.precision not in BUILT:
-        what = "is not built yet" if opts.precision in PRECISIONS else "is unknown"
-        raise PlanError(f"--precision {opts.precision} {what}: the precisions available are {', '.join(BUILT)} "
-                        f"(the -mixed ones: torch.autocast around every stage's forward).")
+    if opts.precision not in PRECISIONS:
+        raise PlanError(f"--precision {opts.precision} is unknown: the precisions available are {', '.join(PRECISIONS)} "
+                        f"(the -mixed ones: torch.autocast around every stage's forward; bf16: bfloat16 weights with "
+                        f"float32 masters).")
     if opts.optimizer not in ("adam", "adamw", "sgd", "momentum"):
         raise PlanError(f"unknown --optimizer {opts.optimizer!r}: choose adam, sgd or momentum.")
     return pp, virtual, microbatches

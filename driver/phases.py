@@ -28,7 +28,7 @@ from partitioner.trace import model_file
 from partitioner.trace.buffers import BufferSnapshot, kept_buffers, warn_batch_statistics
 from partitioner.trace.passes import probe, propagate, specialize
 from partitioner.trace.trace import Traced, by_input_key, check_autocast, copy_traced, trace
-from runtime.precision import autocast
+from runtime.precision import autocast, cast_inputs, cast_model
 
 from .check import calibration_block, check_plan
 from .costs import loss_costs, node_costs, stage_costs
@@ -44,8 +44,8 @@ def load_source(opts: CompileOptions, say: Callable[[str], None] = lambda _m: No
     """Load the model file, build the model (on the meta device when `_build` says so)
     and take its example batch (moved to the meta device with a meta model)."""
     mf = model_file.load(opts.model, opts.entry)
-    model = _build(mf, opts, say)
-    args, kwargs = mf.example_inputs()
+    model = cast_model(_build(mf, opts, say), opts.precision)  # [Note: bf16 with master weights]
+    args, kwargs = cast_inputs(mf.example_inputs(), opts.precision)
     if _is_meta(model):
         args, kwargs = pytree.tree_map_only(torch.Tensor, lambda t: t.to("meta"), (args, kwargs))
     return Source(mf, model, args, kwargs, batch_size(mf, args, kwargs))
@@ -69,7 +69,7 @@ def prepare(opts: CompileOptions, say: Callable[[str], None] = lambda _m: None, 
     # 1. load: the model file and one microbatch of its example batch (partitioner.trace.model_file).
     src = source or load_source(opts, say)
     mf, model, args, kwargs, batch = src.mf, src.model, src.args, src.kwargs, src.batch
-    if opts.precision != "fp32" and _is_meta(model):
+    if opts.precision in ("bf16-mixed", "fp16-mixed") and _is_meta(model):
         raise PlanError(f"--precision {opts.precision} needs the model built with real weights: autocast does not "
                         f"apply to meta tensors, so the dtypes it gives the stage boundaries cannot be found. Compile "
                         f"without --meta (with --analytic the model is built for real when it fits in memory), or "

@@ -43,7 +43,7 @@ import torch
 import torch.distributed as dist
 import torch.utils._pytree as pytree
 
-from . import checkpoint, clip, initialize, messages, modes, optim, package, tp
+from . import checkpoint, clip, initialize, messages, modes, optim, package, precision, tp
 from .comm import GradBuckets, TiedGrads, guard, init_from_env, timeout_from_env, wait
 from .errors import ManifestError, MeshError, PipelineError
 from .faults import parse_fault
@@ -115,6 +115,8 @@ class DistributedPipeline:
         self.runners = {s: StageRunner(package.import_stage(directory, m, s).to(self.device), m.stages[s], m.precision)
                         for s in self.stages}
         self._share_tied()
+        # float32 masters of bf16 parameters ([Note: bf16 with master weights] in precision.py)
+        self._masters = precision.masters_for([p for _, p in self._module_named()], m.precision)
         # 4. the schedule: every rank lowers and validates the whole one, then keeps its row
         compute = schedule if isinstance(schedule, list) else make_schedule(
             schedule or m.schedule, self.pp, m.microbatches, m.virtual_stages)
@@ -159,7 +161,11 @@ class DistributedPipeline:
         return [p for _, p in self.named_parameters()]
 
     def named_parameters(self) -> list[tuple[str, torch.nn.Parameter]]:
-        """(original name, parameter) for this rank's parameters, each once."""
+        """(original name, parameter) for this rank's parameters, each once (the masters under bf16)."""
+        return precision.shown(self._masters, self._module_named())
+
+    def _module_named(self) -> list[tuple[str, torch.nn.Parameter]]:
+        """(original name, stage module parameter) for this rank's parameters, each once."""
         seen: dict[int, tuple[str, torch.nn.Parameter]] = {}
         for s in self.stages:
             r = self.runners[s]
@@ -198,7 +204,7 @@ class DistributedPipeline:
 
     def _evaluate(self, inputs: Any, target: Any, loss_fn: LossFn | None) -> torch.Tensor:
         fn, mb_inputs, targets, rows = self._share(inputs, target, loss_fn)
-        self._steps.check()
+        self._begin()
         step = _Step(train=False, evaluate=True, rows=rows, scales=package.loss_scales(rows))
         with torch.no_grad():
             for a in self._forward_actions:
@@ -260,7 +266,7 @@ class DistributedPipeline:
         snapshot = self._ties.snapshot()
         if self._buckets is not None:
             self._buckets.reset()
-        self._steps.check()
+        self._begin()
         step = _Step(train=True, rows=rows, scales=package.loss_scales(rows))
         try:
             for t, a in enumerate(self._train_actions):
@@ -271,6 +277,8 @@ class DistributedPipeline:
             if self._buckets is not None:
                 self._buckets.finish()
             self._ties.reduce(snapshot)
+            if self._masters is not None:
+                self._masters.take_grads()
             loss = self._reduce_loss(step)
         finally:
             for r in self.runners.values():
@@ -296,7 +304,7 @@ class DistributedPipeline:
     def _call(self, inputs: Any) -> Any:
         self._set_tp_group()
         mb_inputs = package.split_inputs(inputs, self.manifest, self.replica)
-        self._steps.check()
+        self._begin()
         step = _Step(train=False, rows=package.microbatch_rows(inputs, self.manifest))
         with torch.no_grad():
             for a in self._forward_actions:
@@ -486,7 +494,7 @@ class DistributedPipeline:
     def _setup_grads(self) -> None:
         """Process groups, data-parallel buckets, tied gradients, and when to arm the buckets."""
         groups = self.groups
-        mine = dict(self.named_parameters())
+        mine = dict(self._module_named())
         tied = [(mine[n], group, n) for n, (group, _) in groups.ties.items() if n in mine and mine[n].requires_grad]
         describe = self._describe
         self._ties = TiedGrads(tied, self.dp, self.timeout_s, lambda name, t, why: describe(
@@ -527,7 +535,15 @@ class DistributedPipeline:
         tp.set_group(self.groups.tp, index, self.tp, timeout, doing)
 
     def _tensors(self, runner: StageRunner) -> list[tuple[package.Held, torch.Tensor]]:
-        return package.stage_tensors(runner.module, runner.entry, self.tp_index)
+        """A stage's parameters and persistent buffers as the user sees them (masters under bf16)."""
+        return precision.shown(self._masters, package.stage_tensors(runner.module, runner.entry, self.tp_index))
+
+    def _begin(self) -> None:
+        """Before the stages run: the ranks agree on the step ([Note: step numbers] in steps.py),
+        and the bf16 weights are brought up to date with their masters."""
+        self._steps.check()
+        if self._masters is not None:
+            self._masters.refresh()
 
     def _rank_of(self, stage: int) -> int:
         return self.mesh.rank(self.replica, self.graph.rank_of(stage), self.tp_index)

@@ -34,7 +34,7 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 import torch.utils._pytree as pytree
 
-from . import checkpoint, clip, initialize, modes, optim, package, tp
+from . import checkpoint, clip, initialize, modes, optim, package, precision, tp
 from .comm import timeout_from_env
 from .devices import DeviceLike, StageStreams, resolve_devices
 from .errors import PipelineError
@@ -82,6 +82,9 @@ class LocalPipeline:
         self.streams = StageStreams(self.devices)
         self.lanes = [self._make_lane(t) for t in range(self.tp)]
         self.runners = self.lanes[0].runners
+        # float32 masters of bf16 parameters ([Note: bf16 with master weights] in precision.py)
+        self._masters = precision.masters_for([p for lane in self.lanes for _, p in self._module_named(lane)],
+                                              m.precision)
         self._group = tp.Lanes(self.tp, timeout_from_env()) if self.tp > 1 else None
         compute = schedule if isinstance(schedule, list) else make_schedule(
             schedule or m.schedule, pp, m.microbatches, m.virtual_stages)
@@ -107,13 +110,11 @@ class LocalPipeline:
             package.check_state_dict(state_dict, self.manifest)
         for lane in self.lanes:
             for r in lane.runners:
-                tensors = package.stage_tensors(r.module, r.entry, lane.index)
-                package.load_stage_state(tensors, state_dict, self.manifest)
+                package.load_stage_state(self._tensors(lane, r), state_dict, self.manifest)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The full original state_dict (original names and alias keys), reassembled."""
-        pieces = [p for lane in self.lanes for r in lane.runners
-                  for p in package.stage_tensors(r.module, r.entry, lane.index)]
+        pieces = [p for lane in self.lanes for r in lane.runners for p in self._tensors(lane, r)]
         return package.assemble_state_dict(pieces, self.manifest)
 
     def parameters(self) -> list[torch.nn.Parameter]:
@@ -126,6 +127,11 @@ class LocalPipeline:
         return [pair for lane in self.lanes for pair in self._lane_named(lane)]
 
     def _lane_named(self, lane: _Lane) -> list[tuple[str, torch.nn.Parameter]]:
+        """`lane`'s parameters as the user sees them: the masters under bf16."""
+        return precision.shown(self._masters, self._module_named(lane))
+
+    def _module_named(self, lane: _Lane) -> list[tuple[str, torch.nn.Parameter]]:
+        """(original name, stage module parameter) of `lane`, each parameter once."""
         seen: set[int] = set()
         out = []
         for r in lane.runners:
@@ -153,7 +159,7 @@ class LocalPipeline:
         mode: call eval() first for dropout off and batch norm's running statistics)."""
         fn = loss_fn or self._default_loss_fn()
         m, dp = self.manifest.microbatches, self.manifest.mesh.dp
-        self._calls += 1
+        self._begin()
         total = torch.zeros((), device=self.devices[-1])
         rows = package.microbatch_rows(inputs, self.manifest)
         scales = package.loss_scales(rows, dp)  # [Note: microbatch weights]
@@ -206,7 +212,7 @@ class LocalPipeline:
         m, dp = self.manifest.microbatches, self.manifest.mesh.dp
         snapshots = [lane.tied.snapshot() for lane in self.lanes]
         total: torch.Tensor | None = None
-        self._calls += 1
+        self._begin()
         try:
             rows = package.microbatch_rows(inputs, self.manifest)
             scales = package.loss_scales(rows, dp)  # [Note: microbatch weights]
@@ -224,13 +230,15 @@ class LocalPipeline:
         self.streams.synchronize()
         for lane, snapshot in zip(self.lanes, snapshots):
             lane.tied.reduce(snapshot)
+        if self._masters is not None:
+            self._masters.take_grads()
         assert total is not None
         return total
 
     def __call__(self, inputs: Any) -> Any:
         """Forward only: the whole batch's output (microbatch outputs concatenated on dim 0)."""
         outs: list[Any] = []
-        self._calls += 1
+        self._begin()
         with torch.no_grad():
             for replica in range(self.manifest.mesh.dp):
                 self._replica = replica
@@ -258,10 +266,20 @@ class LocalPipeline:
         initialize.init_pipeline(self._checkpoint_view().held, self.manifest, self.directory, seed)
 
     def _checkpoint_view(self) -> checkpoint.View:
-        held = [p for lane in self.lanes for r in lane.runners
-                for p in package.stage_tensors(r.module, r.entry, lane.index)]
+        held = [p for lane in self.lanes for r in lane.runners for p in self._tensors(lane, r)]
         return checkpoint.View(self.manifest, held, rank=0, world=1, distributed=False,
                                directory=self.directory)
+
+    def _tensors(self, lane: _Lane, runner: StageRunner) -> list[tuple[package.Held, torch.Tensor]]:
+        """A stage's parameters and persistent buffers as the user sees them (masters under bf16)."""
+        return precision.shown(self._masters, package.stage_tensors(runner.module, runner.entry, lane.index))
+
+    def _begin(self) -> None:
+        """Before a call runs the stages: count it ([Note: dropout streams] in modes.py) and
+        bring the bf16 weights up to date with their masters."""
+        self._calls += 1
+        if self._masters is not None:
+            self._masters.refresh()
 
     # -- the interpreter ---------------------------------------------------------------------
 

@@ -22,7 +22,7 @@ from typing import Any, Literal, Mapping
 from ._fields import (_array, _Bad, _bool, _count, _from, _index, _int, _ints, _is_int, _key, _mapping, _number,
                       _Obj, _opt_int, _opt_str, _shape, _str, _strs, _to)
 from .errors import ManifestError
-from .precision import BUILT
+from .precision import PRECISIONS
 
 __all__ = [
     "FORMAT_VERSION",
@@ -459,8 +459,8 @@ def _read_manifest(data: Mapping[str, Any]) -> Manifest:
 
 
 def _precision(value: Any, path: str) -> str:
-    if value not in BUILT:
-        raise _Bad(f"{path}: expected one of {', '.join(BUILT)} (the precisions this runtime runs), got {value!r}")
+    if value not in PRECISIONS:
+        raise _Bad(f"{path}: expected one of {', '.join(PRECISIONS)} (the precisions this runtime runs), got {value!r}")
     return str(value)
 
 

@@ -39,7 +39,7 @@ import torch.utils.checkpoint
 from . import modes, split_backward
 from .errors import PipelineError
 from .manifest import StageSpec
-from .precision import autocast, device_type
+from .precision import autocast, cast_inputs, device_type, loss_input
 
 __all__ = ["StageRunner", "as_leaf"]
 
@@ -71,6 +71,7 @@ class StageRunner:
     module: torch.nn.Module
     entry: StageSpec
     precision: str = "fp32"  # the manifest's: forward and loss under its autocast ([Note: mixed precision])
+    #                          or in bfloat16 ([Note: bf16 with master weights])
     _saved: dict[int, _Saved] = field(default_factory=dict)
 
     @property
@@ -100,8 +101,10 @@ class StageRunner:
         needs its activations, so gradients are those of the plain forward.
 
         `seed`: in training mode, the forward draws from a generator seeded by it
-        ([Note: dropout streams] in modes.py).
+        ([Note: dropout streams] in modes.py).  Under `bf16` the batch's float32 inputs are
+        cast to bfloat16 ([Note: bf16 with master weights] in precision.py).
         """
+        args = [cast_inputs(a, self.precision) if spec.from_batch else a for a, spec in zip(args, self.entry.inputs)]
         with autocast(self.precision, device_type(args)):
             if seed is not None and self.module.training:
                 device = next((a.device for a in args if isinstance(a, torch.Tensor)), torch.device("cpu"))
@@ -130,7 +133,7 @@ class StageRunner:
         """`loss_fn(output, target) / scale` for the last stage; kept for backward (unless
         `keep` is false: evaluate), returned detached."""
         with autocast(self.precision, device_type(torch.utils._pytree.tree_leaves(output))):
-            value = loss_fn(output, target)
+            value = loss_fn(loss_input(output, self.precision), target)
         if not isinstance(value, torch.Tensor) or value.numel() != 1:
             what = f"shape {list(value.shape)}" if isinstance(value, torch.Tensor) else type(value).__name__
             raise PipelineError(f"loss_fn returned {what}, not a scalar tensor: reduce the loss over the batch (mean).")

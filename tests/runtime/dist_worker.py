@@ -14,8 +14,8 @@ and exits 3.  MODE tp: the unit checks of runtime/tp.py (tp_checks.py; PKG unuse
 MODE short: as check, on the example batch's first SHORT_ROWS rows (a short last batch).
 MODE scaler: an fp16-mixed package with runtime.GradScaler: a step with an inf gradient on the
 last stage's rank is skipped on every rank, and every rank's scale halves.
-MODE amp: a bf16-mixed package, 3 SGD steps: losses and weights no further from the original
-under autocast than that is from the original in fp32.
+MODE amp: a bf16-mixed or bf16 package, 3 SGD steps: losses and weights no further from the
+original trained in that precision (tests/precision_reference.py) than that is from fp32.
 Once a rank fails, the others are killed after GRACE_S (as torchrun does).
 """
 
@@ -58,19 +58,23 @@ def _model_file(path: str):  # type: ignore[no-untyped-def]
 
 
 def _amp(pkg: str, model_path: str) -> None:
+    from tests.precision_reference import Original
+
     mf = _model_file(model_path)
     inputs, target = mf.example_inputs(), mf.example_target()
+    precision = package.load_manifest(pkg).precision
     runs = []
-    for amp in (False, True):
+    for mode in ("fp32", precision):
         torch.manual_seed(0)
-        model = mf.build_model()
+        model = Original(mf.build_model(), mode)
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         losses = []
         for _ in range(3):
             opt.zero_grad()
-            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp):
-                loss = mf.loss_fn(_call(model, inputs), target)
+            model.begin()
+            loss = model.loss(mf.loss_fn, inputs, target)
             loss.backward()
+            model.end()
             opt.step()
             losses.append(float(loss))
         runs.append((losses, model.state_dict()))
@@ -87,7 +91,7 @@ def _amp(pkg: str, model_path: str) -> None:
 
     def far(a, b):  # type: ignore[no-untyped-def]
         return (max(abs(x - y) for x, y in zip(a[0], b[0])),
-                max(float((a[1][k] - b[1][k]).abs().max()) for k in b[1]))
+                max(float((a[1][k].float() - b[1][k].float()).abs().max()) for k in b[1]))
 
     floor, off = far(runs[1], runs[0]), far(got, runs[1])
     assert floor[0] > 0 and off[0] <= floor[0] and off[1] <= floor[1], (off, floor)
