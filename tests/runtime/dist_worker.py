@@ -16,6 +16,8 @@ MODE scaler: an fp16-mixed package with runtime.GradScaler: a step with an inf g
 last stage's rank is skipped on every rank, and every rank's scale halves.
 MODE amp: a bf16-mixed package, 3 SGD steps: losses and weights no further from the original
 under autocast than that is from the original in fp32.
+MODE dropout: tp = 2 (tests/model_files/tp_dropout.py), train mode: the dropout of the
+replicated value draws the same mask on both tp ranks, that of the sharded value its own.
 Once a rank fails, the others are killed after GRACE_S (as torchrun does).
 """
 
@@ -114,6 +116,22 @@ def _scaler(pkg: str, model_path: str) -> None:
         moved = any(not torch.equal(b, p) for b, p in zip(before, params))
         assert moved == (step != 1), (step, moved)  # step 1 is skipped on every rank
         assert float(scaler.get_scale()) == (scale / 2 if step == 1 else scale), (step, scaler.get_scale())
+    print(f"{pipe.rank} ok", flush=True)
+
+
+def _dropout(pkg: str, model_path: str) -> None:
+    mf = _model_file(model_path)
+    pipe = runtime.DistributedPipeline(pkg)
+    pipe.load_state_dict(mf.build_model().state_dict())
+    mine: list[torch.Tensor] = []  # this rank's replicated y, microbatch by microbatch
+    pipe.runners[0].module.register_forward_hook(lambda m, a, out: mine.append(out[0].detach()))
+    with torch.no_grad():
+        _, h = pipe(*mf.example_inputs())
+    ys: list[torch.Tensor | None] = [None, None]
+    torch.distributed.all_gather_object(ys, torch.cat(mine))
+    assert torch.equal(ys[0], ys[1]), "the replicated value's masks differ between the tp ranks"
+    first, second = (half == 0 for half in h.chunk(2, dim=1))  # each rank's shard's mask
+    assert not torch.equal(first, second), "both shards of the sharded value drew the same mask"
     print(f"{pipe.rank} ok", flush=True)
 
 
@@ -314,7 +332,7 @@ def _rank(r: int, mode: str, pkg: str, model_path: str, outdir: Path) -> int:
     os.dup2(err, 2)
     try:
         {"check": _check, "fault": _fault, "tp": _tp, "train": _train, "drift": _drift, "short": _short, "amp": _amp,
-         "scaler": _scaler}[mode](pkg, model_path)
+         "scaler": _scaler, "dropout": _dropout}[mode](pkg, model_path)
     except PipelineError as exc:
         print(f"PipelineError: {exc}", file=sys.stderr, flush=True)
         return 3
