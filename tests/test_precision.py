@@ -5,6 +5,9 @@ autocast written inside the model are refused."""
 
 from __future__ import annotations
 
+import math
+import os
+import re
 import shutil
 import subprocess
 import sys
@@ -137,6 +140,60 @@ def test_bf16_mixed_on_two_ranks(tmp_path: Path) -> None:
     copy = tmp_path / "mlp.py"
     shutil.copy(ROOT / "examples" / "mlp.py", copy)
     _ok(launch(2, "amp", [tmp_path / "pkg"], copy, deadline_s=90))
+
+
+def _clipped_sgd(path: str, clip: float | None, steps: int, lr: float) -> list[tuple[float, float]]:
+    """(loss, gradient norm before clipping) of each SGD step of the original in fp32."""
+    mf = model_file.load(path)
+    model = mf.build(0)
+    (args, _), target, loss_fn = mf.example_inputs(), mf.example_target(), mf.loss_fn()
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    out = []
+    for _ in range(steps):
+        opt.zero_grad()
+        loss = loss_fn(model(*args), target)
+        loss.backward()
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip if clip is not None else float("inf"))
+        opt.step()
+        out.append((float(loss), float(norm)))
+    return out
+
+
+def test_a_rank_without_parameters_joins_one_check_per_step(monkeypatch: pytest.MonkeyPatch) -> None:
+    """unscale_(None) makes the global check; step(None) after it does not make it again."""
+    scaler = runtime.GradScaler("cpu")
+    checks: list[float] = []
+    monkeypatch.setattr(scaler, "_global", lambda found: checks.append(float(found)) or found)
+    for unscale_first in (False, True, False):
+        if unscale_first:
+            scaler.unscale_(None)
+        scaler.step(None)
+        scaler.update()
+    assert checks == [0.0, 0.0, 0.0]
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(240)
+def test_run_clips_an_fp16_mixed_package(tmp_path: Path) -> None:
+    """`partitioner run --clip` on an fp16-mixed package, 2 ranks: the scaler unscales the
+    gradients (and makes its global inf check) before `pipe.clip_grad_norm_`, so the printed
+    norm is the true gradient's and the losses follow the original's clipped SGD.  The
+    tolerance, rel 1e-3, is fp16 rounding (the original under fp16 autocast is 1e-4 off fp32
+    here); the unclipped run is more than 10 times that away, and a scaled norm 65536 times."""
+    path, steps, lr, clip = "examples/mlp.py", 4, 0.5, 0.05
+    compile_example(path, tmp_path / "pkg", stages=2, precision="fp16-mixed")
+    cmd = [sys.executable, "-m", "partitioner", "run", str(tmp_path / "pkg"), "--nproc", "2", "--steps", str(steps),
+           "--lr", str(lr), "--clip", str(clip)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=200, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = [(float(a), float(b)) for a, b in re.findall(r"^step \d+  loss (\S+)  norm (\S+)  time", proc.stdout, re.M)]
+    want, unclipped = _clipped_sgd(path, clip, steps, lr), _clipped_sgd(path, None, steps, lr)
+    assert len(got) == steps and all(math.isfinite(x) for pair in got for x in pair), proc.stdout
+    assert want[0][1] > clip and abs(unclipped[-1][0] - want[-1][0]) > 1e-2 * want[-1][0]  # clipping matters here
+    for step, ((loss, norm), (want_loss, want_norm)) in enumerate(zip(got, want)):
+        assert loss == pytest.approx(want_loss, rel=1e-3) and norm == pytest.approx(want_norm, rel=1e-3), \
+            (step, got, want)
 
 
 @pytest.mark.parametrize("precision, says", [("bf16", "is not built yet"), ("fp8", "is unknown")])

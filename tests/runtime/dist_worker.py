@@ -13,7 +13,8 @@ reference, then eval() and evaluate().  MODE drift: step safety (runtime/steps.p
 and exits 3.  MODE tp: the unit checks of runtime/tp.py (tp_checks.py; PKG unused).
 MODE short: as check, on the example batch's first SHORT_ROWS rows (a short last batch).
 MODE scaler: an fp16-mixed package with runtime.GradScaler: a step with an inf gradient on the
-last stage's rank is skipped on every rank, and every rank's scale halves.
+last stage's rank is skipped on every rank, and every rank's scale halves (also when the
+gradients are unscaled and clipped before the step).
 MODE amp: a bf16-mixed package, 3 SGD steps: losses and weights no further from the original
 under autocast than that is from the original in fp32.
 MODE dropout: tp = 2 (tests/model_files/tp_dropout.py), train mode: the dropout of the
@@ -111,6 +112,9 @@ def _scaler(pkg: str, model_path: str) -> None:
         if step == 1 and last:
             params[0].grad[0, 0] = float("inf")  # only the last stage's rank overflows
         before, scale = [p.detach().clone() for p in params], float(scaler.get_scale())
+        if step > 0:  # unscaled (and checked) before clipping, as `partitioner run --clip` does
+            scaler.unscale_(opt)
+            pipe.clip_grad_norm_(1.0)
         scaler.step(opt)
         scaler.update()
         moved = any(not torch.equal(b, p) for b, p in zip(before, params))
