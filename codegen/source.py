@@ -77,6 +77,22 @@ def with_mode(target: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tup
     return args, {**kwargs, name: TRAINING}
 
 
+#: the dropouts: under tensor parallelism, one of a sharded value draws from its rank's own
+#: stream (`tp.rank_stream`, [Note: dropout streams] in runtime/modes.py)
+_DROPOUTS = {F.dropout, F.dropout1d, F.dropout2d, F.dropout3d, F.alpha_dropout, F.feature_alpha_dropout,
+             torch.ops.aten.dropout.default, torch.ops.aten.native_dropout.default,
+             torch.ops.aten.feature_dropout.default, torch.ops.aten.alpha_dropout.default,
+             torch.ops.aten.feature_alpha_dropout.default}
+
+
+def _drops_a_shard(node: torch.fx.Node) -> bool:
+    """Whether `node` is a dropout of a value sharded across the tensor-parallel group
+    (its layout, `tp_layout`, as partitioner/tp/rewrite.py recorded it)."""
+    layout = node.meta.get("tp_layout")
+    return (node.op == "call_function" and node.target in _DROPOUTS and layout is not None
+            and layout.dim is not None and bool(node.all_input_nodes))
+
+
 class EmitError(Exception):
     """A node the code generator cannot write as Python source."""
 
@@ -251,14 +267,20 @@ class StageSource:
 
     def statements(self, nodes: list[torch.fx.Node], names: dict[torch.fx.Node, str]) -> list[str]:
         """One line per node, in order, with its shape comment; each run of nodes from one
-        module opens with a `# -- <module> --` line (`names.section`)."""
+        module opens with a `# -- <module> --` line (`names.section`); a dropout of a
+        tensor-parallel shard is written inside `with tp.rank_stream(...)`."""
         lines: list[str] = []
         current = None
         for node in nodes:
             if section(node) != current:
                 current = section(node)
                 lines.append(f"# -- {current} --")
-            lines.append(f"{self.statement(node, names)}{shape_comment(node)}")
+            line = f"{self.statement(node, names)}{shape_comment(node)}"
+            if _drops_a_shard(node):
+                self.imports.add("from runtime import tp")
+                lines.append(f"with tp.rank_stream({names[node.all_input_nodes[0]]}.device, self.training):")
+                line = f"    {line}"
+            lines.append(line)
         return lines
 
     def build_output(self, spec: pytree.TreeSpec, leaves: list[Any], names: dict[torch.fx.Node, str]) -> str:

@@ -2,14 +2,15 @@
 which every machine with Python has offline.  It is a model file (compile it) and a
 training script (run it under torchrun on the compiled package):
 
-    python -m partitioner compile examples/train_gpt.py --out build/chargpt --stages 2
+    python -m partitioner compile examples/train_gpt.py --out build/chargpt --stages 2 --precision bf16-mixed
     torchrun --nproc-per-node 2 examples/train_gpt.py build/chargpt --steps 200
 
 The loop is what a user writes for a real model: a DataLoader with a different batch every
 step (the same order on every rank) and a short last batch, AdamW with parameter groups (no
 weight decay on biases, norms and position embeddings), linear warmup then cosine decay,
 global gradient clipping, gradient accumulation, an evaluation in eval mode every N steps,
-and a progress bar with tokens per second.  The weights start from `pipe.init_weights`:
+and a progress bar with tokens per second; `--precision bf16-mixed` (a compile option) runs
+the stages and the loss under bf16 autocast, with fp32 weights and optimizer state.  The weights start from `pipe.init_weights`:
 each rank makes only its own, the same on every plan.  TRAIN_GPT_SIZE=base (default small)
 gives a bigger model; it must be the same when compiling and training.
 """

@@ -5,8 +5,9 @@ weights (or, with --init / --load, init_weights / load_checkpoint: checkpoint/ru
 loads them into this rank's stages and trains K steps (--optimizer sgd | adamw, --lr,
 --clip) on the model file's `batches()`, or on its example batch when it has none (with
 --resume, from the newest checkpoint's step on; --checkpoint saves); fp16-mixed packages
-scale the loss ([Note: a global loss scale]). Rank 0 prints
-`step k  loss X.XXXXXX  time Y ms`.
+scale the loss ([Note: a global loss scale]) and, with --clip, unscale the gradients before
+clipping them. Rank 0 prints `step k  loss X.XXXXXX  time Y ms` (with --clip,
+`step k  loss X.XXXXXX  norm N.NNNNNN  time Y ms`: the gradient norm before clipping).
 """
 
 from __future__ import annotations
@@ -59,15 +60,17 @@ def _train(ns: argparse.Namespace) -> None:
         if opt is not None:
             opt.zero_grad()
         loss = pipe.train_step(inputs, target, loss_fn=loss_fn) / scaler.get_scale()
-        if ns.clip is not None:  # not with fp16-mixed (launch refuses it): the gradients are not scaled
-            pipe.clip_grad_norm_(ns.clip)
+        norm = ""
+        if ns.clip is not None:  # the true gradients (fp16-mixed: unscaled, and the global inf check) are clipped
+            scaler.unscale_(opt)
+            norm = f"  norm {pipe.clip_grad_norm_(ns.clip).item():.6f}"
         scaler.step(opt)
         scaler.update()
         if pipe.device.type == "cuda":
             torch.cuda.synchronize(pipe.device)
         ms = (time.perf_counter() - start) * 1e3
         if pipe.rank == 0:
-            print(f"step {k}  loss {loss.item():.6f}  time {ms:.1f} ms", flush=True)
+            print(f"step {k}  loss {loss.item():.6f}{norm}  time {ms:.1f} ms", flush=True)
         checkpointing.maybe_save(pipe, opt, ns, k)
     dist.barrier()
     dist.destroy_process_group()

@@ -72,10 +72,6 @@ def main(argv: list[str]) -> int:
         raise PipelineError(f"--steps {ns.steps} --lr {ns.lr}: give at least one step and a positive learning rate.")
     if ns.clip is not None and not ns.clip > 0:
         raise PipelineError(f"--clip {ns.clip}: give the largest gradient norm to keep, a positive number.")
-    if ns.clip is not None and manifest.precision == "fp16-mixed":
-        raise PipelineError(f"--clip with an fp16-mixed package ({ns.dir}) is not built: the loss scaler would have "
-                            f"to unscale the gradients on every rank first. Train without --clip, or compile with "
-                            f"--precision bf16-mixed.")
     _check_model_file(manifest, ns.dir)
     checkpointing.check_arguments(ns)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}

@@ -9,9 +9,19 @@
     recomputed forward (torch.utils.checkpoint, which keeps the RNG state it started
     with) draws the same masks.  The masks are not those of the unsplit model (which
     draws the whole batch from one stream): dropout is equal in distribution, not in
-    values.  Every tensor-parallel rank of a stage draws the same stream, so a replicated
-    value gets the same mask on each; a value sharded across the tp group also gets the
-    same stream on each shard (Megatron's per-rank stream for sharded values is not built).
+    values.
+
+    Under tensor parallelism every rank of a stage's tp group starts from that same
+    stream, so a dropout of a replicated value draws the same mask on each rank and the
+    value stays replicated.  A dropout of a value sharded across the group (Megatron's
+    RNG tracker: its "model-parallel" stream) is written by codegen inside
+    `with tp.rank_stream(x.device, self.training):` (codegen/source.py), which draws one
+    number from the shared CPU stream (so that stream moves alike on every rank) and
+    runs the dropout under a generator seeded by that number mixed with the tp rank
+    (`mix`), restored after: each shard its own mask, still a function of (seed, n, s,
+    i) alone, so reruns and recomputation reproduce it.  `LocalPipeline`'s tp lanes
+    share one process's generator, so they take turns between collectives, each with
+    its own generator state ([Note: lanes] in tp.py).
 """
 
 from __future__ import annotations
@@ -21,18 +31,23 @@ from typing import Iterator
 
 import torch
 
-__all__ = ["microbatch_seed", "seeded"]
+__all__ = ["microbatch_seed", "mix", "seeded"]
 
 _MIX = 0x9E3779B97F4A7C15  # 2^64 / golden ratio: consecutive keys land far apart
 
 
-def microbatch_seed(seed: int, call: int, stage: int, microbatch: int) -> int:
-    """The seed of one forward ([Note: dropout streams]): a 63-bit mix of the four numbers."""
+def mix(seed: int, *parts: int) -> int:
+    """A 63-bit seed mixed from `seed` and `parts`, in order ([Note: dropout streams])."""
     h = seed & (2**64 - 1)
-    for part in (call, stage, microbatch):
+    for part in parts:
         h = ((h ^ part) * _MIX + 0x632BE59BD9B4E019) & (2**64 - 1)
         h ^= h >> 29
     return h & (2**63 - 1)
+
+
+def microbatch_seed(seed: int, call: int, stage: int, microbatch: int) -> int:
+    """The seed of one forward ([Note: dropout streams]): the four numbers mixed."""
+    return mix(seed, call, stage, microbatch)
 
 
 @contextlib.contextmanager

@@ -13,8 +13,14 @@
     Usage (on every rank):
         scaler = runtime.GradScaler("cpu")        # or "cuda"
         loss = pipe.train_step(x, y, loss_fn=scaler.loss_fn(loss_fn))   # the scaled loss
+        scaler.unscale_(opt)                       # only to clip: the true gradients, and the check
+        pipe.clip_grad_norm_(max_norm)
         scaler.step(opt)                           # opt, or None on a rank without parameters
         scaler.update()
+
+    `unscale_` makes the check (with None on a rank without parameters, which then holds
+    the global flag for its `step(None)`), so `step` does not make it again: every rank
+    joins one all-reduce per step either way.
 """
 
 from __future__ import annotations
@@ -42,7 +48,13 @@ class GradScaler(torch.amp.GradScaler):
         """`fn` with its loss multiplied by the current scale (for `train_step(loss_fn=...)`)."""
         return lambda output, target: self.scale(fn(output, target))
 
-    def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
+    def unscale_(self, optimizer: torch.optim.Optimizer | None) -> None:
+        """As GradScaler.unscale_, with the found-inf flag made global; None on a rank
+        without parameters, which still joins the check."""
+        if optimizer is None:
+            if self._enabled:
+                self._found_here = self._global(torch.zeros((), device=self._device_of()))
+            return
         super().unscale_(optimizer)
         if not self._enabled:
             return
@@ -57,7 +69,8 @@ class GradScaler(torch.amp.GradScaler):
         if not self._enabled:
             return None if optimizer is None else optimizer.step(*args, **kwargs)
         if optimizer is None:
-            self._found_here = self._global(torch.zeros((), device=self._device_of()))
+            if self._found_here is None:  # not yet checked by unscale_(None)
+                self._found_here = self._global(torch.zeros((), device=self._device_of()))
             return None
         return super().step(optimizer, *args, **kwargs)
 

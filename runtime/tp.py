@@ -13,6 +13,8 @@ backward of each one is the forward of its partner, so gradients stay exact.
 A partial sum (every rank holds a part, the value is their sum) is made whole by
 `tp.all_reduce` or sharded by `tp.reduce_scatter`; `tp.first_rank(b)` adds a bias to a
 partial sum once (b on the first rank, 0 elsewhere, still in every rank's graph).
+`with tp.rank_stream(x.device, self.training):` gives a dropout of a sharded value this
+rank's own random stream ([Note: dropout streams] in modes.py).
 
 A column-parallel linear (weight rows split) reads `tp.copy(x)` and ends with its output
 sharded (or `tp.all_gather`ed); a row-parallel linear (weight columns split) ends with
@@ -48,6 +50,11 @@ and a plain import cost nothing.
     graph of CPU tensors in the thread that called backward(), but a CUDA graph's
     nodes on one worker thread per device, where lanes would wait on each other
     forever, so lanes are for CPU tensors only (LocalPipeline refuses tp > 1 on CUDA).
+    Torch's CPU generator is one per process, so the lanes take turns: a lane runs only
+    while it holds the group's turn, which it gives up while it waits in a collective,
+    and each turn swaps in the lane's own generator state (the caller's, at first).  So
+    each lane draws its dropout masks as a process of its own would ([Note: dropout
+    streams] in modes.py), one lane computing at a time.
 """
 
 from __future__ import annotations
@@ -61,6 +68,7 @@ from typing import Any, Callable, Iterator
 import torch
 import torch.distributed as dist
 
+from . import modes
 from .comm import DEFAULT_TIMEOUT_S, guard, wait
 from .errors import PeerError, PipelineError
 
@@ -78,6 +86,7 @@ __all__ = [
     "lane",
     "local_shard",
     "join_shards",
+    "rank_stream",
 ]
 
 Describe = Callable[[str, bool, str], str]  # (collective, timed out?, reason) -> the PeerError message
@@ -97,6 +106,23 @@ class Lanes:
         self._slots: list[tuple[str, torch.Tensor] | None] = [None] * self.size
         self._barrier = threading.Barrier(self.size)
         self._failed: int | None = None
+        self._turn = threading.Lock()
+        self._rng: list[torch.Tensor | None] = [None] * self.size  # each lane's generator state between turns
+        self._outside = torch.get_rng_state()  # the caller's, set back whenever no lane holds the turn
+
+    def take_turn(self, index: int) -> None:
+        """Lane `index` runs from now on, with its own generator state ([Note: lanes])."""
+        self._turn.acquire()
+        self._outside = torch.get_rng_state()
+        own = self._rng[index]
+        if own is not None:
+            torch.set_rng_state(own)
+
+    def give_turn(self, index: int, done: bool = False) -> None:
+        """Lane `index` waits (or, `done`, has finished): keep its generator state, let another run."""
+        self._rng[index] = None if done else torch.get_rng_state()
+        torch.set_rng_state(self._outside)
+        self._turn.release()
 
     def abort(self, index: int | None = None) -> None:
         """Lane `index` failed: every lane waiting, now or later, raises PeerError."""
@@ -123,6 +149,7 @@ class Lanes:
         return out
 
     def _wait(self, index: int, collective: str) -> None:
+        self.give_turn(index)
         try:
             self._barrier.wait(self.timeout_s)
         except threading.BrokenBarrierError:
@@ -134,6 +161,8 @@ class Lanes:
                                 f"PIPELINE_TIMEOUT_S.") from None
             raise PeerError(f"tensor-parallel lane {index} of {self.size} stopped in {collective}: lane {failed} "
                             f"failed (its own error is the one to look at).") from None
+        finally:
+            self.take_turn(index)
 
 
 @dataclass(frozen=True)
@@ -182,9 +211,11 @@ def lane(lanes: Lanes, index: int) -> Iterator[None]:
         raise PipelineError(f"tp.lane: lane {index} is not in a group of {lanes.size}: give 0 <= index < size.")
     old = getattr(_local, "group", None)
     _local.group = _Group(rank=int(index), size=lanes.size, timeout_s=lanes.timeout_s, lanes=lanes)
+    lanes.take_turn(index)
     try:
         yield
     finally:
+        lanes.give_turn(index, done=True)
         _local.group = old
 
 
@@ -200,6 +231,21 @@ def size() -> int:
 
 def _active() -> bool:
     return _current().size > 1
+
+
+@contextlib.contextmanager
+def rank_stream(device: torch.device, training: bool = True) -> Iterator[None]:
+    """Within (in training, with a group): random draws from this rank's own stream, for a
+    dropout of a value sharded across the group ([Note: dropout streams] in modes.py).
+    One number is drawn from the shared stream, the same on every rank, and the body runs
+    under torch's generators (CPU and `device`'s) seeded by it mixed with the rank."""
+    g = _current()
+    if g.size == 1 or not training:
+        yield
+        return
+    shared = int(torch.randint(2**62, (1,)))
+    with modes.seeded(modes.mix(shared, g.rank), device):
+        yield
 
 
 def _doing(g: _Group, collective: str) -> Callable[[bool, str], str]:

@@ -1,5 +1,6 @@
 """examples/train_gpt.py, the training script a user writes, on 2 gloo ranks: its loss falls,
-through the last batch of an epoch (short), eval mode, clipping and accumulation; and
+through the last batch of an epoch (short), eval mode, clipping and accumulation, under bf16
+autocast (compiled with --precision bf16-mixed); and
 `partitioner run` trains the same package on the model file's batches() with AdamW."""
 
 from __future__ import annotations
@@ -23,7 +24,9 @@ def _env() -> dict[str, str]:
 
 @pytest.mark.multiproc
 def test_train_gpt_learns_on_two_ranks(tmp_path: Path) -> None:
-    compile_example(str(SCRIPT), tmp_path / "pkg", stages=2)
+    """Compiled with --precision bf16-mixed: bf16 autocast trained end to end."""
+    compiled = compile_example(str(SCRIPT), tmp_path / "pkg", stages=2, precision="bf16-mixed")
+    assert compiled.manifest["precision"] == "bf16-mixed"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(SCRIPT),
            str(tmp_path / "pkg"), "--steps", "50", "--eval-every", "25"]
     proc = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=240, cwd=ROOT)

@@ -7,8 +7,8 @@ For the chosen strategy of every node, in graph order:
   2. pass an R input that the node reads for a partial gradient through `tp.copy`, once
      per value (see [Note: layouts and gradients] in rules.py);
   3. let the strategy rewrite the node (local shape arguments; a row split's all_reduce);
-  4. give the node its local shape (`tensor_meta`) and, once all are written, its cost
-     on one rank (returned by node name, as cost/profile.py's `annotate` returns them).
+  4. give the node its local shape (`tensor_meta`) and layout (`tp_layout`) and, once all
+     are written, its cost on one rank (returned by node name, as cost/profile.py's `annotate` returns them).
 The output is made whole (the loss reads it).  Parameters keep their names; the layout
 of each is returned, for the code generator to build shards and the runtime to load them.
 """
@@ -74,6 +74,7 @@ def rewrite(gm: torch.fx.GraphModule, posed: Posed, choice: tuple[int, ...], cos
         if s.rewrite is not None:  # 3. the strategy's own rewrite
             s.rewrite(n, s, tp)
         layout[n] = s.output
+        n.meta["tp_layout"] = s.output  # codegen gives a sharded value's dropout its rank's stream
         _localize(n, s.output, tp)  # 4. local shape
     local.graph.lint()
     local.recompile()

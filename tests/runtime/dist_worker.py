@@ -13,9 +13,12 @@ reference, then eval() and evaluate().  MODE drift: step safety (runtime/steps.p
 and exits 3.  MODE tp: the unit checks of runtime/tp.py (tp_checks.py; PKG unused).
 MODE short: as check, on the example batch's first SHORT_ROWS rows (a short last batch).
 MODE scaler: an fp16-mixed package with runtime.GradScaler: a step with an inf gradient on the
-last stage's rank is skipped on every rank, and every rank's scale halves.
+last stage's rank is skipped on every rank, and every rank's scale halves (also when the
+gradients are unscaled and clipped before the step).
 MODE amp: a bf16-mixed or bf16 package, 3 SGD steps: losses and weights no further from the
 original trained in that precision (tests/precision_reference.py) than that is from fp32.
+MODE dropout: tp = 2 (tests/model_files/tp_dropout.py), train mode: the dropout of the
+replicated value draws the same mask on both tp ranks, that of the sharded value its own.
 Once a rank fails, the others are killed after GRACE_S (as torchrun does).
 """
 
@@ -113,11 +116,30 @@ def _scaler(pkg: str, model_path: str) -> None:
         if step == 1 and last:
             params[0].grad[0, 0] = float("inf")  # only the last stage's rank overflows
         before, scale = [p.detach().clone() for p in params], float(scaler.get_scale())
+        if step > 0:  # unscaled (and checked) before clipping, as `partitioner run --clip` does
+            scaler.unscale_(opt)
+            pipe.clip_grad_norm_(1.0)
         scaler.step(opt)
         scaler.update()
         moved = any(not torch.equal(b, p) for b, p in zip(before, params))
         assert moved == (step != 1), (step, moved)  # step 1 is skipped on every rank
         assert float(scaler.get_scale()) == (scale / 2 if step == 1 else scale), (step, scaler.get_scale())
+    print(f"{pipe.rank} ok", flush=True)
+
+
+def _dropout(pkg: str, model_path: str) -> None:
+    mf = _model_file(model_path)
+    pipe = runtime.DistributedPipeline(pkg)
+    pipe.load_state_dict(mf.build_model().state_dict())
+    mine: list[torch.Tensor] = []  # this rank's replicated y, microbatch by microbatch
+    pipe.runners[0].module.register_forward_hook(lambda m, a, out: mine.append(out[0].detach()))
+    with torch.no_grad():
+        _, h = pipe(*mf.example_inputs())
+    ys: list[torch.Tensor | None] = [None, None]
+    torch.distributed.all_gather_object(ys, torch.cat(mine))
+    assert torch.equal(ys[0], ys[1]), "the replicated value's masks differ between the tp ranks"
+    first, second = (half == 0 for half in h.chunk(2, dim=1))  # each rank's shard's mask
+    assert not torch.equal(first, second), "both shards of the sharded value drew the same mask"
     print(f"{pipe.rank} ok", flush=True)
 
 
@@ -318,7 +340,7 @@ def _rank(r: int, mode: str, pkg: str, model_path: str, outdir: Path) -> int:
     os.dup2(err, 2)
     try:
         {"check": _check, "fault": _fault, "tp": _tp, "train": _train, "drift": _drift, "short": _short, "amp": _amp,
-         "scaler": _scaler}[mode](pkg, model_path)
+         "scaler": _scaler, "dropout": _dropout}[mode](pkg, model_path)
     except PipelineError as exc:
         print(f"PipelineError: {exc}", file=sys.stderr, flush=True)
         return 3
