@@ -66,8 +66,9 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--seed", type=int, default=0)
     c.add_argument("--entry", default="build_model", help="the function that builds the model")
     c.add_argument("--optimizer", default="adam", help="adam | sgd | momentum: optimizer state in memory")
-    c.add_argument("--zero", type=int, default=0,
-                   help="1: each data-parallel replica keeps 1/dp of the optimizer state (ZeRO-1)")
+    c.add_argument("--zero", type=int,
+                   help="1: each data-parallel replica keeps 1/dp of the optimizer state (ZeRO-1) (default 0; with "
+                        "--devices the search sets 1 for a mesh that fits in memory only so)")
     c.add_argument("--reprofile", action="store_true", help="measure node costs again, ignoring the cache")
     c.add_argument("--meta", action="store_true", default=None,
                    help="build the model on the meta device (implied by --analytic for models too big for this machine)")

@@ -47,7 +47,9 @@ class CompileOptions:
     repeats: int = 5
     quiet: bool = False
     meta: bool | None = None  # build on the meta device; None: when --analytic and too big to build
-    zero: int = 0  # 1: optimizer state sharded across data-parallel replicas (ZeRO-1)
+    #: 1: optimizer state sharded across data-parallel replicas (ZeRO-1); None: 0, or with
+    #: --devices chosen per mesh, 1 where the mesh fits in memory only so (driver/search.py)
+    zero: int | None = None
     recompute: bool = False  # activation recomputation: stages keep their inputs, run forward again in backward
     precision: str = "fp32"  # runtime.precision.PRECISIONS; those in BUILT compile ([Note: mixed precision])
 
@@ -88,7 +90,7 @@ def check(opts: CompileOptions) -> tuple[int, int, int]:
             f"the interleaved schedule needs --microbatches to be a multiple of --stages "
             f"({microbatches} is not a multiple of {pp}): use --microbatches {2 * pp}."
         )
-    if opts.zero not in (0, 1):
+    if opts.zero not in (None, 0, 1):
         raise PlanError(f"--zero {opts.zero}: choose 0 (optimizer state on every replica) or 1 (sharded across the "
                         f"data-parallel replicas, ZeRO-1).")
     if opts.precision not in BUILT:
@@ -110,7 +112,7 @@ def mesh_of(opts: CompileOptions, pp: int, virtual: int, microbatches: int) -> M
     pipeline ranks of `virtual` stages each, `microbatches`, and the limits."""
     return Mesh(pp=pp, microbatches=microbatches, schedule=opts.schedule, tp=opts.tp or 1, dp=opts.dp,
                 virtual_stages=virtual, memory=opts.memory, optimizer=opts.optimizer, recompute=opts.recompute,
-                zero=opts.zero)
+                zero=opts.zero or 0)
 
 
 def batch_size(mf: model_file.ModelFile, args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
