@@ -33,7 +33,7 @@ class CompileOptions:
     dp: int = 1
     devices: int | None = None
     microbatches: int | None = None
-    schedule: str = "1f1b"
+    schedule: str = ""  # "" (not given): auto with --devices, else 1f1b (`__post_init__`)
     virtual_stages: int = 2  # per rank, for the interleaved schedule
     memory: int | None = None
     hardware: str | None = None
@@ -52,6 +52,12 @@ class CompileOptions:
     zero: int | None = None
     recompute: bool = False  # activation recomputation: stages keep their inputs, run forward again in backward
     precision: str = "fp32"  # runtime.precision.PRECISIONS; those in BUILT compile ([Note: mixed precision])
+
+    def __post_init__(self) -> None:
+        """The default schedule: auto (the fastest that fits) where --devices opens a search,
+        else 1f1b (CONTRACT.md, section 2)."""
+        if not self.schedule:
+            self.schedule = "auto" if self.devices is not None else "1f1b"
 
 
 def check(opts: CompileOptions) -> tuple[int, int, int]:

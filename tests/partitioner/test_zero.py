@@ -106,7 +106,7 @@ def test_zero_1_and_recomputation_are_each_tried_where_the_plain_plan_does_not_f
         return real(problem, **kwargs)
 
     monkeypatch.setattr(search, "solve", plain_too_big)
-    compiled = compile_example(MLP, tmp_path / "pkg", devices=2, stages=1, tp=1, microbatches=4)
+    compiled = compile_example(MLP, tmp_path / "pkg", devices=2, stages=1, tp=1, microbatches=4, schedule="1f1b")
     assert sorted(set(tried)) == [(False, False), (False, True), (True, False)]
     candidates = compiled.manifest["predicted"]["candidates"]
     assert sorted((c["zero"], c["recompute"]) for c in candidates) == [(0, True), (1, False)]
