@@ -144,7 +144,7 @@ def _meshes(devices: int, batch: int, opts: CompileOptions, tp_limit: int | None
 
 def _nothing_fits(opts: CompileOptions, failed: list[Candidate]) -> str:
     """The error of a search whose every mesh exceeds --memory: the first few, and the fixes."""
-    notes = "; ".join(f"pp={c.pp} tp={c.tp} dp={c.dp} M={c.microbatches}: {c.note}" for c in failed[:4])
+    notes = "; ".join(f"pp={c.pp} tp={c.tp} dp={c.dp} M={c.microbatches} {c.schedule}: {c.note}" for c in failed[:4])
     unsharded = opts.zero == 0 and any(c.dp > 1 for c in failed)
     return (f"no mesh of {opts.devices} devices fits --memory ({notes}): raise --memory or add devices"
             + (", or drop --zero 0 so that a mesh with data-parallel replicas may shard its optimizer state "
