@@ -1,9 +1,10 @@
 """Is the mesh `--devices N` chooses the fastest one?  Predicted and measured step time of
 every mesh stages x tp x dp = N, on this CPU with N gloo processes.
 
-For N in (2, 4): the model is compiled once with `--devices N` (the search, costs
-measured on the spot on the `cpu` profile) and once per mesh with its stages, tp and dp
-fixed (the search then only picks that mesh's microbatch count), and each package is
+For N in (2, 4): the model is compiled once with `--devices N --schedule 1f1b` (the
+search, costs measured on the spot on the `cpu` profile; one schedule, since the question
+is the mesh: benchmarks.schedules compares the schedules) and once per mesh with its
+stages, tp and dp fixed (the search then only picks that mesh's microbatch count), and each package is
 trained by N `DistributedPipeline` ranks: the median of the timed steps after warm-up,
 taken in three rounds over all the meshes in turn (so a drift in the machine's load
 touches every mesh alike), a barrier around each step, the barrier's own cost subtracted.  The check: the chosen mesh is
@@ -39,7 +40,7 @@ def _compile(out: Path, devices: int, mesh: tuple[int, int, int] | None) -> dict
     stages, tp, dp = mesh if mesh is not None else (None, None, 1)
     start = time.perf_counter()
     compiled = compile_model(CompileOptions(model=MODEL, out=str(out), devices=devices, stages=stages, tp=tp, dp=dp,
-                                            hardware="cpu", quiet=True, time_limit=5.0))
+                                            schedule="1f1b", hardware="cpu", quiet=True, time_limit=5.0))
     m = compiled.manifest
     return {"dir": str(out), "pp": m["mesh"]["pp"], "tp": m["mesh"]["tp"], "dp": m["mesh"]["dp"],
             "microbatches": m["microbatches"], "predicted_ms": 1e3 * m["predicted"]["step_time_s"],

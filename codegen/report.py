@@ -73,7 +73,8 @@ def format_plan(manifest: Manifest) -> str:
         f"model      {source.path} (sha256 {source.sha256[:16]}), traced with {manifest.tracer}",
         f"mesh       pp={mesh.pp} tp={mesh.tp} dp={mesh.dp}, schedule {manifest.schedule}, "
         f"{manifest.microbatches} microbatches, batch {manifest.batch_size}"
-        + (", activations recomputed" if any(s.recompute for s in manifest.stages) else ""),
+        + (", activations recomputed" if any(s.recompute for s in manifest.stages) else "")
+        + (", optimizer state sharded across the replicas (ZeRO-1)" if manifest.options.get("zero") and mesh.dp > 1 else ""),
         _predicted_line(predicted),
     ]
     solver = predicted.solver if predicted is not None else {}
@@ -109,6 +110,7 @@ def format_plan(manifest: Manifest) -> str:
                 f"  pp={c['pp']:<3} dp={c['dp']:<3} tp={c['tp']:<2} microbatches={c['microbatches']:<4} "
                 f"step {c['step_time_s'] * 1e3:9.3f} ms  MFU {c['mfu'] * 100:5.2f}%  peak {format_bytes(c['memory_bytes'])}"
                 + (f"  {c['schedule']}" if c.get("schedule") else "") + ("  recompute" if c.get("recompute") else "")
+                + ("  zero-1" if c.get("zero") else "")
             )
         table = table + lines_c
     return "\n".join(lines + [""] + table) + "\n"

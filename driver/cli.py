@@ -55,7 +55,9 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--dp", type=int, default=1, help="data-parallel replicas (default 1)")
     c.add_argument("--devices", type=int, help="total devices: stages x tp x dp")
     c.add_argument("--microbatches", type=int, help="default: 2 x stages")
-    c.add_argument("--schedule", default="1f1b", help="gpipe | 1f1b | interleaved | zb-h1 | zb-h2 | auto (with --devices: the fastest that fits; default 1f1b)")
+    c.add_argument("--schedule", default="",
+                   help="gpipe | 1f1b | interleaved | zb-h1 | zb-h2 | auto (the fastest that fits, searched with "
+                        "the mesh; needs --devices) (default: auto with --devices, else 1f1b)")
     c.add_argument("--virtual-stages", type=int, default=2, help="stages per rank for interleaved (default 2)")
     c.add_argument("--memory", help="memory per device, e.g. 16GiB (default: the device's own)")
     c.add_argument("--hardware", help="cpu | a100 | h100 | h200 | a JSON profile (default: this machine)")
@@ -66,8 +68,9 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--seed", type=int, default=0)
     c.add_argument("--entry", default="build_model", help="the function that builds the model")
     c.add_argument("--optimizer", default="adam", help="adam | sgd | momentum: optimizer state in memory")
-    c.add_argument("--zero", type=int, default=0,
-                   help="1: each data-parallel replica keeps 1/dp of the optimizer state (ZeRO-1)")
+    c.add_argument("--zero", type=int,
+                   help="1: each data-parallel replica keeps 1/dp of the optimizer state (ZeRO-1) (default 0; with "
+                        "--devices the search sets 1 for a mesh that fits in memory only so)")
     c.add_argument("--reprofile", action="store_true", help="measure node costs again, ignoring the cache")
     c.add_argument("--meta", action="store_true", default=None,
                    help="build the model on the meta device (implied by --analytic for models too big for this machine)")

@@ -33,7 +33,7 @@ class CompileOptions:
     dp: int = 1
     devices: int | None = None
     microbatches: int | None = None
-    schedule: str = "1f1b"
+    schedule: str = ""  # "" (not given): auto with --devices, else 1f1b (`__post_init__`)
     virtual_stages: int = 2  # per rank, for the interleaved schedule
     memory: int | None = None
     hardware: str | None = None
@@ -47,9 +47,17 @@ class CompileOptions:
     repeats: int = 5
     quiet: bool = False
     meta: bool | None = None  # build on the meta device; None: when --analytic and too big to build
-    zero: int = 0  # 1: optimizer state sharded across data-parallel replicas (ZeRO-1)
+    #: 1: optimizer state sharded across data-parallel replicas (ZeRO-1); None: 0, or with
+    #: --devices chosen per mesh, 1 where the mesh fits in memory only so (driver/search.py)
+    zero: int | None = None
     recompute: bool = False  # activation recomputation: stages keep their inputs, run forward again in backward
     precision: str = "fp32"  # runtime.precision.PRECISIONS ([Note: mixed precision], [Note: bf16 with master weights])
+
+    def __post_init__(self) -> None:
+        """The default schedule: auto (the fastest that fits) where --devices opens a search,
+        else 1f1b (CONTRACT.md, section 2)."""
+        if not self.schedule:
+            self.schedule = "auto" if self.devices is not None else "1f1b"
 
 
 def check(opts: CompileOptions) -> tuple[int, int, int]:
@@ -88,7 +96,7 @@ def check(opts: CompileOptions) -> tuple[int, int, int]:
             f"the interleaved schedule needs --microbatches to be a multiple of --stages "
             f"({microbatches} is not a multiple of {pp}): use --microbatches {2 * pp}."
         )
-    if opts.zero not in (0, 1):
+    if opts.zero not in (None, 0, 1):
         raise PlanError(f"--zero {opts.zero}: choose 0 (optimizer state on every replica) or 1 (sharded across the "
                         f"data-parallel replicas, ZeRO-1).")
     if opts.precision not in PRECISIONS:
@@ -110,7 +118,7 @@ def mesh_of(opts: CompileOptions, pp: int, virtual: int, microbatches: int) -> M
     pipeline ranks of `virtual` stages each, `microbatches`, and the limits."""
     return Mesh(pp=pp, microbatches=microbatches, schedule=opts.schedule, tp=opts.tp or 1, dp=opts.dp,
                 virtual_stages=virtual, memory=opts.memory, optimizer=opts.optimizer, recompute=opts.recompute,
-                zero=opts.zero)
+                zero=opts.zero or 0)
 
 
 def batch_size(mf: model_file.ModelFile, args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:

@@ -9,8 +9,10 @@
                  split for tensor parallelism once per (shape, tp) and coarsened once
                  per split (`_Shapes`);
     3. solve:    each candidate's partition problem is posed and solved; one that does
-                 not fit memory is solved again with activation recomputation (unless
-                 --recompute asked for it everywhere);
+                 not fit memory is solved again with ZeRO-1 (where dp > 1 and --zero
+                 was not given) and with activation recomputation (unless --recompute
+                 asked for it everywhere), and both then with both: every cheapest
+                 variant that fits is a candidate (`_variants`);
     4. simulate: candidates in order of a lower bound on their step (the busiest rank's
                  compute alone), until the bound passes the SHOWN-th best step found:
                  the best SHOWN are those simulating every candidate would find;
@@ -64,6 +66,7 @@ class Candidate:
     note: str = ""
     recompute: bool = False
     schedule: str = ""
+    zero: int = 0
 
 
 @dataclass
@@ -98,20 +101,17 @@ def search(opts: CompileOptions, say: Callable[[str], None]) -> Compiled:
             base = shapes.split(sub, source.batch // (m * dp), tp)
             if base is None:
                 break  # the solver split nothing: tp ranks would only repeat each other's work
-            found = _solve(base, sub, pp, m)
+            found = _solve(base, sub, pp, m, _zeros(opts, dp))
             if isinstance(found, Candidate):
                 failed.append(found)
             elif found is not None:
-                solved.append(found)
+                solved.extend(found)
     ranked = _simulate(solved, opts.devices, say)
     if not ranked:
-        notes = "; ".join(f"pp={c.pp} tp={c.tp} dp={c.dp} M={c.microbatches}: {c.note}" for c in failed[:4])
-        raise InfeasiblePlanError(
-            f"no mesh of {opts.devices} devices fits --memory ({notes}): raise --memory or add devices."
-        )
+        raise InfeasiblePlanError(_nothing_fits(opts, failed))
     best, win = ranked[0]
     say(f"best mesh: pp={best.pp} tp={best.tp} dp={best.dp}, {best.microbatches} microbatches, {best.schedule}"
-        + (", activations recomputed" if best.recompute else ""))
+        + (", activations recomputed" if best.recompute else "") + (", ZeRO-1" if best.zero else ""))
     shown = [dataclasses.asdict(c) for c, _ in ranked[:SHOWN]]
     return finish(win.prepared, win.assignment, win.report, extra={"candidates": shown})
 
@@ -142,12 +142,29 @@ def _meshes(devices: int, batch: int, opts: CompileOptions, tp_limit: int | None
     return out
 
 
+def _nothing_fits(opts: CompileOptions, failed: list[Candidate]) -> str:
+    """The error of a search whose every mesh exceeds --memory: the first few, and the fixes."""
+    notes = "; ".join(f"pp={c.pp} tp={c.tp} dp={c.dp} M={c.microbatches} {c.schedule}: {c.note}" for c in failed[:4])
+    unsharded = opts.zero == 0 and any(c.dp > 1 for c in failed)
+    return (f"no mesh of {opts.devices} devices fits --memory ({notes}): raise --memory or add devices"
+            + (", or drop --zero 0 so that a mesh with data-parallel replicas may shard its optimizer state "
+               "across them (ZeRO-1)." if unsharded else "."))
+
+
 def _schedules(schedule: str, pp: int) -> tuple[str, ...]:
     """The schedules a mesh of `pp` stages is tried with: the one asked for, or under
     auto each of AUTO_SCHEDULES (the zero-bubble ones only where there is a pipeline)."""
     if schedule != "auto":
         return (schedule,)
     return tuple(s for s in AUTO_SCHEDULES if pp > 1 or not s.startswith("zb"))
+
+
+def _zeros(opts: CompileOptions, dp: int) -> tuple[int, ...]:
+    """The ZeRO stages a mesh of `dp` replicas is tried with: the one asked for, or 0
+    and, where there are replicas to shard across, 1."""
+    if opts.zero is not None:
+        return (opts.zero,)
+    return (0, 1) if dp > 1 else (0,)
 
 
 def _tp_limit(hardware: Hardware) -> int | None:
@@ -196,12 +213,16 @@ def _split(base: Prepared, opts: CompileOptions, tp: int) -> Prepared | None:
 # -- 3. solve ------------------------------------------------------------------------------------------
 
 
-def _solve(base: Prepared, opts: CompileOptions, pp: int, microbatches: int) -> _Solved | Candidate | None:
-    """The candidate solved (with recomputation when it fits only so); a Candidate that
-    does not fit; None when the stage count cannot be filled."""
-    tried = [opts] if opts.recompute else [opts, dataclasses.replace(opts, recompute=True)]
+def _solve(base: Prepared, opts: CompileOptions, pp: int, microbatches: int,
+           zeros: tuple[int, ...]) -> list[_Solved] | Candidate | None:
+    """The candidate solved in each cheapest variant that fits (`_variants`); a Candidate
+    that fits in none; None when the stage count cannot be filled."""
+    found: list[_Solved] = []
     note = ""
-    for sub in tried:
+    for zero, recompute in _variants(opts, zeros):
+        if any(f.cand.zero <= zero and f.cand.recompute <= recompute for f in found):
+            continue  # a variant that costs no more in either respect fits already
+        sub = dataclasses.replace(opts, zero=zero, recompute=recompute)
         prepared = _repose(base, sub, pp, microbatches)
         try:
             assignment, report = solve(prepared.problem, time_limit_s=min(sub.time_limit, 5.0), explain=False)
@@ -212,9 +233,20 @@ def _solve(base: Prepared, opts: CompileOptions, pp: int, microbatches: int) -> 
             return None
         plan = make_plan(prepared.problem, prepared.blocks, assignment, report, prepared.mesh)
         cand = Candidate(pp, opts.dp, opts.tp or 1, microbatches, memory_bytes=max(s.memory_bytes for s in plan.stages),
-                         recompute=sub.recompute, schedule=opts.schedule)
-        return _Solved(cand, prepared, assignment, report, plan, _bound(prepared, assignment, plan))
-    return Candidate(pp, opts.dp, opts.tp or 1, microbatches, fits=False, note=note, schedule=opts.schedule)
+                         recompute=sub.recompute, schedule=opts.schedule, zero=plan.zero)
+        found.append(_Solved(cand, prepared, assignment, report, plan, _bound(prepared, assignment, plan)))
+    return found or Candidate(pp, opts.dp, opts.tp or 1, microbatches, fits=False, note=note, schedule=opts.schedule)
+
+
+def _variants(opts: CompileOptions, zeros: tuple[int, ...]) -> list[tuple[int, bool]]:
+    """(ZeRO stage, recomputation) to try: each of `zeros` without, then with, recomputation
+    (only with, where --recompute asked for it), cheapest first.  `_solve` skips a variant
+    where one that costs no more in either respect fits: ZeRO-1 (its parameter broadcast,
+    `zero_broadcast_s`) and recomputation (a forward again per microbatch) each only where
+    the mesh does not fit without it, and both where neither alone fits; ZeRO-1 and
+    recomputation alone may both fit, and then the simulator decides between them."""
+    recomputes = (True,) if opts.recompute else (False, True)
+    return [(zero, recompute) for recompute in recomputes for zero in zeros]
 
 
 def _repose(base: Prepared, opts: CompileOptions, pp: int, microbatches: int) -> Prepared:
@@ -278,7 +310,8 @@ def _simulate(solved: list[_Solved], devices: int, say: Callable[[str], None]) -
         cand = dataclasses.replace(c, step_time_s=sim.step_time_s, mfu=mfu(flops, sim.step_time_s, devices,
                                                                            p.hardware.peak_flops))
         ranked.append((cand, item))
-        ranked.sort(key=lambda r: (r[0].step_time_s, r[0].tp, r[0].pp, r[0].microbatches, r[0].recompute))
-        say(f"  mesh pp={c.pp} tp={c.tp} dp={c.dp} M={c.microbatches} {c.schedule}{' recompute' if c.recompute else ''}: "
+        ranked.sort(key=lambda r: (r[0].step_time_s, r[0].tp, r[0].pp, r[0].microbatches, r[0].recompute, r[0].zero))
+        say(f"  mesh pp={c.pp} tp={c.tp} dp={c.dp} M={c.microbatches} {c.schedule}{' recompute' if c.recompute else ''}"
+            f"{' zero-1' if c.zero else ''}: "
             f"{cand.step_time_s * 1e3:.3f} ms, MFU {cand.mfu * 100:.1f}%")
     return ranked

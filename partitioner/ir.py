@@ -281,6 +281,7 @@ class Plan:
     virtual_stages: int = 1
     report: SolverReport | None = None
     recompute: bool = False  # every stage runs its forward again in backward
+    zero: int = 0  # 1: optimizer state sharded across the dp replicas ([Note: ZeRO-1] in runtime/optim.py)
 
     @property
     def num_stages(self) -> int:

@@ -25,8 +25,11 @@ parameter groups given by the ORIGINAL model's names.
     parameters only (whole parameters, balanced by size) and updates it, and each part is
     then broadcast from its owner.  The update of each parameter is the one the plain
     optimizer computes, so the weights are the same.  The planner charges 1/dp of the
-    optimizer state per rank (partitioner/solve/problem.pose).  LocalPipeline holds one
-    copy of each parameter for all replicas, so there is nothing to shard there.
+    optimizer state per rank (partitioner/solve/problem.pose) and the broadcast to the
+    step (partitioner/predict/predict.zero_broadcast_s); without --zero, the mesh search
+    of --devices turns it on for a mesh that fits in memory only so (driver/search.py).
+    LocalPipeline holds one copy of each parameter for all replicas, so there is nothing
+    to shard there.
 """
 
 from __future__ import annotations

@@ -19,6 +19,7 @@ __all__ = [
     "stage_memory_bytes",
     "mfu",
     "ring_allreduce_s",
+    "ring_broadcast_s",
 ]
 
 #: backward FLOPs per forward FLOP for layers with weights (Kaplan et al. 2020)
@@ -65,3 +66,12 @@ def ring_allreduce_s(nbytes: float, ranks: int, alpha_s: float, beta_s_per_byte:
         return 0.0
     steps = 2 * (ranks - 1)
     return steps * alpha_s + steps / ranks * nbytes * beta_s_per_byte
+
+
+def ring_broadcast_s(nbytes: float, ranks: int, alpha_s: float, beta_s_per_byte: float) -> float:
+    """Broadcast of `nbytes` from one rank to the other `ranks - 1`, pipelined along a ring in
+    small chunks (as NCCL's ring broadcast): every byte crosses each link once, so the last
+    rank has it all after ranks - 1 latencies and nbytes x beta."""
+    if ranks <= 1 or nbytes <= 0:
+        return 0.0
+    return (ranks - 1) * alpha_s + nbytes * beta_s_per_byte

@@ -4,8 +4,9 @@
 forward and backward time per microbatch (the loss's added to the last), one alpha-beta
 message per stage pair that exchanges values (and what posting it costs both ends), the
 loss all-reduce that ends every step, the all-reduce of each tied parameter's gradient
-among its copies, and the data-parallel ring all-reduce of each stage's gradients that
-the last microbatch's backward cannot hide.  `predict` adds MFU and the per-stage figures.
+among its copies, the data-parallel ring all-reduce of each stage's gradients that the
+last microbatch's backward cannot hide, and with ZeRO-1 the broadcast of the parameters
+each replica updated.  `predict` adds MFU and the per-stage figures.
 """
 
 from __future__ import annotations
@@ -22,10 +23,11 @@ from ..cost.nodes import compute_nodes, storage_key
 from ..cost.hardware import Hardware
 from ..ir import NodeCost, Plan
 from ..trace.passes import get_attr
-from ..cost.roofline import BACKWARD_FLOP_FACTOR, mfu, ring_allreduce_s
+from ..cost.roofline import BACKWARD_FLOP_FACTOR, mfu, ring_allreduce_s, ring_broadcast_s
 from .simulate import Simulation, simulate
 
-__all__ = ["pipeline_link", "pipeline_posts", "predict", "rounded", "simulate_plan", "tied_allreduce_s"]
+__all__ = ["pipeline_link", "pipeline_posts", "predict", "rounded", "simulate_plan", "tied_allreduce_s",
+           "zero_broadcast_s"]
 
 
 def predict(gm: torch.fx.GraphModule, plan: Plan, costs: dict[str, NodeCost], hardware: Hardware,
@@ -71,8 +73,8 @@ def simulate_plan(gm: torch.fx.GraphModule, plan: Plan, costs: dict[str, NodeCos
                   loss_cost: NodeCost | None = None) -> Simulation:
     """The step as the schedule will run it: stage compute and the loss, one message per stage
     pair (and what posting it costs both ends), the loss all-reduce, the all-reduce of tied
-    parameters' gradients, and the data-parallel all-reduce of each stage's gradients where
-    the backward cannot hide it."""
+    parameters' gradients, the data-parallel all-reduce of each stage's gradients where
+    the backward cannot hide it, and ZeRO-1's broadcast of the updated parameters."""
     stage_of = plan.stage_of()
     forward = [sum(costs[n].forward_s for n in s.nodes) for s in plan.stages]
     backward = [sum(costs[n].backward_s for n in s.nodes) for s in plan.stages]
@@ -109,7 +111,21 @@ def simulate_plan(gm: torch.fx.GraphModule, plan: Plan, costs: dict[str, NodeCos
     hidden = backward if hardware.overlaps_comm else [0.0] * len(backward)
     exposed = max(max(0.0, ring_allreduce_s(s.param_bytes, plan.dp, alpha, beta) - hidden[s.index])
                   for s in plan.stages)
-    return dataclasses.replace(sim, step_time_s=sim.step_time_s + exposed)
+    return dataclasses.replace(sim, step_time_s=sim.step_time_s + exposed + zero_broadcast_s(plan, alpha, beta))
+
+
+def zero_broadcast_s(plan: Plan, alpha_s: float, beta_s_per_byte: float) -> float:
+    """What ZeRO-1 adds to a step ([Note: ZeRO-1] in runtime/optim.py): after the optimizer
+    step each of the dp replicas of a pipeline rank broadcasts the parameters it updated
+    (1/dp of the rank's parameter bytes) to the others, one part after another, with no
+    compute left to hide them; the slowest pipeline rank's.  The update itself, which ZeRO-1
+    cuts to 1/dp, is not costed with or without it.  0 without ZeRO-1 or data parallelism."""
+    if not plan.zero or plan.dp == 1:
+        return 0.0
+    held = [0] * plan.pp
+    for s in plan.stages:
+        held[s.index % plan.pp] += s.param_bytes
+    return max(plan.dp * ring_broadcast_s(nbytes / plan.dp, plan.dp, alpha_s, beta_s_per_byte) for nbytes in held)
 
 
 def pipeline_link(hardware: Hardware, pp: int, tp: int) -> tuple[float, float]:

@@ -156,4 +156,5 @@ def make_plan(problem: PartitionProblem, blocks: list[Any], assignment: tuple[in
         for k, c in enumerate(costs)
     )
     return Plan(stages=stage_plans, schedule=mesh.schedule, microbatches=mesh.microbatches, pp=mesh.pp,
-                tp=mesh.tp, dp=mesh.dp, virtual_stages=mesh.virtual_stages, report=report, recompute=problem.recompute)
+                tp=mesh.tp, dp=mesh.dp, virtual_stages=mesh.virtual_stages, report=report, recompute=problem.recompute,
+                zero=mesh.zero)

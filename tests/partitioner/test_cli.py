@@ -62,7 +62,8 @@ def test_bad_model_files(model: str, pattern: str, tmp_path: Path, capsys: pytes
         (["--zero", "2"], r"--zero 2: choose 0 \(optimizer state on every replica\) or 1"),
         (["--devices", "6", "--tp", "4"], r"no mesh stages x tp x dp = 6 devices suits the options"),
         (["--devices", "4", "--stages", "2", "--tp", "4"], r"no mesh stages x tp x dp = 4 devices suits the options"),
-        (["--devices", "4", "--stages", "2", "--tp", "4", "--microbatches", "2"], r"--stages 2 x --tp 4 x --dp 1 != --devices 4"),
+        (["--devices", "4", "--stages", "2", "--tp", "4", "--microbatches", "2", "--zero", "0", "--schedule", "1f1b"],
+         r"--stages 2 x --tp 4 x --dp 1 != --devices 4"),
     ],
 )
 def test_bad_options(options: list[str], pattern: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

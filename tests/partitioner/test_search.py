@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -10,6 +11,7 @@ import torch
 
 import runtime
 from driver import search
+from driver.cli import main
 from partitioner.trace import model_file
 from driver.options import CompileOptions
 from partitioner.cost.hardware import load_hardware
@@ -144,6 +146,18 @@ def test_auto_schedule_keeps_the_fastest_predicted_schedule(tmp_path: Path) -> N
     assert by["zb-h2"]["memory_bytes"] > by["zb-h1"]["memory_bytes"]  # twice the microbatches in flight
     shown = (tmp_path / "pkg" / "plan.txt").read_text()
     assert all(f"  {s}" in shown for s in search.AUTO_SCHEDULES)
+
+
+def test_auto_is_the_default_schedule_with_devices_and_1f1b_without(tmp_path: Path) -> None:
+    assert CompileOptions(model="m.py", out="o", devices=2).schedule == "auto"
+    assert CompileOptions(model="m.py", out="o").schedule == "1f1b"
+    assert CompileOptions(model="m.py", out="o", devices=2, schedule="gpipe").schedule == "gpipe"
+    mesh = ["--devices", "2", "--stages", "2", "--tp", "1", "--microbatches", "4", "--analytic", "--quiet"]
+    for name, given in (("default", []), ("given", ["--schedule", "1f1b"])):
+        assert main(["compile", "examples/mlp.py", "--out", str(tmp_path / name), *mesh, *given]) == 0
+    tried = {name: {c["schedule"] for c in json.loads((tmp_path / name / "manifest.json").read_text())["predicted"]
+                    ["candidates"]} for name in ("default", "given")}
+    assert tried == {"default": set(search.AUTO_SCHEDULES), "given": {"1f1b"}}
 
 
 def test_auto_schedule_needs_devices(tmp_path: Path) -> None:
