@@ -152,9 +152,11 @@ def test_a_silent_rank_times_out(make_tiny: Callable[..., Tiny]) -> None:
 
 @multiproc
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("schedule, dp", [("zb-h1", 1), ("zb-h2", 2)])
+@pytest.mark.parametrize("schedule, dp", [("zb-h1", 1), ("zb-h2", 2), ("zb-v", 1)])
 def test_zero_bubble_schedules(make_tiny: Callable[..., Tiny], schedule: str, dp: int) -> None:
     # B split in I and W ([Note: split backward] in runtime/stage.py): the reference's
-    # gradients; with dp = 2 the gradient buckets are armed before each parameter's last W
-    t = make_tiny(stages=2, schedule=schedule, microbatches=4, dp=dp)
+    # gradients; with dp = 2 the gradient buckets are armed before each parameter's last W.
+    # zb-v: 4 stages on 2 ranks in a V, the tied weight's two copies both on rank 0
+    v = 2 if schedule == "zb-v" else 1
+    t = make_tiny(stages=2 * v, schedule=schedule, microbatches=4, dp=dp, virtual_stages=v)
     _ok(launch(2 * dp, "check", [t.dir], t.dir.parent / "tiny.py"))
