@@ -36,7 +36,7 @@ per stage, a rank's whole work 6 per microbatch, as ZB-H1's 3 on stages twice as
       1. 2(p-r)-1 forwards of chunk 0, until chunk 1's first input arrives;
       2. r pairs (F of chunk 1, F of chunk 0), until its first gradient arrives;
       3. p-r triples (F, I, W) of chunk 1: W takes the slot where the next gradient is
-         still on its way (the rank in flight now holds 2p stage-microbatches);
+         still on its way (the rank now holds 2p stage-microbatches, its peak);
       4. steady state: F, I, W of chunk 0 then of chunk 1 (each F paid for by a W);
       5. cool-down: r pairs (I of chunk 0, I of chunk 1), then p-r pairs (I, W) of
          chunk 0, then the W's left, chunk 1's first.

@@ -6,6 +6,7 @@ output and the weights after 3 SGD steps with the reference model in that proces
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import signal
@@ -20,7 +21,11 @@ from typing import Callable
 import pytest
 
 import runtime
-from runtime.errors import MeshError
+from runtime import package
+from runtime.distributed import _check_ranks
+from runtime.errors import ManifestError, MeshError
+from runtime.groups import Mesh
+from runtime.schedule import StageGraph
 
 from .conftest import Tiny
 
@@ -148,6 +153,17 @@ def test_a_silent_rank_times_out(make_tiny: Callable[..., Tiny]) -> None:
     assert ranks[0].rc == 3 and ranks[1].rc == -9, ranks[0].err[-2000:]
     assert re.search(r"rank 0 \(stage 0\) timed out in RECV_B from stage 1, microbatch 0: rank 1 stopped or failed "
                      r"\(.+\)\. .*raise PIPELINE_TIMEOUT_S \(now 2 s\)", ranks[0].err), ranks[0].err
+
+
+def test_a_stage_off_its_schedules_placement_is_refused(make_tiny: Callable[..., Tiny]) -> None:
+    """A zb-v package whose stages list round-robin ranks (stage 2 on rank 0, not on rank 1
+    at the turn of the V) is refused before any message goes to the wrong rank."""
+    m = package.load_manifest(make_tiny(stages=4, schedule="zb-v", virtual_stages=2).dir)
+    graph = StageGraph.from_manifest(m)
+    _check_ranks(m, Mesh.from_manifest(m), graph)  # as written: [0], [1], [1], [0]
+    round_robin = dataclasses.replace(m, stages=tuple(dataclasses.replace(s, ranks=(s.index % 2,)) for s in m.stages))
+    with pytest.raises(ManifestError, match=r"stage 2 lists ranks \[0\] but this runtime places it on \[1\] .*zb-v"):
+        _check_ranks(round_robin, Mesh.from_manifest(m), graph)
 
 
 @multiproc
