@@ -63,19 +63,23 @@ def test_split_backward_gives_the_fused_gradients(example: str, options: dict[st
 def test_zb_v_gives_the_fused_gradients(example: str, tmp_path: Path) -> None:
     """A zb-v package: 4 stages on 2 ranks in a V ([Note: V placement] in runtime/schedule.py),
     so stages 0 and 3 (gpt's tied embedding's two copies) share rank 0.  Its split order
-    against the same order with each I made a fused B and the W's dropped."""
+    against the same order with each I made a fused B and the W's dropped, and against
+    1F1B on a package of 2 stages (gradients by original name)."""
     compiled = compile_example(example, tmp_path / "pkg", schedule="zb-v", stages=2, microbatches=4)
     manifest = compiled.manifest
     assert (manifest["schedule"], manifest["virtual_stages"]) == ("zb-v", 2)
     assert [s["ranks"] for s in manifest["stages"]] == [[0], [1], [1], [0]]
-    fused = [[Action(a.stage, B, a.microbatch) if a.kind == I else a for a in row if a.kind != W] for row in zb_v(2, 4)]
-    want_loss, want = _one_step(tmp_path / "pkg", example, fused)
+    compile_example(example, tmp_path / "one", schedule="1f1b", stages=2, microbatches=4)
     loss, got = _one_step(tmp_path / "pkg", example, "zb-v")
-    torch.testing.assert_close(loss, want_loss, rtol=1e-5, atol=1e-6)
-    assert [n for n, _ in got] == [n for n, _ in want] and all(g is not None for _, g in want)
-    for (name, g), (_, w) in zip(got, want):
-        assert g is not None, f"zb-v: {name} has no gradient"
-        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6, msg=lambda m: f"zb-v, {name}: {m}")
+    fused = [[Action(a.stage, B, a.microbatch) if a.kind == I else a for a in row if a.kind != W] for row in zb_v(2, 4)]
+    for against, (want_loss, want) in (("fused B", _one_step(tmp_path / "pkg", example, fused)),
+                                       ("1f1b", _one_step(tmp_path / "one", example, "1f1b"))):
+        torch.testing.assert_close(loss, want_loss, rtol=1e-5, atol=1e-6)
+        wanted = dict(want)
+        assert sorted(n for n, _ in got) == sorted(wanted) and all(g is not None for g in wanted.values())
+        for name, g in got:
+            assert g is not None, f"zb-v: {name} has no gradient"
+            torch.testing.assert_close(g, wanted[name], rtol=1e-5, atol=1e-6, msg=lambda m: f"zb-v vs {against}, {name}: {m}")
 
 
 class _Reused(torch.nn.Module):
