@@ -27,6 +27,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from runtime.schedule import placement
+
 from .common import ROOT, save, table, update_readme
 
 MODEL = "examples/gpt3_175b.py"
@@ -54,8 +56,9 @@ def _compile(out: Path, options: list[str]) -> dict[str, Any]:
         raise RuntimeError(f"{' '.join(argv[1:])} failed ({done.returncode}): {done.stderr.strip()[-600:]}")
     m = json.loads((out / "manifest.json").read_text())
     p, pp = m["predicted"], m["mesh"]["pp"]
-    # a device holds every stage of its pipeline rank (interleaved: virtual_stages of them)
-    peak = max(sum(s["memory_bytes"] for k, s in enumerate(p["stages"]) if k % pp == r) for r in range(pp))
+    # a device holds every stage of its pipeline rank (interleaved, zb-v: virtual_stages of them)
+    ranks = placement(m["schedule"], len(m["stages"]), pp)
+    peak = max(sum(s["memory_bytes"] for k, s in enumerate(p["stages"]) if ranks[k] == r) for r in range(pp))
     return {
         "command": "python " + " ".join(argv[1:-1]).replace(str(out), "build/gpt3"),
         "mesh": f"{m['mesh']['pp']} x {m['mesh']['tp']} x {m['mesh']['dp']}",

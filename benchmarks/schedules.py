@@ -1,11 +1,13 @@
 """Zero-bubble schedules against 1F1B on 2 gloo ranks (one core each), measured and predicted.
 
-Each model is compiled once per schedule (2 stages, M = 4, costs profiled here); in one
+Each model is compiled once per schedule (2 ranks: 2 stages, or 4 in a V under zb-v; M = 4;
+costs profiled here); in one
 process group the ranks then hold one `DistributedPipeline` per schedule and step them in
 turn, round after round, so every schedule sees the same machine state.  Reported: the
 median step of each schedule over 1F1B's, beside the ratio the compiler predicted (the
 manifests' `predicted.step_time_s`).  With 2 stages and M = 4, 1F1B idles a fifth of the
-step ((S - 1) / (M + S - 1)); ZB-H1 cuts that to a third on equal F, I and W.
+step ((S - 1) / (M + S - 1)); ZB-H1 cuts that to a third on equal F, I and W, ZB-V to a
+sixth (its stages half as long, each rank's two in a V: runtime/zero_bubble.py).
 
     python -m benchmarks.schedules [--quick]
 """
@@ -26,8 +28,8 @@ import torch.distributed as dist
 from .common import free_port, profiled_here, save, spawn_ranks, table, update_readme
 
 MODELS = ("benchmarks/models/wide_mlp.py", "examples/gpt.py")
-SCHEDULES = ("1f1b", "zb-h1", "zb-h2")
-STAGES, MICROBATCHES = 2, 4
+SCHEDULES = ("1f1b", "zb-h1", "zb-h2", "zb-v")
+STAGES, MICROBATCHES = 2, 4  # pipeline ranks (--stages; zb-v runs 2 stages on each)
 
 
 def _worker(rank: int, port: int, model: str, dirs: dict[str, str], rounds: int, steps: int, out: str) -> None:
@@ -87,10 +89,11 @@ def main(argv: list[str] | None = None) -> int:
     with profiled_here() as work:
         for model in MODELS:
             rows += run(model, work, rounds, steps)
-            print(rows[-3:], file=sys.stderr)
+            print(rows[-len(SCHEDULES):], file=sys.stderr)
     text = table(rows, ["model", "schedule", "step_ms", "vs_1f1b", "predicted_vs_1f1b"])
-    text += (f"\n\nMedian of {rounds * steps} steps per schedule (2 stages, M = {MICROBATCHES}, 2 gloo processes, "
-             f"one thread each), the schedules taking turns in {rounds} rounds.")
+    text += (f"\n\nMedian of {rounds * steps} steps per schedule ({STAGES} stages, zb-v {2 * STAGES} in a V; "
+             f"M = {MICROBATCHES}, {STAGES} gloo processes, one thread each), the schedules taking turns in {rounds} "
+             f"rounds.")
     print(text)
     save("schedules", rows, models=list(MODELS))
     update_readme("schedules", text)

@@ -248,8 +248,9 @@ def _model_input(i: dict[str, Any]) -> ModelInput:
 
 def _ranks(stage: int, plan: Plan) -> list[int]:
     """Global rank = (replica * pp + pipeline position) * tp + tensor-parallel index; stage s
-    sits at position s % pp (tensor-parallel ranks are neighbours, as NVLink peers are)."""
-    return [(r * plan.pp + stage % plan.pp) * plan.tp + t for r in range(plan.dp) for t in range(plan.tp)]
+    sits at position `plan.rank_of(s)`, s % pp or a V under zb-v (tensor-parallel ranks are
+    neighbours, as NVLink peers are)."""
+    return [(r * plan.pp + plan.rank_of(stage)) * plan.tp + t for r in range(plan.dp) for t in range(plan.tp)]
 
 
 def _meta(node: torch.fx.Node) -> tuple[list[int], str, bool]:

@@ -136,7 +136,7 @@ def stage_costs(p: Prepared, plan: Plan) -> dict[str, NodeCost]:
 def _rank_cores(plan: Plan) -> list[tuple[list[int], set[int]]]:
     """Each rank's stages and the cores the runtime binds it to, when every rank gets
     cores of its own on this machine (`runtime.affinity.cpu_share`); else none.  Rank r
-    holds the stages at position r // tp % pp (runtime/groups.py)."""
+    holds the stages at position r // tp % pp (runtime/groups.py, `Plan.rank_of`)."""
     ranks = plan.pp * plan.tp * plan.dp
     if not binding_enabled() or ranks < 2 or not hasattr(os, "sched_getaffinity"):
         return []
@@ -145,5 +145,5 @@ def _rank_cores(plan: Plan) -> list[tuple[list[int], set[int]]]:
     if any(share is None for share in shares):
         return []
     count = len(plan.stages)
-    return [([s for s in range(count) if s % plan.pp == r // plan.tp % plan.pp], share)
+    return [([s for s in range(count) if plan.rank_of(s) == r // plan.tp % plan.pp], share)
             for r, share in enumerate(shares) if share is not None]

@@ -19,7 +19,7 @@ from partitioner.trace import model_file
 from runtime.precision import PRECISIONS
 
 __all__ = ["CompileOptions", "batch_size", "check", "fixed_tp", "default_microbatches", "mesh_of", "rows_per_microbatch",
-           "split_batch"]
+           "split_batch", "stages_per_rank"]
 
 
 @dataclass
@@ -67,9 +67,6 @@ def check(opts: CompileOptions) -> tuple[int, int, int]:
     if opts.schedule == "auto":
         raise PlanError("--schedule auto chooses the schedule while searching the meshes of --devices N: give "
                         f"--devices, or name a schedule ({', '.join(SCHEDULES)}).")
-    if opts.schedule == "zb-v":  # in the contract, not built: two stages per rank in a V
-        raise PlanError(f"--schedule zb-v is not built yet: choose one of {', '.join(SCHEDULES)} (zb-h1 and zb-h2 "
-                        f"are the zero-bubble schedules with one stage per rank), or auto with --devices.")
     if opts.schedule not in SCHEDULES:
         raise PlanError(f"unknown --schedule {opts.schedule!r}: choose one of {', '.join(SCHEDULES)} or auto.")
     if opts.tp < 1:
@@ -87,7 +84,7 @@ def check(opts: CompileOptions) -> tuple[int, int, int]:
         raise PlanError(f"--stages {pp}: a pipeline needs at least 1 stage; use --stages 2 or more.")
     if opts.dp < 1:
         raise PlanError(f"--dp {opts.dp}: needs at least 1 replica.")
-    virtual = opts.virtual_stages if opts.schedule == "interleaved" else 1
+    virtual = stages_per_rank(opts)
     microbatches = opts.microbatches if opts.microbatches is not None else 0  # 0: chosen from the batch
     if opts.microbatches is not None and microbatches < 1:
         raise PlanError(f"--microbatches {microbatches}: needs at least 1.")
@@ -106,6 +103,14 @@ def check(opts: CompileOptions) -> tuple[int, int, int]:
     if opts.optimizer not in ("adam", "adamw", "sgd", "momentum"):
         raise PlanError(f"unknown --optimizer {opts.optimizer!r}: choose adam, sgd or momentum.")
     return pp, virtual, microbatches
+
+
+def stages_per_rank(opts: CompileOptions) -> int:
+    """The stages each pipeline rank runs: --virtual-stages under interleaved, 2 under zb-v
+    (its V: [Note: V placement] in runtime/schedule.py), else 1."""
+    if opts.schedule == "interleaved":
+        return opts.virtual_stages
+    return 2 if opts.schedule == "zb-v" else 1
 
 
 def fixed_tp(opts: CompileOptions) -> CompileOptions:

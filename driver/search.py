@@ -20,7 +20,8 @@
 
 With `--schedule auto` every mesh is also tried under each schedule of AUTO_SCHEDULES
 (the zero-bubble ones only with 2 stages or more), each posed with its own memory (ZB-H2
-holds twice the microbatches), so the fastest predicted schedule that fits wins.
+holds twice the microbatches; ZB-V splits the model in two stages per rank), so the
+fastest predicted schedule that fits wins.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ from partitioner.predict.predict import simulate_plan
 from partitioner.solve.problem import coarse_graph, make_plan, pose
 from partitioner.solve.solve import solve
 
-from .options import CompileOptions, mesh_of
+from .options import CompileOptions, mesh_of, stages_per_rank
 from .package_info import model_flops
 from .phases import apply_tp, finish, load_source, prepare
 from .prepared import Compiled, Prepared, Source
@@ -46,7 +47,7 @@ __all__ = ["Candidate", "search"]
 
 SHOWN = 5
 #: what `--schedule auto` tries (interleaved is left out: its stage count is its own choice)
-AUTO_SCHEDULES = ("gpipe", "1f1b", "zb-h1", "zb-h2")
+AUTO_SCHEDULES = ("gpipe", "1f1b", "zb-h1", "zb-h2", "zb-v")
 #: a bound this close to a step time still gets simulated (float sums in another order)
 _BOUND_SLACK = 1e-9
 
@@ -252,8 +253,7 @@ def _variants(opts: CompileOptions, zeros: tuple[int, ...]) -> list[tuple[int, b
 def _repose(base: Prepared, opts: CompileOptions, pp: int, microbatches: int) -> Prepared:
     """`base` posed for another stage and microbatch count (same trace, costs, blocks)."""
     assert base.coarse is not None
-    virtual = opts.virtual_stages if opts.schedule == "interleaved" else 1
-    mesh = mesh_of(opts, pp, virtual, microbatches)
+    mesh = mesh_of(opts, pp, stages_per_rank(opts), microbatches)
     problem = pose(base.coarse, mesh, base.hardware)
     return dataclasses.replace(base, opts=opts, problem=problem, blocks=base.coarse.blocks, mesh=mesh,
                                rows=base.batch // (microbatches * opts.dp))
@@ -285,7 +285,7 @@ def _bound(prepared: Prepared, assignment: tuple[int, ...], plan: Plan) -> float
         out[k] = max((backward[p] + out[p] for p in producers[k]), default=0.0)
     work = [0.0] * plan.pp
     for s in plan.stages:
-        work[s.index % plan.pp] += s.compute_s
+        work[plan.rank_of(s.index)] += s.compute_s
     if plan.schedule.startswith("zb"):
         out = [0.0] * plan.num_stages
     return max(into[r] + plan.microbatches * work[r] + out[r] for r in range(plan.pp)) * (1 - _BOUND_SLACK)

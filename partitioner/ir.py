@@ -1,7 +1,7 @@
 """The plain-data IR that every package shares.
 
-This module imports nothing of ours but the runtime's schedule names (`runtime.manifest`,
-itself standard library only), so the runtime can read a plan on a rank that has neither
+This module imports nothing of ours but the runtime's schedule names and stage placement
+(`runtime.manifest`, `runtime.schedule`, themselves standard library only), so the runtime can read a plan on a rank that has neither
 OR-Tools nor the solver installed.  A `Plan` names graph nodes by their fx names and holds
 no `fx.Node`: plain data that codegen writes into the package (manifest.json, plan.txt).
 
@@ -20,6 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from runtime.manifest import SCHEDULES
+from runtime.schedule import placement
 
 __all__ = [
     "PARTIAL",
@@ -187,7 +188,8 @@ class PartitionProblem:
     Stage memory (must not exceed `memory_limit_bytes`):
         param_bytes * (1 + 1 + optimizer_factor)   weights, gradients, optimizer state
         + activation_bytes * inflight(stage)       microbatches whose activations are kept
-    with inflight(k) = microbatches for GPipe and min(stages - k, microbatches) for 1F1B.
+    with inflight(k) = microbatches for GPipe and min(stages - k, microbatches) for 1F1B
+    (and for ZB-V, on its 2p stages: [Note: zero-bubble orders] in runtime/zero_bubble.py).
     With `recompute` (activation recomputation: a stage keeps only its inputs per
     microbatch in flight and runs its forward again in the backward), the activations
     term is instead
@@ -290,3 +292,8 @@ class Plan:
     def stage_of(self) -> dict[str, int]:
         """fx node name -> stage index."""
         return {n: s.index for s in self.stages for n in s.nodes}
+
+    def rank_of(self, stage: int) -> int:
+        """The pipeline position that runs `stage`: s % pp, or a V under zb-v ([Note: V
+        placement] in runtime/schedule.py)."""
+        return placement(self.schedule, self.num_stages, self.pp)[stage]

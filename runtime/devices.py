@@ -22,9 +22,11 @@ __all__ = ["resolve_devices", "StageStreams"]
 DeviceLike = str | torch.device | int
 
 
-def resolve_devices(device: DeviceLike | Sequence[DeviceLike] | None, num_stages: int, pp: int) -> list[torch.device]:
-    """One device per stage: None -> CPU; one device -> every stage; a list of `num_stages`
-    devices -> stage k on device k; a list of `pp` devices -> stage s on device s % pp."""
+def resolve_devices(device: DeviceLike | Sequence[DeviceLike] | None, ranks: Sequence[int], pp: int) -> list[torch.device]:
+    """One device per stage: None -> CPU; one device -> every stage; a list of one device
+    per stage -> stage k on device k; a list of `pp` devices -> stage s on the device of its
+    pipeline rank `ranks[s]` (s % pp, or a V under zb-v: `schedule.placement`)."""
+    num_stages = len(ranks)
     if device is None:
         return [torch.device("cpu")] * num_stages
     if isinstance(device, (str, torch.device, int)):
@@ -33,7 +35,7 @@ def resolve_devices(device: DeviceLike | Sequence[DeviceLike] | None, num_stages
     if len(devices) == num_stages:
         return devices
     if len(devices) == pp:
-        return [devices[s % pp] for s in range(num_stages)]
+        return [devices[r] for r in ranks]
     raise PipelineError(f"device= lists {len(devices)} devices but the package has {num_stages} stages on {pp} ranks: "
                         f"give one device, one per stage or one per rank.")
 

@@ -1,7 +1,8 @@
 """`DistributedPipeline`: one process per rank under torchrun (the user-facing contract: README.md, "Use").
 
 Global rank = (replica * pp + position) * tp + t (groups.Mesh); stage s sits at position
-s % pp, so with the interleaved schedule a rank holds several (virtual) stages, and the
+s % pp, or in a V under zb-v ([Note: V placement] in schedule.py), so with the interleaved
+and zb-v schedules a rank holds several (virtual) stages, and the
 tp ranks t = 0..tp-1 of a position are neighbours that each hold their own shards of the
 same stages (the same stage files; [Note: shards] in package.py).  Each rank imports only
 its own stage files and interprets its own row of the lowered schedule:
@@ -105,7 +106,7 @@ class DistributedPipeline:
         # 2. where this rank sits; every process group ([Note: process groups] in comm.py)
         self.graph = g = StageGraph.from_manifest(m)
         self.replica, self.position, self.tp_index = self.mesh.coords(self.rank)
-        _check_ranks(m, self.mesh)
+        _check_ranks(m, self.mesh, g)
         self.stages = [s for s in range(g.num_stages) if g.rank_of(s) == self.position]
         self._describe = _describer(self.rank, self.stages)  # (holds no self: see _describer)
         self._now = _Now()  # the action running now, for tp's error messages
@@ -595,12 +596,13 @@ def _row(lowered: Schedule, g: StageGraph, microbatches: int, position: int) -> 
     return lowered[position]
 
 
-def _check_ranks(m: Manifest, mesh: Mesh) -> None:
+def _check_ranks(m: Manifest, mesh: Mesh, g: StageGraph) -> None:
     for stage in m.stages:
-        want = [mesh.rank(r, stage.index % mesh.pp, t) for r in range(mesh.dp) for t in range(mesh.tp)]
+        want = [mesh.rank(r, g.rank_of(stage.index), t) for r in range(mesh.dp) for t in range(mesh.tp)]
         if list(stage.ranks) != want:
             raise ManifestError(f"stage {stage.index} lists ranks {list(stage.ranks)} but this runtime places it on "
-                                f"{want} ((replica * pp + stage % pp) * tp + t): compile the model again.")
+                                f"{want} ((replica * pp + position) * tp + t, the position of {m.schedule}'s "
+                                f"placement): compile the model again.")
 
 
 def _to(value: Any, device: torch.device) -> Any:

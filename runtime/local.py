@@ -71,7 +71,7 @@ class LocalPipeline:
         m = self.manifest
         self.graph = StageGraph.from_manifest(m)
         pp, self.tp = m.mesh.pp, m.mesh.tp
-        self.devices = resolve_devices(device, len(m.stages), pp)
+        self.devices = resolve_devices(device, [self.graph.rank_of(s) for s in range(len(m.stages))], pp)
         if self.tp > 1 and any(d.type != "cpu" for d in self.devices):
             need = pp * self.tp * m.mesh.dp
             raise PipelineError(f"{directory} was compiled with tp={self.tp}, which LocalPipeline runs as {self.tp} "

@@ -45,7 +45,7 @@ __all__ = [
 ]
 
 FORMAT_VERSION = 1
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-h2")  # the schedules a package may name (runtime.schedule.make_schedule)
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-h2", "zb-v")  # the schedules a package may name (runtime.schedule.make_schedule)
 _RECOMPILE = "compile the model again"
 
 

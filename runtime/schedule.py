@@ -1,7 +1,7 @@
 """The schedule IR: actions, schedule generators, lowering to SEND/RECV, validation.
 
 A schedule is one list of `Action`s per pipeline RANK (pipeline position), run in order.
-Generators (`gpipe`, `one_f_one_b`, `interleaved_1f1b`, `zb_h1`, `zb_h2`: zero_bubble.py)
+Generators (`gpipe`, `one_f_one_b`, `interleaved_1f1b`, `zb_h1`, `zb_h2`, `zb_v`: zero_bubble.py)
 return compute-only schedules (F and B, or F, I and W where the backward is split);
 `lower` adds the point-to-point actions from the stage graph; `validate`
 simulates the ranks step by step and returns the rank-by-step grid that the runtimes
@@ -15,6 +15,15 @@ interpret.  Nothing here runs a tensor: the runtimes only interpret what this mo
     memory, so F of the consumer only needs F of the producer to have run before it.
     Between two stages, activations and gradients go in microbatch order, so a channel
     per stage edge is first-in first-out (what NCCL needs).
+
+[Note: V placement]
+    Stage s runs on pipeline rank s % p (`placement`), so the interleaved schedule's
+    stages go round the ranks; under zb-v the 2p stages go down the ranks and back up
+    in a V: stage s on rank s for s < p, on rank 2p-1-s after, so rank r holds stages r
+    and 2p-1-r, the first and last stage are both on rank 0, and stages p-1 and p hand
+    over on rank p-1 in memory.  The solver's split into 2p stages is the same; codegen
+    writes each stage's `ranks` from `placement`, and `StageGraph.from_manifest` places
+    the stages by the manifest's schedule (the runtime checks the two agree).
 """
 
 from __future__ import annotations
@@ -41,6 +50,8 @@ __all__ = [
     "interleaved_1f1b",
     "zb_h1",
     "zb_h2",
+    "zb_v",
+    "placement",
     "make_schedule",
     "lower",
     "validate",
@@ -142,18 +153,19 @@ Schedule = list[list[Action]]
 
 @dataclass(frozen=True)
 class StageGraph:
-    """Which stage feeds which, and where gradients flow back: what lowering needs.
-
-    Stage s runs on pipeline rank `s % num_ranks` (see DESIGN.md, `ranks`).
+    """Which stage feeds which, where gradients flow back, and which rank runs each stage:
+    what lowering needs.  `ranks` is each stage's pipeline rank (`placement`); empty:
+    stage s on rank `s % num_ranks` ([Note: V placement]).
     """
 
     num_stages: int
     num_ranks: int
     edges: tuple[tuple[int, int], ...]  # (producer, consumer), sorted
     grad_edges: frozenset[tuple[int, int]]  # edges with at least one value that needs a gradient
+    ranks: tuple[int, ...] = ()
 
     def rank_of(self, stage: int) -> int:
-        return stage % self.num_ranks
+        return self.ranks[stage] if self.ranks else stage % self.num_ranks
 
     def producers(self, stage: int) -> list[int]:
         return [p for p, c in self.edges if c == stage]
@@ -162,10 +174,11 @@ class StageGraph:
         return [c for p, c in self.edges if p == stage]
 
     @staticmethod
-    def chain(num_stages: int, num_ranks: int | None = None) -> "StageGraph":
-        """A plain chain 0 -> 1 -> ... -> S-1, gradients on every edge."""
+    def chain(num_stages: int, num_ranks: int | None = None, schedule: str = "1f1b") -> "StageGraph":
+        """A plain chain 0 -> 1 -> ... -> S-1, gradients on every edge, placed for `schedule`."""
         edges = tuple((s, s + 1) for s in range(num_stages - 1))
-        return StageGraph(num_stages, num_ranks or num_stages, edges, frozenset(edges))
+        ranks = num_ranks or num_stages
+        return StageGraph(num_stages, ranks, edges, frozenset(edges), placement(schedule, num_stages, ranks))
 
     @staticmethod
     def from_manifest(manifest: Manifest | Mapping[str, Any]) -> "StageGraph":
@@ -190,7 +203,14 @@ class StageGraph:
                     raise ScheduleError(f"stage {c} reads {entry.name!r} from stage {p}, which has no such output: compile again.")
                 if entry.requires_grad and produced.requires_grad:
                     grads.add((p, c))
-        return StageGraph(len(m.stages), pp, tuple(sorted(edges)), frozenset(grads))
+        return StageGraph(len(m.stages), pp, tuple(sorted(edges)), frozenset(grads), placement(m.schedule, len(m.stages), pp))
+
+
+def placement(schedule: str, num_stages: int, ranks: int) -> tuple[int, ...]:
+    """The pipeline rank of each stage: s % ranks, or a V under zb-v ([Note: V placement])."""
+    if schedule == "zb-v":
+        return tuple(s if s < ranks else 2 * ranks - 1 - s for s in range(num_stages))
+    return tuple(s % ranks for s in range(num_stages))
 
 
 # -- generators ----------------------------------------------------------------------------
@@ -262,14 +282,23 @@ def zb_h2(stages: int, microbatches: int) -> Schedule:
     return _actions(zero_bubble.zb_h2_order(stages, microbatches))
 
 
+def zb_v(ranks: int, microbatches: int) -> Schedule:
+    """ZB-V (Qi et al. 2024): 2 stages per rank in a V ([Note: V placement]), W's in its gaps (zero_bubble.py)."""
+    _check_counts(ranks, microbatches)
+    return [[Action(r if chunk == 0 else 2 * ranks - 1 - r, Kind(kind), i) for kind, chunk, i in row]
+            for r, row in enumerate(zero_bubble.zb_v_order(ranks, microbatches))]
+
+
 def _actions(order: list[list[tuple[str, int]]]) -> Schedule:
     return [[Action(r, Kind(kind), i) for kind, i in row] for r, row in enumerate(order)]
 
 
 def make_schedule(name: str, ranks: int, microbatches: int, virtual_stages: int = 1) -> Schedule:
-    """The compute schedule a manifest names: gpipe | 1f1b | interleaved | zb-h1 | zb-h2."""
+    """The compute schedule a manifest names: gpipe | 1f1b | interleaved | zb-h1 | zb-h2 | zb-v."""
     if name in ("gpipe", "1f1b", "zb-h1", "zb-h2") and virtual_stages != 1:
         raise ScheduleError(f"schedule {name!r} runs one stage per rank but the package has {virtual_stages}: compile with --schedule interleaved.")
+    if name == "zb-v" and virtual_stages != 2:
+        raise ScheduleError(f"schedule 'zb-v' runs two stages per rank but the package has {virtual_stages}: compile with --schedule zb-v.")
     if name == "gpipe":
         return gpipe(ranks, microbatches)
     if name == "1f1b":
@@ -278,6 +307,8 @@ def make_schedule(name: str, ranks: int, microbatches: int, virtual_stages: int 
         return interleaved_1f1b(ranks, virtual_stages, microbatches)
     if name in ("zb-h1", "zb-h2"):
         return zb_h1(ranks, microbatches) if name == "zb-h1" else zb_h2(ranks, microbatches)
+    if name == "zb-v":
+        return zb_v(ranks, microbatches)
     raise ScheduleError(f"unknown schedule {name!r}: use {', '.join(SCHEDULES[:-1])} or {SCHEDULES[-1]}.")
 
 

@@ -148,7 +148,7 @@ def tied_allreduce_s(gm: torch.fx.GraphModule, plan: Plan, hardware: Hardware) -
             t = get_attr(gm, str(x.target))
             if isinstance(t, torch.nn.Parameter) and t.requires_grad:
                 _, positions = held.setdefault(storage_key(t), (t.numel() * t.element_size(), set()))
-                positions.add(stage_of[node.name] % plan.pp)
+                positions.add(plan.rank_of(stage_of[node.name]))
     alpha, beta = hardware.ring_link(across_nodes=plan.pp * plan.tp * plan.dp > hardware.devices_per_node)
     return sum(ring_allreduce_s(nbytes, len(positions) * plan.dp, alpha, beta)
                for nbytes, positions in held.values() if len(positions) > 1)

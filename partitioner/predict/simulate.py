@@ -1,7 +1,7 @@
 """Predict a training step: an event simulation of the schedule IR with stage and link times.
 
 The runtime's own lowered schedule (`runtime.schedule.lower(make_schedule(...))`: GPipe,
-1F1B, interleaved 1F1B, with the SEND/RECV actions the runtime runs) is replayed action by
+1F1B, interleaved 1F1B, the zero-bubble ones, with the SEND/RECV actions the runtime runs) is replayed action by
 action, reading each action's kind, stage, microbatch and peer, with each stage's forward
 and backward time per microbatch and the time of each point-to-point message, as
 `runtime.DistributedPipeline` runs it on gloo (as torch.distributed.pipelining's
@@ -25,7 +25,8 @@ right after the compute that made them, so it alone says which messages exist.  
 On the CPU the three message costs are means measured under a loaded 1F1B exchange
 (`partitioner.cost.measure._loaded_exchange`), stalls included: see [Note: messages on a busy CPU] there.
 
-Stages on the same rank (interleaved) hand values over for free.  The result is the step's
+Stages on the same rank (interleaved, and zb-v's V: [Note: V placement] in
+runtime/schedule.py) hand values over for free.  The result is the step's
 makespan, each rank's compute, and each stage's peak number of microbatches in flight
 (forwards done whose backward has not run), which sets its activation memory.
 
@@ -40,7 +41,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
-from runtime.schedule import Action, Kind, StageGraph, lower, make_schedule
+from runtime.schedule import Action, Kind, StageGraph, lower, make_schedule, placement
 
 __all__ = ["Simulation", "simulate", "bubble_fraction"]
 
@@ -72,11 +73,12 @@ def simulate(
     a to stage b, which is also what its gradient takes back.  `send_s` and `recv_s` are
     what posting one send or receive costs the rank that posts it, `loss_s` the loss's
     (forward, backward) per microbatch on the last stage, `final_s` the collective that
-    ends the step (the loss all-reduce).  Where the schedule splits B (zb-h1, zb-h2), W
+    ends the step (the loss all-reduce).  Where the schedule splits B (zb-h1, zb-h2, zb-v), W
     takes `weight_share` of the stage's backward time and I the rest (the loss's backward
     with it); a microbatch's activations stay in flight until its W."""
     stages = len(forward_s)
-    graph = StageGraph(stages, pp, tuple(sorted(links)), frozenset(links))  # every edge carries a gradient back
+    graph = StageGraph(stages, pp, tuple(sorted(links)), frozenset(links),  # every edge carries a gradient back
+                       placement(schedule, stages, pp))
     lowered = lower(make_schedule(schedule, pp, microbatches, virtual), graph)
     clock = _Clock(forward_s, backward_s, links, pp, send_s=send_s, recv_s=recv_s, loss_s=loss_s,
                    weight_share=weight_share)

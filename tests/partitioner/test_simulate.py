@@ -163,3 +163,26 @@ def test_zb_h2_has_no_bubble_but_the_ramp_with_twice_the_memory(stages: int, mic
     assert h1.step_time_s == pytest.approx(busy + (stages - 1) * input_s)
     assert h2.peak_inflight == tuple([min(2 * stages, microbatches)] * stages)
     assert h1.peak_inflight == tuple([min(stages, microbatches)] * stages)
+
+
+@pytest.mark.parametrize("ranks, microbatches", [(2, 4), (3, 6), (4, 8), (4, 16)])
+@pytest.mark.parametrize("input_s", [1.0, 2.0])
+def test_zb_v_halves_zb_h1s_bubble_at_1f1bs_memory(ranks: int, microbatches: int, input_s: float) -> None:
+    """p ranks: 1F1B and ZB-H1 on p stages of F = W = 1, I = 1 or 2; ZB-V on 2p stages of
+    half that, in a V.  ZB-V's only idle time is the ramp, (p - 1) half-stage F + I - W:
+    half ZB-H1's (p - 1)(F + I - W), with each stage k holding min(2p - k, M) half-stage
+    microbatches (1F1B's count on 2p stages; a rank's two stages at most 2p together)."""
+    p, m = ranks, microbatches
+    share = 1.0 / (input_s + 1.0)
+    links = {(k, k + 1): 0.0 for k in range(p - 1)}
+    v_links = {(k, k + 1): 0.0 for k in range(2 * p - 1)}
+    busy = m * (2.0 + input_s)
+    one = simulate([1.0] * p, [input_s + 1.0] * p, links, "1f1b", p, m)
+    h1 = simulate([1.0] * p, [input_s + 1.0] * p, links, "zb-h1", p, m, weight_share=share)
+    v = simulate([0.5] * (2 * p), [(input_s + 1.0) / 2] * (2 * p), v_links, "zb-v", p, m, 2, weight_share=share)
+    bubbles = {name: sim.step_time_s - busy for name, sim in (("1f1b", one), ("zb-h1", h1), ("zb-v", v))}
+    print(f"p={p} M={m} I={input_s:g}: idle per rank " + ", ".join(f"{n} {b:g}" for n, b in bubbles.items())
+          + f"; zb-v step / 1f1b {v.step_time_s / one.step_time_s:.3f}, / zb-h1 {v.step_time_s / h1.step_time_s:.3f}")
+    assert bubbles["zb-v"] == pytest.approx(bubbles["zb-h1"] / 2) == pytest.approx((p - 1) * input_s / 2)
+    assert v.peak_inflight == tuple(min(2 * p - k, m) for k in range(2 * p))
+    assert v.busy_s == (busy,) * p

@@ -30,6 +30,7 @@ import torch
 
 from runtime.manifest import (BufferSpec, Manifest, Mesh, ModelInput, ParamSpec, Predicted, Source, StageInput,
                               StageOutput, StagePrediction, StageSpec, TiedParameter)
+from runtime.schedule import placement
 
 D, BATCH = 16, 16
 
@@ -177,12 +178,13 @@ def write_package(root: Path, stages: int = 3, schedule: str = "1f1b", microbatc
     pp = stages // virtual_stages
     rows = BATCH // (microbatches * dp)
     table = _stages(stages)
+    position = placement(schedule, stages, pp)  # s % pp, or zb-v's V
     entries = []
     for k, st in enumerate(table):
         shape = (rows, D)
         entries.append(StageSpec(
             index=k, module=f"stage_{k}", class_name=f"Stage{k}",
-            ranks=tuple(r * pp + k % pp for r in range(dp)),
+            ranks=tuple(r * pp + position[k] for r in range(dp)),
             inputs=tuple(StageInput(v, shape, "float32", "input" if st["from"][v] < 0 else st["from"][v],
                                     requires_grad=st["from"][v] >= 0) for v in st["reads"]),
             outputs=(StageOutput("output", None, None, "output", True),) if k == stages - 1 else

@@ -6,6 +6,7 @@ output and the weights after 3 SGD steps with the reference model in that proces
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import signal
@@ -20,7 +21,11 @@ from typing import Callable
 import pytest
 
 import runtime
-from runtime.errors import MeshError
+from runtime import package
+from runtime.distributed import _check_ranks
+from runtime.errors import ManifestError, MeshError
+from runtime.groups import Mesh
+from runtime.schedule import StageGraph
 
 from .conftest import Tiny
 
@@ -150,11 +155,24 @@ def test_a_silent_rank_times_out(make_tiny: Callable[..., Tiny]) -> None:
                      r"\(.+\)\. .*raise PIPELINE_TIMEOUT_S \(now 2 s\)", ranks[0].err), ranks[0].err
 
 
+def test_a_stage_off_its_schedules_placement_is_refused(make_tiny: Callable[..., Tiny]) -> None:
+    """A zb-v package whose stages list round-robin ranks (stage 2 on rank 0, not on rank 1
+    at the turn of the V) is refused before any message goes to the wrong rank."""
+    m = package.load_manifest(make_tiny(stages=4, schedule="zb-v", virtual_stages=2).dir)
+    graph = StageGraph.from_manifest(m)
+    _check_ranks(m, Mesh.from_manifest(m), graph)  # as written: [0], [1], [1], [0]
+    round_robin = dataclasses.replace(m, stages=tuple(dataclasses.replace(s, ranks=(s.index % 2,)) for s in m.stages))
+    with pytest.raises(ManifestError, match=r"stage 2 lists ranks \[0\] but this runtime places it on \[1\] .*zb-v"):
+        _check_ranks(round_robin, Mesh.from_manifest(m), graph)
+
+
 @multiproc
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("schedule, dp", [("zb-h1", 1), ("zb-h2", 2)])
+@pytest.mark.parametrize("schedule, dp", [("zb-h1", 1), ("zb-h2", 2), ("zb-v", 1)])
 def test_zero_bubble_schedules(make_tiny: Callable[..., Tiny], schedule: str, dp: int) -> None:
     # B split in I and W ([Note: split backward] in runtime/stage.py): the reference's
-    # gradients; with dp = 2 the gradient buckets are armed before each parameter's last W
-    t = make_tiny(stages=2, schedule=schedule, microbatches=4, dp=dp)
+    # gradients; with dp = 2 the gradient buckets are armed before each parameter's last W.
+    # zb-v: 4 stages on 2 ranks in a V, the tied weight's two copies both on rank 0
+    v = 2 if schedule == "zb-v" else 1
+    t = make_tiny(stages=2 * v, schedule=schedule, microbatches=4, dp=dp, virtual_stages=v)
     _ok(launch(2 * dp, "check", [t.dir], t.dir.parent / "tiny.py"))

@@ -51,6 +51,11 @@ CASES = [
     pytest.param(4, "zb-h1", 2, 1, 1, id="4-zb-h1-2"),
     pytest.param(3, "zb-h2", 8, 1, 1, id="3-zb-h2-8"),
     pytest.param(2, "zb-h2", 4, 2, 1, id="2-zb-h2-dp2"),
+    # two stages per rank in a V ([Note: V placement]): stages 0 and 3 (the tied weight's
+    # copies) share rank 0, stages 1 and 2 hand over on rank 1 in memory
+    pytest.param(4, "zb-v", 4, 1, 2, id="4-zb-v-4"),
+    pytest.param(4, "zb-v", 1, 1, 2, id="4-zb-v-1"),
+    pytest.param(4, "zb-v", 8, 2, 2, id="4-zb-v-dp2"),
 ]
 
 

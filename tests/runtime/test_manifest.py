@@ -67,7 +67,7 @@ BAD = [
     (_drop(["stages", 1, "parameters", 0, "source_name"]), r"stages\[1\]\.parameters\[0\] has no 'source_name' field"),
     (_drop(["stages", 1, "class"]), r"stage 1 has no 'class' field"),
     (_drop(["mesh"]), r"it has no 'mesh' field"),
-    (_set(["schedule"], "zigzag"), r"schedule 'zigzag' is none of gpipe, 1f1b, interleaved, zb-h1, zb-h2"),
+    (_set(["schedule"], "zigzag"), r"schedule 'zigzag' is none of gpipe, 1f1b, interleaved, zb-h1, zb-h2, zb-v"),
     (_set(["mesh", "tp"], 0), r"'mesh' needs positive integers 'pp', 'tp' and 'dp'"),
     (_set(["stages", 1, "index"], 0), r"stage 1 has index 0"),
     (_set(["virtual_stages"], 2), r"2 stages is not mesh.pp \(2\) x virtual_stages \(2\)"),

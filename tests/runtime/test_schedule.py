@@ -20,10 +20,13 @@ from runtime.schedule import (
     make_schedule,
     one_f_one_b,
     parse_schedule,
+    placement,
     validate,
     zb_h1,
     zb_h2,
+    zb_v,
 )
+from runtime.schedule import F, I, W
 
 # stage 0 feeds stages 1 and 2 (a skip value), stage 1 feeds stage 2
 SKIP = StageGraph(3, 3, ((0, 1), (0, 2), (1, 2)), frozenset({(0, 1), (0, 2), (1, 2)}))
@@ -116,11 +119,12 @@ def test_lower_skips_gradients_that_do_not_flow() -> None:
     ("gpipe", 1, 1, 3), ("gpipe", 3, 1, 5), ("1f1b", 3, 1, 2), ("1f1b", 4, 1, 8),
     ("interleaved", 2, 2, 4), ("interleaved", 3, 2, 6), ("interleaved", 2, 3, 2), ("interleaved", 4, 2, 8),
     ("zb-h1", 1, 1, 2), ("zb-h1", 3, 1, 2), ("zb-h1", 4, 1, 8), ("zb-h2", 2, 1, 1), ("zb-h2", 3, 1, 6), ("zb-h2", 4, 1, 8),
+    ("zb-v", 1, 2, 3), ("zb-v", 2, 2, 1), ("zb-v", 3, 2, 4), ("zb-v", 4, 2, 8),
 ])
 def test_every_schedule_validates_lowered(name: str, ranks: int, virtual: int, m: int) -> None:
     stages = ranks * virtual
     edges = tuple(sorted({(s, s + 1) for s in range(stages - 1)} | {(0, s) for s in range(1, stages)}))
-    g = StageGraph(stages, ranks, edges, frozenset(edges))
+    g = StageGraph(stages, ranks, edges, frozenset(edges), placement(name, stages, ranks))
     lowered = lower(make_schedule(name, ranks, m, virtual), g)
     grid = validate(lowered, g, m)
     order = execution_order(grid)
@@ -237,3 +241,57 @@ def test_bad_split_schedules_show_their_grid() -> None:
         validate(parse_schedule("0F0 0I0 0W0\n1F0 1B0"), StageGraph.chain(2))
     with pytest.raises(ScheduleError, match="runs one stage per rank but the package has 2"):
         make_schedule("zb-h1", 2, 4, 2)
+    with pytest.raises(ScheduleError, match="'zb-v' runs two stages per rank but the package has 1"):
+        make_schedule("zb-v", 2, 4, 1)
+
+
+def test_zb_v_places_the_stages_in_a_v() -> None:
+    """[Note: V placement]: down the ranks, then back up; interleaved goes round."""
+    assert placement("zb-v", 8, 4) == (0, 1, 2, 3, 3, 2, 1, 0)
+    assert placement("interleaved", 8, 4) == (0, 1, 2, 3, 0, 1, 2, 3)
+    assert placement("1f1b", 3, 3) == (0, 1, 2)
+
+
+def test_zb_v_fills_the_v() -> None:
+    """[Note: zero-bubble orders] in runtime/zero_bubble.py, p = 2, M = 4: rank 0 runs three
+    forwards of stage 0 until stage 3's first input comes back up the V, then F, I, W of
+    stage 3 while the gradients go down; the step is 6 M + p - 1 = 25 slots, one idle per rank."""
+    grid = validate(zb_v(2, 4), StageGraph.chain(4, 2, "zb-v"))
+    assert format_grid(grid) == _layout("""
+        step    0    1    2    3    4    5    6    7    8    9    10   11   12   13   14   15   16   17   18   19   20   21   22   23   24
+        rank 0  0F0  0F1  0F2  3F0  3I0  3W0  3F1  3I1  3W1  0F3  0I0  0W0  3F2  3I2  3W2  0I1  0W1  3F3  3I3  3W3  0I2  0W2  0I3  0W3  .
+        rank 1  .    1F0  2F0  1F1  2F1  2I0  2W0  1F2  1I0  1W0  2F2  2I1  2W1  1F3  1I1  1W1  2F3  2I2  2W2  1I2  2I3  1I3  1W2  2W3  1W3
+    """)
+
+
+def test_zb_v_lowers_the_turn_of_the_v_in_memory() -> None:
+    """Stages 1 and 2 sit on rank 1: 1 -> 2 needs no message, nor its gradient 2 -> 1."""
+    assert format_schedule(lower(zb_v(2, 1), StageGraph.chain(4, 2, "zb-v"))) == _layout("""
+        0F0 0SEND_F0>1 3RECV_F0<2 3F0 3I0 3SEND_B0>2 3W0 0RECV_B0<1 0I0 0W0
+        1RECV_F0<0 1F0 2F0 2SEND_F0>3 2RECV_B0<3 2I0 2W0 1I0 1SEND_B0>0 1W0
+    """)
+
+
+@pytest.mark.parametrize("ranks", [2, 3, 4])
+@pytest.mark.parametrize("m", [1, 2, 3, 5, 7, 8, 12])
+def test_zb_v_keeps_1f1b_memory_and_a_ramp_of_p_minus_1(ranks: int, m: int) -> None:
+    """Every (p, M) validates lowered; each rank holds at most 2p stage-microbatches (F
+    run, W not yet: p whole ranks' worth, 1F1B's first-rank peak), stage k at most
+    min(2p - k, M) (1F1B's on 2p stages, what the memory model charges); with M >= 2p - 1
+    the step is 6 M + p - 1 slots, rank p - 1's late start its only idle time."""
+    g = StageGraph.chain(2 * ranks, ranks, "zb-v")
+    schedule = zb_v(ranks, m)
+    validate(lower(schedule, g), g, m)
+    stage_peak = [0] * (2 * ranks)
+    for row in schedule:
+        held, rank_peak = [0] * (2 * ranks), 0
+        for a in row:
+            held[a.stage] += {F: 1, I: 0, W: -1}[a.kind]
+            stage_peak[a.stage] = max(stage_peak[a.stage], held[a.stage])
+            rank_peak = max(rank_peak, sum(held))
+        assert rank_peak <= 2 * ranks
+    assert stage_peak == [min(2 * ranks - k, m) for k in range(2 * ranks)]
+    steps = len(validate(schedule, g, m)[0])
+    print(f"zb-v p={ranks} M={m}: {steps} slots for {6 * m} of work")
+    if m >= 2 * ranks - 1:
+        assert steps == 6 * m + ranks - 1

@@ -1,6 +1,7 @@
 """The split backward (I then W, [Note: split backward] in runtime/stage.py) under the
 zero-bubble schedules gives, after one step, the gradients of the fused backward (B) on
-the same compiled package: the examples, recomputation, and two tensor-parallel lanes."""
+the same compiled package: the examples, recomputation, two tensor-parallel lanes, and
+ZB-V's two stages per rank in a V."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import runtime
 from partitioner.trace import model_file
 from runtime import split_backward
 from runtime.manifest import StageInput, StageOutput, StageSpec
+from runtime.schedule import B, I, W, Action, Schedule, zb_v
 from runtime.stage import StageRunner
 
 from ..conftest import FREE_LINKS as FREE, compile_example
@@ -28,7 +30,8 @@ CASES = [
 ]
 
 
-def _one_step(pkg: Path, example: str, schedule: str) -> tuple[torch.Tensor, list[tuple[str, torch.Tensor | None]]]:
+def _one_step(pkg: Path, example: str, schedule: str | Schedule
+              ) -> tuple[torch.Tensor, list[tuple[str, torch.Tensor | None]]]:
     mf = model_file.load(example)
     args, kwargs = mf.example_inputs()
     pipe = runtime.LocalPipeline(pkg, schedule=schedule)
@@ -54,6 +57,29 @@ def test_split_backward_gives_the_fused_gradients(example: str, options: dict[st
         for (name, g), (_, w) in zip(got, want):
             assert g is not None, f"{schedule}: {name} has no gradient"
             torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6, msg=lambda m: f"{schedule}, {name}: {m}")
+
+
+@pytest.mark.parametrize("example", ["examples/mlp.py", "examples/gpt.py"])
+def test_zb_v_gives_the_fused_gradients(example: str, tmp_path: Path) -> None:
+    """A zb-v package: 4 stages on 2 ranks in a V ([Note: V placement] in runtime/schedule.py),
+    so stages 0 and 3 (gpt's tied embedding's two copies) share rank 0.  Its split order
+    against the same order with each I made a fused B and the W's dropped, and against
+    1F1B on a package of 2 stages (gradients by original name)."""
+    compiled = compile_example(example, tmp_path / "pkg", schedule="zb-v", stages=2, microbatches=4)
+    manifest = compiled.manifest
+    assert (manifest["schedule"], manifest["virtual_stages"]) == ("zb-v", 2)
+    assert [s["ranks"] for s in manifest["stages"]] == [[0], [1], [1], [0]]
+    compile_example(example, tmp_path / "one", schedule="1f1b", stages=2, microbatches=4)
+    loss, got = _one_step(tmp_path / "pkg", example, "zb-v")
+    fused = [[Action(a.stage, B, a.microbatch) if a.kind == I else a for a in row if a.kind != W] for row in zb_v(2, 4)]
+    for against, (want_loss, want) in (("fused B", _one_step(tmp_path / "pkg", example, fused)),
+                                       ("1f1b", _one_step(tmp_path / "one", example, "1f1b"))):
+        torch.testing.assert_close(loss, want_loss, rtol=1e-5, atol=1e-6)
+        wanted = dict(want)
+        assert sorted(n for n, _ in got) == sorted(wanted) and all(g is not None for g in wanted.values())
+        for name, g in got:
+            assert g is not None, f"zb-v: {name} has no gradient"
+            torch.testing.assert_close(g, wanted[name], rtol=1e-5, atol=1e-6, msg=lambda m: f"zb-v vs {against}, {name}: {m}")
 
 
 class _Reused(torch.nn.Module):
