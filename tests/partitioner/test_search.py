@@ -124,7 +124,7 @@ def test_the_bound_is_below_every_simulated_step(tmp_path: Path, monkeypatch: py
     real_bound = search._bound
     monkeypatch.setattr(search, "_bound", lambda *a: bounds.append(real_bound(*a)) or 0.0)
     monkeypatch.setattr(search, "simulate_plan", check)
-    for schedule, devices in (("1f1b", 4), ("gpipe", 2), ("interleaved", 2), ("auto", 2)):  # auto: zb-h1, zb-h2, zb-v too
+    for schedule, devices in (("1f1b", 4), ("gpipe", 2), ("interleaved", 2), ("auto", 2)):  # auto: zb-h1, zb-h2 too
         compile_example("examples/gpt.py", tmp_path / schedule, devices=devices, stages=None, hardware="h100",
                         schedule=schedule)
     assert len(seen) == len(bounds) > 10
@@ -132,7 +132,7 @@ def test_the_bound_is_below_every_simulated_step(tmp_path: Path, monkeypatch: py
 
 
 def test_auto_schedule_keeps_the_fastest_predicted_schedule(tmp_path: Path) -> None:
-    """`--schedule auto`: every mesh under gpipe, 1f1b, zb-h1, zb-h2 and zb-v, each posed with its
+    """`--schedule auto`: every mesh under gpipe, 1f1b, zb-h1 and zb-h2, each posed with its
     own memory; the package runs the fastest, which `show` lists with the others."""
     compiled = compile_example("examples/gpt.py", tmp_path / "pkg", devices=2, stages=2, microbatches=4,
                                hardware="h100", schedule="auto")
