@@ -79,6 +79,7 @@ def build_problem(blocks: Sequence[BlockCost], edges: Sequence[Edge], stages: in
         param_bytes_by_name=tuple(sorted((k, v) for k, v in (param_bytes or {}).items() if k in used)),
         virtual_stages=virtual_stages,
         recompute=recompute,
+        block_computes=tuple(b.computes for b in blocks),
     )
 
 
@@ -307,7 +308,7 @@ def _blocks(order: Sequence[GraphNode], runs: Sequence[_Run], sizes: Mapping[str
             param_bytes=sum(sizes.get(p, 0) for p in params),
             activation_bytes=sum(n.cost.activation_bytes for n in nodes),
             flops=sum(n.cost.flops for n in nodes), params=params,
-            forward_s=sum(n.cost.forward_s for n in nodes)))
+            forward_s=sum(n.cost.forward_s for n in nodes), computes=any(n.computes for n in nodes)))
     return blocks
 
 
