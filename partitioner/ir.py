@@ -137,6 +137,9 @@ class GraphNode:
     is_output: bool = False
     #: works on the data, not only a view or a buffer's update ([Note: every stage computes] in solve/solve.py)
     computes: bool = True
+    #: the buffers written in place that it reads or writes: nodes that share one stay in
+    #: one block ([Note: a mutated buffer lives on one stage] in trace/buffers.py)
+    mutated: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)

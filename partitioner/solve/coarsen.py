@@ -4,9 +4,12 @@ A block is a contiguous run of the nodes' topological order, so the graph of blo
 stays acyclic with blocks numbered in a topological order.  In four steps:
 
     1. order:  the output node, and anything that reads it, go last, so the last block
-               holds the graph's output (the solver puts it in the last stage).
+               holds the graph's output (the solver puts it in the last stage); the
+               nodes that touch one mutated buffer are brought together.
     2. atoms:  the runs no block boundary may split: a non-tensor value (the tuple of
-               torch.split) stays with all its consumers, and the output tail stays whole.
+               torch.split) stays with all its consumers, the nodes of a mutated buffer
+               stay together ([Note: a mutated buffer lives on one stage] in
+               trace/buffers.py), and the output tail stays whole.
     3. fuse:   an atom of negligible time joins a neighbour (of its own module if it
                can, else across the boundary that cuts more bytes).
     4. merge:  the modules of the deepest depth that gives at most `max_blocks` become
@@ -122,7 +125,30 @@ def _order(nodes: Sequence[GraphNode]) -> list[GraphNode]:
         seen.add(node.name)
         if node.is_output or any(i in tail for i in node.inputs):
             tail.add(node.name)
-    return [n for n in nodes if n.name not in tail] + [n for n in nodes if n.name in tail]
+    order = [n for n in nodes if n.name not in tail] + [n for n in nodes if n.name in tail]
+    for buffer in sorted({b for n in order for b in n.mutated}):
+        order = _gather(order, {n.name for n in order if buffer in n.mutated})
+    return order
+
+
+def _gather(order: list[GraphNode], members: set[str]) -> list[GraphNode]:
+    """`order` with the span from the first member to the last made as short as any
+    topological order makes it: of the nodes between, those that no member feeds move
+    before the members, those that feed no member after them; only those both fed by a
+    member and feeding one stay among them."""
+    at = [i for i, n in enumerate(order) if n.name in members]
+    span = order[at[0]:at[-1] + 1]
+    fed, feeding = set(members), set(members)
+    for node in span:
+        if fed.intersection(node.inputs):
+            fed.add(node.name)
+    for node in reversed(span):
+        if node.name in feeding:
+            feeding.update(node.inputs)
+    before = [n for n in span if n.name not in fed]
+    among = [n for n in span if n.name in fed and n.name in feeding]
+    after = [n for n in span if n.name in fed and n.name not in feeding]
+    return order[:at[0]] + before + among + after + order[at[-1] + 1:]
 
 
 def _atoms(order: Sequence[GraphNode]) -> list[_Run]:
@@ -132,6 +158,9 @@ def _atoms(order: Sequence[GraphNode]) -> list[_Run]:
     for i, node in enumerate(order):
         for name in node.inputs:
             last_reader[pos[name]] = max(last_reader[pos[name]], i)
+    last_toucher: dict[str, int] = {}  # mutated buffer -> the last position of a node that touches it
+    for i, node in enumerate(order):
+        last_toucher.update((b, i) for b in node.mutated)
     reach = -1  # no boundary before position `reach` (inclusive)
     starts = []
     tail = next((i for i, n in enumerate(order) if n.is_output), len(order))
@@ -140,6 +169,7 @@ def _atoms(order: Sequence[GraphNode]) -> list[_Run]:
             starts.append(i)
         if not node.tensor_output:
             reach = max(reach, last_reader[i])
+        reach = max([reach] + [last_toucher[b] for b in node.mutated])
     bounds = starts + [len(order)]
     return [_run(order, a, b) for a, b in zip(bounds, bounds[1:])]
 

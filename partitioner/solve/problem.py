@@ -22,6 +22,7 @@ from ..ir import (BlockCost, Edge, GraphNode, NodeCost, PartitionProblem, Plan, 
                   optimizer_state_factor)
 from ..predict.predict import pipeline_link
 from ..tp import Sharded
+from ..trace.buffers import mutated_buffers
 from ..trace.passes import is_tensor_node, node_module
 from ..trace.trace import Traced
 from .coarsen import build_problem, coarsen
@@ -76,7 +77,7 @@ def coarse_graph(traced: Traced, costs: dict[str, NodeCost], sharded: Sharded | 
     shards = sharded.params if sharded is not None else {}
     param_bytes = {name: p.numel() * p.element_size() // (sharded.tp if sharded and name in shards else 1)
                    for name, p in named}
-    compute, working = set(compute_nodes(gm)), working_nodes(gm)
+    compute, working, mutated = set(compute_nodes(gm)), working_nodes(gm), mutated_buffers(gm)
     output = next(n for n in gm.graph.nodes if n.op == "output")
     nodes = [
         GraphNode(
@@ -87,6 +88,7 @@ def coarse_graph(traced: Traced, costs: dict[str, NodeCost], sharded: Sharded | 
             params=param_names(n, params),
             tensor_output=is_tensor_node(n),
             computes=n in working,
+            mutated=mutated.get(n.name, ()),
         )
         for n in gm.graph.nodes if n in compute
     ]

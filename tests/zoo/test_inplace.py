@@ -13,7 +13,7 @@ import torch
 import runtime
 from partitioner.cost.nodes import working_nodes
 from partitioner.trace import model_file
-from partitioner.trace.buffers import BatchStatisticsWarning
+from partitioner.trace.buffers import BatchStatisticsWarning, mutated_buffers
 from partitioner.trace.trace import trace
 
 from ..conftest import compile_example
@@ -93,3 +93,19 @@ def test_fewer_nodes_that_compute_than_stages_warns(tmp_path: Path) -> None:
                                  microbatches=1, analytic=True, hardware="a100", time_limit=5.0), log=said.append)
     assert any(re.match(r"warning: the model has 5 nodes that compute .*fewer than the 6 stages.*use fewer stages", m)
                for m in said), said
+
+
+@pytest.mark.parametrize("stages, time_limit", [(2, 0.0), (3, 0.0), (3, 5.0)], ids=["2-dp", "3-dp", "3-cpsat"])
+def test_a_buffer_rebound_in_forward_lives_on_one_stage(stages: int, time_limit: float, tmp_path: Path) -> None:
+    """[Note: a mutated buffer lives on one stage]: export records `self.steps += 1` as an
+    `add_` and a `copy_` at the end of the graph, which the DP alone (--time-limit 0) put on
+    the first and the last stage.  Every node that touches `steps` now shares one stage,
+    and the model trains like the original, the counter included."""
+    compiled = compile_example("tests/zoo/models/buffer_counter.py", tmp_path / "plan", stages=stages,
+                               microbatches=1, tracer="export", time_limit=time_limit)
+    touching = mutated_buffers(compiled.traced.gm)
+    assert {torch.ops.aten.add_.Tensor, torch.ops.aten.copy_.default} <= {
+        n.target for n in compiled.traced.gm.graph.nodes if n.name in touching}
+    assert len({s.index for s in compiled.plan.stages for n in s.nodes if n in touching}) == 1, compiled.plan.stages
+    trains_like_original("buffer_counter", tmp_path / "pkg", stages=stages, microbatches=1, tracer="export",
+                         time_limit=time_limit)
