@@ -16,12 +16,12 @@ import torch.utils._pytree as pytree
 from codegen import emit
 from partitioner.cost.hardware import Hardware, load_hardware
 from partitioner.cost.measure import rank_threads
-from partitioner.cost.nodes import compute_nodes
+from partitioner.cost.costmodel import computing_blocks
+from partitioner.cost.nodes import compute_nodes, working_nodes
 from partitioner.errors import PlanError
 from partitioner.ir import NodeCost, Plan, SolverReport, StagePlan
 from partitioner.predict.predict import predict, rounded
 from partitioner.solve.problem import coarse_graph, make_plan, pose
-from partitioner.solve.cpsat import computing_blocks
 from partitioner.solve.solve import fills_with_compute, solve
 from partitioner.tp import Sharded, shard
 from partitioner.trace import model_file
@@ -157,8 +157,10 @@ def solve_problem(p: Prepared) -> tuple[tuple[int, ...], SolverReport]:
     p.say(f"solving: {len(compute_nodes(p.traced.gm))} nodes in {p.problem.num_blocks} blocks "
           f"into {p.problem.stages} stages")
     if not fills_with_compute(p.problem):
-        p.say(f"warning: {p.problem.stages} stages but only {len(computing_blocks(p.problem))} blocks compute: "
-              f"some stage will only pass values on; ask for fewer stages to give every rank work.")
+        p.say(f"warning: the model has {len(working_nodes(p.traced.gm))} nodes that compute (views, buffer updates "
+              f"and constant masks do not), in {len(computing_blocks(p.problem))} blocks, fewer than the "
+              f"{p.problem.stages} stages: some stage will only pass values on; use fewer stages to give every rank "
+              f"work.")
     assignment, report = solve(p.problem, time_limit_s=p.opts.time_limit)
     p.timings["solve"] = time.perf_counter() - start
     return assignment, report

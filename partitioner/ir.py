@@ -136,6 +136,11 @@ class GraphNode:
     params: tuple[str, ...]
     tensor_output: bool = True
     is_output: bool = False
+    #: works on the data, not only a view or a buffer's update ([Note: every stage computes] in solve/solve.py)
+    computes: bool = True
+    #: the buffers written in place that it reads or writes: nodes that share one stay in
+    #: one block ([Note: a mutated buffer lives on one stage] in trace/buffers.py)
+    mutated: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -155,6 +160,7 @@ class BlockCost:
     flops: int = 0
     params: tuple[str, ...] = ()
     forward_s: float = 0.0  # the forward part of time_s (what recomputation repeats)
+    computes: bool = True  # one of its nodes computes (`GraphNode.computes`)
 
 
 @dataclass(frozen=True)
@@ -183,7 +189,8 @@ class PartitionProblem:
     activations and backward gradients both travel, so bytes count twice and messages
     twice.  Among plans with the same slowest stage, the solver prefers the least sum of
     the stages' excess over the mean compute, then the fewest bytes sent; no stage is
-    left without compute (a block of positive time) while the blocks can fill them all.
+    left without compute (a block of `block_computes`; without it, a block of positive
+    time) while the blocks can fill them all.
 
     Stage memory (must not exceed `memory_limit_bytes`):
         param_bytes * (1 + 1 + optimizer_factor)   weights, gradients, optimizer state
@@ -221,6 +228,9 @@ class PartitionProblem:
     virtual_stages: int = 1
     #: activation recomputation (see the memory model above)
     recompute: bool = False
+    #: whether each block computes ([Note: every stage computes] in solve/solve.py); empty:
+    #: those of positive time do
+    block_computes: tuple[bool, ...] = ()
 
     @property
     def num_blocks(self) -> int:

@@ -33,7 +33,7 @@ from typing import Callable, Iterable, Mapping, TypeVar
 
 from ..ir import PartitionProblem
 
-__all__ = ["Value", "boundary_s", "message_s", "pair_bytes", "shared_params", "values"]
+__all__ = ["Value", "boundary_s", "computing_blocks", "message_s", "pair_bytes", "shared_params", "values"]
 
 _T = TypeVar("_T")
 
@@ -68,6 +68,13 @@ def _per_problem(*fields: str) -> Callable[[Callable[[PartitionProblem], _T]], C
         return functools.wraps(fn)(cached)
 
     return wrap
+
+
+def computing_blocks(problem: PartitionProblem) -> list[int]:
+    """The blocks that compute ([Note: every stage computes] in solve/solve.py): each stage
+    gets one while there are enough."""
+    computes = problem.block_computes or tuple(t > 0 for t in problem.block_time_s)
+    return [i for i, c in enumerate(computes) if c]
 
 
 @_per_problem("edges")

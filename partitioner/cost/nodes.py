@@ -8,11 +8,31 @@ from typing import Any
 import torch
 import torch.fx
 
-__all__ = ["compute_nodes", "needs_grad", "nbytes", "param_names", "storage_key", "tensors", "total_bytes"]
+__all__ = ["compute_nodes", "needs_grad", "nbytes", "param_names", "storage_key", "tensors", "total_bytes",
+           "working_nodes"]
 
 
 def compute_nodes(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
     return [n for n in gm.graph.nodes if n.op in ("call_function", "call_method", "call_module")]
+
+
+def working_nodes(gm: torch.fx.GraphModule) -> set[torch.fx.Node]:
+    """The compute nodes that work on the data ([Note: every stage computes] in
+    solve/solve.py): those that read, through other nodes, a graph input or a parameter,
+    but for views of their input (`node.meta["aliases"]` with no `writes`: a reshape, a
+    transpose, split's pieces).  Not a buffer's own update (`num_batches_tracked += 1`),
+    nor a mask built from constants."""
+    params = {name for name, _ in gm.named_parameters(remove_duplicate=False)}
+    data: set[torch.fx.Node] = set()
+    working: set[torch.fx.Node] = set()
+    for node in gm.graph.nodes:
+        if node.op == "placeholder" or (node.op == "get_attr" and node.target in params):
+            data.add(node)
+        elif node.op in ("call_function", "call_method", "call_module") and data.intersection(node.all_input_nodes):
+            data.add(node)
+            if "aliases" not in node.meta or "writes" in node.meta:
+                working.add(node)
+    return working
 
 
 def param_names(node: torch.fx.Node, params: set[str]) -> tuple[str, ...]:

@@ -4,9 +4,12 @@ A block is a contiguous run of the nodes' topological order, so the graph of blo
 stays acyclic with blocks numbered in a topological order.  In four steps:
 
     1. order:  the output node, and anything that reads it, go last, so the last block
-               holds the graph's output (the solver puts it in the last stage).
+               holds the graph's output (the solver puts it in the last stage); the
+               nodes that touch one mutated buffer are brought together.
     2. atoms:  the runs no block boundary may split: a non-tensor value (the tuple of
-               torch.split) stays with all its consumers, and the output tail stays whole.
+               torch.split) stays with all its consumers, the nodes of a mutated buffer
+               stay together ([Note: a mutated buffer lives on one stage] in
+               trace/buffers.py), and the output tail stays whole.
     3. fuse:   an atom of negligible time joins a neighbour (of its own module if it
                can, else across the boundary that cuts more bytes).
     4. merge:  the modules of the deepest depth that gives at most `max_blocks` become
@@ -79,6 +82,7 @@ def build_problem(blocks: Sequence[BlockCost], edges: Sequence[Edge], stages: in
         param_bytes_by_name=tuple(sorted((k, v) for k, v in (param_bytes or {}).items() if k in used)),
         virtual_stages=virtual_stages,
         recompute=recompute,
+        block_computes=tuple(b.computes for b in blocks),
     )
 
 
@@ -121,7 +125,30 @@ def _order(nodes: Sequence[GraphNode]) -> list[GraphNode]:
         seen.add(node.name)
         if node.is_output or any(i in tail for i in node.inputs):
             tail.add(node.name)
-    return [n for n in nodes if n.name not in tail] + [n for n in nodes if n.name in tail]
+    order = [n for n in nodes if n.name not in tail] + [n for n in nodes if n.name in tail]
+    for buffer in sorted({b for n in order for b in n.mutated}):
+        order = _gather(order, {n.name for n in order if buffer in n.mutated})
+    return order
+
+
+def _gather(order: list[GraphNode], members: set[str]) -> list[GraphNode]:
+    """`order` with the span from the first member to the last made as short as any
+    topological order makes it: of the nodes between, those that no member feeds move
+    before the members, those that feed no member after them; only those both fed by a
+    member and feeding one stay among them."""
+    at = [i for i, n in enumerate(order) if n.name in members]
+    span = order[at[0]:at[-1] + 1]
+    fed, feeding = set(members), set(members)
+    for node in span:
+        if fed.intersection(node.inputs):
+            fed.add(node.name)
+    for node in reversed(span):
+        if node.name in feeding:
+            feeding.update(node.inputs)
+    before = [n for n in span if n.name not in fed]
+    among = [n for n in span if n.name in fed and n.name in feeding]
+    after = [n for n in span if n.name in fed and n.name not in feeding]
+    return order[:at[0]] + before + among + after + order[at[-1] + 1:]
 
 
 def _atoms(order: Sequence[GraphNode]) -> list[_Run]:
@@ -131,6 +158,9 @@ def _atoms(order: Sequence[GraphNode]) -> list[_Run]:
     for i, node in enumerate(order):
         for name in node.inputs:
             last_reader[pos[name]] = max(last_reader[pos[name]], i)
+    last_toucher: dict[str, int] = {}  # mutated buffer -> the last position of a node that touches it
+    for i, node in enumerate(order):
+        last_toucher.update((b, i) for b in node.mutated)
     reach = -1  # no boundary before position `reach` (inclusive)
     starts = []
     tail = next((i for i, n in enumerate(order) if n.is_output), len(order))
@@ -139,6 +169,7 @@ def _atoms(order: Sequence[GraphNode]) -> list[_Run]:
             starts.append(i)
         if not node.tensor_output:
             reach = max(reach, last_reader[i])
+        reach = max([reach] + [last_toucher[b] for b in node.mutated])
     bounds = starts + [len(order)]
     return [_run(order, a, b) for a, b in zip(bounds, bounds[1:])]
 
@@ -307,7 +338,7 @@ def _blocks(order: Sequence[GraphNode], runs: Sequence[_Run], sizes: Mapping[str
             param_bytes=sum(sizes.get(p, 0) for p in params),
             activation_bytes=sum(n.cost.activation_bytes for n in nodes),
             flops=sum(n.cost.flops for n in nodes), params=params,
-            forward_s=sum(n.cost.forward_s for n in nodes)))
+            forward_s=sum(n.cost.forward_s for n in nodes), computes=any(n.computes for n in nodes)))
     return blocks
 
 

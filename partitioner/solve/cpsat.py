@@ -13,20 +13,15 @@ from typing import Sequence
 
 from ortools.sat.python import cp_model
 
-from ..cost.costmodel import message_s, pair_bytes, shared_params, values
+from ..cost.costmodel import computing_blocks, message_s, pair_bytes, shared_params, values
 from ..ir import PartitionProblem
 
-__all__ = ["CpResult", "computing_blocks", "solve_cpsat"]
+__all__ = ["CpResult", "solve_cpsat"]
 
 #: CP-SAT works in integer units: the upper bound on the slowest stage becomes this many.
 _UNITS = 1e9
 #: bytes are counted in units that keep the traffic objective's coefficients small
 _BYTE_UNITS = 10**6
-
-
-def computing_blocks(problem: PartitionProblem) -> list[int]:
-    """The blocks that compute (positive time): each stage gets one while there are enough."""
-    return [i for i, t in enumerate(problem.block_time_s) if t > 0]
 
 
 @dataclass(frozen=True)

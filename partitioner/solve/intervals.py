@@ -35,7 +35,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from ..cost.costmodel import message_s, shared_params, values
+from ..cost.costmodel import computing_blocks, message_s, shared_params, values
 from ..ir import PartitionProblem
 
 __all__ = ["dp_balanced", "dp_memory", "dp_time"]
@@ -121,9 +121,10 @@ class _Intervals:
         self.comm = _corners([r for r in comm if r[-1]], np.float64)
         self.sent = _corners([(0, v.producer, v.producer + 1, v.readers[-1], float(v.bytes)) for v in values(problem)],
                              np.float64)
-        computing = np.asarray(p.block_time_s) > 0
+        computing = np.zeros(n, dtype=np.int64)
+        computing[computing_blocks(p)] = 1
         self.computing = np.concatenate([[0], np.cumsum(computing)])
-        self.must_compute = int(computing.sum()) >= p.stages  # no stage without compute, when they can all have some
+        self.must_compute = int(computing.sum()) >= p.stages  # [Note: every stage computes] in solve.py
         self.held = _corners(held, np.int64)
         self.received = _corners([r for r in received if r[-1]], np.int64)
 

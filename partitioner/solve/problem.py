@@ -17,11 +17,12 @@ import torch
 
 from ..cost.costmodel import pair_bytes, values
 from ..cost.hardware import Hardware
-from ..cost.nodes import compute_nodes, param_names
+from ..cost.nodes import compute_nodes, param_names, working_nodes
 from ..ir import (BlockCost, Edge, GraphNode, NodeCost, PartitionProblem, Plan, SolverReport, StagePlan,
                   optimizer_state_factor)
 from ..predict.predict import pipeline_link
 from ..tp import Sharded
+from ..trace.buffers import mutated_buffers
 from ..trace.passes import is_tensor_node, node_module
 from ..trace.trace import Traced
 from .coarsen import build_problem, coarsen
@@ -76,7 +77,7 @@ def coarse_graph(traced: Traced, costs: dict[str, NodeCost], sharded: Sharded | 
     shards = sharded.params if sharded is not None else {}
     param_bytes = {name: p.numel() * p.element_size() // (sharded.tp if sharded and name in shards else 1)
                    for name, p in named}
-    compute = set(compute_nodes(gm))
+    compute, working, mutated = set(compute_nodes(gm)), working_nodes(gm), mutated_buffers(gm)
     output = next(n for n in gm.graph.nodes if n.op == "output")
     nodes = [
         GraphNode(
@@ -86,13 +87,15 @@ def coarse_graph(traced: Traced, costs: dict[str, NodeCost], sharded: Sharded | 
             module=node_module(n),
             params=param_names(n, params),
             tensor_output=is_tensor_node(n),
+            computes=n in working,
+            mutated=mutated.get(n.name, ()),
         )
         for n in gm.graph.nodes if n in compute
     ]
     # The graph's output, as a node that the solver keeps in the last stage, costing the loss.
     out_cost = replace(loss, name=output.name) if loss is not None else NodeCost(output.name)
     nodes.append(GraphNode(name=output.name, inputs=tuple(a.name for a in output.all_input_nodes if a in compute),
-                           cost=out_cost, module="", params=(), is_output=True))
+                           cost=out_cost, module="", params=(), is_output=True, computes=False))
     blocks, edges = coarsen(nodes, max_blocks=MAX_BLOCKS, param_bytes=param_bytes)
     return Coarse(blocks, edges, param_bytes, _mostly_16_bit(named))
 

@@ -22,8 +22,18 @@ Two steps (torchgpipe's `blockpartition` and PipeDream solve the first alone):
 Ties are not left to chance (`plan_key`): among plans with the same slowest stage, both
 steps prefer the least sum of the stages' excess over the mean compute, then the fewest
 bytes sent; so no rank gets a lone cheap node while another plan with the same slowest
-stage spreads the work.  No stage is left without a block that computes unless there are
-fewer such blocks than stages (`fills_with_compute`; the compile says so).
+stage spreads the work.
+
+[Note: every stage computes]
+    No stage is left without a block that computes unless there are fewer such blocks
+    than stages (`fills_with_compute`; the compile warns, naming the counts).  A block
+    computes when one of its nodes works on the data (`cost.nodes.working_nodes`): it
+    reads a graph input or a parameter through other nodes and is not a view of its
+    input (`node.meta["aliases"]`, recorded by trace.passes.propagate).  So a stage of
+    only a reshape, of a BatchNorm's `num_batches_tracked += 1`, or of a mask built from
+    constants is never chosen, though each costs some time.  Both steps keep the rule:
+    the DP gives a run that holds no such block infinite cost (`intervals`), CP-SAT asks
+    every stage for one (`cpsat`), and `violations` checks it.
 """
 
 from __future__ import annotations
@@ -35,9 +45,9 @@ from typing import Sequence
 
 import numpy as np
 
-from ..cost.costmodel import boundary_s, pair_bytes, shared_params, values
+from ..cost.costmodel import boundary_s, computing_blocks, pair_bytes, shared_params, values
 from ..errors import InfeasiblePlanError, PlanError
-from .cpsat import CpResult, computing_blocks, solve_cpsat
+from .cpsat import CpResult, solve_cpsat
 from .intervals import dp_balanced, dp_memory, dp_time
 from ..ir import PartitionProblem, SolverReport
 from ..cost.roofline import stage_memory_bytes

@@ -7,6 +7,22 @@
   microbatch's own mean and variance, which differ from the whole batch's; with more than
   one microbatch the partitioned model would train differently from the original, so the
   compile says so, naming the modules and the fixes.
+- `mutated_buffers`: the nodes that touch each buffer the forward writes in place, which
+  the solver keeps on one stage.
+
+[Note: a mutated buffer lives on one stage]
+    Every stage that reads a buffer holds its own copy (codegen/layout.py), and a write
+    changes only the copy of the stage that makes it.  So a buffer the forward writes in
+    place (`self.steps += 1`, which export records as `add_` and a `copy_` at the end of
+    the graph; `self.steps.add_(1)`) must have all of its readers and writers on one
+    stage: a reader elsewhere would see its own stale copy, or, where it received the
+    value instead, the value after the whole stage ran rather than at its place in the
+    graph.  `mutated_buffers` names, for each node, the written buffers it reads or
+    writes, directly or through an alias (a view, an in-place op's result:
+    `node.meta["aliases"]` and `["writes"]`, recorded by passes.propagate); the
+    coarsener (solve/coarsen.py) brings each buffer's nodes together in its topological
+    order and keeps them in one block, so any plan, the DP's or CP-SAT's, puts them on
+    one stage.
 """
 
 from __future__ import annotations
@@ -21,7 +37,8 @@ import torch.fx
 
 from .passes import node_module
 
-__all__ = ["BatchStatisticsWarning", "BufferSnapshot", "batch_statistics_modules", "kept_buffers", "warn_batch_statistics"]
+__all__ = ["BatchStatisticsWarning", "BufferSnapshot", "batch_statistics_modules", "kept_buffers", "mutated_buffers",
+           "warn_batch_statistics"]
 
 
 class BatchStatisticsWarning(UserWarning):
@@ -48,6 +65,25 @@ def kept_buffers(module: torch.nn.Module) -> Iterator[None]:
         yield
     finally:
         snapshot.restore()
+
+
+def mutated_buffers(gm: torch.fx.GraphModule) -> dict[str, tuple[str, ...]]:
+    """For each call node that reads or writes a buffer the forward writes in place, directly
+    or through an alias, those buffers' names ([Note: a mutated buffer lives on one stage])."""
+    roots: dict[str, set[str]] = {}  # node -> the attributes (buffers, constants) its value aliases
+    for node in gm.graph.nodes:
+        if node.op == "get_attr":
+            roots[node.name] = {str(node.target)}
+        else:
+            roots[node.name] = {r for name in node.meta.get("aliases", ()) for r in roots.get(name, ())}
+    written = {r for node in gm.graph.nodes for name in node.meta.get("writes", ()) for r in roots[name]}
+    found: dict[str, tuple[str, ...]] = {}
+    for node in gm.graph.nodes:
+        if node.op in ("call_function", "call_method", "call_module"):
+            touched = {r for a in node.all_input_nodes for r in roots[a.name]} & written
+            if touched:
+                found[node.name] = tuple(sorted(touched))
+    return found
 
 
 def batch_statistics_modules(gm: torch.fx.GraphModule) -> list[str]:

@@ -20,6 +20,7 @@ import torch
 import torch.fx
 from torch.fx.passes.shape_prop import TensorMetadata, _extract_tensor_metadata
 
+from ..cost.nodes import storage_key, tensors
 from ..errors import TraceError
 from .batch import PROBE_EXTRA, FreeBatch, NotFree, batch_constant, batch_dim, probe_batch
 
@@ -51,6 +52,7 @@ def propagate(gm: torch.fx.GraphModule, flat_inputs: list[Any], model_path: str 
                 ) from exc
             values[n] = result
             _record_writes(n, values, versions)
+            _record_aliases(n, values)
             if isinstance(result, torch.Tensor):
                 n.meta["tensor_meta"] = _extract_tensor_metadata(result)
             return result
@@ -251,6 +253,18 @@ def _record_writes(node: torch.fx.Node, values: dict[torch.fx.Node, Any], before
     written = tuple(x.name for x, v in before.items() if values[x]._version != v)
     if written:
         node.meta["writes"] = written
+
+
+def _record_aliases(node: torch.fx.Node, values: dict[torch.fx.Node, Any]) -> None:
+    """`node.meta["aliases"]`: the inputs whose storage `node`'s result shares (a view,
+    `x.view(...)`, `split`'s pieces, or an in-place op's result).  The solver reads it: a
+    view computes nothing ([Note: every stage computes] in solve/solve.py), and a view of a
+    buffer that is written reads that buffer ([Note: a mutated buffer lives on one stage]
+    in trace/buffers.py)."""
+    made = {storage_key(t) for t in tensors(values.get(node))}
+    shared = tuple(x.name for x in node.all_input_nodes if made & {storage_key(t) for t in tensors(values.get(x))})
+    if shared:
+        node.meta["aliases"] = shared
 
 
 

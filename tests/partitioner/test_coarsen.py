@@ -4,7 +4,8 @@ end with the output; and the problem they pose."""
 from __future__ import annotations
 
 import itertools
-from typing import Sequence
+import random
+from typing import Any, Sequence
 
 import pytest
 
@@ -14,7 +15,7 @@ from partitioner.solve.solve import objective, solve
 
 
 def node(name: str, inputs: Sequence[str] = (), module: str = "", t: float = 1.0, params: Sequence[str] = (),
-         param_bytes: int = 0, out: int = 100, **extra: bool) -> GraphNode:
+         param_bytes: int = 0, out: int = 100, **extra: Any) -> GraphNode:
     cost = NodeCost(name, forward_s=t / 3, backward_s=2 * t / 3, param_bytes=param_bytes, activation_bytes=10,
                     output_bytes=out)
     return GraphNode(name, tuple(inputs), cost, module, tuple(params), **extra)
@@ -148,3 +149,65 @@ def test_coarsened_problem_solves_to_the_brute_force_optimum(stages: int) -> Non
     best = min(objective(p, a) for a in itertools.product(range(stages), repeat=p.num_blocks))
     _, report = solve(p, time_limit_s=5)
     assert report.objective_s == pytest.approx(best, rel=1e-9)
+
+
+# -- [Note: a mutated buffer lives on one stage] -----------------------------------------------
+
+
+def counted_gpt() -> list[GraphNode]:
+    """gpt(4) with a counter buffer as export traces `self.steps += 1; x = x * self.steps`:
+    its `add_` first, a scale of layer 0's output by it, and its `copy_` just before the
+    output; layer 1 reads the scaled value."""
+    nodes = gpt()
+    nodes.insert(0, node("add_", [], "", 0.01, mutated=("steps",)))
+    at = next(i for i, n in enumerate(nodes) if n.name == "res2_0") + 1
+    nodes.insert(at, node("scaled", ["res2_0", "add_"], "", 0.01, mutated=("steps",)))
+    nodes = [n if n.name != "ln1_1" else node("ln1_1", ["scaled"], "h.1.ln_1", 0.05) for n in nodes]
+    nodes = [n if n.name != "res1_1" else node("res1_1", ["scaled", "proj_1"], "h.1", 0.01) for n in nodes]
+    nodes.insert(len(nodes) - 1, node("copy_", ["add_"], "", 0.01, mutated=("steps",)))
+    return nodes
+
+
+@pytest.mark.parametrize("max_blocks", [2, 3, 5, 8, 20, 200])
+def test_a_mutated_buffers_nodes_share_a_block_of_their_own(max_blocks: int) -> None:
+    blocks, edges = coarsen(counted_gpt(), max_blocks)
+    where = block_of(blocks)
+    assert where["add_"] == where["scaled"] == where["copy_"]
+    assert all(e.src < e.dst for e in edges)
+    if max_blocks >= 8:  # layer 0 before the counter's block, layers 1-3 after: the rest still splits
+        assert where["res2_0"] <= where["add_"] < where["ln1_1"] and where["add_"] > 0
+    if max_blocks == 200:
+        assert set(blocks[where["add_"]].nodes) <= {"add_", "scaled", "copy_", "res2_0", "fc2_0", "ln1_1", "res1_1"}
+
+
+def _closure(nodes: Sequence[GraphNode]) -> dict[str, set[str]]:
+    """Every node's ancestors."""
+    up: dict[str, set[str]] = {}
+    for n in nodes:
+        up[n.name] = set(n.inputs).union(*(up[i] for i in n.inputs))
+    return up
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_a_mutated_buffers_block_holds_what_no_order_can_leave_out(seed: int) -> None:
+    """Random DAGs, nodes touching one or two buffers: each buffer's nodes share a block;
+    with every atom a block (no fusing) and one buffer, that block is its nodes and exactly
+    the nodes that one of them feeds and that feed one of them, which every topological
+    order puts between them."""
+    rng = random.Random(seed)
+    n = rng.randint(4, 12)
+    names = [f"n{i}" for i in range(n)]
+    touch = [tuple(b for b in ("a", "b") if rng.random() < 0.2) for _ in range(n)]
+    nodes = [node(names[j], [names[i] for i in range(j) if rng.random() < 0.3], t=rng.random() + 0.1,
+                  mutated=touch[j]) for j in range(n)]
+    nodes.append(node("output", [names[-1]], is_output=True))
+    blocks, edges = coarsen(nodes, 200, cheap_fraction=0.0)
+    where, up = block_of(blocks), _closure(nodes)
+    assert all(where[i] <= where[x.name] for x in nodes for i in x.inputs)
+    groups = [{x.name for x in nodes if b in x.mutated} for b in ("a", "b")]
+    for members in filter(None, groups):
+        assert len({where[m] for m in members}) == 1
+    if sum(map(bool, groups)) == 1:  # with two buffers, their blocks may hold each other's nodes
+        members = groups[0] or groups[1]
+        between = {x.name for x in nodes if up[x.name] & members and any(x.name in up[m] for m in members)}
+        assert set(blocks[where[next(iter(members))]].nodes) == members | between

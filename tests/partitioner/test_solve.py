@@ -13,6 +13,7 @@ import pytest
 
 from partitioner.errors import InfeasiblePlanError, PlanError
 from partitioner.ir import Edge, PartitionProblem
+from partitioner.solve.cpsat import solve_cpsat
 from partitioner.solve.solve import evaluate, fills_with_compute, objective, plan_key, solve, stage_costs, violations
 
 MiB = 1 << 20
@@ -343,3 +344,46 @@ def test_no_stage_without_compute_while_the_blocks_can_fill_them() -> None:
     assert not fills_with_compute(more)
     assignment, _ = solve(more, time_limit_s=5)
     assert not violations(more, assignment)
+
+
+def test_a_block_of_positive_time_that_does_not_compute_fills_no_stage() -> None:
+    # a view (4 s, computes nothing), then 10 s and 1 s of compute: alone on stage 0 the
+    # view would make the fastest plan (11 s), which leaves stage 0 without compute
+    p = problem([4.0, 10.0, 1.0], CHAIN[:2], 2, block_computes=(False, True, True))
+    assert "stage 0 has no compute" in violations(p, (0, 1, 1))
+    assignment, report = solve(p, time_limit_s=5)
+    assert assignment == (0, 0, 1) and report.objective_s == pytest.approx(14.0)
+
+
+def _problem_with_idle_blocks(seed: int, chain: bool) -> PartitionProblem:
+    """Blocks of positive time, some of which compute nothing (views, buffer updates)."""
+    rng = random.Random(seed)
+    n = rng.randint(3, 7)
+    stages = rng.randint(2, 3)
+    edges = [(i, i + 1) for i in range(n - 1)] if chain else [
+        (i, j) for j in range(1, n) for i in range(j) if rng.random() < 0.4]
+    return problem([rng.choice([0.01, 0.5, 3.0]) * rng.random() + 1e-3 for _ in range(n)], edges, stages,
+                   block_computes=tuple(rng.random() < 0.5 for _ in range(n)), comm_alpha_s=rng.choice([0.0, 0.05]),
+                   acts=tuple(rng.randint(0, 50) for _ in range(n)), memory_limit_bytes=rng.choice([None, 300]))
+
+
+@pytest.mark.parametrize("chain", [True, False], ids=["chain-dp", "dag-cpsat"])
+@pytest.mark.parametrize("seed", range(30))
+def test_blocks_that_do_not_compute_equal_brute_force(seed: int, chain: bool) -> None:
+    """[Note: every stage computes]: the DP (a chain, solved by it alone) and CP-SAT (on
+    its own, not warm-started) find the brute-force optimum of the plans that give every
+    stage a block that computes, when there are enough of them."""
+    p = _problem_with_idle_blocks(seed, chain)
+    best = brute_force(p)
+    if math.isinf(best):
+        with pytest.raises(InfeasiblePlanError):
+            solve(p, time_limit_s=5)
+        return
+    assignment, report = solve(p, time_limit_s=5)
+    assert not violations(p, assignment)
+    assert report.objective_s == pytest.approx(best, rel=1e-9)
+    if chain:
+        assert report.method == "dp"
+    cp = solve_cpsat(p, 5)
+    assert cp.assignment is not None and not violations(p, cp.assignment)
+    assert objective(p, cp.assignment) == pytest.approx(best, rel=1e-6)

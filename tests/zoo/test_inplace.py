@@ -11,8 +11,9 @@ import pytest
 import torch
 
 import runtime
+from partitioner.cost.nodes import working_nodes
 from partitioner.trace import model_file
-from partitioner.trace.buffers import BatchStatisticsWarning
+from partitioner.trace.buffers import BatchStatisticsWarning, mutated_buffers
 from partitioner.trace.trace import trace
 
 from ..conftest import compile_example
@@ -67,3 +68,44 @@ def test_fx_keeps_batch_norm_whole_naming_the_library_check(tmp_path: Path) -> N
     assert re.search(r"line \d+: `out = self\.bn1\(out\)`, inside \(torch/nn/modules/batchnorm\.py, line \d+: "
                      r"`if input\.dim\(\) != 4:`\)", traced.kept["layers.0.bn1"])
     trains_like_original("resnet_tiny", tmp_path / "pkg", stages=2, microbatches=1, tracer="fx")
+
+
+@pytest.mark.parametrize("name, stages, tracer", [("buffer_read", 2, "export"), ("buffer_read", 2, "fx"),
+                                                  ("resnet_tiny", 3, "auto")])
+def test_every_stage_computes(name: str, stages: int, tracer: str, tmp_path: Path) -> None:
+    """[Note: every stage computes]: plans that gave a stage only a counter's `add_`
+    (buffer_read) or only `flatten` (resnet_tiny, 3 stages) now give each stage a node that
+    works on the data."""
+    compiled = compile_example(f"tests/zoo/models/{name}.py", tmp_path / "pkg", stages=stages, microbatches=1,
+                               tracer=tracer)
+    working = {n.name for n in working_nodes(compiled.traced.gm)}
+    assert all(working.intersection(stage.nodes) for stage in compiled.plan.stages), compiled.plan.stages
+
+
+def test_fewer_nodes_that_compute_than_stages_warns(tmp_path: Path) -> None:
+    """buffer_read has 5 nodes that compute (2 linears, mul, add, relu): 6 stages leave one
+    with none, which the compile says, naming the counts."""
+    from driver.compile import compile_model
+    from driver.options import CompileOptions
+
+    said: list[str] = []
+    compile_model(CompileOptions(model="tests/zoo/models/buffer_read.py", out=str(tmp_path / "pkg"), stages=6,
+                                 microbatches=1, analytic=True, hardware="a100", time_limit=5.0), log=said.append)
+    assert any(re.match(r"warning: the model has 5 nodes that compute .*fewer than the 6 stages.*use fewer stages", m)
+               for m in said), said
+
+
+@pytest.mark.parametrize("stages, time_limit", [(2, 0.0), (3, 0.0), (3, 5.0)], ids=["2-dp", "3-dp", "3-cpsat"])
+def test_a_buffer_rebound_in_forward_lives_on_one_stage(stages: int, time_limit: float, tmp_path: Path) -> None:
+    """[Note: a mutated buffer lives on one stage]: export records `self.steps += 1` as an
+    `add_` and a `copy_` at the end of the graph, which the DP alone (--time-limit 0) put on
+    the first and the last stage.  Every node that touches `steps` now shares one stage,
+    and the model trains like the original, the counter included."""
+    compiled = compile_example("tests/zoo/models/buffer_counter.py", tmp_path / "plan", stages=stages,
+                               microbatches=1, tracer="export", time_limit=time_limit)
+    touching = mutated_buffers(compiled.traced.gm)
+    assert {torch.ops.aten.add_.Tensor, torch.ops.aten.copy_.default} <= {
+        n.target for n in compiled.traced.gm.graph.nodes if n.name in touching}
+    assert len({s.index for s in compiled.plan.stages for n in s.nodes if n in touching}) == 1, compiled.plan.stages
+    trains_like_original("buffer_counter", tmp_path / "pkg", stages=stages, microbatches=1, tracer="export",
+                         time_limit=time_limit)
