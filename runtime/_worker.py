@@ -72,6 +72,7 @@ def _train(ns: argparse.Namespace) -> None:
         if pipe.rank == 0:
             print(f"step {k}  loss {loss.item():.6f}{norm}  time {ms:.1f} ms", flush=True)
         checkpointing.maybe_save(pipe, opt, ns, k)
+    pipe.tracer.flush()  # the last optimizer step's event (collective; nothing without --trace)
     dist.barrier()
     dist.destroy_process_group()
 

@@ -225,10 +225,11 @@ class DistributedPipeline:
         counted = clip.counted_names(self.manifest, self.stages, self.tp_index, self.replica)
         term = clip.norm_term(named, counted, p, self.device)
         doing = self._describe("the gradient norm all_reduce", range(self.world))
-        with guard(doing):
-            work = dist.all_reduce(term, op=dist.ReduceOp.MAX if p == float("inf") else dist.ReduceOp.SUM,
-                                   group=self.groups.world, async_op=True)
-        wait(work, self.timeout_s, doing)
+        with self.tracer.collective("gradient norm all_reduce"):
+            with guard(doing):
+                work = dist.all_reduce(term, op=dist.ReduceOp.MAX if p == float("inf") else dist.ReduceOp.SUM,
+                                       group=self.groups.world, async_op=True)
+            wait(work, self.timeout_s, doing)
         params = [q for _, q in named]
         total = clip.total_norm(term, p, clip.grad_dtype(params))
         clip.clip_(params, total, max_norm, p, error_if_nonfinite)
@@ -240,7 +241,9 @@ class DistributedPipeline:
         every rank ([Note: parameter groups by original name] in optim.py); with `--zero 1`,
         its state sharded across this rank's data-parallel replicas ([Note: ZeRO-1] there)."""
         shard = self.groups.dp if self.dp > 1 and optim.zero_stage(self.manifest) == 1 else None
-        return optim.make_optimizer(cls, self.named_parameters(), self.manifest, params, shard, **defaults)
+        opt = optim.make_optimizer(cls, self.named_parameters(), self.manifest, params, shard, **defaults)
+        self.tracer.watch(opt)
+        return opt
 
     def train_step(self, inputs: Any, target: Any, loss_fn: LossFn | None = None) -> torch.Tensor:
         """One step on the global batch (collective); returns the whole-batch loss on every rank.
@@ -276,8 +279,10 @@ class DistributedPipeline:
                 self._execute(a, step, mb_inputs, targets, fn)
             self._wait_sends(step)
             if self._buckets is not None:
-                self._buckets.finish()
-            self._ties.reduce(snapshot)
+                with self.tracer.collective("data-parallel gradient all_reduce (what backward left)"):
+                    self._buckets.finish()
+            with self.tracer.collective("tied gradient all_reduce"):
+                self._ties.reduce(snapshot)
             if self._masters is not None:
                 self._masters.take_grads()
             loss = self._reduce_loss(step)
@@ -292,9 +297,10 @@ class DistributedPipeline:
         # every tp rank of the last stage has the same loss: t == 0 counts it
         loss = step.loss if step.loss is not None and self.tp_index == 0 else torch.zeros((), device=self.device)
         doing = self._describe("the loss all_reduce", range(self.world))
-        with guard(doing):
-            work = dist.all_reduce(loss, group=self.groups.world, async_op=True)
-        wait(work, self.timeout_s, doing)
+        with self.tracer.collective("loss all_reduce"):
+            with guard(doing):
+                work = dist.all_reduce(loss, group=self.groups.world, async_op=True)
+            wait(work, self.timeout_s, doing)
         return loss / self.dp
 
     def __call__(self, inputs: Any) -> Any:

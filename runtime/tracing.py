@@ -1,5 +1,7 @@
 """Chrome / Perfetto traces of pipeline steps: one pid per rank, one tid per stage, a
-complete ("X") event per forward, backward, send and receive, merged on rank 0.
+complete ("X") event per forward, backward, send and receive, merged on rank 0; two more
+rows per rank: the pipeline's collectives (data-parallel and tied gradient all-reduces,
+the loss, the gradient norm) and the steps of the optimizer `make_optimizer` built.
 
 Open the file in https://ui.perfetto.dev or chrome://tracing.
 """
@@ -12,9 +14,13 @@ import time
 from pathlib import Path
 from typing import Any, Iterator
 
+import torch
 import torch.distributed as dist
 
-__all__ = ["Tracer"]
+__all__ = ["Tracer", "COLLECTIVES", "OPTIMIZER"]
+
+#: the rows (Perfetto threads) of each rank beside its stages'
+COLLECTIVES, OPTIMIZER = 1000, 1001
 
 
 class Tracer:
@@ -29,16 +35,35 @@ class Tracer:
         self.step = 0
         if self.path is not None:
             self.events.append({"ph": "M", "name": "process_name", "pid": rank, "args": {"name": f"rank {rank}"}})
-            self.events += [{"ph": "M", "name": "thread_name", "pid": rank, "tid": s, "args": {"name": f"stage {s}"}}
-                            for s in stages]
+            rows = [(s, f"stage {s}") for s in stages] + [(COLLECTIVES, "collectives"), (OPTIMIZER, "optimizer")]
+            self.events += [{"ph": "M", "name": "thread_name", "pid": rank, "tid": tid, "args": {"name": name}}
+                            for tid, name in rows]
 
     @property
     def enabled(self) -> bool:
         return self.path is not None
 
+    def span(self, name: str, stage: int, kind: str, microbatch: int, **args: Any
+             ) -> contextlib.AbstractContextManager[None]:
+        """Record the enclosed work of one action as one complete event on its stage's row."""
+        return self._event(name, kind, stage, {"stage": stage, "microbatch": microbatch, **args})
+
+    def collective(self, name: str) -> contextlib.AbstractContextManager[None]:
+        """Record the enclosed collective (launch and wait) on the rank's collectives row."""
+        return self._event(name, "collective", COLLECTIVES, {})
+
+    def watch(self, optimizer: torch.optim.Optimizer) -> None:
+        """Record each `optimizer.step()` (a ZeRO-1 step: with its broadcast) on the optimizer
+        row, as part of the step whose gradients it applies."""
+        if self.path is None:
+            return
+        started: list[int] = []
+        optimizer.register_step_pre_hook(lambda *_: started.append(time.time_ns()))
+        optimizer.register_step_post_hook(lambda *_: self._record(
+            "optimizer step", "optimizer", OPTIMIZER, started.pop(), {"step": self.step - 1}))
+
     @contextlib.contextmanager
-    def span(self, name: str, stage: int, kind: str, microbatch: int, **args: Any) -> Iterator[None]:
-        """Record the enclosed work as one complete event."""
+    def _event(self, name: str, kind: str, tid: int, args: dict[str, Any]) -> Iterator[None]:
         if self.path is None:
             yield
             return
@@ -46,11 +71,11 @@ class Tracer:
         try:
             yield
         finally:
-            self.events.append({
-                "ph": "X", "name": name, "cat": kind, "pid": self.rank, "tid": stage,
-                "ts": start / 1e3, "dur": (time.time_ns() - start) / 1e3,
-                "args": {"stage": stage, "microbatch": microbatch, "step": self.step, **args},
-            })
+            self._record(name, kind, tid, start, args)
+
+    def _record(self, name: str, kind: str, tid: int, start_ns: int, args: dict[str, Any]) -> None:
+        self.events.append({"ph": "X", "name": name, "cat": kind, "pid": self.rank, "tid": tid, "ts": start_ns / 1e3,
+                            "dur": (time.time_ns() - start_ns) / 1e3, "args": {"step": self.step, **args}})
 
     def flush(self) -> None:
         """Gather every rank's events on rank 0 and write the trace (all ranks call it)."""

@@ -16,6 +16,7 @@ import torch
 
 from runtime import launch
 from runtime.errors import ManifestError, MeshError
+from runtime.tracing import COLLECTIVES, OPTIMIZER
 
 from .conftest import Tiny
 
@@ -72,5 +73,11 @@ def test_run_trains_and_traces(make_tiny: Callable[..., Tiny]) -> None:
     events = json.loads(trace.read_text())["traceEvents"]
     spans = [e for e in events if e["ph"] == "X"]
     assert {e["pid"] for e in spans} == {0, 1}
-    assert {e["cat"] for e in spans} == {"F", "B", "SEND_F", "RECV_F", "SEND_B", "RECV_B"}
+    assert {e["cat"] for e in spans} == {"F", "B", "SEND_F", "RECV_F", "SEND_B", "RECV_B", "collective", "optimizer"}
+    # every rank: its loss all_reduce and one optimizer step per training step, on their own rows
+    for rank in (0, 1):
+        mine = [e for e in spans if e["pid"] == rank]
+        assert sorted(e["args"]["step"] for e in mine if e["name"] == "loss all_reduce") == [0, 1]
+        assert sorted(e["args"]["step"] for e in mine if e["name"] == "optimizer step") == [0, 1]
+        assert {e["tid"] for e in mine if e["cat"] in ("collective", "optimizer")} == {COLLECTIVES, OPTIMIZER}
     assert {(e["args"]["step"], e["args"]["microbatch"]) for e in spans if e["name"] == "1F1"} == {(0, 1), (1, 1)}
