@@ -124,7 +124,7 @@ def zero_broadcast_s(plan: Plan, alpha_s: float, beta_s_per_byte: float) -> floa
         return 0.0
     held = [0] * plan.pp
     for s in plan.stages:
-        held[s.index % plan.pp] += s.param_bytes
+        held[plan.rank_of(s.index)] += s.param_bytes
     return max(plan.dp * ring_broadcast_s(nbytes / plan.dp, plan.dp, alpha_s, beta_s_per_byte) for nbytes in held)
 
 
