@@ -274,7 +274,7 @@ def test_each_rank_is_calibrated_on_the_cores_it_is_bound_to(monkeypatch: pytest
     from driver import costs
 
     monkeypatch.setattr(os, "sched_getaffinity", lambda _pid: set(range(cores)))
-    plan = SimpleNamespace(pp=pp, tp=tp, dp=dp, stages=[None] * stages)
+    plan = SimpleNamespace(pp=pp, tp=tp, dp=dp, stages=[None] * stages, rank_of=lambda s: s % pp)
     got = costs._rank_cores(plan)  # type: ignore[arg-type]
     if want is None:
         assert got == []
