@@ -102,7 +102,10 @@ class NodeCost:
     Times are seconds; memory is bytes.  `activation_bytes` counts the tensors autograd
     saves for backward that are not parameters (measured with saved_tensors_hooks or,
     analytically, estimated from the op); `output_bytes` is the size of the node's result,
-    which is what a stage boundary after this node would send.
+    which is what a stage boundary after this node would send.  `weight_fraction` is the
+    part of `backward_s` that is the weights' gradient (what a zero-bubble schedule's W
+    runs; the rest is I's: [Note: split backward] in runtime/stage.py): 0 for a node
+    without parameters, 1 for one whose only differentiable inputs are parameters.
     """
 
     name: str
@@ -112,10 +115,16 @@ class NodeCost:
     param_bytes: int = 0
     activation_bytes: int = 0
     output_bytes: int = 0
+    weight_fraction: float = 0.0
 
     @property
     def time_s(self) -> float:
         return self.forward_s + self.backward_s
+
+    @property
+    def weight_s(self) -> float:
+        """The seconds of backward that compute the weights' gradient (W)."""
+        return self.backward_s * self.weight_fraction
 
 
 @dataclass(frozen=True)

@@ -41,7 +41,7 @@ __all__ = ["PROFILE_VERSION", "annotate"]
 #: what a measured profile means; part of a profile cache key, so that profiles measured
 #: by older code (forward under no_grad, no whole-graph calibration, calibration without
 #: the wait before each pass) are measured again
-PROFILE_VERSION = 5
+PROFILE_VERSION = 6  # 6: the weight gradient's part of each backward (NodeCost.weight_fraction)
 
 
 def annotate(
@@ -72,12 +72,15 @@ def annotate(
                 seen[key] = found
         flops, activation = seen[key] if key is not None else found
         moved = total_bytes(args) + total_bytes(kwargs) + total_bytes(values.get(node))
+        weights, inputs = _differentiable(args, kwargs, param_storages)
         if measure:
-            fwd, bwd = _time(fn, args, kwargs, repeats)
+            fwd, bwd, weight = _time(fn, args, kwargs, repeats, weights if inputs else [])
             bwd = max(0.0, bwd - overhead) if bwd else 0.0
+            fraction = _weight_fraction(weights, inputs, max(0.0, weight - overhead), bwd)
         else:
             fwd = roofline_s(flops, moved, hardware.peak_flops, hardware.memory_bandwidth, hardware.efficiency)
             bwd = BACKWARD_FLOP_FACTOR * fwd if needs_grad(values.get(node)) else 0.0
+            fraction = _weight_fraction(weights, inputs, bwd / 2, bwd)  # dW and dX: a matmul each
         cost = NodeCost(
             name=node.name,
             forward_s=fwd,
@@ -86,6 +89,7 @@ def annotate(
             param_bytes=sum(nbytes(params[p]) for p in param_names(node, set(params))),
             activation_bytes=activation,
             output_bytes=total_bytes(values.get(node)),
+            weight_fraction=fraction,
         )
         costs[node.name] = cost
     if measure:
@@ -225,30 +229,50 @@ def _flops_and_saved(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict
     return int(counter.get_total_flops()), sum(saved.values())
 
 
-def _time(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], repeats: int) -> tuple[float, float]:
-    """Median forward and backward seconds of one call.  The forward records autograd's
-    graph when an input requires grad, as a training step's forward does (under no_grad
-    it is 10-20% faster on small ops, which the step never sees)."""
+def _differentiable(args: tuple[Any, ...], kwargs: dict[str, Any], param_storages: set[int]
+                    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """The call's arguments that need a gradient: (parameters, the others)."""
+    leaves = [a for a in tensors((args, kwargs)) if a.requires_grad]
+    weights = [a for a in leaves if storage_key(a) in param_storages]
+    return weights, [a for a in leaves if storage_key(a) not in param_storages]
+
+
+def _weight_fraction(weights: list[torch.Tensor], inputs: list[torch.Tensor], weight_s: float, backward_s: float
+                     ) -> float:
+    """The part of a node's backward that is its weights' gradient: all of it or none
+    where only weights or only other inputs need one, else `weight_s` of `backward_s`."""
+    if not weights or backward_s <= 0:
+        return 0.0
+    return 1.0 if not inputs else min(1.0, weight_s / backward_s)
+
+
+def _time(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], repeats: int,
+          weights: list[torch.Tensor]) -> tuple[float, float, float]:
+    """Median forward and backward seconds of one call, and with `weights`, the seconds of
+    the weights' gradient alone (a zero-bubble W).  The forward records autograd's graph
+    when an input requires grad, as a training step's forward does (under no_grad it is
+    10-20% faster on small ops, which the step never sees)."""
     leaves = [a for a in tensors((args, kwargs)) if a.requires_grad]
     with torch.set_grad_enabled(bool(leaves)):
         fn(*args, **kwargs)  # warm-up
         forward = _best(lambda: fn(*args, **kwargs), repeats)
     if not leaves:
-        return forward, 0.0
+        return forward, 0.0, 0.0
     try:
         with torch.enable_grad():
             out = [t for t in tensors(fn(*args, **kwargs)) if t.requires_grad]
             if not out:
-                return forward, 0.0
+                return forward, 0.0, 0.0
             grads = [torch.ones_like(t) for t in out]
 
-            def backward() -> None:
-                torch.autograd.grad(out, leaves, grads, retain_graph=True, allow_unused=True)
+            def backward(of: list[torch.Tensor]) -> Callable[[], Any]:
+                return lambda: torch.autograd.grad(out, of, grads, retain_graph=True, allow_unused=True)
 
-            backward()  # warm-up
-            return forward, _best(backward, repeats)
-    except RuntimeError:  # in-place ops on leaves and the like: use the usual 2x
-        return forward, BACKWARD_FLOP_FACTOR * forward
+            backward(leaves)()  # warm-up
+            whole = _best(backward(leaves), repeats)
+            return forward, whole, _best(backward(weights), repeats) if weights else 0.0
+    except RuntimeError:  # in-place ops on leaves and the like: use the usual 2x, half of it W
+        return forward, BACKWARD_FLOP_FACTOR * forward, forward
 
 
 def _backward_overhead(repeats: int) -> float:

@@ -78,8 +78,10 @@ def simulate_plan(gm: torch.fx.GraphModule, plan: Plan, costs: dict[str, NodeCos
     stage_of = plan.stage_of()
     forward = [sum(costs[n].forward_s for n in s.nodes) for s in plan.stages]
     backward = [sum(costs[n].backward_s for n in s.nodes) for s in plan.stages]
+    weight = [sum(costs[n].weight_s for n in s.nodes) for s in plan.stages]  # what a zero-bubble W runs
     if plan.recompute:  # the backward runs the stage's forward again first
         backward = [b + f for f, b in zip(forward, backward)]
+    weight_share = [w / b if b > 0 else 0.0 for w, b in zip(weight, backward)]
     last = plan.num_stages - 1
     traffic = pair_bytes((stage_of[node.name],
                           [last if u.op == "output" else stage_of.get(u.name, stage_of[node.name]) for u in node.users],
@@ -100,7 +102,7 @@ def simulate_plan(gm: torch.fx.GraphModule, plan: Plan, costs: dict[str, NodeCos
     final = (hardware.allreduce_latency_s or hardware.p2p_alpha_s) if plan.pp * plan.tp * plan.dp > 1 else 0.0
     send, receive = pipeline_posts(hardware, plan.pp, plan.tp)
     sim = simulate(forward, backward, links, plan.schedule, plan.pp, plan.microbatches, plan.virtual_stages,
-                   send_s=send, recv_s=receive, loss_s=loss, final_s=final)
+                   send_s=send, recv_s=receive, loss_s=loss, final_s=final, weight_share=weight_share)
     sim = dataclasses.replace(sim, step_time_s=sim.step_time_s + tied_allreduce_s(gm, plan, hardware))
     if plan.dp == 1:
         return sim

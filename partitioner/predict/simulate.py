@@ -67,15 +67,16 @@ def simulate(
     loss_s: tuple[float, float] = (0.0, 0.0),
     recv_s: float = 0.0,
     final_s: float = 0.0,
-    weight_share: float = 0.5,
+    weight_share: float | Sequence[float] = 0.5,
 ) -> Simulation:
     """Simulate one step; `links[(a, b)]` (a < b) is the seconds of one message from stage
     a to stage b, which is also what its gradient takes back.  `send_s` and `recv_s` are
     what posting one send or receive costs the rank that posts it, `loss_s` the loss's
     (forward, backward) per microbatch on the last stage, `final_s` the collective that
     ends the step (the loss all-reduce).  Where the schedule splits B (zb-h1, zb-h2, zb-v), W
-    takes `weight_share` of the stage's backward time and I the rest (the loss's backward
-    with it); a microbatch's activations stay in flight until its W."""
+    takes `weight_share` of the stage's backward time (one for all stages, or one per
+    stage: the profiled weight-gradient part, NodeCost.weight_fraction) and I the rest (the
+    loss's backward with it); a microbatch's activations stay in flight until its W."""
     stages = len(forward_s)
     graph = StageGraph(stages, pp, tuple(sorted(links)), frozenset(links),  # every edge carries a gradient back
                        placement(schedule, stages, pp))
@@ -105,10 +106,11 @@ class _Clock:
 
     def __init__(self, forward_s: Sequence[float], backward_s: Sequence[float], links: Mapping[tuple[int, int], float],
                  ranks: int, *, send_s: float, recv_s: float, loss_s: tuple[float, float],
-                 weight_share: float = 0.5) -> None:
+                 weight_share: float | Sequence[float] = 0.5) -> None:
         stages = len(forward_s)
         self.forward_s, self.backward_s, self.links, self.last = forward_s, backward_s, links, stages - 1
-        self.send_s, self.recv_s, self.loss_s, self.weight_share = send_s, recv_s, loss_s, weight_share
+        self.send_s, self.recv_s, self.loss_s = send_s, recv_s, loss_s
+        self.weight_share = [weight_share] * stages if isinstance(weight_share, (int, float)) else list(weight_share)
         self.free, self.busy = [0.0] * ranks, [0.0] * ranks
         self.inflight, self.peak = [0] * stages, [0] * stages
         self.events: list[tuple[int, float, float, str]] = []  # what the timeline draws
@@ -134,7 +136,8 @@ class _Clock:
 
     def _compute(self, rank: int, a: Action) -> None:
         forward = a.kind == Kind.F
-        share = {Kind.F: 1.0, Kind.B: 1.0, Kind.I: 1.0 - self.weight_share, Kind.W: self.weight_share}[a.kind]
+        w = self.weight_share[a.stage]
+        share = {Kind.F: 1.0, Kind.B: 1.0, Kind.I: 1.0 - w, Kind.W: w}[a.kind]
         own = share * (self.forward_s[a.stage] if forward else self.backward_s[a.stage])
         loss = self.loss_s[0 if forward else 1] if a.stage == self.last and a.kind != Kind.W else 0.0
         took = own + loss

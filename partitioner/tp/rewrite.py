@@ -167,7 +167,8 @@ def _local_cost(n: torch.fx.Node, costs: dict[str, NodeCost], strategy_of: dict[
     f = share / tp if s.sharded else share
     return NodeCost(n.name, forward_s=base.forward_s * f, backward_s=base.backward_s * f,
                     flops=int(base.flops * f), param_bytes=int(base.param_bytes * f),
-                    activation_bytes=int(base.activation_bytes * f), output_bytes=value_bytes(n))
+                    activation_bytes=int(base.activation_bytes * f), output_bytes=value_bytes(n),
+                    weight_fraction=base.weight_fraction)
 
 
 _KINDS = (*PAIRS, "vocab_shard", "first_rank")

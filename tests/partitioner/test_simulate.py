@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import pytest
+import torch
+import torch.fx
 
 from partitioner.cost.roofline import message_s, mfu, roofline_s, stage_memory_bytes
 from partitioner.predict.simulate import bubble_fraction, simulate
@@ -186,3 +188,40 @@ def test_zb_v_halves_zb_h1s_bubble_at_1f1bs_memory(ranks: int, microbatches: int
     assert bubbles["zb-v"] == pytest.approx(bubbles["zb-h1"] / 2) == pytest.approx((p - 1) * input_s / 2)
     assert v.peak_inflight == tuple(min(2 * p - k, m) for k in range(2 * p))
     assert v.busy_s == (busy,) * p
+
+
+def test_w_takes_each_stages_own_weight_share() -> None:
+    """A stage's I takes (1 - share) of its backward and its W the share: one share for every
+    stage, or each stage its own (a stage without weights has no W to fill a bubble with)."""
+    kw = dict(links={(0, 1): 0.0}, schedule="zb-h1", pp=2, microbatches=4)
+    even = simulate([1.0, 1.0], [2.0, 2.0], **kw)  # type: ignore[arg-type]
+    given = simulate([1.0, 1.0], [2.0, 2.0], weight_share=[0.5, 0.5], **kw)  # type: ignore[arg-type]
+    skewed = simulate([1.0, 1.0], [2.0, 2.0], weight_share=[0.0, 1.0], **kw)  # type: ignore[arg-type]
+    assert given == even
+    took = {name: stop - start for _, start, stop, name in skewed.events}
+    assert took["0I0"] == 2.0 and took["0W0"] == 0.0 and took["1I0"] == 0.0 and took["1W0"] == 2.0
+
+
+def test_the_profile_splits_each_backward_into_its_weight_and_input_parts() -> None:
+    """NodeCost.weight_fraction: a Linear's backward is part dW, part dX; an activation's is
+    all dX; an embedding of integer ids all dW; measured and analytic alike."""
+    from partitioner.cost.hardware import load_hardware
+    from partitioner.cost.profile import annotate
+    from partitioner.trace.passes import propagate
+
+    class Net(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb, self.lin = torch.nn.Embedding(64, 32), torch.nn.Linear(32, 32)
+
+        def forward(self, ids: torch.Tensor) -> torch.Tensor:  # as the tracer writes it: functions on weights
+            x = torch.nn.functional.embedding(ids, self.emb.weight)
+            return torch.relu(torch.nn.functional.linear(x, self.lin.weight, self.lin.bias))
+
+    gm = torch.fx.symbolic_trace(Net())
+    values = propagate(gm, [torch.randint(0, 64, (8, 16))])
+    for measure in (True, False):
+        costs = annotate(gm, values, load_hardware("cpu" if measure else "a100"), measure, repeats=3)
+        assert costs["embedding"].weight_fraction == 1.0 and costs["relu"].weight_fraction == 0.0
+        assert 0.0 < costs["linear"].weight_fraction < 1.0, costs["linear"]
+        assert costs["linear"].weight_s == costs["linear"].backward_s * costs["linear"].weight_fraction
