@@ -24,9 +24,9 @@
     microbatches and reduced across replicas in bfloat16), then moves them onto the
     masters as float32 (`take_grads`, adding to what an earlier step left: gradient
     accumulation is float32); the next forward copies the masters into the bfloat16
-    weights (`refresh`).  The unsplit model trained the same way is
-    `runtime.precision.MasterWeights` over `model.to(torch.bfloat16)` with the same calls:
-    tests/test_precision.py does exactly that.  Memory per parameter with Adam: 2 bytes of
+    weights (`refresh`).  The unsplit model trained the same way keeps float32 masters of
+    its parameters (`masters_for`, taken before `cast_model`) and makes the same calls
+    around each step: tests/precision_reference.py.  Memory per parameter with Adam: 2 bytes of
     bfloat16 weight and 2 of its gradient during the step, then 4 of float32 gradient,
     4 of master and 8 of Adam's moments (the planner counts ZeRO's 16: 2 + 2 + 12).
 """
