@@ -6,15 +6,19 @@ It runs end to end on the CPU as well (the default without CUDA), where the rows
 CUDA say "not run", so the script itself is tested here (tests/test_gpu_check.py).  On one
 H200 it should finish in a few minutes.  Checks:
 
-  a  compile      examples/gpt.py and examples/hf_gpt2.py, 2 stages (on CUDA with the
-                  h200 profile's roofline: the compile does not yet profile on the GPU)
+  a  compile      examples/gpt.py and examples/hf_gpt2.py, 2 stages, measured: on CUDA for
+                  the h200 profile, profiled on the GPU (CUDA events, the allocator's peaks:
+                  [Note: where the compile runs the model] in driver/phases.py), every stage
+                  calibrated and its peak memory counted; on the CPU the same code path on
+                  the measured cpu profile, with no peaks (the CPU keeps no count)
   b  equivalence  LocalPipeline on one device, 2 and 4 stages, GPipe and 1F1B, fp32: 3 SGD
                   steps against the original model on the same device (rtol 1e-5; TF32 off)
   c  mfu          one GPT block at d = 4096 in bf16, forward + backward: model FLOPs
                   (torch.utils.flop_counter) over time x 790 TFLOP/s (CUDA only)
   d  prediction   per example and stage: the manifest's predicted compute and peak memory
-                  against the stage timed alone and its memory counted by the allocator
-                  (weights, gradients, Adam state, its microbatches in flight; CUDA only)
+                  (compiled with costs measured on the GPU) against the stage timed alone
+                  and its memory counted by the allocator (weights, gradients, Adam state,
+                  its microbatches in flight; CUDA only)
   e  nccl         2 ranks of DistributedPipeline over NCCL against LocalPipeline (only with
                   more than one GPU)
 
@@ -39,9 +43,11 @@ if __package__ in (None, ""):  # run as a script: python benchmarks/gpu_check.py
 
 import runtime  # noqa: E402
 from driver.compile import compile_model  # noqa: E402
+from codegen.report import format_bytes  # noqa: E402
 from driver.options import CompileOptions  # noqa: E402
 from partitioner.cost.timer import DeviceTimer, device_timer  # noqa: E402
 from partitioner.trace import model_file  # noqa: E402
+from runtime import package  # noqa: E402
 from runtime.stage import as_leaf  # noqa: E402
 
 from .common import save, table  # noqa: E402
@@ -81,24 +87,36 @@ def main(argv: Sequence[str] | None = None) -> int:
 # -- a: compile ----------------------------------------------------------------------------
 
 
-def _compile(work: Path, timer: DeviceTimer, example: str, stages: int, **options: Any) -> Path:
-    """examples/<example>.py compiled into `stages` stages for the timer's device."""
-    out = work / f"{example}_{stages}_{'_'.join(f'{k}{v}' for k, v in sorted(options.items()))}"
-    hardware = "h200" if timer.is_cuda else "a100"
-    compile_model(CompileOptions(model=f"examples/{example}.py", out=str(out), stages=stages, analytic=True,
+def _compile(work: Path, timer: DeviceTimer, example: str, stages: int, measured: bool = False,
+             **options: Any) -> Path:
+    """examples/<example>.py compiled into `stages` stages for the timer's device: `measured`,
+    profiled on it (the h200 profile on CUDA, the measured cpu one on the CPU), else with the
+    roofline of the h200 (CUDA) or a100 (CPU) profile."""
+    out = work / f"{example}_{stages}_{'m' if measured else 'a'}_{'_'.join(f'{k}{v}' for k, v in sorted(options.items()))}"
+    hardware = "h200" if timer.is_cuda else "cpu" if measured else "a100"
+    compile_model(CompileOptions(model=f"examples/{example}.py", out=str(out), stages=stages, analytic=not measured,
                                  hardware=hardware, quiet=True, time_limit=5.0, **options))
     return out
 
 
 def _compile_rows(work: Path, timer: DeviceTimer, quick: bool) -> list[Row]:
+    """The compile profiled on the device: every stage calibrated there, and on CUDA each
+    stage's peak memory counted (positive), on the CPU none."""
     rows = []
     for example in ["gpt"] if quick else ["gpt", "hf_gpt2"]:
         start = time.perf_counter()
-        out = _compile(work, timer, example, 2)
-        step = runtime.LocalPipeline(out).manifest.predicted
-        rows.append({"check": "a compile", "case": f"{example} 2 stages", "status": "ok", "figure": "compile s",
-                     "value": round(time.perf_counter() - start, 2),
-                     "goal": f"predicted step {step.step_time_s * 1e3:.3g} ms" if step else ""})
+        out = _compile(work, timer, example, 2, measured=True)
+        seconds = time.perf_counter() - start
+        step = package.load_manifest(out).predicted
+        calibration = step.extra.get("calibration", {}) if step else {}
+        peaks = calibration.get("measured_peak_bytes")
+        counted = (bool(peaks) and all(b > 0 for b in peaks)) if timer.is_cuda else peaks is None
+        ok = step is not None and bool(calibration.get("measured_compute_s")) and counted
+        said = ", ".join(format_bytes(b) for b in peaks) if peaks else "none (CPU)"
+        rows.append({"check": "a compile", "case": f"{example} 2 stages, profiled on {timer.device.type}",
+                     "status": "ok" if ok else "FAIL", "figure": "compile s", "value": round(seconds, 2),
+                     "goal": (f"predicted step {step.step_time_s * 1e3:.3g} ms; " if step else "")
+                     + f"stages calibrated, peaks {said}"})
     return rows
 
 
@@ -212,7 +230,7 @@ def _mfu_rows(work: Path, timer: DeviceTimer, quick: bool) -> list[Row]:
 def _prediction_rows(work: Path, timer: DeviceTimer, quick: bool) -> list[Row]:
     rows = []
     for example in ["mlp"] if quick else EXAMPLES:
-        out = _compile(work, timer, example, 2)
+        out = _compile(work, timer, example, 2, measured=timer.is_cuda)
         pipe = runtime.LocalPipeline(out, device=timer.device)
         mf = model_file.load(f"examples/{example}.py")
         pipe.load_state_dict(mf.build(0).state_dict())

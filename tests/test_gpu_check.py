@@ -15,6 +15,7 @@ def test_the_device_check_runs_on_the_cpu(capsys: pytest.CaptureFixture[str], mo
     monkeypatch.setattr("benchmarks.common.RESULTS", tmp_path)
     assert gpu_check.main(["--quick", "--device", "cpu"]) == 0
     printed = capsys.readouterr().out
+    assert "| a compile | gpt 2 stages, profiled on cpu | ok |" in printed  # stages calibrated, no peaks
     assert "| b equivalence | gpt 2 stages 1f1b fp32 | ok |" in printed
     record = json.loads((tmp_path / "gpu_check.json").read_text())
     statuses = {(r["check"], r["status"]) for r in record["rows"]}
