@@ -19,8 +19,10 @@ H200 it should finish in a few minutes.  Checks:
                   (compiled with costs measured on the GPU) against the stage timed alone
                   and its memory counted by the allocator (weights, gradients, Adam state,
                   its microbatches in flight; CUDA only)
-  e  nccl         2 ranks of DistributedPipeline over NCCL against LocalPipeline (only with
-                  more than one GPU)
+  e  nccl         gpt, 2 stages on two GPUs, 3 SGD steps against the original: a LocalPipeline
+                  with a stage on each GPU (runtime/devices.py StageStreams), and 2 ranks of
+                  DistributedPipeline over NCCL, messages on the communication stream
+                  ([Note: communication stream]); only with more than one GPU
 
 It prints one table and writes benchmarks/results/gpu_check.json.
 """
@@ -28,6 +30,8 @@ It prints one table and writes benchmarks/results/gpu_check.json.
 from __future__ import annotations
 
 import argparse
+import os
+import socket
 import sys
 import tempfile
 import time
@@ -42,8 +46,8 @@ if __package__ in (None, ""):  # run as a script: python benchmarks/gpu_check.py
     __package__ = "benchmarks"
 
 import runtime  # noqa: E402
-from driver.compile import compile_model  # noqa: E402
 from codegen.report import format_bytes  # noqa: E402
+from driver.compile import compile_model  # noqa: E402
 from driver.options import CompileOptions  # noqa: E402
 from partitioner.cost.timer import DeviceTimer, device_timer  # noqa: E402
 from partitioner.trace import model_file  # noqa: E402
@@ -109,10 +113,10 @@ def _compile_rows(work: Path, timer: DeviceTimer, quick: bool) -> list[Row]:
         seconds = time.perf_counter() - start
         step = package.load_manifest(out).predicted
         calibration = step.extra.get("calibration", {}) if step else {}
-        peaks = calibration.get("measured_peak_bytes")
-        counted = (bool(peaks) and all(b > 0 for b in peaks)) if timer.is_cuda else peaks is None
+        peaks = list(calibration.get("measured_peak_bytes") or [])
+        counted = (bool(peaks) and all(b > 0 for b in peaks)) if timer.is_cuda else not peaks
         ok = step is not None and bool(calibration.get("measured_compute_s")) and counted
-        said = ", ".join(format_bytes(b) for b in peaks) if peaks else "none (CPU)"
+        said = ", ".join(format_bytes(b) for b in peaks) if peaks else "none"
         rows.append({"check": "a compile", "case": f"{example} 2 stages, profiled on {timer.device.type}",
                      "status": "ok" if ok else "FAIL", "figure": "compile s", "value": round(seconds, 2),
                      "goal": (f"predicted step {step.step_time_s * 1e3:.3g} ms; " if step else "")
@@ -138,21 +142,35 @@ def _equivalence_rows(work: Path, timer: DeviceTimer, quick: bool) -> list[Row]:
     return rows
 
 
-def _training_error(package: Path, path: str, device: torch.device) -> float:
+def _training_error(package: Path, path: str, device: torch.device, pipe_device: Any = None) -> float:
     """The largest relative difference, over the losses and every weight, between the package
-    and the original model trained STEPS SGD steps on `device`."""
+    (a LocalPipeline on `pipe_device`, else `device`) and the original model trained STEPS SGD
+    steps on `device`."""
     mf = model_file.load(path)
-    args, kwargs = mf.example_inputs()
-    inputs, target = _to(kwargs if kwargs else args, device), _to(mf.example_target(), device)
+    inputs, target = _batch(mf, device)
+    pipe = runtime.LocalPipeline(package, device=pipe_device or device)
+    pipe.load_state_dict(mf.build(0).state_dict())
+    got = _train_pipe(pipe, inputs, target)
+    return _error(got, pipe.state_dict(), *_original(mf, device), device)
+
+
+def _original(mf: model_file.ModelFile, device: torch.device) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """The original model trained STEPS SGD steps on `device`: its losses and final weights."""
+    inputs, target = _batch(mf, device)
     model = mf.build(0).to(device)
-    pipe = runtime.LocalPipeline(package, device=device)
-    pipe.load_state_dict(model.state_dict())
-    want = _train(model.parameters(), lambda: _call(model, inputs), mf.loss_fn(), target)
-    got = [float(x) for x in _train_pipe(pipe, inputs, target)]
+    return _train(model.parameters(), lambda: _call(model, inputs), mf.loss_fn(), target), model.state_dict()
+
+
+def _error(got: list[float], state: dict[str, torch.Tensor], want: list[float], original: dict[str, torch.Tensor],
+           device: torch.device) -> float:
+    """The largest relative difference over the losses and every weight."""
     errors = [_relative(torch.tensor(got), torch.tensor(want))]
-    state = pipe.state_dict()
-    errors += [_relative(state[name].to(device), value) for name, value in model.state_dict().items()]
-    return max(errors)
+    return max(errors + [_relative(state[name].to(device), value) for name, value in original.items()])
+
+
+def _batch(mf: model_file.ModelFile, device: torch.device) -> tuple[Any, Any]:
+    args, kwargs = mf.example_inputs()
+    return _to(kwargs if kwargs else args, device), _to(mf.example_target(), device)
 
 
 def _train(params: Any, forward: Callable[[], Any], loss_fn: Callable[[Any, Any], torch.Tensor],
@@ -168,7 +186,7 @@ def _train(params: Any, forward: Callable[[], Any], loss_fn: Callable[[Any, Any]
     return losses
 
 
-def _train_pipe(pipe: runtime.LocalPipeline, inputs: Any, target: Any) -> list[float]:
+def _train_pipe(pipe: runtime.LocalPipeline | runtime.DistributedPipeline, inputs: Any, target: Any) -> list[float]:
     opt = torch.optim.SGD(pipe.parameters(), lr=LR)
     losses = []
     for _ in range(STEPS):
@@ -319,12 +337,50 @@ def _resident(module: torch.nn.Module, opt: torch.optim.Optimizer) -> list[torch
 
 
 def _nccl_rows(work: Path, timer: DeviceTimer, quick: bool) -> list[Row]:
-    row: Row = {"check": "e nccl", "case": "gpt 2 stages, 2 ranks", "figure": "", "goal": "= LocalPipeline"}
+    """gpt in 2 stages on two GPUs, trained STEPS SGD steps against the original on the first:
+    a LocalPipeline with a stage on each (StageStreams: copies between devices ordered by
+    events), and 2 ranks of DistributedPipeline over NCCL (messages on the communication
+    stream: [Note: communication stream] in runtime/devices.py)."""
+    rows: list[Row] = [{"check": "e nccl", "case": case, "figure": "max rel. error", "goal": "<= 1e-5"} for case in
+                       ("gpt 2 stages LocalPipeline on cuda:0 and cuda:1", "gpt 2 stages, 2 ranks over NCCL")]
     if not timer.is_cuda:
-        return [{**row, "status": "not run", "value": "CUDA only"}]
+        return [{**row, "status": "not run", "value": "CUDA only"} for row in rows]
     if torch.cuda.device_count() < 2:
-        return [{**row, "status": "not run", "value": "one GPU: the NCCL path needs two"}]
-    return [{**row, "status": "not built", "value": "no multi-GPU run is scripted yet"}]
+        return [{**row, "status": "not run", "value": "one GPU: this needs two"} for row in rows]
+    out = _compile(work, timer, "gpt", 2)
+    errors = [_training_error(out, "examples/gpt.py", timer.device, ["cuda:0", "cuda:1"]),
+              _distributed_error(out, "examples/gpt.py", work, timer.device)]
+    return [{**row, "status": "ok" if error <= 1e-5 else "FAIL", "value": error} for row, error in zip(rows, errors)]
+
+
+def _distributed_error(package: Path, path: str, work: Path, device: torch.device) -> float:
+    """`_training_error` of 2 ranks of DistributedPipeline, one process per GPU over NCCL
+    (on the CPU, gloo: tests/test_gpu_check.py), against the original on `device`."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    result = work / "nccl.pt"
+    torch.multiprocessing.start_processes(_nccl_rank, args=(str(package), path, port, str(result)), nprocs=2,
+                                          start_method="spawn")
+    got = torch.load(result)
+    return _error(got["losses"], got["state"], *_original(model_file.load(path), device), device)
+
+
+def _nccl_rank(rank: int, package: str, path: str, port: int, result: str) -> None:
+    """One rank of `_distributed_error`, in its spawned process; rank 0 saves the losses and weights."""
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2",
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    pipe = runtime.DistributedPipeline(package)
+    mf = model_file.load(path)
+    pipe.load_state_dict(mf.build(0).state_dict())
+    inputs, target = _batch(mf, torch.device("cpu"))
+    losses = _train_pipe(pipe, inputs, target)
+    state = pipe.state_dict()  # collective
+    if rank == 0:
+        torch.save({"losses": losses, "state": state}, result)
+    torch.distributed.destroy_process_group()
 
 
 # -- helpers -------------------------------------------------------------------------------
