@@ -3,8 +3,9 @@
 
 [Note: where the compile runs the model]
     A measured compile (not --analytic, not --meta) on a machine with CUDA, for a GPU's
-    hardware profile (a built-in a100/h100/h200, a JSON profile, or by default this machine's,
-    which is the GPU's when CUDA is there), moves the model and its example batch to the
+    hardware profile (any but the measured cpu one: a built-in a100/h100/h200, a JSON
+    profile, or by default this machine's, which is the built-in of its GPU when that is an
+    A100, H100 or H200, else the cpu one), moves the model and its example batch to the
     current CUDA device before tracing, and times and counts memory there with CUDA's timer
     (partitioner/cost/timer.py). Anything else runs on the CPU, as a compile always did:
     analytic costs do not depend on the device, and the measured `cpu` profile describes the
