@@ -96,7 +96,8 @@ def _compile(work: Path, timer: DeviceTimer, example: str, stages: int, measured
     """examples/<example>.py compiled into `stages` stages for the timer's device: `measured`,
     profiled on it (the h200 profile on CUDA, the measured cpu one on the CPU), else with the
     roofline of the h200 (CUDA) or a100 (CPU) profile."""
-    out = work / f"{example}_{stages}_{'m' if measured else 'a'}_{'_'.join(f'{k}{v}' for k, v in sorted(options.items()))}"
+    named = "_".join(f"{k}{v}" for k, v in sorted(options.items()))
+    out = work / f"{example}_{stages}_{'measured' if measured else 'analytic'}_{named}"
     hardware = "h200" if timer.is_cuda else "cpu" if measured else "a100"
     compile_model(CompileOptions(model=f"examples/{example}.py", out=str(out), stages=stages, analytic=not measured,
                                  hardware=hardware, quiet=True, time_limit=5.0, **options))
@@ -138,7 +139,8 @@ def _equivalence_rows(work: Path, timer: DeviceTimer, quick: bool) -> list[Row]:
                      "status": "ok" if error <= 1e-5 else "FAIL", "figure": "max rel. error", "value": error,
                      "goal": "<= 1e-5"})
     rows.append({"check": "b equivalence", "case": "bf16-mixed", "status": "not built",
-                 "figure": "", "value": "", "goal": "not scripted here (tests/test_precision.py checks it on the CPU)"})
+                 "figure": "", "value": "",
+                 "goal": "not scripted here (tests/test_precision.py checks it on the CPU)"})
     return rows
 
 

@@ -78,7 +78,8 @@ def loss_costs(mf: model_file.ModelFile, traced: Traced, values: dict[torch.fx.N
     measure = not opts.analytic
     key = "loss-" + hashlib.sha256(json.dumps(
         [PROFILE_VERSION, mf.sha256, traced.gm.code, [str(x.meta.get("tensor_meta")) for x in traced.gm.graph.nodes],
-         hardware.name, measure, opts.repeats, torch.__version__, RANK_THREADS, rows, timer.key]).encode()).hexdigest()[:32]
+         hardware.name, measure, opts.repeats, torch.__version__, RANK_THREADS, rows, timer.key]
+    ).encode()).hexdigest()[:32]
     cached = None if (opts.reprofile or not measure) else cache.get(key)
     if isinstance(cached, dict):
         return NodeCost(**cached)

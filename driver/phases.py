@@ -113,7 +113,8 @@ def prepare(opts: CompileOptions, say: Callable[[str], None] = lambda _m: None, 
     traced = _trace(src, margs, mkwargs, opts, rows, say)
     check_autocast(traced, opts.precision)
     by_key = by_input_key(margs, mkwargs)
-    with autocast(opts.precision):  # the values' dtypes are the autocast run's ([Note: mixed precision])
+    # the values' dtypes are the autocast run's ([Note: mixed precision])
+    with autocast(opts.precision, src.device.type):
         free = probe(traced.gm, by_key, traced.input_keys, mf.batch_dims, rows)  # [Note: free batch]
         values = propagate(traced.gm, [by_key[key] for _name, key in traced.input_keys], opts.model)
     free_batch = specialize(traced.gm, values, free, rows)
@@ -122,7 +123,7 @@ def prepare(opts: CompileOptions, say: Callable[[str], None] = lambda _m: None, 
     # 3. cost every node, measured (cached) or analytic (partitioner.cost).
     hardware = load_hardware(opts.hardware)
     timer = device_timer(src.device)  # [Note: where the compile runs the model]
-    with rank_threads(), autocast(opts.precision):  # measured as a rank will compute
+    with rank_threads(), autocast(opts.precision, src.device.type):  # measured as a rank will compute
         costs = node_costs(traced.gm, values, hardware, opts, say, timer)
         loss = loss_costs(mf, traced, values, hardware, opts, batch, rows, say, timer)
     buffers.restore()
@@ -204,7 +205,8 @@ def finish(prepared: Prepared, assignment: tuple[int, ...], report: SolverReport
     p = prepared
     if report is not None:
         report = dataclasses.replace(report, nodes=len(compute_nodes(p.traced.gm)), blocks=p.problem.num_blocks)
-    with autocast(p.opts.precision), kept_buffers(p.model):  # the stages timed as they run, buffers kept
+    # the stages timed as they run, buffers kept
+    with autocast(p.opts.precision, p.timer.device.type), kept_buffers(p.model):
         p, plan, resolved, calibrated = check_plan(p, make_plan(p.problem, p.blocks, assignment, report, p.mesh))
     return emit_plan(p, plan, extra, resolved=resolved, calibrated=calibrated)
 
@@ -216,7 +218,7 @@ def emit_plan(p: Prepared, plan: Plan, extra: dict[str, Any] | None = None, *, r
     `calibrated`: the node costs already calibrated for `plan`."""
     start = time.perf_counter()
     # 6. predict the step (partitioner.predict), on node costs calibrated per stage where they are measured.
-    with autocast(p.opts.precision), kept_buffers(p.model):
+    with autocast(p.opts.precision, p.timer.device.type), kept_buffers(p.model):
         costs = calibrated if calibrated is not None else stage_costs(p, plan)
         peaks = stage_peaks(p, plan)
     predicted = predict(p.traced.gm, plan, costs, p.hardware, cost_source="analytic" if p.opts.analytic else "measured",
