@@ -57,7 +57,7 @@ def node_costs(gm: torch.fx.GraphModule, values: dict[torch.fx.Node, Any], hardw
         say(f"costs: {len(costs)} nodes from the profile cache (--reprofile to measure again)")
         return costs
     say(f"costs: {'profiling' if measure else 'estimating'} {len(nodes)} nodes on {hardware.name}"
-        + (f" ({timer.key})" if measure else ""))
+        + (f", measured on {timer.key}" if measure and timer.is_cuda else ""))
     costs = annotate(gm, values, hardware, measure, opts.repeats, _progress(opts, len(nodes)), wait, timer)
     if measure:
         cache.put(key, {name: asdict(c) for name, c in costs.items()})
