@@ -6,17 +6,23 @@ It runs end to end on the CPU as well (the default without CUDA), where the rows
 CUDA say "not run", so the script itself is tested here (tests/test_gpu_check.py).  On one
 H200 it should finish in a few minutes.  Checks:
 
-  a  compile      examples/gpt.py and examples/hf_gpt2.py, 2 stages (on CUDA with the
-                  h200 profile's roofline: the compile does not yet profile on the GPU)
+  a  compile      examples/gpt.py and examples/hf_gpt2.py, 2 stages, measured: on CUDA for
+                  the h200 profile, profiled on the GPU (CUDA events, the allocator's peaks:
+                  [Note: where the compile runs the model] in driver/phases.py), every stage
+                  calibrated and its peak memory counted; on the CPU the same code path on
+                  the measured cpu profile, with no peaks (the CPU keeps no count)
   b  equivalence  LocalPipeline on one device, 2 and 4 stages, GPipe and 1F1B, fp32: 3 SGD
                   steps against the original model on the same device (rtol 1e-5; TF32 off)
   c  mfu          one GPT block at d = 4096 in bf16, forward + backward: model FLOPs
                   (torch.utils.flop_counter) over time x 790 TFLOP/s (CUDA only)
   d  prediction   per example and stage: the manifest's predicted compute and peak memory
-                  against the stage timed alone and its memory counted by the allocator
-                  (weights, gradients, Adam state, its microbatches in flight; CUDA only)
-  e  nccl         2 ranks of DistributedPipeline over NCCL against LocalPipeline (only with
-                  more than one GPU)
+                  (compiled with costs measured on the GPU) against the stage timed alone
+                  and its memory counted by the allocator (weights, gradients, Adam state,
+                  its microbatches in flight; CUDA only)
+  e  nccl         gpt, 2 stages on two GPUs, 3 SGD steps against the original: a LocalPipeline
+                  with a stage on each GPU (runtime/devices.py StageStreams), and 2 ranks of
+                  DistributedPipeline over NCCL, messages on the communication stream
+                  ([Note: communication stream]); only with more than one GPU
 
 It prints one table and writes benchmarks/results/gpu_check.json.
 """
@@ -24,6 +30,8 @@ It prints one table and writes benchmarks/results/gpu_check.json.
 from __future__ import annotations
 
 import argparse
+import os
+import socket
 import sys
 import tempfile
 import time
@@ -38,10 +46,12 @@ if __package__ in (None, ""):  # run as a script: python benchmarks/gpu_check.py
     __package__ = "benchmarks"
 
 import runtime  # noqa: E402
+from codegen.report import format_bytes  # noqa: E402
 from driver.compile import compile_model  # noqa: E402
 from driver.options import CompileOptions  # noqa: E402
 from partitioner.cost.timer import DeviceTimer, device_timer  # noqa: E402
 from partitioner.trace import model_file  # noqa: E402
+from runtime import package  # noqa: E402
 from runtime.stage import as_leaf  # noqa: E402
 
 from .common import save, table  # noqa: E402
@@ -81,24 +91,37 @@ def main(argv: Sequence[str] | None = None) -> int:
 # -- a: compile ----------------------------------------------------------------------------
 
 
-def _compile(work: Path, timer: DeviceTimer, example: str, stages: int, **options: Any) -> Path:
-    """examples/<example>.py compiled into `stages` stages for the timer's device."""
-    out = work / f"{example}_{stages}_{'_'.join(f'{k}{v}' for k, v in sorted(options.items()))}"
-    hardware = "h200" if timer.is_cuda else "a100"
-    compile_model(CompileOptions(model=f"examples/{example}.py", out=str(out), stages=stages, analytic=True,
+def _compile(work: Path, timer: DeviceTimer, example: str, stages: int, measured: bool = False,
+             **options: Any) -> Path:
+    """examples/<example>.py compiled into `stages` stages for the timer's device: `measured`,
+    profiled on it (the h200 profile on CUDA, the measured cpu one on the CPU), else with the
+    roofline of the h200 (CUDA) or a100 (CPU) profile."""
+    named = "_".join(f"{k}{v}" for k, v in sorted(options.items()))
+    out = work / f"{example}_{stages}_{'measured' if measured else 'analytic'}_{named}"
+    hardware = "h200" if timer.is_cuda else "cpu" if measured else "a100"
+    compile_model(CompileOptions(model=f"examples/{example}.py", out=str(out), stages=stages, analytic=not measured,
                                  hardware=hardware, quiet=True, time_limit=5.0, **options))
     return out
 
 
 def _compile_rows(work: Path, timer: DeviceTimer, quick: bool) -> list[Row]:
+    """The compile profiled on the device: every stage calibrated there, and on CUDA each
+    stage's peak memory counted (positive), on the CPU none."""
     rows = []
     for example in ["gpt"] if quick else ["gpt", "hf_gpt2"]:
         start = time.perf_counter()
-        out = _compile(work, timer, example, 2)
-        step = runtime.LocalPipeline(out).manifest.predicted
-        rows.append({"check": "a compile", "case": f"{example} 2 stages", "status": "ok", "figure": "compile s",
-                     "value": round(time.perf_counter() - start, 2),
-                     "goal": f"predicted step {step.step_time_s * 1e3:.3g} ms" if step else ""})
+        out = _compile(work, timer, example, 2, measured=True)
+        seconds = time.perf_counter() - start
+        step = package.load_manifest(out).predicted
+        calibration = step.extra.get("calibration", {}) if step else {}
+        peaks = list(calibration.get("measured_peak_bytes") or [])
+        counted = (bool(peaks) and all(b > 0 for b in peaks)) if timer.is_cuda else not peaks
+        ok = step is not None and bool(calibration.get("measured_compute_s")) and counted
+        said = ", ".join(format_bytes(b) for b in peaks) if peaks else "none"
+        rows.append({"check": "a compile", "case": f"{example} 2 stages, profiled on {timer.device.type}",
+                     "status": "ok" if ok else "FAIL", "figure": "compile s", "value": round(seconds, 2),
+                     "goal": (f"predicted step {step.step_time_s * 1e3:.3g} ms; " if step else "")
+                     + f"stages calibrated, peaks {said}"})
     return rows
 
 
@@ -116,25 +139,40 @@ def _equivalence_rows(work: Path, timer: DeviceTimer, quick: bool) -> list[Row]:
                      "status": "ok" if error <= 1e-5 else "FAIL", "figure": "max rel. error", "value": error,
                      "goal": "<= 1e-5"})
     rows.append({"check": "b equivalence", "case": "bf16-mixed", "status": "not built",
-                 "figure": "", "value": "", "goal": "--precision is not built yet"})
+                 "figure": "", "value": "",
+                 "goal": "not scripted here (tests/test_precision.py checks it on the CPU)"})
     return rows
 
 
-def _training_error(package: Path, path: str, device: torch.device) -> float:
+def _training_error(package: Path, path: str, device: torch.device, pipe_device: Any = None) -> float:
     """The largest relative difference, over the losses and every weight, between the package
-    and the original model trained STEPS SGD steps on `device`."""
+    (a LocalPipeline on `pipe_device`, else `device`) and the original model trained STEPS SGD
+    steps on `device`."""
     mf = model_file.load(path)
-    args, kwargs = mf.example_inputs()
-    inputs, target = _to(kwargs if kwargs else args, device), _to(mf.example_target(), device)
+    inputs, target = _batch(mf, device)
+    pipe = runtime.LocalPipeline(package, device=pipe_device or device)
+    pipe.load_state_dict(mf.build(0).state_dict())
+    got = _train_pipe(pipe, inputs, target)
+    return _error(got, pipe.state_dict(), *_original(mf, device), device)
+
+
+def _original(mf: model_file.ModelFile, device: torch.device) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """The original model trained STEPS SGD steps on `device`: its losses and final weights."""
+    inputs, target = _batch(mf, device)
     model = mf.build(0).to(device)
-    pipe = runtime.LocalPipeline(package, device=device)
-    pipe.load_state_dict(model.state_dict())
-    want = _train(model.parameters(), lambda: _call(model, inputs), mf.loss_fn(), target)
-    got = [float(x) for x in _train_pipe(pipe, inputs, target)]
+    return _train(model.parameters(), lambda: _call(model, inputs), mf.loss_fn(), target), model.state_dict()
+
+
+def _error(got: list[float], state: dict[str, torch.Tensor], want: list[float], original: dict[str, torch.Tensor],
+           device: torch.device) -> float:
+    """The largest relative difference over the losses and every weight."""
     errors = [_relative(torch.tensor(got), torch.tensor(want))]
-    state = pipe.state_dict()
-    errors += [_relative(state[name].to(device), value) for name, value in model.state_dict().items()]
-    return max(errors)
+    return max(errors + [_relative(state[name].to(device), value) for name, value in original.items()])
+
+
+def _batch(mf: model_file.ModelFile, device: torch.device) -> tuple[Any, Any]:
+    args, kwargs = mf.example_inputs()
+    return _to(kwargs if kwargs else args, device), _to(mf.example_target(), device)
 
 
 def _train(params: Any, forward: Callable[[], Any], loss_fn: Callable[[Any, Any], torch.Tensor],
@@ -150,7 +188,7 @@ def _train(params: Any, forward: Callable[[], Any], loss_fn: Callable[[Any, Any]
     return losses
 
 
-def _train_pipe(pipe: runtime.LocalPipeline, inputs: Any, target: Any) -> list[float]:
+def _train_pipe(pipe: runtime.LocalPipeline | runtime.DistributedPipeline, inputs: Any, target: Any) -> list[float]:
     opt = torch.optim.SGD(pipe.parameters(), lr=LR)
     losses = []
     for _ in range(STEPS):
@@ -212,7 +250,7 @@ def _mfu_rows(work: Path, timer: DeviceTimer, quick: bool) -> list[Row]:
 def _prediction_rows(work: Path, timer: DeviceTimer, quick: bool) -> list[Row]:
     rows = []
     for example in ["mlp"] if quick else EXAMPLES:
-        out = _compile(work, timer, example, 2)
+        out = _compile(work, timer, example, 2, measured=timer.is_cuda)
         pipe = runtime.LocalPipeline(out, device=timer.device)
         mf = model_file.load(f"examples/{example}.py")
         pipe.load_state_dict(mf.build(0).state_dict())
@@ -301,12 +339,50 @@ def _resident(module: torch.nn.Module, opt: torch.optim.Optimizer) -> list[torch
 
 
 def _nccl_rows(work: Path, timer: DeviceTimer, quick: bool) -> list[Row]:
-    row: Row = {"check": "e nccl", "case": "gpt 2 stages, 2 ranks", "figure": "", "goal": "= LocalPipeline"}
+    """gpt in 2 stages on two GPUs, trained STEPS SGD steps against the original on the first:
+    a LocalPipeline with a stage on each (StageStreams: copies between devices ordered by
+    events), and 2 ranks of DistributedPipeline over NCCL (messages on the communication
+    stream: [Note: communication stream] in runtime/devices.py)."""
+    rows: list[Row] = [{"check": "e nccl", "case": case, "figure": "max rel. error", "goal": "<= 1e-5"} for case in
+                       ("gpt 2 stages LocalPipeline on cuda:0 and cuda:1", "gpt 2 stages, 2 ranks over NCCL")]
     if not timer.is_cuda:
-        return [{**row, "status": "not run", "value": "CUDA only"}]
+        return [{**row, "status": "not run", "value": "CUDA only"} for row in rows]
     if torch.cuda.device_count() < 2:
-        return [{**row, "status": "not run", "value": "one GPU: the NCCL path needs two"}]
-    return [{**row, "status": "not built", "value": "no multi-GPU run is scripted yet"}]
+        return [{**row, "status": "not run", "value": "one GPU: this needs two"} for row in rows]
+    out = _compile(work, timer, "gpt", 2)
+    errors = [_training_error(out, "examples/gpt.py", timer.device, ["cuda:0", "cuda:1"]),
+              _distributed_error(out, "examples/gpt.py", work, timer.device)]
+    return [{**row, "status": "ok" if error <= 1e-5 else "FAIL", "value": error} for row, error in zip(rows, errors)]
+
+
+def _distributed_error(package: Path, path: str, work: Path, device: torch.device) -> float:
+    """`_training_error` of 2 ranks of DistributedPipeline, one process per GPU over NCCL
+    (on the CPU, gloo: tests/test_gpu_check.py), against the original on `device`."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    result = work / "nccl.pt"
+    torch.multiprocessing.start_processes(_nccl_rank, args=(str(package), path, port, str(result)), nprocs=2,
+                                          start_method="spawn")
+    got = torch.load(result)
+    return _error(got["losses"], got["state"], *_original(model_file.load(path), device), device)
+
+
+def _nccl_rank(rank: int, package: str, path: str, port: int, result: str) -> None:
+    """One rank of `_distributed_error`, in its spawned process; rank 0 saves the losses and weights."""
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2",
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    pipe = runtime.DistributedPipeline(package)
+    mf = model_file.load(path)
+    pipe.load_state_dict(mf.build(0).state_dict())
+    inputs, target = _batch(mf, torch.device("cpu"))
+    losses = _train_pipe(pipe, inputs, target)
+    state = pipe.state_dict()  # collective
+    if rank == 0:
+        torch.save({"losses": losses, "state": state}, result)
+    torch.distributed.destroy_process_group()
 
 
 # -- helpers -------------------------------------------------------------------------------

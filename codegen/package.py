@@ -405,10 +405,11 @@ def _grad(p: ParamSpec) -> str:
 
 
 def _save(tensors: dict[str, torch.Tensor]) -> bytes:
-    """constants.pt; tensors built on the meta device have no values and are saved as zeros
-    (persistent buffers are loaded from the state_dict anyway; the manifest says which)."""
+    """constants.pt, from the CPU whatever device the compile ran the model on; tensors built
+    on the meta device have no values and are saved as zeros (persistent buffers are loaded
+    from the state_dict anyway; the manifest says which)."""
     buffer = io.BytesIO()
-    real = {k: torch.zeros(v.shape, dtype=v.dtype) if v.is_meta else v.detach().clone().contiguous()
+    real = {k: torch.zeros(v.shape, dtype=v.dtype) if v.is_meta else v.detach().cpu().clone().contiguous()
             for k, v in tensors.items()}
     torch.save(real, buffer)
     return buffer.getvalue()

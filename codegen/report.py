@@ -43,8 +43,11 @@ def format_plan(manifest: Manifest) -> str:
     calibration = predicted.extra.get("calibration", {}) if predicted is not None else {}
     measured = list(calibration.get("measured_compute_s", []))
     modelled = list(calibration.get("model_compute_s", []))
+    peaks = list(calibration.get("measured_peak_bytes", []))  # on a GPU: one microbatch's, by the allocator
     rows: list[tuple[str, ...]] = [("stage", "ranks", "nodes", "modules", "time/mb", "memory", "params", "send/mb",
                                     "recv/mb")]
+    if peaks:
+        rows[0] = rows[0][:6] + ("peak/mb",) + rows[0][6:]
     if measured:
         rows[0] = rows[0][:5] + ("compute", "measured") + rows[0][5:]
     for s in manifest.stages:
@@ -62,6 +65,9 @@ def format_plan(manifest: Manifest) -> str:
             format_bytes(p.send_bytes),
             format_bytes(p.recv_bytes),
         ))
+        if peaks:
+            row = rows[-1]
+            rows[-1] = row[:6] + (format_bytes(peaks[s.index]) if s.index < len(peaks) else "-",) + row[6:]
         if measured and s.index < len(measured) and s.index < len(modelled):
             row = rows[-1]
             rows[-1] = row[:5] + (f"{modelled[s.index] * 1e3:.3f} ms", f"{measured[s.index] * 1e3:.3f} ms") + row[5:]

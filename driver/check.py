@@ -11,7 +11,8 @@ problem solved once more with those times where the model was far off.
     timed in turn and emitted if its measured slowest stage (with the model's messages)
     beats the first plan's, else the first is kept.  The manifest's `predicted.calibration` keeps,
     per stage, the model's compute and the measured one, which `show` prints side by
-    side (`codegen.report`), and whether the plan was re-solved.
+    side (`codegen.report`), whether the plan was re-solved, and on a GPU each stage's
+    measured peak memory (`driver.costs.stage_peaks`).
 """
 
 from __future__ import annotations
@@ -72,10 +73,16 @@ def _measured_slowest(p: Prepared, plan: Plan, calibrated: dict[str, NodeCost]) 
     return max(c + s.comm_s for c, s in zip(stage_compute_s(p, plan, calibrated), plan.stages))
 
 
-def calibration_block(p: Prepared, plan: Plan, costs: dict[str, NodeCost], resolved: bool) -> dict[str, Any]:
+def calibration_block(p: Prepared, plan: Plan, costs: dict[str, NodeCost], resolved: bool,
+                      peaks: list[int] | None = None) -> dict[str, Any]:
     """The manifest's `predicted.calibration`: per stage the model's compute and the
-    measured one (`costs` calibrated for `plan`), or nothing when they are the same costs."""
-    if costs is p.costs:
-        return {}
-    return {"calibration": {"model_compute_s": stage_compute_s(p, plan, p.costs),
-                            "measured_compute_s": stage_compute_s(p, plan, costs), "resolved": resolved}}
+    measured one (`costs` calibrated for `plan`), and the measured peak memory of one
+    microbatch's forward and backward where the device counts it (`peaks`); nothing when
+    the costs are the same and there are no peaks."""
+    block: dict[str, Any] = {}
+    if costs is not p.costs:
+        block = {"model_compute_s": stage_compute_s(p, plan, p.costs),
+                 "measured_compute_s": stage_compute_s(p, plan, costs), "resolved": resolved}
+    if peaks is not None:
+        block["measured_peak_bytes"] = peaks
+    return {"calibration": block} if block else {}

@@ -1,6 +1,9 @@
 """Node costs as the compile takes them: measured once per graph and machine and cached
-(`node_costs`), and calibrated stage by stage for a plan (`stage_costs`), cached per plan so
-that compiles on one machine stay byte-identical."""
+(`node_costs`), and calibrated stage by stage for a plan (`stage_costs`, with each stage's
+peak memory where the device counts it: `stage_peaks`), cached per plan so that compiles
+on one machine stay byte-identical.  Every measurement goes through the timer of the device
+the model runs on (`Prepared.timer`, [Note: where the compile runs the model] in phases.py),
+whose `key` is part of every cache key."""
 
 from __future__ import annotations
 
@@ -16,12 +19,13 @@ import torch.fx
 import torch.utils._pytree as pytree
 
 from partitioner.cost import cache
-from partitioner.cost.calibrate import CALIBRATION_MIN_S, CalibrationError, calibrate_stages
+from partitioner.cost.calibrate import CALIBRATION_MIN_S, CalibrationError, calibrate_stages, stage_peak_bytes
 from partitioner.cost.hardware import Hardware
 from partitioner.cost.loss import loss_cost
 from partitioner.cost.measure import RANK_THREADS, rank_threads
 from partitioner.cost.nodes import compute_nodes
 from partitioner.cost.profile import PROFILE_VERSION, annotate
+from partitioner.cost.timer import DeviceTimer
 from partitioner.ir import NodeCost, Plan
 from partitioner.trace import model_file
 from partitioner.trace.trace import Traced
@@ -32,19 +36,19 @@ from runtime.precision import loss_input
 from .options import CompileOptions
 from .prepared import Prepared
 
-__all__ = ["loss_costs", "node_costs", "stage_costs"]
+__all__ = ["loss_costs", "node_costs", "stage_costs", "stage_peaks"]
 
 
 def node_costs(gm: torch.fx.GraphModule, values: dict[torch.fx.Node, Any], hardware: Hardware,
-               opts: CompileOptions, say: Callable[[str], None]) -> dict[str, NodeCost]:
-    """Every compute node's cost (`partitioner.cost.profile.annotate`), measured or analytic;
-    measured costs are cached per graph, shapes and machine."""
+               opts: CompileOptions, say: Callable[[str], None], timer: DeviceTimer) -> dict[str, NodeCost]:
+    """Every compute node's cost (`partitioner.cost.profile.annotate`), measured with `timer`
+    or analytic; measured costs are cached per graph, shapes, machine and device."""
     measure = not opts.analytic
     wait = hardware.idle_before_compute_s
     key = "profile-" + hashlib.sha256(
         json.dumps([PROFILE_VERSION, gm.code, [str(n.meta.get("tensor_meta")) for n in gm.graph.nodes],
                     hardware.name, measure, opts.repeats, torch.__version__, RANK_THREADS,
-                    wait]).encode()
+                    wait, timer.key]).encode()
     ).hexdigest()[:32]
     cached = None if (opts.reprofile or not measure) else cache.get(key)
     nodes = compute_nodes(gm)
@@ -52,32 +56,35 @@ def node_costs(gm: torch.fx.GraphModule, values: dict[torch.fx.Node, Any], hardw
         costs = {name: NodeCost(**c) for name, c in cached.items()}
         say(f"costs: {len(costs)} nodes from the profile cache (--reprofile to measure again)")
         return costs
-    say(f"costs: {'profiling' if measure else 'estimating'} {len(nodes)} nodes on {hardware.name}")
-    costs = annotate(gm, values, hardware, measure, opts.repeats, _progress(opts, len(nodes)), wait)
+    say(f"costs: {'profiling' if measure else 'estimating'} {len(nodes)} nodes on {hardware.name}"
+        + (f", measured on {timer.key}" if measure and timer.is_cuda else ""))
+    costs = annotate(gm, values, hardware, measure, opts.repeats, _progress(opts, len(nodes)), wait, timer)
     if measure:
         cache.put(key, {name: asdict(c) for name, c in costs.items()})
     return costs
 
 
 def loss_costs(mf: model_file.ModelFile, traced: Traced, values: dict[torch.fx.Node, Any], hardware: Hardware,
-               opts: CompileOptions, batch: int, rows: int, say: Callable[[str], None]) -> NodeCost | None:
-    """The loss's cost on one microbatch (`partitioner.cost.loss`), or None when the model
-    file defines no loss; measured costs are cached as node costs are."""
+               opts: CompileOptions, batch: int, rows: int, say: Callable[[str], None],
+               timer: DeviceTimer) -> NodeCost | None:
+    """The loss's cost on one microbatch (`partitioner.cost.loss`, measured with `timer`), or
+    None when the model file defines no loss; measured costs are cached as node costs are."""
     if not (mf.has("loss_fn") and mf.has("example_target")):
         return None
     leaves = [values.get(x, x) if isinstance(x, torch.fx.Node) else x for x in traced.output_leaves]
     output = loss_input(pytree.tree_unflatten(leaves, traced.out_spec), opts.precision)  # as the runtime gives it
-    target = pytree.tree_map_only(torch.Tensor, lambda t: t.narrow(0, 0, rows) if t.dim() and t.shape[0] == batch
-                                  else t, mf.example_target())
+    target = pytree.tree_map_only(torch.Tensor, lambda t: (t.narrow(0, 0, rows) if t.dim() and t.shape[0] == batch
+                                                           else t).to(timer.device), mf.example_target())
     measure = not opts.analytic
     key = "loss-" + hashlib.sha256(json.dumps(
         [PROFILE_VERSION, mf.sha256, traced.gm.code, [str(x.meta.get("tensor_meta")) for x in traced.gm.graph.nodes],
-         hardware.name, measure, opts.repeats, torch.__version__, RANK_THREADS, rows]).encode()).hexdigest()[:32]
+         hardware.name, measure, opts.repeats, torch.__version__, RANK_THREADS, rows, timer.key]
+    ).encode()).hexdigest()[:32]
     cached = None if (opts.reprofile or not measure) else cache.get(key)
     if isinstance(cached, dict):
         return NodeCost(**cached)
     try:
-        cost = loss_cost(mf.loss_fn(), output, target, hardware, measure, opts.repeats)
+        cost = loss_cost(mf.loss_fn(), output, target, hardware, measure, opts.repeats, timer)
     except Exception as exc:  # the runtime will say what is wrong with the loss; cost it by its output
         say(f"warning: loss_fn failed on the traced output ({type(exc).__name__}: {exc}); costing the loss by "
             f"the output's size")
@@ -96,21 +103,22 @@ def _progress(opts: CompileOptions, total: int) -> Callable[[Iterable[torch.fx.N
 
 
 def stage_costs(p: Prepared, plan: Plan) -> dict[str, NodeCost]:
-    """The node costs the prediction uses: where costs are measured and stages wait for
-    messages on the cores they compute on (the cpu profile), calibrated stage by stage as
-    a rank runs them (`partitioner.cost.calibrate.calibrate_stages`: after a message's wait, on a rank's thread
-    and cores, every rank beside the others when each has cores of its own), cached per
-    plan so that compiles on one machine stay byte-identical; else the costs as they are."""
+    """The node costs the prediction uses: where costs are measured and either stages wait
+    for messages on the cores they compute on (the cpu profile) or they run on a GPU,
+    calibrated stage by stage as a rank runs them (`partitioner.cost.calibrate.calibrate_stages`:
+    on the CPU after a message's wait, on a rank's thread and cores, every rank beside the
+    others when each has cores of its own), cached per plan so that compiles on one machine
+    stay byte-identical; else the costs as they are."""
     wait = p.hardware.idle_before_compute_s
-    if p.opts.analytic or not wait or p.values is None or plan.num_stages < 2 or plan.recompute:
+    if p.opts.analytic or not (wait or p.timer.is_cuda) or p.values is None or plan.num_stages < 2 or plan.recompute:
         return p.costs
     stage_of = plan.stage_of()
     ranks = plan.pp * plan.tp * plan.dp
-    side_by_side = _rank_cores(plan)
+    side_by_side = [] if p.timer.is_cuda else _rank_cores(plan)  # forked ranks: CPU only
     key = "stages-" + hashlib.sha256(json.dumps(
         [PROFILE_VERSION, p.traced.gm.code, sorted(stage_of.items()), wait, p.opts.repeats, CALIBRATION_MIN_S, torch.__version__,
          RANK_THREADS, binding_enabled() and ranks, [(stages, sorted(cores)) for stages, cores in side_by_side],
-         sorted((n, asdict(c)) for n, c in p.costs.items())]
+         sorted((n, asdict(c)) for n, c in p.costs.items()), p.timer.key]
     ).encode()).hexdigest()[:32]
     cached = None if p.opts.reprofile else cache.get(key)
     if isinstance(cached, dict) and set(cached) == set(p.costs):
@@ -121,16 +129,35 @@ def stage_costs(p: Prepared, plan: Plan) -> dict[str, NodeCost]:
     with rank_threads():  # on a rank's threads and cores (runtime/affinity.py)
         try:
             if side_by_side:
-                costs = calibrate_stages(p.traced.gm, p.values, p.costs, stage_of, p.opts.repeats, wait, side_by_side)
+                costs = calibrate_stages(p.traced.gm, p.values, p.costs, stage_of, p.opts.repeats, wait, side_by_side,
+                                         p.timer)
         except CalibrationError as e:
             failed = True
             p.say(f"warning: timing the stages side by side failed ({e}); timing them one at a time")
         if failed or not side_by_side:
             with bound_as_local_rank(0, ranks):
-                costs = calibrate_stages(p.traced.gm, p.values, p.costs, stage_of, p.opts.repeats, wait)
+                costs = calibrate_stages(p.traced.gm, p.values, p.costs, stage_of, p.opts.repeats, wait, (), p.timer)
     if not failed:  # a fallback is not cached: the next compile tries side by side again
         cache.put(key, {name: asdict(c) for name, c in costs.items()})
     return costs
+
+
+def stage_peaks(p: Prepared, plan: Plan) -> list[int] | None:
+    """Each stage's peak memory over one microbatch's forward and backward, as the allocator
+    counts it (`partitioner.cost.calibrate.stage_peak_bytes`), where the compile measures on a
+    device that keeps a count (CUDA), cached per plan as `stage_costs` is; else None."""
+    if p.opts.analytic or not p.timer.counts_memory or p.values is None or plan.recompute:
+        return None
+    stage_of = plan.stage_of()
+    key = "peaks-" + hashlib.sha256(json.dumps(
+        [PROFILE_VERSION, p.traced.gm.code, sorted(stage_of.items()), torch.__version__, p.timer.key]).encode()
+    ).hexdigest()[:32]
+    cached = None if p.opts.reprofile else cache.get(key)
+    if isinstance(cached, list) and len(cached) == len(set(stage_of.values())):
+        return [int(b) for b in cached]
+    peaks = [b or 0 for b in stage_peak_bytes(p.traced.gm, p.values, stage_of, p.timer)]
+    cache.put(key, peaks)
+    return peaks
 
 
 def _rank_cores(plan: Plan) -> list[tuple[list[int], set[int]]]:

@@ -1,5 +1,17 @@
 """The phases of one compile, each a call into one package of the planner or into codegen;
 `driver.compile.compile_model` lists them in order, `driver.search` reuses them per mesh.
+
+[Note: where the compile runs the model]
+    A measured compile (not --analytic, not --meta) on a machine with CUDA, for a GPU's
+    hardware profile (any but the measured cpu one: a built-in a100/h100/h200, a JSON
+    profile, or by default this machine's, which is the built-in of its GPU when that is an
+    A100, H100 or H200, else the cpu one), moves the model and its example batch to the
+    current CUDA device before tracing, and times and counts memory there with CUDA's timer
+    (partitioner/cost/timer.py). Anything else runs on the CPU, as a compile always did:
+    analytic costs do not depend on the device, and the measured `cpu` profile describes the
+    CPU. The device is part of every measured cost's cache key (`DeviceTimer.key`), and
+    nothing of it reaches the package: stage code names no device ([Note: devices in stage
+    code] in codegen/package.py) and constants are saved from the CPU.
 """
 
 from __future__ import annotations
@@ -16,6 +28,7 @@ import torch.utils._pytree as pytree
 from codegen import emit
 from partitioner.cost.hardware import Hardware, load_hardware
 from partitioner.cost.measure import rank_threads
+from partitioner.cost.timer import device_timer
 from partitioner.cost.costmodel import computing_blocks
 from partitioner.cost.nodes import compute_nodes, working_nodes
 from partitioner.errors import PlanError
@@ -31,24 +44,41 @@ from partitioner.trace.trace import Traced, by_input_key, check_autocast, copy_t
 from runtime.precision import autocast, cast_inputs, cast_model
 
 from .check import calibration_block, check_plan
-from .costs import loss_costs, node_costs, stage_costs
+from .costs import loss_costs, node_costs, stage_costs, stage_peaks
 from .options import (CompileOptions, batch_size, check, default_microbatches, fixed_tp, mesh_of, rows_per_microbatch,
                       split_batch)
 from .package_info import model_flops, package_info
 from .prepared import Compiled, Prepared, Source
 
-__all__ = ["apply_tp", "assign_nodes", "emit_plan", "finish", "load_source", "prepare", "solve_problem"]
+__all__ = ["apply_tp", "assign_nodes", "compile_device", "emit_plan", "finish", "load_source", "prepare",
+           "solve_problem"]
 
 
 def load_source(opts: CompileOptions, say: Callable[[str], None] = lambda _m: None) -> Source:
     """Load the model file, build the model (on the meta device when `_build` says so)
-    and take its example batch (moved to the meta device with a meta model)."""
+    and take its example batch (moved to the meta device with a meta model, to the GPU
+    for a measured compile there: [Note: where the compile runs the model])."""
     mf = model_file.load(opts.model, opts.entry)
     model = cast_model(_build(mf, opts, say), opts.precision)  # [Note: bf16 with master weights]
     args, kwargs = cast_inputs(mf.example_inputs(), opts.precision)
+    device = compile_device(opts)  # the CPU for a meta model: it is --meta's or --analytic's
     if _is_meta(model):
         args, kwargs = pytree.tree_map_only(torch.Tensor, lambda t: t.to("meta"), (args, kwargs))
-    return Source(mf, model, args, kwargs, batch_size(mf, args, kwargs))
+    elif device.type == "cuda":
+        model = model.to(device)
+        args, kwargs = pytree.tree_map_only(torch.Tensor, lambda t: t.to(device), (args, kwargs))
+    return Source(mf, model, args, kwargs, batch_size(mf, args, kwargs), device)
+
+
+def compile_device(opts: CompileOptions) -> torch.device:
+    """Where a compile runs the model: the current CUDA device for a measured compile
+    for a GPU's profile on a machine with CUDA, else the CPU ([Note: where the compile runs
+    the model])."""
+    if opts.analytic or opts.meta or not torch.cuda.is_available():
+        return torch.device("cpu")
+    if load_hardware(opts.hardware).name == "cpu":
+        return torch.device("cpu")
+    return torch.device("cuda", torch.cuda.current_device())
 
 
 def prepare(opts: CompileOptions, say: Callable[[str], None] = lambda _m: None, source: Source | None = None) -> Prepared:
@@ -83,7 +113,8 @@ def prepare(opts: CompileOptions, say: Callable[[str], None] = lambda _m: None, 
     traced = _trace(src, margs, mkwargs, opts, rows, say)
     check_autocast(traced, opts.precision)
     by_key = by_input_key(margs, mkwargs)
-    with autocast(opts.precision):  # the values' dtypes are the autocast run's ([Note: mixed precision])
+    # the values' dtypes are the autocast run's ([Note: mixed precision])
+    with autocast(opts.precision, src.device.type):
         free = probe(traced.gm, by_key, traced.input_keys, mf.batch_dims, rows)  # [Note: free batch]
         values = propagate(traced.gm, [by_key[key] for _name, key in traced.input_keys], opts.model)
     free_batch = specialize(traced.gm, values, free, rows)
@@ -91,9 +122,10 @@ def prepare(opts: CompileOptions, say: Callable[[str], None] = lambda _m: None, 
     phase("trace")
     # 3. cost every node, measured (cached) or analytic (partitioner.cost).
     hardware = load_hardware(opts.hardware)
-    with rank_threads(), autocast(opts.precision):  # measured as a rank will compute
-        costs = node_costs(traced.gm, values, hardware, opts, say)
-        loss = loss_costs(mf, traced, values, hardware, opts, batch, rows, say)
+    timer = device_timer(src.device)  # [Note: where the compile runs the model]
+    with rank_threads(), autocast(opts.precision, src.device.type):  # measured as a rank will compute
+        costs = node_costs(traced.gm, values, hardware, opts, say, timer)
+        loss = loss_costs(mf, traced, values, hardware, opts, batch, rows, say, timer)
     buffers.restore()
     phase("cost")
     # 4. tp: the split per node, and the graph one rank runs (partitioner.tp).
@@ -106,7 +138,8 @@ def prepare(opts: CompileOptions, say: Callable[[str], None] = lambda _m: None, 
     problem = pose(coarse, mesh, hardware)
     phase("coarsen")
     return Prepared(opts, mf, model, traced, costs, hardware, problem, coarse.blocks, batch, rows, args, kwargs,
-                    mesh, timings, whole, sharded, coarse, values if sharded is None else None, say, free_batch, loss)
+                    mesh, timings, whole, sharded, coarse, values if sharded is None else None, say, free_batch, loss,
+                    timer)
 
 
 def _trace(src: Source, margs: tuple[Any, ...], mkwargs: dict[str, Any], opts: CompileOptions, rows: int,
@@ -172,7 +205,8 @@ def finish(prepared: Prepared, assignment: tuple[int, ...], report: SolverReport
     p = prepared
     if report is not None:
         report = dataclasses.replace(report, nodes=len(compute_nodes(p.traced.gm)), blocks=p.problem.num_blocks)
-    with autocast(p.opts.precision), kept_buffers(p.model):  # the stages timed as they run, buffers kept
+    # the stages timed as they run, buffers kept
+    with autocast(p.opts.precision, p.timer.device.type), kept_buffers(p.model):
         p, plan, resolved, calibrated = check_plan(p, make_plan(p.problem, p.blocks, assignment, report, p.mesh))
     return emit_plan(p, plan, extra, resolved=resolved, calibrated=calibrated)
 
@@ -184,11 +218,12 @@ def emit_plan(p: Prepared, plan: Plan, extra: dict[str, Any] | None = None, *, r
     `calibrated`: the node costs already calibrated for `plan`."""
     start = time.perf_counter()
     # 6. predict the step (partitioner.predict), on node costs calibrated per stage where they are measured.
-    with autocast(p.opts.precision), kept_buffers(p.model):
+    with autocast(p.opts.precision, p.timer.device.type), kept_buffers(p.model):
         costs = calibrated if calibrated is not None else stage_costs(p, plan)
+        peaks = stage_peaks(p, plan)
     predicted = predict(p.traced.gm, plan, costs, p.hardware, cost_source="analytic" if p.opts.analytic else "measured",
                         model_flops=model_flops(p), loss=p.loss)
-    predicted.update(rounded({**calibration_block(p, plan, costs, resolved), **(extra or {})}))
+    predicted.update(rounded({**calibration_block(p, plan, costs, resolved, peaks), **(extra or {})}))
     # 7. emit the package's files (codegen).
     manifest = emit(p.opts.out, p.traced.gm, plan, package_info(p, plan, predicted))
     p.timings["emit"] = time.perf_counter() - start

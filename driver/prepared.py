@@ -11,6 +11,7 @@ import torch.fx
 
 from partitioner.ir import NodeCost, PartitionProblem, Plan
 from partitioner.cost.hardware import Hardware
+from partitioner.cost.timer import CPU_TIMER, DeviceTimer
 from partitioner.solve.problem import Coarse, Mesh
 from partitioner.tp import Sharded
 from partitioner.trace import model_file
@@ -58,6 +59,7 @@ class Prepared:
     say: Callable[[str], None] = field(default=lambda _m: None, repr=False)  # progress and warnings
     free_batch: bool = False  # the batch dimension is left free ([Note: free batch])
     loss: NodeCost | None = None  # the loss_fn on one microbatch's output (partitioner.cost.loss)
+    timer: DeviceTimer = CPU_TIMER  # times every measurement, on the device the model runs on
 
 
 @dataclass
@@ -70,5 +72,7 @@ class Source:
     args: tuple[Any, ...]
     kwargs: dict[str, Any]
     batch: int
+    #: where the model and its batch are ([Note: where the compile runs the model] in phases.py)
+    device: torch.device = torch.device("cpu")
     #: the model's fx trace before specialisation, which serves any microbatch shape
     generic: Traced | None = None

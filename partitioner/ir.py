@@ -106,6 +106,9 @@ class NodeCost:
     part of `backward_s` that is the weights' gradient (what a zero-bubble schedule's W
     runs; the rest is I's: [Note: split backward] in runtime/stage.py): 0 for a node
     without parameters, 1 for one whose only differentiable inputs are parameters.
+    `peak_bytes` is the allocator's peak over the node's forward and backward run alone
+    (output, saved tensors, gradients, the op's workspace), where the device counts it
+    (measured on CUDA: cost/timer.py); None elsewhere.
     """
 
     name: str
@@ -116,6 +119,7 @@ class NodeCost:
     activation_bytes: int = 0
     output_bytes: int = 0
     weight_fraction: float = 0.0
+    peak_bytes: int | None = None
 
     @property
     def time_s(self) -> float:

@@ -1,4 +1,6 @@
-"""Where each stage of a `LocalPipeline` runs: devices, one CUDA stream per stage.
+"""Streams: where each stage of a `LocalPipeline` runs (devices, one CUDA stream per
+device: `StageStreams`), and the stream a `DistributedPipeline` rank posts its pipeline
+messages from (`CommStream`).
 
 On CPU (the default) every method is a no-op pass-through.  With several GPUs
 (`device=["cuda:0", "cuda:1", ...]`, torchgpipe-style) the stages of each device compute
@@ -6,6 +8,31 @@ on that device's own stream; a value moving from stage a to stage b is copied on
 stream after b's stream waits on an event recorded on a's stream, and `record_stream`
 keeps the source alive until the copy is done.  Each step starts with the stage streams
 waiting on the current streams and ends with them synchronized.
+
+[Note: communication stream]
+    On CUDA a `DistributedPipeline` rank computes on its current stream and posts its
+    pipeline sends and receives (NCCL isend/irecv) from a second stream of its own, so that
+    a message never waits on compute it does not need.  ProcessGroupNCCL runs each operation
+    on its internal stream after waiting for the stream current when it was posted: posted
+    from the compute stream, a receive would wait for every kernel queued before it, and
+    the rank (which waits for each receive with a timeout, on the host) would stall until
+    the GPU drained.  The rules, which `CommStream` keeps:
+      1. A send waits for the compute stream up to the moment it is posted (an event
+         recorded there: `wait_stream`); the schedule posts each SEND right after the F or
+         B that made its tensor (schedule.lower), so it waits for that tensor and for
+         nothing queued later.
+      2. A sent tensor was allocated on the compute stream; it stays referenced (the
+         pipeline's step keeps it with its work) until `_wait_sends` has waited for the send,
+         which orders the compute stream after it: only then may the allocator hand its
+         memory to new compute.
+      3. A receive buffer is allocated from the communication stream's memory, so no kernel
+         still queued on the compute stream can be using that memory when NCCL writes it.
+      4. After the receive completes, the compute stream waits for the communication stream
+         (an event recorded there) before anything reads the buffer, and
+         `record_stream(compute)` keeps the allocator from giving the buffer's memory to a
+         later receive while compute may still read it.
+    On the CPU (gloo) there is no stream: the calls are the plain ones.  Never run on a GPU
+    yet: `benchmarks/gpu_check.py`'s row e (two GPUs) is the check.
 """
 
 from __future__ import annotations
@@ -17,7 +44,7 @@ import torch
 
 from .errors import PipelineError
 
-__all__ = ["resolve_devices", "StageStreams"]
+__all__ = ["CommStream", "resolve_devices", "StageStreams"]
 
 DeviceLike = str | torch.device | int
 
@@ -100,3 +127,43 @@ class StageStreams:
         """Wait for every stage stream; later work on the current streams then sees the results."""
         for stream in self._by_device.values():
             stream.synchronize()
+
+
+class CommStream:
+    """The stream a rank posts its pipeline messages from, beside its compute stream
+    ([Note: communication stream]); on the CPU nothing but the plain calls."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.stream: Any = torch.cuda.Stream(device=device) if device.type == "cuda" else None
+
+    @contextlib.contextmanager
+    def sending(self) -> Iterator[None]:
+        """Post the enclosed send from the communication stream, after the compute stream's
+        work so far (rule 1)."""
+        if self.stream is None:
+            yield
+            return
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.stream):
+            yield
+
+    def empty(self, shape: list[int], dtype: torch.dtype) -> torch.Tensor:
+        """A receive buffer, from the communication stream's memory (rule 3)."""
+        if self.stream is None:
+            return torch.empty(shape, dtype=dtype, device=self.device)
+        with torch.cuda.stream(self.stream):
+            return torch.empty(shape, dtype=dtype, device=self.device)
+
+    @contextlib.contextmanager
+    def receiving(self, buffer: torch.Tensor) -> Iterator[None]:
+        """Post and wait for the enclosed receive into `buffer` on the communication stream;
+        then order the compute stream after it and give it the buffer (rule 4)."""
+        if self.stream is None:
+            yield
+            return
+        compute = torch.cuda.current_stream(self.device)
+        with torch.cuda.stream(self.stream):
+            yield
+        compute.wait_stream(self.stream)
+        buffer.record_stream(compute)

@@ -16,8 +16,11 @@ its own stage files and interprets its own row of the lowered schedule:
                             same row, so they meet in the same order
            SEND_F / SEND_B  isend the edge's values (shape, dtype from the manifest; tp
                             rank t sends its own local tensors to tp rank t) as one
-                            message (messages.py), wait at 7
-           RECV_F / RECV_B  irecv into a fresh buffer and wait, with the timeout
+                            message (messages.py), wait at 7; on CUDA from the
+                            communication stream ([Note: communication stream] in
+                            devices.py)
+           RECV_F / RECV_B  irecv into a fresh buffer and wait, with the timeout; on
+                            CUDA on the communication stream, which compute then waits for
            I / W            B split in two ([Note: split backward] in stage.py)
            before the last B (or W) of each stage: arm its dp gradient buckets (comm.py)
       3. wait for the dp buckets: gradients averaged over the replicas
@@ -46,6 +49,7 @@ import torch.utils._pytree as pytree
 
 from . import checkpoint, clip, initialize, messages, modes, optim, package, precision, tp
 from .comm import GradBuckets, TiedGrads, guard, init_from_env, timeout_from_env, wait
+from .devices import CommStream
 from .errors import ManifestError, MeshError, PipelineError
 from .faults import parse_fault
 from .groups import Mesh, make_groups
@@ -100,6 +104,7 @@ class DistributedPipeline:
         if not dist.is_initialized() and given.isdigit():
             self._check_world(int(given))  # before joining: a clear error, not a hang
         self.device = init_from_env(self.timeout_s)
+        self._comm = CommStream(self.device)  # what the pipeline's messages are posted from
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self._check_world(self.world)
         self._check_same_package()
@@ -431,9 +436,9 @@ class DistributedPipeline:
         if not tensors:
             return  # no gradient flows back on this edge
         message = tensors[0] if len(tensors) == 1 else messages.pack(tensors)  # [Note: one message per hand-over]
-        with guard(self._doing(a)):
+        with guard(self._doing(a)), self._comm.sending():
             work = dist.isend(message, dst=dst, group=group, tag=self._tag(a.microbatch, forward))
-        step.sends.append((work, a, message))
+        step.sends.append((work, a, message))  # kept until _wait_sends: [Note: communication stream] rule 2
 
     def _recv(self, a: Action, step: _Step) -> None:
         assert a.peer is not None
@@ -446,12 +451,13 @@ class DistributedPipeline:
         shapes = [package.value_shape(spec, rows, self.manifest) for spec in specs]
         dtypes = [package.dtype_of(spec) for spec in specs]
         if len(specs) == 1:
-            buffer = torch.empty(shapes[0], dtype=dtypes[0], device=self.device)
+            buffer = self._comm.empty(shapes[0], dtypes[0])
         else:  # the edge's values packed in one message (messages.py)
-            buffer = torch.empty(messages.layout(shapes, dtypes)[1], dtype=torch.uint8, device=self.device)
-        with guard(self._doing(a)):
-            work = dist.irecv(buffer, src=src, group=group, tag=self._tag(a.microbatch, forward))
-        wait(work, self.timeout_s, self._doing(a))
+            buffer = self._comm.empty([messages.layout(shapes, dtypes)[1]], torch.uint8)
+        with self._comm.receiving(buffer):
+            with guard(self._doing(a)):
+                work = dist.irecv(buffer, src=src, group=group, tag=self._tag(a.microbatch, forward))
+            wait(work, self.timeout_s, self._doing(a))
         values = [buffer] if len(specs) == 1 else messages.unpack(buffer, shapes, dtypes)
         key = (a.stage, a.microbatch)
         for spec, value in zip(specs, values):

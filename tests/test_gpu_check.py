@@ -6,8 +6,11 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from benchmarks import gpu_check
+
+from .conftest import compile_example
 
 
 def test_the_device_check_runs_on_the_cpu(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch,
@@ -15,8 +18,17 @@ def test_the_device_check_runs_on_the_cpu(capsys: pytest.CaptureFixture[str], mo
     monkeypatch.setattr("benchmarks.common.RESULTS", tmp_path)
     assert gpu_check.main(["--quick", "--device", "cpu"]) == 0
     printed = capsys.readouterr().out
+    assert "| a compile | gpt 2 stages, profiled on cpu | ok |" in printed  # stages calibrated, no peaks
     assert "| b equivalence | gpt 2 stages 1f1b fp32 | ok |" in printed
     record = json.loads((tmp_path / "gpu_check.json").read_text())
     statuses = {(r["check"], r["status"]) for r in record["rows"]}
     assert ("c mfu", "not run") in statuses and ("e nccl", "not run") in statuses
     assert not any(s == "FAIL" for _, s in statuses)
+
+
+def test_the_distributed_row_trains_like_the_original_on_the_cpu(tmp_path: Path) -> None:
+    """Row e's two spawned ranks, on gloo here (on two GPUs they meet over NCCL, their
+    messages on the communication stream): losses and weights as the original's."""
+    compile_example("examples/gpt.py", tmp_path / "pkg", stages=2)
+    error = gpu_check._distributed_error(tmp_path / "pkg", "examples/gpt.py", tmp_path, torch.device("cpu"))
+    assert error <= 1e-5

@@ -1,5 +1,7 @@
 """Calibration: node times made to add up to what a whole graph, or each stage run as a rank
-runs it, takes (`calibrate_graph`, `calibrate_stages`).
+runs it, takes (`calibrate_graph`, `calibrate_stages`), timed on the device the graph's values
+live on through its timer (timer.py); and each stage's peak memory where the device counts
+it (`stage_peak_bytes`).
 
 [Note: compute after a wait]
     Each forward and backward a calibration times follows an idle of
@@ -31,8 +33,10 @@ import torch.fx
 
 from ..ir import NodeCost
 from .nodes import compute_nodes, needs_grad, tensors
+from .timer import CPU_TIMER, DeviceTimer
 
-__all__ = ["CALIBRATION_MIN_S", "CalibrationError", "calibrate_graph", "calibrate_stages", "time_forward_backward"]
+__all__ = ["CALIBRATION_MIN_S", "CalibrationError", "calibrate_graph", "calibrate_stages", "forward_backward",
+           "stage_peak_bytes", "time_forward_backward"]
 
 #: the most per-op overhead (dispatch, autograd bookkeeping) calibration adds to one node
 OP_OVERHEAD_S = 25e-6
@@ -44,7 +48,8 @@ CALIBRATION_MIN_S = 1.0
 
 
 def calibrate_graph(gm: torch.fx.GraphModule, values: dict[torch.fx.Node, Any], costs: dict[str, NodeCost],
-               repeats: int, wait_s: float = 0.0, min_s: float = 0.0) -> dict[str, NodeCost]:
+                    repeats: int, wait_s: float = 0.0, min_s: float = 0.0,
+                    timer: DeviceTimer = CPU_TIMER) -> dict[str, NodeCost]:
     """Node times made to add up to the whole graph's.
 
     The graph is run as a stage runs it: one forward (autograd recording) and one backward
@@ -57,6 +62,7 @@ def calibrate_graph(gm: torch.fx.GraphModule, values: dict[torch.fx.Node, Any], 
     slower together than alone, which scales every node in proportion; where the whole takes
     less, the node times are scaled down in proportion. Forward and backward separately. Any
     failure (an in-place op on an input, say) leaves the isolated times as they are.
+    `timer`: the timer of the device the values live on.
     """
     timed = [n for n in compute_nodes(gm) if costs[n.name].forward_s > 0]
     if not timed:
@@ -71,7 +77,7 @@ def calibrate_graph(gm: torch.fx.GraphModule, values: dict[torch.fx.Node, Any], 
 
     try:
         # the whole graph is cheap: more samples, less noise
-        fwd, bwd = time_forward_backward(lambda: plain(*inputs), max(3 * repeats, 15), wait_s, min_s)
+        fwd, bwd = time_forward_backward(lambda: plain(*inputs), max(3 * repeats, 15), wait_s, min_s, timer)
     except Exception:  # in-place ops on inputs, and whatever else only the whole graph meets
         return costs
     finally:
@@ -97,11 +103,12 @@ def calibrate_graph(gm: torch.fx.GraphModule, values: dict[torch.fx.Node, Any], 
 
 
 def time_forward_backward(forward: Callable[[], Any], samples: int, wait_s: float = 0.0,
-                          min_s: float = 0.0) -> tuple[float, float]:
+                          min_s: float = 0.0, timer: DeviceTimer = CPU_TIMER) -> tuple[float, float]:
     """Median seconds of `forward()` (autograd recording) and of the backward from every
     floating output that needs a gradient (ones as their gradients), each after idling
     `wait_s`, over `samples` samples after one warm-up, and more until `min_s` seconds have
-    passed: a stage's forward and backward as a rank runs them.
+    passed: a stage's forward and backward as a rank runs them, timed by `timer` (its
+    device's clock: events on CUDA).
     `benchmarks/simulator_error.py` times the generated stages with it during the run, as
     the compile timed their graphs."""
     forwards: list[float] = []
@@ -111,26 +118,35 @@ def time_forward_backward(forward: Callable[[], Any], samples: int, wait_s: floa
     while i <= samples or time.perf_counter() < until:
         if wait_s:
             time.sleep(wait_s)
-        start = time.perf_counter()
-        with torch.enable_grad():
-            outs = [t for t in tensors(forward()) if t.requires_grad and (t.is_floating_point() or t.is_complex())]
-        forwarded = time.perf_counter() - start
+        forwarded, outs = timer.timed(lambda: _grad_outputs(forward))
         grads = [torch.ones_like(t) for t in outs]
         if wait_s:
             time.sleep(wait_s)
-        start = time.perf_counter()
-        if outs:
-            torch.autograd.backward(outs, grads)
+        backwarded = timer.time(lambda: torch.autograd.backward(outs, grads)) if outs else 0.0
         if i:  # the first is a warm-up
             forwards.append(forwarded)
-            backwards.append(time.perf_counter() - start if outs else 0.0)
+            backwards.append(backwarded)
         i += 1
     return statistics.median(forwards), statistics.median(backwards)
 
 
+def _grad_outputs(forward: Callable[[], Any]) -> list[torch.Tensor]:
+    """`forward()` with autograd recording: its floating outputs that need a gradient."""
+    with torch.enable_grad():
+        return [t for t in tensors(forward()) if t.requires_grad and (t.is_floating_point() or t.is_complex())]
+
+
+def forward_backward(forward: Callable[[], Any]) -> None:
+    """One forward and backward as `time_forward_backward` times them, untimed."""
+    outs = _grad_outputs(forward)
+    if outs:
+        torch.autograd.backward(outs, [torch.ones_like(t) for t in outs])
+
+
 def calibrate_stages(gm: torch.fx.GraphModule, values: dict[torch.fx.Node, Any], costs: dict[str, NodeCost],
                      stage_of: dict[str, int], repeats: int, wait_s: float,
-                     ranks: Sequence[tuple[Sequence[int], set[int]]] = ()) -> dict[str, NodeCost]:
+                     ranks: Sequence[tuple[Sequence[int], set[int]]] = (),
+                     timer: DeviceTimer = CPU_TIMER) -> dict[str, NodeCost]:
     """Node times made to add up to each stage's, run as a rank runs it.
 
     `calibrate_graph` on each stage's own graph: its inputs from other stages become leaves
@@ -142,14 +158,42 @@ def calibrate_stages(gm: torch.fx.GraphModule, values: dict[torch.fx.Node, Any],
 
     `ranks`, one (stages, cores) per rank, calibrates the ranks side by side, as they
     compute ([Note: stages timed side by side]); without it the stages are timed one
-    after the other in this process.
+    after the other in this process (CPU ranks only: the ranks' processes are forked, which
+    CUDA does not survive).
     """
     if ranks:
-        return _calibrate_side_by_side(gm, values, costs, stage_of, repeats, wait_s, ranks)
+        return _calibrate_side_by_side(gm, values, costs, stage_of, repeats, wait_s, ranks, timer)
     out = dict(costs)
     for stage in sorted(set(stage_of.values())):
-        out = calibrate_graph(*_stage_graph(gm, values, _members(stage_of, stage)), out, repeats, wait_s, CALIBRATION_MIN_S)
+        out = calibrate_graph(*_stage_graph(gm, values, _members(stage_of, stage)), out, repeats, wait_s,
+                              CALIBRATION_MIN_S, timer)
     return out
+
+
+def stage_peak_bytes(gm: torch.fx.GraphModule, values: dict[torch.fx.Node, Any], stage_of: dict[str, int],
+                     timer: DeviceTimer) -> list[int | None]:
+    """Each stage's peak memory over one forward and backward as a rank runs it, by the
+    allocator's count above what was allocated before (the values it keeps for backward,
+    the gradients it sends back, the ops' workspace; the weights' gradients are allocated by
+    a first, untimed pass, as they are from a rank's second step on); None per stage where
+    the device keeps no count (the CPU), without running anything."""
+    stages = sorted(set(stage_of.values()))
+    if not timer.counts_memory:
+        return [None] * len(stages)
+    peaks: list[int | None] = []
+    for stage in stages:
+        sub, sub_values = _stage_graph(gm, values, _members(stage_of, stage))
+        inputs = [sub_values[n] for n in sub.graph.nodes if n.op == "placeholder"]
+        plain = _plain(sub)
+        params = [p for p in sub.parameters() if p.requires_grad]
+        saved = [p.grad for p in params]
+        try:
+            forward_backward(lambda: plain(*inputs))
+            peaks.append(timer.peak_bytes(lambda: forward_backward(lambda: plain(*inputs))))
+        finally:
+            for p, g in zip(params, saved):
+                p.grad = g
+    return peaks
 
 
 def _members(stage_of: dict[str, int], stage: int) -> set[str]:
@@ -163,7 +207,7 @@ class CalibrationError(RuntimeError):
 
 def _calibrate_side_by_side(gm: torch.fx.GraphModule, values: dict[torch.fx.Node, Any], costs: dict[str, NodeCost],
                             stage_of: dict[str, int], repeats: int, wait_s: float,
-                            ranks: Sequence[tuple[Sequence[int], set[int]]]) -> dict[str, NodeCost]:
+                            ranks: Sequence[tuple[Sequence[int], set[int]]], timer: DeviceTimer) -> dict[str, NodeCost]:
     ctx = multiprocessing.get_context("fork")  # the children share the graph and its values, copy-on-write
     start = ctx.Barrier(len(ranks))
     finished = ctx.Value("i", 0)
@@ -173,7 +217,7 @@ def _calibrate_side_by_side(gm: torch.fx.GraphModule, values: dict[torch.fx.Node
             mine, theirs = ctx.Pipe(duplex=False)
             child = ctx.Process(target=_time_rank, daemon=True,
                                 args=(theirs, gm, values, costs, stage_of, list(stages), cores, repeats, wait_s,
-                                      start, finished, len(ranks)))
+                                      start, finished, len(ranks), timer))
             child.start()
             theirs.close()
             pipes.append(mine)
@@ -228,7 +272,7 @@ def _answers(pipes: list[Any], stages: list[list[int]]) -> list[dict[str, NodeCo
 
 def _time_rank(conn: Any, gm: torch.fx.GraphModule, values: dict[torch.fx.Node, Any], costs: dict[str, NodeCost],
                stage_of: dict[str, int], stages: list[int], cores: set[int], repeats: int, wait_s: float,
-               start: Any, finished: Any, ranks: int) -> None:
+               start: Any, finished: Any, ranks: int, timer: DeviceTimer) -> None:
     """One rank's side of `_calibrate_side_by_side`, in its forked process."""
     from runtime.affinity import bind_threads
     from runtime.malloc import keep_freed_memory
@@ -249,10 +293,10 @@ def _time_rank(conn: Any, gm: torch.fx.GraphModule, values: dict[torch.fx.Node, 
         start.wait(_SIDE_BY_SIDE_TIMEOUT_S)
         out = dict(costs)
         for sub, sub_values in graphs:
-            out = calibrate_graph(sub, sub_values, out, repeats, wait_s, CALIBRATION_MIN_S)
+            out = calibrate_graph(sub, sub_values, out, repeats, wait_s, CALIBRATION_MIN_S, timer)
         finish()
         while finished.value < ranks:  # beside the ranks still timing theirs
-            calibrate_graph(*graphs[-1], costs, 1, wait_s)
+            calibrate_graph(*graphs[-1], costs, 1, wait_s, 0.0, timer)
         conn.send(("timed", {name: out[name] for name, s in stage_of.items() if s in stages}))
     except threading.BrokenBarrierError:  # another rank failed (it says why) or never reached the start
         finish()

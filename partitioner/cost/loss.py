@@ -5,9 +5,10 @@ The traced graph ends at the model's output; the runtime's last stage then runs
 model with a large vocabulary that is the logits' log-softmax and its gradient, passes
 over a (rows x length x vocabulary) tensor that can cost as much as a transformer layer
 and keeps a copy of the logits alive until the backward.  `loss_cost` is that work as a
-`NodeCost`: measured (timed as a stage times its forward and backward, FLOPs from
-`torch.utils.flop_counter`, saved bytes from `saved_tensors_hooks`) where the output is
-real, else the roofline of a few passes over the output.  The solver adds it to the block
+`NodeCost`: measured (timed as a stage times its forward and backward, by the timer of
+the output's device, FLOPs from `torch.utils.flop_counter`, saved bytes from
+`saved_tensors_hooks`, the allocator's peak where the device counts it) where the output
+is real, else the roofline of a few passes over the output.  The solver adds it to the block
 that holds the graph's output, which always lies in the last stage (`solve.problem`), and
 the step simulator to the last stage's forward and backward (`predict.simulate_plan`).
 """
@@ -21,10 +22,11 @@ import torch.utils._pytree as pytree
 from torch.utils.flop_counter import FlopCounterMode
 
 from ..ir import NodeCost
-from .calibrate import time_forward_backward
+from .calibrate import forward_backward, time_forward_backward
 from .hardware import Hardware
 from .nodes import storage_key
 from .roofline import roofline_s
+from .timer import CPU_TIMER, DeviceTimer
 
 __all__ = ["LOSS_NODE", "loss_cost"]
 
@@ -38,13 +40,13 @@ _FLOPS_PER_ELEMENT = 5
 
 
 def loss_cost(loss_fn: Callable[[Any, Any], torch.Tensor], output: Any, target: Any, hardware: Hardware,
-              measure: bool, repeats: int) -> NodeCost:
+              measure: bool, repeats: int, timer: DeviceTimer = CPU_TIMER) -> NodeCost:
     """One microbatch's loss forward and backward on `output` (the model's output, as the
-    last stage returns it) against `target`."""
+    last stage returns it) against `target`, measured with `timer` (the output's device's)."""
     floats = [t for t in pytree.tree_leaves(output) if isinstance(t, torch.Tensor) and t.is_floating_point()]
     out_bytes = sum(t.numel() * t.element_size() for t in floats)
     if measure and floats and not any(t.is_meta for t in floats):
-        return _measured(loss_fn, output, target, repeats, out_bytes)
+        return _measured(loss_fn, output, target, repeats, out_bytes, timer)
     elements = sum(t.numel() for t in floats)
     flops = _FLOPS_PER_ELEMENT * elements
     once = roofline_s(flops, _PASSES * out_bytes, hardware.peak_flops, hardware.memory_bandwidth)
@@ -52,7 +54,7 @@ def loss_cost(loss_fn: Callable[[Any, Any], torch.Tensor], output: Any, target: 
 
 
 def _measured(loss_fn: Callable[[Any, Any], torch.Tensor], output: Any, target: Any, repeats: int,
-              out_bytes: int) -> NodeCost:
+              out_bytes: int, timer: DeviceTimer) -> NodeCost:
     def fresh() -> Any:  # the output as the last stage holds it: a leaf that needs a gradient
         return pytree.tree_map_only(torch.Tensor, lambda t: t.detach().requires_grad_(t.is_floating_point()), output)
 
@@ -69,6 +71,7 @@ def _measured(loss_fn: Callable[[Any, Any], torch.Tensor], output: Any, target: 
     counter = FlopCounterMode(display=False)
     with counter, torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         loss_fn(inputs, target)
-    forward_s, backward_s = time_forward_backward(lambda: loss_fn(fresh(), target), max(3, repeats))
+    forward_s, backward_s = time_forward_backward(lambda: loss_fn(fresh(), target), max(3, repeats), timer=timer)
+    peak = timer.peak_bytes(lambda: forward_backward(lambda: loss_fn(fresh(), target))) if timer.counts_memory else None
     return NodeCost(LOSS_NODE, forward_s=forward_s, backward_s=backward_s, flops=int(counter.get_total_flops()),
-                    activation_bytes=sum(saved.values()), output_bytes=0)
+                    activation_bytes=sum(saved.values()), output_bytes=0, peak_bytes=peak)

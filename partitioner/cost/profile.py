@@ -5,9 +5,12 @@ Two sources, one result type:
 
 - `profile`: measured on this machine.  Each node is re-run in isolation on its real
   microbatch inputs: forward (with autograd recording, as in training) and backward timed
-  `repeats` times (median), FLOPs from `torch.utils.flop_counter.FlopCounterMode`, and
+  `repeats` times (the fastest sample), FLOPs from `torch.utils.flop_counter.FlopCounterMode`,
   activation bytes from the tensors autograd saves for backward
-  (`torch.autograd.graph.saved_tensors_hooks`), parameters excluded.  The node times are
+  (`torch.autograd.graph.saved_tensors_hooks`), parameters excluded, and where the device
+  counts its allocations (CUDA) the peak memory of its forward and backward.  Every time and
+  peak is taken through the device's timer (`timer.py`: CUDA events on a GPU, the wall
+  clock on the CPU).  The node times are
   then calibrated against the whole graph run as one forward and one backward
   (`calibrate.calibrate_graph`): what isolation misses (the generated forward's own dispatch, the
   autograd engine walking one graph, gradient accumulation) is spread over the nodes, so
@@ -22,7 +25,6 @@ Two sources, one result type:
 from __future__ import annotations
 
 import math
-import time
 from typing import Any, Callable, Hashable, Iterable
 
 import torch
@@ -35,6 +37,7 @@ from .calibrate import calibrate_graph
 from .hardware import Hardware
 from .nodes import compute_nodes, nbytes, needs_grad, param_names, storage_key, tensors, total_bytes
 from .roofline import BACKWARD_FLOP_FACTOR, roofline_s
+from .timer import CPU_TIMER, DeviceTimer
 
 __all__ = ["PROFILE_VERSION", "annotate"]
 
@@ -52,14 +55,16 @@ def annotate(
     repeats: int = 5,
     progress: Callable[[Iterable[torch.fx.Node]], Iterable[torch.fx.Node]] = iter,
     wait_s: float = 0.0,
+    timer: DeviceTimer = CPU_TIMER,
 ) -> dict[str, NodeCost]:
     """The cost of every compute node, by node name.
     `wait_s`: how long a pipeline stage idles before each forward and backward (waiting
-    for its input), which the calibration reproduces; see [Note: compute after a wait] in calibrate.py."""
+    for its input), which the calibration reproduces; see [Note: compute after a wait] in calibrate.py.
+    `timer`: the timer of the device `values` live on, which times every measurement."""
     params = {name: p for name, p in gm.named_parameters(remove_duplicate=False)}
     param_storages = {storage_key(p) for p in params.values()}
     costs: dict[str, NodeCost] = {}
-    overhead = _backward_overhead(repeats) if measure else 0.0
+    overhead = _backward_overhead(repeats, timer) if measure else 0.0
     seen: dict[Hashable, tuple[int, int]] = {}
     for node in progress(compute_nodes(gm)):
         fn, args, kwargs = _bind(node, values)
@@ -73,10 +78,12 @@ def annotate(
         flops, activation = seen[key] if key is not None else found
         moved = total_bytes(args) + total_bytes(kwargs) + total_bytes(values.get(node))
         weights, inputs = _differentiable(args, kwargs, param_storages)
+        peak = None
         if measure:
-            fwd, bwd, weight = _time(fn, args, kwargs, repeats, weights if inputs else [])
+            fwd, bwd, weight = _time(fn, args, kwargs, repeats, weights if inputs else [], timer)
             bwd = max(0.0, bwd - overhead) if bwd else 0.0
             fraction = _weight_fraction(weights, inputs, max(0.0, weight - overhead), bwd)
+            peak = _peak(fn, args, kwargs, timer) if timer.counts_memory else None
         else:
             fwd = roofline_s(flops, moved, hardware.peak_flops, hardware.memory_bandwidth, hardware.efficiency)
             bwd = BACKWARD_FLOP_FACTOR * fwd if needs_grad(values.get(node)) else 0.0
@@ -90,10 +97,11 @@ def annotate(
             activation_bytes=activation,
             output_bytes=total_bytes(values.get(node)),
             weight_fraction=fraction,
+            peak_bytes=peak,
         )
         costs[node.name] = cost
     if measure:
-        costs = calibrate_graph(gm, values, costs, repeats, wait_s)
+        costs = calibrate_graph(gm, values, costs, repeats, wait_s, timer=timer)
     return costs
 
 
@@ -247,7 +255,7 @@ def _weight_fraction(weights: list[torch.Tensor], inputs: list[torch.Tensor], we
 
 
 def _time(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], repeats: int,
-          weights: list[torch.Tensor]) -> tuple[float, float, float]:
+          weights: list[torch.Tensor], timer: DeviceTimer) -> tuple[float, float, float]:
     """Median forward and backward seconds of one call, and with `weights`, the seconds of
     the weights' gradient alone (a zero-bubble W).  The forward records autograd's graph
     when an input requires grad, as a training step's forward does (under no_grad it is
@@ -255,7 +263,7 @@ def _time(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any],
     leaves = [a for a in tensors((args, kwargs)) if a.requires_grad]
     with torch.set_grad_enabled(bool(leaves)):
         fn(*args, **kwargs)  # warm-up
-        forward = _best(lambda: fn(*args, **kwargs), repeats)
+        forward = _best(lambda: fn(*args, **kwargs), repeats, timer)
     if not leaves:
         return forward, 0.0, 0.0
     try:
@@ -269,40 +277,55 @@ def _time(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any],
                 return lambda: torch.autograd.grad(out, of, grads, retain_graph=True, allow_unused=True)
 
             backward(leaves)()  # warm-up
-            whole = _best(backward(leaves), repeats)
-            return forward, whole, _best(backward(weights), repeats) if weights else 0.0
+            whole = _best(backward(leaves), repeats, timer)
+            return forward, whole, _best(backward(weights), repeats, timer) if weights else 0.0
     except RuntimeError:  # in-place ops on leaves and the like: use the usual 2x, half of it W
         return forward, BACKWARD_FLOP_FACTOR * forward, forward
 
 
-def _backward_overhead(repeats: int) -> float:
+def _peak(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], timer: DeviceTimer) -> int | None:
+    """The allocator's peak above what was allocated before, while the node runs forward
+    and backward once (its output, what it saves, its gradients and the op's workspace),
+    where the device counts it; None where it does not, or where the backward fails as in
+    `_time`."""
+    def run() -> None:
+        with torch.enable_grad():
+            leaves = [a for a in tensors((args, kwargs)) if a.requires_grad]
+            out = [t for t in tensors(fn(*args, **kwargs)) if t.requires_grad]
+            if leaves and out:
+                torch.autograd.grad(out, leaves, [torch.ones_like(t) for t in out], allow_unused=True)
+
+    try:
+        return timer.peak_bytes(run)
+    except RuntimeError:
+        return None
+
+
+def _backward_overhead(repeats: int, timer: DeviceTimer) -> float:
     """The fixed cost of starting one autograd.grad call, which a stage pays once per
     backward rather than once per node: measured on a one-element op and subtracted."""
-    x = torch.ones(1, requires_grad=True)
+    x = torch.ones(1, requires_grad=True, device=timer.device)
     y = x * 1.0
-    g = torch.ones(1)
+    g = torch.ones(1, device=timer.device)
     run = lambda: torch.autograd.grad([y], [x], [g], retain_graph=True)  # noqa: E731
     run()
-    return _best(run, max(repeats, 9)) * 0.9
+    return _best(run, max(repeats, 9), timer) * 0.9
 
 
-
-def _best(call: Callable[[], Any], repeats: int) -> float:
-    """Seconds per call: the fastest of `repeats` samples, each long enough to time.
+def _best(call: Callable[[], Any], repeats: int, timer: DeviceTimer) -> float:
+    """Seconds per call on the timer's device: the fastest of `repeats` samples, each long
+    enough to time.
 
     Other work on the machine only ever adds time, so the fastest sample is the best
     estimate of the op's own cost (as `timeit` advises); calls shorter than ~100 us are
     batched so a sample is not mostly timer overhead.
     """
-    start = time.perf_counter()
-    call()
-    once = time.perf_counter() - start
+    once = timer.time(call)
     inner = max(1, min(50, int(1e-4 / max(once, 1e-7))))
-    samples = []
-    for _ in range(max(1, repeats)):
-        start = time.perf_counter()
+
+    def batch() -> None:
         for _ in range(inner):
             call()
-        samples.append((time.perf_counter() - start) / inner)
-    return min(samples)
+
+    return min(timer.time(batch) / inner for _ in range(max(1, repeats)))
 

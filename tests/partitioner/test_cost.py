@@ -55,7 +55,7 @@ def test_each_stage_is_calibrated_on_its_own_after_a_wait(tmp_path: Path, monkey
     calls: list[tuple[set[str], float, float]] = []
 
     def record(gm: torch.fx.GraphModule, values: Any, costs: Any, repeats: int, wait_s: float = 0.0,
-               min_s: float = 0.0) -> Any:
+               min_s: float = 0.0, timer: Any = None) -> Any:
         calls.append(({n.name for n in compute_nodes(gm)}, wait_s, min_s))
         return costs
 
@@ -172,7 +172,7 @@ def test_ranks_are_calibrated_side_by_side_until_the_last_is_done(tmp_path: Path
     log = tmp_path / "log"
 
     def fake(gm: torch.fx.GraphModule, values: Any, costs: Any, repeats: int, wait_s: float = 0.0,
-             min_s: float = 0.0) -> Any:
+             min_s: float = 0.0, timer: Any = None) -> Any:
         import os
         import time
         names = {n.name for n in compute_nodes(gm)}
@@ -203,7 +203,7 @@ def test_a_rank_that_fails_its_calibration_fails_it_for_all_at_once(tmp_path: Pa
     p = _prepared(tmp_path, "examples/mlp.py")
 
     def broken(gm: torch.fx.GraphModule, values: Any, costs: Any, repeats: int, wait_s: float = 0.0,
-               min_s: float = 0.0) -> Any:
+               min_s: float = 0.0, timer: Any = None) -> Any:
         raise ValueError("no stage today")
 
     monkeypatch.setattr(calibrate, "calibrate_graph", broken)
