@@ -247,11 +247,14 @@ def _differentiable(args: tuple[Any, ...], kwargs: dict[str, Any], param_storage
 
 def _weight_fraction(weights: list[torch.Tensor], inputs: list[torch.Tensor], weight_s: float, backward_s: float
                      ) -> float:
-    """The part of a node's backward that is its weights' gradient: all of it or none
-    where only weights or only other inputs need one, else `weight_s` of `backward_s`."""
-    if not weights or backward_s <= 0:
+    """The part of a node's backward that is its weights' gradient: none or all of it where
+    only other inputs or only weights need one, else `weight_s` of `backward_s` (half
+    where the backward is too short to time)."""
+    if not weights:
         return 0.0
-    return 1.0 if not inputs else min(1.0, weight_s / backward_s)
+    if not inputs:
+        return 1.0
+    return min(1.0, weight_s / backward_s) if backward_s > 0 else 0.5
 
 
 def _time(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], repeats: int,
