@@ -12,7 +12,8 @@ rank's one thread; the last stage also runs the loss, timed by the compile):
 - parameters: DeepSpeed's partition_method='parameters' (balanced parameter counts)
 - best:       the best contiguous split by the layers' own measured times (exact DP)
 
-Each figure is the median over interleaved rounds (every variant timed once per round):
+Each time is the median over interleaved rounds (every variant timed once per round, a
+different one first each round), and each ratio the median of the ratios within a round:
 this 2-core machine is shared and noisy (~10%).
 
     python -m benchmarks.split_quality [--quick]
@@ -80,17 +81,17 @@ def run_model(path: str, stages: int, rounds: int, repeats: int, work: Path) -> 
         prepared.opts.out = str(work / name)
         assign_nodes(prepared, by_layers(groups, bounds))
     slowest: dict[str, list[float]] = {name: [] for name in ["ours", *splits]}
-    for _ in range(rounds):  # interleaved: every variant once per round
-        for name in slowest:
+    for k in range(rounds):  # interleaved: every variant once per round, in turn first
+        names = list(slowest)
+        for name in names[k % len(names):] + names[:k % len(names)]:
             times = measure_stages(work / name, prepared, repeats)
             times[-1] += loss_s
             slowest[name].append(max(times))
     row: dict[str, Any] = {"model": Path(path).stem.removesuffix("_big"), "stages": stages, "units": len(groups)}
     for name, samples in slowest.items():
         row[f"{name}_ms"] = statistics.median(samples) * 1e3
-    row["ours_vs_best"] = row["ours_ms"] / row["best_ms"]
-    row["ours_vs_torchtitan"] = row["ours_ms"] / row["torchtitan_ms"]
-    row["ours_vs_parameters"] = row["ours_ms"] / row["parameters_ms"]
+    for other in splits:  # the median of the ratios within each round: the machine's drift cancels
+        row[f"ours_vs_{other}"] = statistics.median(a / b for a, b in zip(slowest["ours"], slowest[other]))
     return row
 
 
@@ -98,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--quick", action="store_true", help="one model, S=2, fewer rounds")
     ns = parser.parse_args(argv)
-    rounds, repeats = (3, 3) if ns.quick else (5, 5)
+    rounds, repeats = (3, 3) if ns.quick else (8, 5)
     rows = []
     with tempfile.TemporaryDirectory() as tmp, rank_threads():
         for path in MODELS[:1] if ns.quick else MODELS:
