@@ -19,12 +19,19 @@ each block feeds the next (a chain) every valid plan is contiguous, and a plan w
 exact cost meets the bound is the optimum; `solve` hands other DAGs (and chains where
 it does not meet it) on to CP-SAT, warm-started with this plan.
 
+Where a rank runs several stages (interleaved, zb-v: `PartitionProblem.placement`), a
+message between two of them is free, and a run's bound counts only what certainly goes
+to another rank whatever the other runs are (`_modes`): everything it receives where no
+earlier stage shares its rank, else only what the block just before it makes if the stage
+before is elsewhere, else nothing; likewise for what it sends.  With one stage per rank
+that is the bound above.
+
 This is the problem PipeDream's optimizer solves with a DP over layers (Narayanan et
 al., "PipeDream: Generalized Pipeline Parallelism for DNN Training", SOSP 2019), and that
 torchgpipe's `balance.blockpartition` balances with the algorithm of Bárány and Grinberg,
 "Block Partitions of Sequences" (arXiv:1308.2452).  Here a run's cost is not a sum over
 its blocks (a value crossing the cut costs both sides, a tied parameter is held once), so
-`_Intervals` computes the sums for every run [a, b) at once, by chunks of b.
+`Intervals` computes the sums for every run [a, b) at once, by chunks of b.
 """
 
 from __future__ import annotations
@@ -35,15 +42,17 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from ..cost.costmodel import computing_blocks, message_s, shared_params, values
+from ..cost.costmodel import Value, computing_blocks, message_s, shared_params, values
 from ..ir import PartitionProblem
 
-__all__ = ["dp_balanced", "dp_memory", "dp_time"]
+__all__ = ["Intervals", "dp_balanced", "dp_memory", "dp_time"]
 
 #: entries of one column chunk of the interval matrices (bounds the DP's memory)
 _CHUNK_ENTRIES = 1 << 21
 #: runs [a, b) with a0 <= a <= a1 and b0 <= b <= b1, and what each adds
 _Rect = tuple[int, int, int, int, float]
+#: which of a run's receives and sends certainly cross to another rank (`_modes`)
+_Modes = tuple[str, str]
 
 
 def dp_time(problem: PartitionProblem, upper_s: float = math.inf) -> tuple[tuple[int, ...] | None, float]:
@@ -52,8 +61,7 @@ def dp_time(problem: PartitionProblem, upper_s: float = math.inf) -> tuple[tuple
     minimised (the module docstring).  `upper_s`, the slowest stage of a known plan, only
     prunes."""
     limit = problem.memory_limit_bytes
-    iv = _Intervals(problem, upper_s)
-
+    iv = Intervals(problem, upper_s)
     return _interval_dp(iv, problem.stages, lambda c0, c1, a0: iv.allowed_time_s(c0, c1, a0, limit))
 
 
@@ -63,7 +71,7 @@ def dp_balanced(problem: PartitionProblem, cap_s: float) -> tuple[int, ...] | No
     then send the fewest bytes: the second and third objectives (see `solve`)."""
     limit, stages, n = problem.memory_limit_bytes, problem.stages, problem.num_blocks
     cap = cap_s * (1 + 1e-9)
-    iv = _Intervals(problem, cap)
+    iv = Intervals(problem, cap)
     mean, tol = sum(problem.block_time_s) / stages, 1e-9 * cap_s
     excess = np.full((stages + 1, n + 1), np.inf)
     sent = np.full((stages + 1, n + 1), np.inf)
@@ -71,12 +79,12 @@ def dp_balanced(problem: PartitionProblem, cap_s: float) -> tuple[int, ...] | No
     arg = np.zeros((stages + 1, n + 1), dtype=np.int64)
     for c0, c1, a0 in iv.chunks():
         cost, rows = iv.allowed_time_s(c0, c1, a0, limit), np.arange(c1 - c0)
-        run_sent = _sum_corners(iv.sent, c0, c1, a0, np.float64)
+        run_sent = iv.sent_bytes(c0, c1, a0)
         for k in range(stages):
             time_s = cost(k)
             cand = np.where(time_s <= cap, excess[k, None, a0:c1] + np.maximum(time_s - mean, 0.0), np.inf)
             least = cand.min(axis=1, keepdims=True)
-            tied = np.where(np.isfinite(cand) & (cand <= least + tol), sent[k, None, a0:c1] + run_sent, np.inf)
+            tied = np.where(np.isfinite(cand) & (cand <= least + tol), sent[k, None, a0:c1] + run_sent(k), np.inf)
             best = np.argmin(tied, axis=1)
             excess[k + 1, c0:c1], sent[k + 1, c0:c1] = cand[rows, best], tied[rows, best]
             arg[k + 1, c0:c1] = best + a0
@@ -86,46 +94,42 @@ def dp_balanced(problem: PartitionProblem, cap_s: float) -> tuple[int, ...] | No
 def dp_memory(problem: PartitionProblem) -> tuple[int, ...] | None:
     """The contiguous plan with the least memory on its fullest stage, whatever the limit
     (None only when there are more stages than blocks)."""
-    iv = _Intervals(problem)
+    iv = Intervals(problem)
     return _interval_dp(iv, problem.stages, iv.memory)[0]
 
 
-class _Intervals:
+class Intervals:
     """The cost model's sums over every run [a, b) of the block order, by chunks of b.
 
     Whether a value is sent or received by a run, or a shared parameter held, is a union
     of rectangles in (b, a); each rectangle goes in as four corners of a 2-D difference
     array, so a chunk of the sums is two cumulative sums away.  Matrices are (b, a):
-    row b - c0 for each end b in [c0, c1), column a for each start a < c1.
+    row b - c0 for each end b in [c0, c1), column a for each start a < c1.  A run's
+    messages depend on its stage's neighbours' ranks (`_modes`): the sums are built per
+    kind of stage, when first asked for.
     """
 
     def __init__(self, problem: PartitionProblem, upper_s: float = math.inf) -> None:
         n, p = problem.num_blocks, problem
-        own, shared = shared_params(problem)
+        own, self.shared = shared_params(problem)
         self.n, self.problem, self.upper_s = n, problem, upper_s * (1 + 1e-9)
         self.time = np.concatenate([[0.0], np.cumsum(p.block_time_s, dtype=np.float64)])
         self.acts = np.concatenate([[0], np.cumsum(p.block_activation_bytes, dtype=np.int64)])
         self.own = np.concatenate([[0], np.cumsum(own, dtype=np.int64)])
-        comm: list[_Rect] = []
-        held: list[_Rect] = []
+        placed = problem.placement
+        self.modes = [_modes(placed, k) for k in range(p.stages)]
+        self._comm: dict[_Modes, tuple[np.ndarray, ...]] = {}
+        self._sent: dict[str, tuple[np.ndarray, ...]] = {}
         received: list[_Rect] = []
-        for v in values(problem):
-            w = 2 * message_s(0.0, p.comm_beta_s_per_byte, v.bytes)
-            comm.append((0, v.producer, v.producer + 1, v.readers[-1], w))  # sent (to one stage at least)
-            comm += _first_reader_rects(v.producer + 1, v.readers, n, w)  # received
-            if p.recompute:
+        if p.recompute:
+            for v in values(problem):
                 received += _first_reader_rects(v.producer + 1, v.readers, n, v.bytes)
-        for size, blocks in shared:
-            held += _first_reader_rects(0, blocks, n, size)
-        comm += _message_rects(problem, n, 2 * message_s(p.comm_alpha_s, 0.0, 0))
-        self.comm = _corners([r for r in comm if r[-1]], np.float64)
-        self.sent = _corners([(0, v.producer, v.producer + 1, v.readers[-1], float(v.bytes)) for v in values(problem)],
-                             np.float64)
         computing = np.zeros(n, dtype=np.int64)
         computing[computing_blocks(p)] = 1
         self.computing = np.concatenate([[0], np.cumsum(computing)])
         self.must_compute = int(computing.sum()) >= p.stages  # [Note: every stage computes] in solve.py
-        self.held = _corners(held, np.int64)
+        self.held = _corners([r for size, blocks in self.shared for r in _first_reader_rects(0, blocks, n, size)],
+                             np.int64)
         self.received = _corners([r for r in received if r[-1]], np.int64)
 
     def chunks(self) -> list[tuple[int, int, int]]:
@@ -140,23 +144,40 @@ class _Intervals:
             c0 += width
         return out
 
-    def time_s(self, c0: int, c1: int, a0: int) -> np.ndarray:
-        """Stage time of each run; inf where a >= b."""
-        b, a = np.arange(c0, c1)[:, None], np.arange(a0, c1)[None, :]
-        total = (self.time[b] - self.time[a]) + _sum_corners(self.comm, c0, c1, a0, np.float64)
-        return np.where(a < b, total, np.inf)
-
     def allowed_time_s(self, c0: int, c1: int, a0: int, limit: int | None) -> Callable[[int], np.ndarray]:
-        """Stage time of each run as stage k; inf where it exceeds the memory limit or
-        holds no compute while every stage can have some."""
-        time_s = self.time_s(c0, c1, a0)
-        if self.must_compute:
-            b, a = np.arange(c0, c1)[:, None], np.arange(a0, c1)[None, :]
-            time_s = np.where(self.computing[b] > self.computing[a], time_s, np.inf)
+        """Stage time of each run as stage k, as a function of k; inf where a >= b, where
+        it exceeds the memory limit or holds no compute while every stage can have some."""
+        b, a = np.arange(c0, c1)[:, None], np.arange(a0, c1)[None, :]
+        valid = (a < b) & (self.computing[b] > self.computing[a]) if self.must_compute else a < b
+        compute = np.where(valid, self.time[b] - self.time[a], np.inf)
+        by_modes: dict[_Modes, np.ndarray] = {}
+
+        def time_s(k: int) -> np.ndarray:
+            modes = self.modes[k]
+            if modes not in by_modes:
+                by_modes[modes] = compute + _sum_corners(self._comm_corners(modes), c0, c1, a0, np.float64)
+            return by_modes[modes]
+
         if limit is None:
-            return lambda k: time_s
+            return time_s
         memory = self.memory(c0, c1, a0)
-        return lambda k: np.where(memory(k) <= limit, time_s, np.inf)
+        return lambda k: np.where(memory(k) <= limit, time_s(k), np.inf)
+
+    def sent_bytes(self, c0: int, c1: int, a0: int) -> Callable[[int], np.ndarray]:
+        """The bytes each run certainly sends another rank as stage k (each value once),
+        as a function of k."""
+        by_mode: dict[str, np.ndarray] = {}
+
+        def sent(k: int) -> np.ndarray:
+            mode = self.modes[k][1]
+            if mode not in by_mode:
+                if mode not in self._sent:
+                    self._sent[mode] = _corners([r for v in values(self.problem)
+                                                 for r in _sent_rects(v, mode, float(v.bytes))], np.float64)
+                by_mode[mode] = _sum_corners(self._sent[mode], c0, c1, a0, np.float64)
+            return by_mode[mode]
+
+        return sent
 
     def memory(self, c0: int, c1: int, a0: int) -> Callable[[int], np.ndarray]:
         """Memory of each run as stage k, as a function of k; inf where a >= b."""
@@ -170,19 +191,75 @@ class _Intervals:
             return lambda k: fixed + acts + inputs * p.inflight(k)
         return lambda k: fixed + acts * p.inflight(k)
 
+    def holds(self, blocks: Sequence[int], c0: int, c1: int, a0: int) -> np.ndarray:
+        """Whether each run holds one of `blocks` (sorted): a parameter they read."""
+        return _sum_corners(_corners(_first_reader_rects(0, blocks, self.n, 1), np.int64), c0, c1, a0, np.int64) > 0
 
-def _message_rects(problem: PartitionProblem, n: int, w: float) -> list[_Rect]:
-    """Runs [a, b) that receive something (a value made before a, read in [a, b): b is
-    past the first such reader at or after a) and runs that send something (a value made
-    in [a, b) read at or after b: a is at most the last such producer before b), `w`
-    each: by a sweep over the cut with a heap of the edges open across it."""
+    def _comm_corners(self, modes: _Modes) -> tuple[np.ndarray, ...]:
+        """The corners of a run's messages (lower bound, forward and backward) under `modes`."""
+        if modes not in self._comm:
+            p, n = self.problem, self.n
+            rects: list[_Rect] = []
+            for v in values(p):
+                w = 2 * message_s(0.0, p.comm_beta_s_per_byte, v.bytes)
+                rects += _sent_rects(v, modes[1], w) + _received_rects(v, modes[0], n, w)
+            rects += _message_rects(p, n, 2 * message_s(p.comm_alpha_s, 0.0, 0), modes)
+            self._comm[modes] = _corners([r for r in rects if r[-1]], np.float64)
+        return self._comm[modes]
+
+
+def _modes(placed: Sequence[int], k: int) -> _Modes:
+    """Which of stage k's receives and of its sends certainly cross to another rank,
+    whatever the other runs are: "all" where no stage before (after) it is on its rank,
+    "next" where the stage next to it is on another (so is the block just before its run,
+    or just after), "none" where that one shares its rank too (the turn of zb-v's V)."""
+
+    def side(others: range, beside: int) -> str:
+        if all(placed[j] != placed[k] for j in others):
+            return "all"
+        return "next" if placed[beside] != placed[k] else "none"
+
+    return side(range(k), k - 1), side(range(k + 1, len(placed)), k + 1)
+
+
+def _sent_rects(v: Value, mode: str, w: float) -> list[_Rect]:
+    """Runs that hold `v`'s producer and certainly send it (`_modes`): read at or after
+    the run's end ("all"), or by the block right after it ("next")."""
+    if mode == "all":
+        return [(0, v.producer, v.producer + 1, v.readers[-1], w)]
+    return [(0, v.producer, r, r, w) for r in v.readers] if mode == "next" else []
+
+
+def _received_rects(v: Value, mode: str, n: int, w: float) -> list[_Rect]:
+    """Runs that read `v` and certainly receive it (`_modes`): made before the run
+    ("all"), or by the block right before it ("next")."""
+    if mode == "all":
+        return _first_reader_rects(v.producer + 1, v.readers, n, w)
+    return [(v.producer + 1, v.producer + 1, v.readers[0] + 1, n, w)] if mode == "next" else []
+
+
+def _message_rects(problem: PartitionProblem, n: int, w: float, modes: _Modes) -> list[_Rect]:
+    """Runs that certainly receive a message (`_modes`: a value made before a, or at
+    a - 1, read in [a, b)) and runs that certainly send one (a value made in [a, b) read
+    at or after b, or at b), `w` each.  "all": by a sweep over the cut with a heap of the
+    edges open across it (runs starting at the cut receive once b passes the first such
+    reader at or after a; runs ending at the cut send if they hold the last such producer)."""
     if not w:
         return []
     edges = sorted({(v.producer, r) for v in values(problem) for r in v.readers})
-    rects: list[_Rect] = []
     by_producer: dict[int, list[int]] = {}
+    last_producer: dict[int, int] = {}
     for src, dst in edges:
         by_producer.setdefault(src, []).append(dst)
+        last_producer[dst] = src
+    recv, send = modes
+    rects: list[_Rect] = []
+    if recv == "next":
+        rects += [(src + 1, src + 1, dsts[0] + 1, n, w) for src, dsts in by_producer.items()]
+    if send == "next":
+        rects += [(0, src, dst, dst, w) for dst, src in last_producer.items()]
+    if "all" not in modes:
+        return rects
     open_min: list[int] = []  # readers of values made before the cut
     open_max: list[tuple[int, int]] = []  # (-producer, reader) of values made before the cut
     for cut in range(1, n):
@@ -191,11 +268,11 @@ def _message_rects(problem: PartitionProblem, n: int, w: float) -> list[_Rect]:
             heapq.heappush(open_max, (-(cut - 1), dst))
         while open_min and open_min[0] < cut:
             heapq.heappop(open_min)
-        if open_min:  # runs starting at the cut receive once they reach its first reader
+        if open_min and recv == "all":
             rects.append((cut, cut, open_min[0] + 1, n, w))
         while open_max and open_max[0][1] < cut:
             heapq.heappop(open_max)
-        if open_max:  # runs ending at the cut send if they hold its last open producer
+        if open_max and send == "all":
             rects.append((0, -open_max[0][0], cut, cut, w))
     return rects
 
@@ -232,7 +309,7 @@ def _sum_corners(corners: tuple[np.ndarray, ...], c0: int, c1: int, a0: int, dty
     return np.add.accumulate(grid, axis=1, out=grid)
 
 
-def _interval_dp(iv: _Intervals, stages: int,
+def _interval_dp(iv: Intervals, stages: int,
                  chunk_cost: Callable[[int, int, int], Callable[[int], np.ndarray]]
                  ) -> tuple[tuple[int, ...] | None, float]:
     """The contiguous plan into `stages` runs that minimises the max over its runs of
