@@ -21,10 +21,11 @@ it does not meet it) on to CP-SAT, warm-started with this plan.
 
 Where a rank runs several stages (interleaved, zb-v: `PartitionProblem.placement`), a
 message between two of them is free, and a run's bound counts only what certainly goes
-to another rank whatever the other runs are (`_modes`): everything it receives where no
-earlier stage shares its rank, else only what the block just before it makes if the stage
-before is elsewhere, else nothing; likewise for what it sends.  With one stage per rank
-that is the bound above.
+to another rank whatever the other runs are (`_reach`): the stages between stage k and
+the nearest earlier one on its rank, d of them, hold a block each, so what the d blocks
+before the run make certainly comes from another rank (everything made before it where
+no earlier stage shares its rank); likewise for what the blocks after it read.  With one
+stage per rank that is the bound above.
 
 This is the problem PipeDream's optimizer solves with a DP over layers (Narayanan et
 al., "PipeDream: Generalized Pipeline Parallelism for DNN Training", SOSP 2019), and that
@@ -51,8 +52,8 @@ __all__ = ["Intervals", "dp_balanced", "dp_memory", "dp_time"]
 _CHUNK_ENTRIES = 1 << 21
 #: runs [a, b) with a0 <= a <= a1 and b0 <= b <= b1, and what each adds
 _Rect = tuple[int, int, int, int, float]
-#: which of a run's receives and sends certainly cross to another rank (`_modes`)
-_Modes = tuple[str, str]
+#: how many blocks before and after a run certainly lie on other ranks (`_reach`)
+_Reach = tuple[int, int]
 
 
 def dp_time(problem: PartitionProblem, upper_s: float = math.inf) -> tuple[tuple[int, ...] | None, float]:
@@ -105,7 +106,7 @@ class Intervals:
     of rectangles in (b, a); each rectangle goes in as four corners of a 2-D difference
     array, so a chunk of the sums is two cumulative sums away.  Matrices are (b, a):
     row b - c0 for each end b in [c0, c1), column a for each start a < c1.  A run's
-    messages depend on its stage's neighbours' ranks (`_modes`): the sums are built per
+    messages depend on its stage's neighbours' ranks (`_reach`): the sums are built per
     kind of stage, when first asked for.
     """
 
@@ -117,9 +118,10 @@ class Intervals:
         self.acts = np.concatenate([[0], np.cumsum(p.block_activation_bytes, dtype=np.int64)])
         self.own = np.concatenate([[0], np.cumsum(own, dtype=np.int64)])
         placed = problem.placement
-        self.modes = [_modes(placed, k) for k in range(p.stages)]
-        self._comm: dict[_Modes, tuple[np.ndarray, ...]] = {}
-        self._sent: dict[str, tuple[np.ndarray, ...]] = {}
+        span = max((v.readers[-1] - v.producer for v in values(problem)), default=0)  # the longest edge
+        self.reach = [_reach(placed, k, n, span) for k in range(p.stages)]
+        self._comm: dict[_Reach, tuple[np.ndarray, ...]] = {}
+        self._sent: dict[int, tuple[np.ndarray, ...]] = {}
         received: list[_Rect] = []
         if p.recompute:
             for v in values(problem):
@@ -150,13 +152,13 @@ class Intervals:
         b, a = np.arange(c0, c1)[:, None], np.arange(a0, c1)[None, :]
         valid = (a < b) & (self.computing[b] > self.computing[a]) if self.must_compute else a < b
         compute = np.where(valid, self.time[b] - self.time[a], np.inf)
-        by_modes: dict[_Modes, np.ndarray] = {}
+        by_reach: dict[_Reach, np.ndarray] = {}
 
         def time_s(k: int) -> np.ndarray:
-            modes = self.modes[k]
-            if modes not in by_modes:
-                by_modes[modes] = compute + _sum_corners(self._comm_corners(modes), c0, c1, a0, np.float64)
-            return by_modes[modes]
+            reach = self.reach[k]
+            if reach not in by_reach:
+                by_reach[reach] = compute + _sum_corners(self._comm_corners(reach), c0, c1, a0, np.float64)
+            return by_reach[reach]
 
         if limit is None:
             return time_s
@@ -166,16 +168,16 @@ class Intervals:
     def sent_bytes(self, c0: int, c1: int, a0: int) -> Callable[[int], np.ndarray]:
         """The bytes each run certainly sends another rank as stage k (each value once),
         as a function of k."""
-        by_mode: dict[str, np.ndarray] = {}
+        by_reach: dict[int, np.ndarray] = {}
 
         def sent(k: int) -> np.ndarray:
-            mode = self.modes[k][1]
-            if mode not in by_mode:
-                if mode not in self._sent:
-                    self._sent[mode] = _corners([r for v in values(self.problem)
-                                                 for r in _sent_rects(v, mode, float(v.bytes))], np.float64)
-                by_mode[mode] = _sum_corners(self._sent[mode], c0, c1, a0, np.float64)
-            return by_mode[mode]
+            after = self.reach[k][1]
+            if after not in by_reach:
+                if after not in self._sent:
+                    self._sent[after] = _corners([r for v in values(self.problem)
+                                                  for r in _sent_rects(v, after, float(v.bytes))], np.float64)
+                by_reach[after] = _sum_corners(self._sent[after], c0, c1, a0, np.float64)
+            return by_reach[after]
 
         return sent
 
@@ -195,84 +197,81 @@ class Intervals:
         """Whether each run holds one of `blocks` (sorted): a parameter they read."""
         return _sum_corners(_corners(_first_reader_rects(0, blocks, self.n, 1), np.int64), c0, c1, a0, np.int64) > 0
 
-    def _comm_corners(self, modes: _Modes) -> tuple[np.ndarray, ...]:
-        """The corners of a run's messages (lower bound, forward and backward) under `modes`."""
-        if modes not in self._comm:
+    def _comm_corners(self, reach: _Reach) -> tuple[np.ndarray, ...]:
+        """The corners of a run's messages (lower bound, forward and backward) for `reach`."""
+        if reach not in self._comm:
             p, n = self.problem, self.n
             rects: list[_Rect] = []
             for v in values(p):
                 w = 2 * message_s(0.0, p.comm_beta_s_per_byte, v.bytes)
-                rects += _sent_rects(v, modes[1], w) + _received_rects(v, modes[0], n, w)
-            rects += _message_rects(p, n, 2 * message_s(p.comm_alpha_s, 0.0, 0), modes)
-            self._comm[modes] = _corners([r for r in rects if r[-1]], np.float64)
-        return self._comm[modes]
+                rects += _sent_rects(v, reach[1], w) + _received_rects(v, reach[0], n, w)
+            rects += _message_rects(p, n, 2 * message_s(p.comm_alpha_s, 0.0, 0), reach)
+            self._comm[reach] = _corners([r for r in rects if r[-1]], np.float64)
+        return self._comm[reach]
 
 
-def _modes(placed: Sequence[int], k: int) -> _Modes:
-    """Which of stage k's receives and of its sends certainly cross to another rank,
-    whatever the other runs are: "all" where no stage before (after) it is on its rank,
-    "next" where the stage next to it is on another (so is the block just before its run,
-    or just after), "none" where that one shares its rank too (the turn of zb-v's V)."""
+def _reach(placed: Sequence[int], k: int, n: int, span: int) -> _Reach:
+    """How many blocks right before and right after stage k's run certainly lie on other
+    ranks, whatever the other runs are: one per stage between k and the nearest earlier
+    (later) stage on its rank, each holding a block at least; all `n` where there is none
+    or where that reaches as far as any edge (`span` blocks), which is the same."""
+    def blocks(between: list[int]) -> int:
+        return min(between) if between and min(between) < span else n
 
-    def side(others: range, beside: int) -> str:
-        if all(placed[j] != placed[k] for j in others):
-            return "all"
-        return "next" if placed[beside] != placed[k] else "none"
-
-    return side(range(k), k - 1), side(range(k + 1, len(placed)), k + 1)
+    return (blocks([k - j - 1 for j in range(k) if placed[j] == placed[k]]),
+            blocks([j - k - 1 for j in range(k + 1, len(placed)) if placed[j] == placed[k]]))
 
 
-def _sent_rects(v: Value, mode: str, w: float) -> list[_Rect]:
-    """Runs that hold `v`'s producer and certainly send it (`_modes`): read at or after
-    the run's end ("all"), or by the block right after it ("next")."""
-    if mode == "all":
-        return [(0, v.producer, v.producer + 1, v.readers[-1], w)]
-    return [(0, v.producer, r, r, w) for r in v.readers] if mode == "next" else []
+def _sent_rects(v: Value, after: int, w: float) -> list[_Rect]:
+    """Runs [a, b) that hold `v`'s producer and certainly send it: a reader in [b, b + after)."""
+    rects: list[_Rect] = []
+    for r in v.readers:
+        lo = max(v.producer + 1, r - after + 1)  # the ends b for which r is within reach
+        if lo > r:
+            continue
+        if rects and lo <= rects[-1][3] + 1:
+            rects[-1] = (0, v.producer, rects[-1][2], r, w)
+        else:
+            rects.append((0, v.producer, lo, r, w))
+    return rects
 
 
-def _received_rects(v: Value, mode: str, n: int, w: float) -> list[_Rect]:
-    """Runs that read `v` and certainly receive it (`_modes`): made before the run
-    ("all"), or by the block right before it ("next")."""
-    if mode == "all":
-        return _first_reader_rects(v.producer + 1, v.readers, n, w)
-    return [(v.producer + 1, v.producer + 1, v.readers[0] + 1, n, w)] if mode == "next" else []
+def _received_rects(v: Value, before: int, n: int, w: float) -> list[_Rect]:
+    """Runs [a, b) that read `v` and certainly receive it: made in [a - before, a)."""
+    top = v.producer + before  # the last start a with the producer within reach
+    return [(a0, min(a1, top), b0, b1, w) for a0, a1, b0, b1, w in _first_reader_rects(v.producer + 1, v.readers, n, w)
+            if a0 <= top]
 
 
-def _message_rects(problem: PartitionProblem, n: int, w: float, modes: _Modes) -> list[_Rect]:
-    """Runs that certainly receive a message (`_modes`: a value made before a, or at
-    a - 1, read in [a, b)) and runs that certainly send one (a value made in [a, b) read
-    at or after b, or at b), `w` each.  "all": by a sweep over the cut with a heap of the
-    edges open across it (runs starting at the cut receive once b passes the first such
-    reader at or after a; runs ending at the cut send if they hold the last such producer)."""
+def _message_rects(problem: PartitionProblem, n: int, w: float, reach: _Reach) -> list[_Rect]:
+    """Runs that certainly receive a message (a value made in [a - before, a) read in [a, b))
+    and runs that certainly send one (a value made in [a, b) read in [b, b + after)), `w`
+    each (`_reach`): by a sweep over the cut with heaps of the edges open across it (runs
+    starting at the cut receive once b passes the first such reader; runs ending at the cut
+    send if they hold the last such producer); an edge leaves a heap once past it."""
     if not w:
         return []
-    edges = sorted({(v.producer, r) for v in values(problem) for r in v.readers})
-    by_producer: dict[int, list[int]] = {}
-    last_producer: dict[int, int] = {}
-    for src, dst in edges:
-        by_producer.setdefault(src, []).append(dst)
-        last_producer[dst] = src
-    recv, send = modes
+    before, after = reach
+    made: dict[int, list[tuple[int, int]]] = {}  # edges (producer, reader) by the first cut past the producer
+    read: dict[int, list[tuple[int, int]]] = {}  # by the first cut whose reach after it takes in the reader
+    for src, dst in sorted({(v.producer, r) for v in values(problem) for r in v.readers}):
+        made.setdefault(src + 1, []).append((src, dst))
+        read.setdefault(max(src + 1, dst - after + 1), []).append((src, dst))
     rects: list[_Rect] = []
-    if recv == "next":
-        rects += [(src + 1, src + 1, dsts[0] + 1, n, w) for src, dsts in by_producer.items()]
-    if send == "next":
-        rects += [(0, src, dst, dst, w) for dst, src in last_producer.items()]
-    if "all" not in modes:
-        return rects
-    open_min: list[int] = []  # readers of values made before the cut
-    open_max: list[tuple[int, int]] = []  # (-producer, reader) of values made before the cut
+    open_min: list[tuple[int, int]] = []  # (reader, producer) of values made before the cut
+    open_max: list[tuple[int, int]] = []  # (-producer, reader) of values made before the cut, read in reach
     for cut in range(1, n):
-        for dst in by_producer.get(cut - 1, []):
-            heapq.heappush(open_min, dst)
-            heapq.heappush(open_max, (-(cut - 1), dst))
-        while open_min and open_min[0] < cut:
+        for src, dst in made.get(cut, []):
+            heapq.heappush(open_min, (dst, src))
+        for src, dst in read.get(cut, []):
+            heapq.heappush(open_max, (-src, dst))
+        while open_min and (open_min[0][0] < cut or open_min[0][1] < cut - before):
             heapq.heappop(open_min)
-        if open_min and recv == "all":
-            rects.append((cut, cut, open_min[0] + 1, n, w))
+        if open_min:
+            rects.append((cut, cut, open_min[0][0] + 1, n, w))
         while open_max and open_max[0][1] < cut:
             heapq.heappop(open_max)
-        if open_max and send == "all":
+        if open_max:
             rects.append((0, -open_max[0][0], cut, cut, w))
     return rects
 

@@ -49,7 +49,7 @@ from ..cost.costmodel import boundary_s, computing_blocks, pair_bytes, remote, s
 from ..errors import InfeasiblePlanError, PlanError
 from .cpsat import CpResult, solve_cpsat
 from .intervals import dp_balanced, dp_memory, dp_time
-from .vee import vee_balanced, vee_memory, vee_time
+from .vee import vee_memory, vee_plans
 from ..ir import PartitionProblem, SolverReport
 from ..cost.roofline import stage_memory_bytes
 
@@ -225,8 +225,7 @@ def _contiguous(problem: PartitionProblem) -> tuple[tuple[int, ...] | None, floa
         balanced = dp_balanced(problem, bound) if dp is not None else None
     elif problem.schedule == "zb-v":
         start = _per_stage_plan(problem)
-        dp, bound = vee_time(problem, min(upper, objective(problem, start)) if start is not None else upper)
-        balanced = vee_balanced(problem, bound) if dp is not None else None
+        dp, balanced, bound = vee_plans(problem, min(upper, objective(problem, start)) if start is not None else upper)
     else:
         return _per_stage_plan(problem), 0.0, False
     if balanced is not None and _better(problem, balanced, dp):

@@ -18,16 +18,19 @@ optimum is a lower bound of every contiguous plan's slowest rank, and `solve` ev
 its plan exactly; on a chain (each block feeds the next) a plan that meets the bound is
 the optimum of every plan.
 
-The same walk minimises, with every rank within a cap, the ranks' summed excess over the
-mean compute and then the bytes they send (`vee_balanced`, the second and third
-objectives), or the fullest rank's memory (`vee_memory`, for the error that says what
-would fit).  A step looks at every (a, a', b', b): n^4 / 24 at worst, but only runs whose
-cost stays within a known plan's slowest rank are looked at, so each of the 2p runs
-spans about a 2p-th of the compute and the walk takes well under n^3 per rank.
+The same walk minimises, with every rank within that optimum, the ranks' summed excess
+over the mean compute and then the bytes they send (the second and third objectives,
+`vee_plans`), or the fullest rank's memory (`vee_memory`, for the error that says what
+would fit).  A step looks at every (a, a', b', b): n^4 / 24 at worst, but only at runs
+whose cost stays within a known plan's slowest rank U, and only at pairs of cuts that
+leave the ranks inside no more compute than they can take within U (less the least
+messages of any of their runs): after r ranks the compute outside the cuts lies in a band
+of the cuts, as narrow as U is close to the mean rank.
 """
 
 from __future__ import annotations
 
+import copy
 import math
 from typing import Callable
 
@@ -36,51 +39,49 @@ import numpy as np
 from ..ir import PartitionProblem
 from .intervals import Intervals
 
-__all__ = ["vee_balanced", "vee_memory", "vee_time"]
+__all__ = ["vee_memory", "vee_plans"]
 
-#: (the outer ranks' two keys; this rank's time, memory and bytes sent) -> the two keys
-#: with this rank (inf: not allowed); the walk keeps the least first key, then second
-_Keys = Callable[[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray], tuple[np.ndarray, np.ndarray]]
+#: (the outer ranks' keys, this rank's runs) -> the keys with this rank (inf: not allowed;
+#: no second key: none); the walk keeps the least first key, then the least second
+_Keys = Callable[[np.ndarray, np.ndarray, "_Rank"], tuple[np.ndarray, np.ndarray | None]]
 _Index = tuple[np.ndarray | int, ...]  # numpy indices into the [a, b] matrices
+#: candidates of one chunk of a step (bounds its memory)
+_CHUNK = 1 << 18
 
 
-def vee_time(problem: PartitionProblem, upper_s: float = math.inf) -> tuple[tuple[int, ...] | None, float]:
+def vee_plans(problem: PartitionProblem, upper_s: float = math.inf
+              ) -> tuple[tuple[int, ...] | None, tuple[int, ...] | None, float]:
     """The contiguous plan whose slowest rank is fastest and that fits the memory limit
-    (None if none fits), and that least slowest rank: a lower bound of every contiguous
-    plan's (the module docstring).  `upper_s`, a known plan's slowest rank, only prunes."""
-    limit = problem.memory_limit_bytes
+    (None if none fits); among those whose every rank is within that least slowest rank,
+    the one whose ranks exceed the mean compute the least in sum, then send the fewest
+    bytes (the second and third objectives, see `solve`); and that least slowest rank, a
+    lower bound of every contiguous plan's (the module docstring).  `upper_s`, a known
+    plan's slowest rank, only prunes."""
+    walk = _Walk(problem, upper_s, problem.memory_limit_bytes)
 
-    def keys(f1: np.ndarray, f2: np.ndarray, time: np.ndarray, memory: np.ndarray,
-             sent: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        fits = memory <= limit if limit is not None else np.isfinite(time)
-        return np.where(fits, np.maximum(f1, time), np.inf), np.zeros_like(time)
+    def fastest(f1: np.ndarray, f2: np.ndarray, rank: _Rank) -> tuple[np.ndarray, None]:
+        return np.where(rank.fits(), np.maximum(f1, rank.time), np.inf), None
 
-    return _Walk(problem, upper_s, limit).run(keys, 1e-9 * upper_s if math.isfinite(upper_s) else 0.0)
+    plan, bound = walk.run(fastest, 1e-9 * upper_s if math.isfinite(upper_s) else 0.0)
+    if plan is None:
+        return None, None, bound
+    cap, mean = bound * (1 + 1e-9), sum(problem.block_time_s) / problem.ranks
 
+    def balanced(f1: np.ndarray, f2: np.ndarray, rank: _Rank) -> tuple[np.ndarray, np.ndarray]:
+        ok = (rank.time <= cap) & rank.fits()
+        return np.where(ok, f1 + np.maximum(rank.time - mean, 0.0), np.inf), np.where(ok, f2 + rank.sent(), np.inf)
 
-def vee_balanced(problem: PartitionProblem, cap_s: float) -> tuple[int, ...] | None:
-    """Among the contiguous plans whose every rank costs at most `cap_s` (the bound
-    `vee_time` returned), the one whose ranks exceed the mean compute the least in sum,
-    then send the fewest bytes: the second and third objectives (see `solve`)."""
-    limit, cap = problem.memory_limit_bytes, cap_s * (1 + 1e-9)
-    mean = sum(problem.block_time_s) / problem.ranks
-
-    def keys(f1: np.ndarray, f2: np.ndarray, time: np.ndarray, memory: np.ndarray,
-             sent: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        ok = (time <= cap) & (memory <= limit if limit is not None else True)
-        return np.where(ok, f1 + np.maximum(time - mean, 0.0), np.inf), np.where(ok, f2 + sent, np.inf)
-
-    return _Walk(problem, cap, limit).run(keys, 1e-9 * cap_s)[0]
+    return plan, walk.within(bound).run(balanced, 1e-9 * bound)[0], bound
 
 
 def vee_memory(problem: PartitionProblem, limit: int | None = None) -> tuple[int, ...] | None:
     """The contiguous plan with the least memory on its fullest rank, among those within
     `limit` (None: any; None when there is none, or more stages than blocks)."""
 
-    def keys(f1: np.ndarray, f2: np.ndarray, time: np.ndarray, memory: np.ndarray,
-             sent: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        fits = np.isfinite(time) & (memory <= limit if limit is not None else True)
-        return np.where(fits, np.maximum(f1, memory), np.inf), np.zeros_like(time)
+    def keys(f1: np.ndarray, f2: np.ndarray, rank: _Rank) -> tuple[np.ndarray, None]:
+        memory = rank.memory()
+        fits = np.isfinite(rank.time) & (memory <= limit if limit is not None else True)
+        return np.where(fits, np.maximum(f1, memory), np.inf), None
 
     return _Walk(problem, math.inf, limit).run(keys, 0.0)[0]
 
@@ -91,15 +92,40 @@ class _Walk:
     have some, over `upper_s`, or alone over the memory `limit`), and the walk."""
 
     def __init__(self, problem: PartitionProblem, upper_s: float, limit: int | None) -> None:
-        self.n, self.p = problem.num_blocks, problem.ranks
+        self.n, self.p, self.limit = problem.num_blocks, problem.ranks, limit
         iv, full = Intervals(problem), (0, problem.num_blocks + 1, 0)
         time_s, memory, sent = iv.allowed_time_s(*full, limit), iv.memory(*full), iv.sent_bytes(*full)
-        upper = upper_s * (1 + 1e-9)
-        self.time = [np.where(t <= upper, t, np.inf).T for t in map(time_s, range(problem.stages))]
+        self.upper = upper = upper_s * (1 + 1e-9)
+        cut = np.arange(self.n + 1)
+        S = problem.stages  # stage k's run leaves a block to each other stage: k <= a, b <= n - (S - 1 - k)
+        self.time = [np.where((t.T <= upper) & (cut[:, None] >= k) & (cut[None, :] <= self.n - S + 1 + k), t.T, np.inf)
+                     for k, t in enumerate(map(time_s, range(S)))]
+        prefix = np.concatenate([[0.0], np.cumsum(problem.block_time_s, dtype=np.float64)])
+        self.inner = prefix[None, :] - prefix[:, None]  # the compute of [a, b), for every pair of cuts
+        self.inner_blocks = cut[None, :] - cut[:, None]
+        # what the ranks inside the cuts after step r can take: U less the least messages of their runs
+        least = [float(np.min(t - self.inner, where=np.isfinite(t), initial=np.inf)) for t in self.time]
+        room = [upper - least[r] - least[2 * self.p - 1 - r] for r in range(self.p)]
+        self.room = [sum(room[r + 1:]) for r in range(self.p)]
         self.memory = [memory(k).T for k in range(problem.stages)]
         self.sent = [sent(k).T for k in range(problem.stages)]
         per = 2 + problem.optimizer_factor  # weights, gradients, optimizer state
         self.shared = [(size * per, iv.holds(blocks, *full).T) for size, blocks in iv.shared]
+        self._fullest()
+
+    def _fullest(self) -> None:
+        """The most memory of any run of each stage (within `upper`), and its most blocks."""
+        self.fullest = [float(np.max(m, where=np.isfinite(t), initial=0.0)) for m, t in zip(self.memory, self.time)]
+        self.longest = [int(np.max(self.inner_blocks, where=np.isfinite(t), initial=0)) for t in self.time]
+
+    def within(self, upper_s: float) -> _Walk:
+        """The same walk over the runs within `upper_s` (at most this walk's)."""
+        walk = copy.copy(self)
+        walk.upper = upper = upper_s * (1 + 1e-9)
+        walk.time = [np.where(t <= upper, t, np.inf) for t in self.time]
+        walk.room = [room - (self.upper - upper) * (self.p - 1 - r) for r, room in enumerate(self.room)]
+        walk._fullest()
+        return walk
 
     def run(self, keys: _Keys, tol: float) -> tuple[tuple[int, ...] | None, float]:
         """The plan of the least keys, and its first key (inf, None: no plan)."""
@@ -126,27 +152,26 @@ class _Walk:
 
     def _step(self, r: int, f1: np.ndarray, f2: np.ndarray, keys: _Keys,
               tol: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Rank r's runs [a, a') and [b', b) from each pair (a, b) of the outer ranks'."""
+        """Rank r's runs [a, a') and [b', b) from each pair (a, b) of the outer ranks': for
+        a chunk of pairs at once, every a' and b' within the longest runs of the stages."""
         n, left, right = self.n, r, 2 * self.p - 1 - r
-        g1, g2 = np.full((n + 1, n + 1), np.inf), np.full((n + 1, n + 1), np.inf)
+        g1, g2 = np.full((n + 1, n + 1), np.inf), np.zeros((n + 1, n + 1))
         came = np.zeros((2, n + 1, n + 1), dtype=np.int64)
         between = 2 * (self.p - 1 - r)  # the stages left inside need a block each
-        for a in np.flatnonzero(np.isfinite(f1).any(axis=1)).tolist():
-            bs = np.flatnonzero(np.isfinite(f1[a]))
-            a2 = np.flatnonzero(np.isfinite(self.time[left][a]))
-            b2 = np.flatnonzero(np.isfinite(self.time[right][:, bs]).any(axis=1))
-            if not len(a2) or not len(b2):
-                continue
-            k1, k2 = keys(f1[a, bs], f2[a, bs], *self._rank(left, right, (a, a2[:, None, None]), (b2[:, None], bs)))
-            k1 = np.where(b2[None, :, None] - a2[:, None, None] >= between, k1, np.inf)
-            i = _least(k1, k2, tol)  # the best b for each (a', b')
-            c1, c2 = np.take_along_axis(k1, i[..., None], 2)[..., 0], np.take_along_axis(k2, i[..., None], 2)[..., 0]
-            rows, cols = np.ix_(a2, b2)
-            better = np.isfinite(c1) & ((c1 < g1[rows, cols] - tol) | ((c1 <= g1[rows, cols] + tol) & (c2 < g2[rows, cols])))
-            g1[rows, cols] = np.where(better, c1, g1[rows, cols])
-            g2[rows, cols] = np.where(better, c2, g2[rows, cols])
-            came[0][rows, cols] = np.where(better, a, came[0][rows, cols])
-            came[1][rows, cols] = np.where(better, bs[i], came[1][rows, cols])
+        a, b = np.nonzero(np.isfinite(f1))
+        da, db = np.arange(1, self.longest[left] + 1), np.arange(1, self.longest[right] + 1)  # a' - a, b - b'
+        chunk = max(1, _CHUNK // max(1, len(da) * len(db)))
+        for c in range(0, len(a) if len(da) and len(db) else 0, chunk):
+            ca, cb = a[c:c + chunk, None, None], b[c:c + chunk, None, None]
+            a2, b2 = np.minimum(ca + da[:, None], n), np.maximum(cb - db, 0)  # past the ends: runs of no block
+            rank = _Rank(self, left, right, (ca, a2), (b2, cb))
+            k1, k2 = keys(f1[ca, cb], f2[ca, cb], rank)
+            k1 = np.where((b2 - a2 >= between) & (rank.time <= self.upper), k1, np.inf)
+            shape = k1.shape
+            _merge(g1, g2, came, (a2 * (n + 1) + b2).ravel(), k1.ravel(),
+                   None if k2 is None else np.broadcast_to(k2, shape).ravel(),
+                   np.broadcast_to(ca, shape).ravel(), np.broadcast_to(cb, shape).ravel(), tol)
+        g1[self.inner > self.room[r]] = np.inf  # the ranks inside could not take what is left
         return g1, g2, came
 
     def _turn(self, f1: np.ndarray, f2: np.ndarray, keys: _Keys,
@@ -159,26 +184,73 @@ class _Walk:
             bs, xs = np.flatnonzero(np.isfinite(f1[a])), np.flatnonzero(np.isfinite(self.time[left][a]))
             if not len(xs):
                 continue
-            k1, k2 = keys(f1[a, bs], f2[a, bs], *self._rank(left, right, (a, xs[:, None]), (xs[:, None], bs)))
-            i = int(_least(k1.reshape(1, -1), k2.reshape(1, -1), tol)[0])
-            c1, c2 = float(k1.flat[i]), float(k2.flat[i])
+            k1, k2 = keys(f1[a, bs], f2[a, bs], _Rank(self, left, right, (a, xs[:, None]), (xs[:, None], bs)))
+            i = int(_least(k1.reshape(1, -1), k2.reshape(1, -1) if k2 is not None else None, tol)[0])
+            c1, c2 = float(k1.flat[i]), float(k2.flat[i]) if k2 is not None else 0.0
             if math.isfinite(c1) and (best is None or c1 < best[0] - tol or (c1 <= best[0] + tol and c2 < best[1])):
                 x, j = np.unravel_index(i, k1.shape)
-                best = (c1, c2, (int(a), int(xs[x]), int(bs[j])))
+                best = (c1, c2, (a, int(xs[x]), int(bs[j])))
         return (best[0], best[2]) if best is not None else None
 
-    def _rank(self, left: int, right: int, lix: _Index,
-              rix: _Index) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """A rank's time, memory and bytes sent over its runs lix (as stage `left`) and rix
-        (as stage `right`), numpy indices into the [a, b] matrices that broadcast together."""
-        memory = self.memory[left][lix] + self.memory[right][rix]
-        for size, holds in self.shared:  # a parameter both runs read is held once
-            memory = memory - size * (holds[lix] & holds[rix])
-        return (self.time[left][lix] + self.time[right][rix], memory, self.sent[left][lix] + self.sent[right][rix])
+
+class _Rank:
+    """One rank's runs: lix as stage `left`, rix as stage `right` (numpy indices into the
+    [a, b] matrices that broadcast together), and its sums, each taken when asked for."""
+
+    def __init__(self, walk: _Walk, left: int, right: int, lix: _Index, rix: _Index) -> None:
+        self.walk, self.left, self.right, self.lix, self.rix = walk, left, right, lix, rix
+        self.time = walk.time[left][lix] + walk.time[right][rix]
+
+    def memory(self) -> np.ndarray:
+        """The rank's memory: its runs', a parameter both read held once."""
+        w, lix, rix = self.walk, self.lix, self.rix
+        memory = w.memory[self.left][lix] + w.memory[self.right][rix]
+        for size, holds in w.shared:
+            left = holds[lix]
+            if left.any():
+                memory = memory - size * (left & holds[rix])
+        return memory
+
+    def fits(self) -> np.ndarray | bool:
+        """Whether the rank's memory is within the limit (True where even its fullest runs fit)."""
+        w, limit = self.walk, self.walk.limit
+        if limit is None or w.fullest[self.left] + w.fullest[self.right] <= limit:
+            return True
+        fullest = sum(np.max(w.memory[k][ix], where=np.isfinite(w.time[k][ix]), initial=0.0)
+                      for k, ix in ((self.left, self.lix), (self.right, self.rix)))
+        return True if fullest <= limit else self.memory() <= limit
+
+    def sent(self) -> np.ndarray:
+        """The bytes the rank certainly sends other ranks (a lower bound, each value once)."""
+        return self.walk.sent[self.left][self.lix] + self.walk.sent[self.right][self.rix]
 
 
-def _least(k1: np.ndarray, k2: np.ndarray, tol: float) -> np.ndarray:
-    """Along the last axis, the index of the least k1, the least k2 among k1 within `tol`."""
+def _merge(g1: np.ndarray, g2: np.ndarray, came: np.ndarray, target: np.ndarray, k1: np.ndarray,
+           k2: np.ndarray | None, a: np.ndarray, b: np.ndarray, tol: float) -> None:
+    """Keep in g1, g2 (and where it came from, the pair (a, b)) the least keys of the
+    candidates for each flat index `target`: the least k1, the least k2 of those within
+    `tol` of it, the first of those; where they beat what g1, g2 hold."""
+    best = np.full(g1.size, np.inf)
+    np.minimum.at(best, target, k1)
+    near = np.isfinite(k1) & (k1 <= best[target] + tol)
+    if k2 is not None:
+        second = np.full(g1.size, np.inf)
+        np.minimum.at(second, target[near], k2[near])
+        near &= k2 <= second[target]
+    found = np.flatnonzero(near)
+    targets, first = np.unique(target[found], return_index=True)
+    pick = found[first]
+    c1, c2 = k1[pick], k2[pick] if k2 is not None else np.zeros(len(pick))
+    old1, old2 = g1.flat[targets], g2.flat[targets]
+    better = (c1 < old1 - tol) | ((c1 <= old1 + tol) & (c2 < old2))
+    targets, pick = targets[better], pick[better]
+    g1.flat[targets], g2.flat[targets] = c1[better], c2[better]
+    came[0].flat[targets], came[1].flat[targets] = a[pick], b[pick]
+
+
+def _least(k1: np.ndarray, k2: np.ndarray | None, tol: float) -> np.ndarray:
+    """Along the last axis, the index of the least k1 (of the least k2 among k1 within `tol`)."""
+    if k2 is None:
+        return np.argmin(k1, axis=-1)
     first = k1.min(axis=-1, keepdims=True)
     return np.argmin(np.where(k1 <= first + tol, k2, np.inf), axis=-1)
-

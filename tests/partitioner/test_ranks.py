@@ -13,7 +13,7 @@ from partitioner.errors import InfeasiblePlanError
 from partitioner.ir import PartitionProblem
 from partitioner.solve.cpsat import solve_cpsat
 from partitioner.solve.solve import objective, rank_costs, solve, stage_costs, violations
-from partitioner.solve.vee import vee_memory, vee_time
+from partitioner.solve.vee import vee_memory, vee_plans
 
 from .test_solve import CHAIN, MiB, _lex_brute_force, _rounded_key, brute_force, problem
 
@@ -128,7 +128,7 @@ def _contiguous_brute_force(p: PartitionProblem, key: Any) -> float:
 
 @pytest.mark.parametrize("seed", range(12))
 def test_the_v_dp_finds_the_best_contiguous_plan(seed: int) -> None:
-    """`vee_time` on chains without skips (its bound exact there) and `vee_memory`
+    """`vee_plans` on chains without skips (its bound exact there) and `vee_memory`
     anywhere: the least over every contiguous plan of 3 ranks (6 stages)."""
     rng = random.Random(seed)
     n = rng.randint(6, 9)
@@ -137,8 +137,9 @@ def test_the_v_dp_finds_the_best_contiguous_plan(seed: int) -> None:
                 comm_alpha_s=rng.choice([0.0, 0.1]), comm_beta_s_per_byte=1e-3,
                 params=tuple(("t",) if i in (0, n - 1) else (f"w{i}",) for i in range(n)),
                 param_size={"t": 40, **{f"w{i}": rng.randint(1, 30) for i in range(n)}})
-    plan, bound = vee_time(p)
-    assert plan is not None and objective(p, plan) == pytest.approx(bound, rel=1e-9)
+    fastest, balanced, bound = vee_plans(p)
+    assert fastest is not None and objective(p, fastest) == pytest.approx(bound, rel=1e-9)
+    assert balanced is not None and objective(p, balanced) == pytest.approx(bound, rel=1e-9)
     assert bound == pytest.approx(_contiguous_brute_force(p, lambda a: objective(p, a)), rel=1e-9)
     lean = vee_memory(p)
     assert lean is not None
