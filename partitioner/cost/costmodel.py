@@ -1,9 +1,9 @@
 """What the cost model reads off a `PartitionProblem`: the values that cross blocks and the
 parameters that several blocks share.
 
-`solve.stage_costs` ([Note: the cost model]), the interval DP (`intervals`) and the CP-SAT
-model all sum over these tables; they live here, below all three, so that `intervals`
-needs nothing from `solve` and `solve` imports `intervals` without a cycle.
+`model.stage_costs` ([Note: the cost model] in solve/model.py), the DPs (`intervals`,
+`vee`) and the CP-SAT model all sum over these tables; they live here, below all of them,
+so that none needs another and `solve` imports them all without a cycle.
 
 [Note: the cost of a boundary]
     The runtime sends all the values one stage hands another for a microbatch as ONE
@@ -19,7 +19,7 @@ needs nothing from `solve` and `solve` imports `intervals` without a cycle.
     one backward (their gradients): `boundary_s`.  A pair of stages on the same pipeline
     rank (interleaved, the turn of zb-v's V: [Note: V placement] in runtime/schedule.py)
     sends nothing: the runtime hands the values over in memory and `lower` emits no
-    message, so such a pair costs nothing (`remote`).  `solve.stage_costs` (the model the
+    message, so such a pair costs nothing (`remote`).  `model.stage_costs` (the model the
     solver minimises, the brute-force tests evaluate every plan with) and the step
     simulator's links (`predict.simulate_plan`) call these functions; the CP-SAT model
     writes the same sum linearly (an indicator per pair for alpha, the bytes per value

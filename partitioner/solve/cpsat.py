@@ -1,4 +1,4 @@
-"""Step 2 of `solve`: CP-SAT on the general DAG assignment ([Note: the cost model] in solve.py).
+"""Step 2 of `solve`: CP-SAT on the general DAG assignment ([Note: the cost model] in model.py).
 
 The model minimises the slowest pipeline rank (the sum of its stages' times); then,
 lexicographically, among the plans with that slowest rank, the sum of the ranks' excess

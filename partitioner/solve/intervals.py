@@ -8,7 +8,7 @@ forward.  Among those cuts the DP finds the one whose slowest stage is fastest:
     f[k + 1, b] = min over a < b of max(f[k, a], cost of run [a, b) as stage k)
     plan = the cuts behind f[S, n], read back through the argmins
 
-where a run's cost is its stage time under [Note: the cost model] (in `solve`), or inf
+where a run's cost is its stage time under [Note: the cost model] (in `model`), or inf
 where its memory exceeds the limit (`dp_time`); `dp_memory` minimises the fullest stage
 instead, for the error that says what would fit.  A run's messages depend on the other
 runs (one per stage pair, [Note: the cost of a boundary]), so the DP charges a run the

@@ -1,28 +1,20 @@
-"""Assign the blocks of a `PartitionProblem` to pipeline stages (with OR-Tools' CP-SAT, as tp/choose.py does).
-
-[Note: the cost model]
-    `stage_costs` is the one definition of the model of the `PartitionProblem` docstring;
-    `evaluate`, `objective`, the interval DP (`intervals`), the CP-SAT model and the tests
-    follow it, reading the same tables (`costmodel`).
-    A value is a (producer block, name) pair: a stage receives once each value that its
-    blocks read from earlier stages, and sends each value it makes once to each later
-    stage that reads it; the values a stage pair exchanges are one message, forward and
-    backward ([Note: the cost of a boundary] in cost/costmodel.py).  A parameter
-    that several blocks read (tied) is held once per stage.  The last block holds the
-    graph's output (`coarsen` puts it there) and lies in the last stage.
+"""Assign the blocks of a `PartitionProblem` to pipeline stages (with OR-Tools' CP-SAT, as tp/choose.py does),
+minimising the cost model of `model` ([Note: the cost model] there).
 
 Two steps (torchgpipe's `blockpartition` and PipeDream solve the first alone):
-    1. An exact DP over contiguous runs of the block order (`intervals`).  Every such
-       plan is valid; when each block feeds the next (a chain) every valid plan is one,
-       and the DP is the optimum.
+    1. An exact DP over contiguous runs of the block order (`intervals`; for zb-v's V,
+       whose ranks run two runs each, over pairs of runs: `vee`).  Every such plan is
+       valid; when each block feeds the next (a chain) every valid plan is one, and the
+       DP is the optimum.  Interleaved ranks' stages go round the block order, which no
+       DP here follows: CP-SAT sums them.
     2. Otherwise CP-SAT on the general DAG (`cpsat`), warm-started with the DP plan,
        which it replaces only if strictly better; its proved bound is reported.
        Deterministic: deterministic time limit, fixed seed, interleaved search.
 
-Ties are not left to chance (`plan_key`): among plans with the same slowest stage, both
-steps prefer the least sum of the stages' excess over the mean compute, then the fewest
-bytes sent; so no rank gets a lone cheap node while another plan with the same slowest
-stage spreads the work.
+Ties are not left to chance (`plan_key`): among plans with the same slowest rank, both
+steps prefer the least sum of the ranks' excess over the mean compute, then the fewest
+bytes sent between ranks; so no rank gets a lone cheap node while another plan with the
+same slowest rank spreads the work.
 
 [Note: every stage computes]
     No stage is left without a block that computes unless there are fewer such blocks
@@ -40,160 +32,21 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Sequence
 
 import numpy as np
 
-from ..cost.costmodel import boundary_s, computing_blocks, pair_bytes, remote, shared_params, values
 from ..errors import InfeasiblePlanError, PlanError
 from .cpsat import CpResult, solve_cpsat
 from .intervals import dp_balanced, dp_memory, dp_time
+from .model import (RankCost, StageCost, evaluate, fills_with_compute, memory_unit, objective, plan_key, rank_costs,
+                    stage_costs, violations)
 from .vee import vee_memory, vee_plans
 from ..ir import PartitionProblem, SolverReport
-from ..cost.roofline import stage_memory_bytes
 
 __all__ = ["CpResult", "RankCost", "StageCost", "evaluate", "fills_with_compute", "objective", "plan_key", "rank_costs",
            "solve", "solve_cpsat", "stage_costs", "violations"]
-
-
-# -- the cost model ([Note: the cost model]) ----------------------------------------------
-
-
-@dataclass(frozen=True)
-class StageCost:
-    """One stage's terms of the cost model; traffic counts forward and backward."""
-
-    compute_s: float
-    messages: int
-    traffic_bytes: int
-    weight_bytes: int
-    activation_bytes: int
-    inflight: int
-    time_s: float
-    memory_bytes: int
-    input_bytes: int = 0  # values received from earlier stages, once each (forward)
-    link_bytes: int = 0  # of those, the bytes received from other ranks (the rest are handed over in memory)
-
-
-@dataclass(frozen=True)
-class RankCost:
-    """One pipeline rank's terms: the sums over the stages it runs, a parameter that
-    several of them read held once (the runtime shares it)."""
-
-    stages: tuple[int, ...]
-    compute_s: float
-    time_s: float
-    weight_bytes: int
-    memory_bytes: int
-    link_bytes: int  # received from other ranks, each value once per stage that reads it
-
-
-def stage_costs(problem: PartitionProblem, assignment: Sequence[int]) -> tuple[StageCost, ...]:
-    """Every stage's compute, traffic and memory under `assignment` (a stage per block)."""
-    stages = problem.stages
-    compute, acts, weights = [0.0] * stages, [0] * stages, [0] * stages
-    own, shared = shared_params(problem)
-    for block, k in enumerate(assignment):
-        compute[k] += problem.block_time_s[block]
-        acts[k] += problem.block_activation_bytes[block]
-        weights[k] += own[block]
-    for size, blocks in shared:
-        for k in {assignment[b] for b in blocks}:
-            weights[k] += size
-    pairs = pair_bytes((assignment[v.producer], [assignment[r] for r in v.readers], v.bytes)
-                       for v in values(problem))
-    linked = remote(pairs, problem.placement)
-    comm_s = boundary_s(linked, problem.comm_alpha_s, problem.comm_beta_s_per_byte, stages)
-    messages, traffic, received, over_links = [0] * stages, [0] * stages, [0] * stages, [0] * stages
-    for (a, b), nbytes in pairs.items():
-        received[b] += nbytes
-    for (a, b), nbytes in linked.items():
-        for k in (a, b):
-            messages[k] += 2
-            traffic[k] += 2 * nbytes
-        over_links[b] += nbytes
-    return tuple(
-        StageCost(compute[k], messages[k], traffic[k], weights[k], acts[k], problem.inflight(k),
-                  compute[k] + comm_s[k],
-                  stage_memory_bytes(weights[k], acts[k], problem.inflight(k), problem.optimizer_factor,
-                                     recompute=problem.recompute, input_bytes=received[k]),
-                  received[k], over_links[k])
-        for k in range(stages)
-    )
-
-
-def rank_costs(problem: PartitionProblem, assignment: Sequence[int],
-               costs: Sequence[StageCost] | None = None) -> tuple[RankCost, ...]:
-    """Every pipeline rank's time and memory under `assignment`: its stages' sums
-    (`costs`, the stages' own, computed if not given)."""
-    costs = costs if costs is not None else stage_costs(problem, assignment)
-    placed, (_, shared) = problem.placement, shared_params(problem)
-    out = []
-    for r in range(problem.ranks):
-        mine = tuple(k for k in range(problem.stages) if placed[k] == r)
-        copies = sum(size * (len(on) - 1) for size, blocks in shared
-                     for on in [{assignment[b] for b in blocks} & set(mine)] if on)
-        out.append(RankCost(mine, sum(costs[k].compute_s for k in mine), sum(costs[k].time_s for k in mine),
-                            sum(costs[k].weight_bytes for k in mine) - copies,
-                            sum(costs[k].memory_bytes for k in mine) - round(copies * (2 + problem.optimizer_factor)),
-                            sum(costs[k].link_bytes for k in mine)))
-    return tuple(out)
-
-
-def evaluate(problem: PartitionProblem, assignment: Sequence[int]) -> tuple[tuple[float, ...], tuple[int, ...]]:
-    """(time of each pipeline rank, memory of each) under `assignment`: of each stage
-    where every rank runs one."""
-    ranks = rank_costs(problem, assignment)
-    return tuple(c.time_s for c in ranks), tuple(c.memory_bytes for c in ranks)
-
-
-def violations(problem: PartitionProblem, assignment: Sequence[int]) -> list[str]:
-    """What makes `assignment` invalid (empty when it is a valid plan)."""
-    n, stages = problem.num_blocks, problem.stages
-    if len(assignment) != n or any(not 0 <= k < stages for k in assignment):
-        return [f"need {n} stages in [0, {stages})"]
-    found = [f"edge {e.src}->{e.dst} goes backward" for e in problem.edges if assignment[e.src] > assignment[e.dst]]
-    found += [f"stage {k} is empty" for k in sorted(set(range(stages)) - set(assignment))]
-    if fills_with_compute(problem):
-        busy = {assignment[i] for i in computing_blocks(problem)}
-        found += [f"stage {k} has no compute" for k in sorted(set(assignment) - busy)]
-    if assignment[-1] != stages - 1:
-        found.append("the output block is not in the last stage")
-    limit, unit = problem.memory_limit_bytes, _unit(problem)
-    _, memories = evaluate(problem, assignment)
-    found += [f"{unit} {k} needs {m} bytes > {limit}" for k, m in enumerate(memories) if limit is not None and m > limit]
-    return found
-
-
-def objective(problem: PartitionProblem, assignment: Sequence[int]) -> float:
-    """The slowest rank's time, or inf when `assignment` is not a valid plan."""
-    if violations(problem, assignment):
-        return math.inf
-    return max(evaluate(problem, assignment)[0])
-
-
-def fills_with_compute(problem: PartitionProblem) -> bool:
-    """Whether every stage can get a block that computes (positive time): otherwise the
-    user asked for more stages than the graph can fill, and some stage only moves data."""
-    return len(computing_blocks(problem)) >= problem.stages
-
-
-def plan_key(problem: PartitionProblem, assignment: Sequence[int]) -> tuple[float, float, int]:
-    """What `solve` minimises, in order: the slowest rank (inf when invalid), the sum of
-    the ranks' excess over the mean compute (balance), the bytes sent between ranks (each
-    value once per stage that receives it)."""
-    slowest = objective(problem, assignment)
-    if not math.isfinite(slowest):
-        return (math.inf, math.inf, 0)
-    ranks = rank_costs(problem, assignment)
-    mean = sum(problem.block_time_s) / problem.ranks
-    return (slowest, sum(max(0.0, c.time_s - mean) for c in ranks), sum(c.link_bytes for c in ranks))
-
-
-def _unit(problem: PartitionProblem) -> str:
-    """What the memory limit bounds, in words: a stage, where every rank runs one."""
-    return "stage" if problem.virtual_stages == 1 else "rank"
 
 
 def _better(problem: PartitionProblem, a: Sequence[int], b: Sequence[int] | None) -> bool:
@@ -294,7 +147,7 @@ def solve(problem: PartitionProblem, time_limit_s: float = 30.0, *, seed: int = 
         search = "chain" if exact else "proved" if report.status == "INFEASIBLE" else "unknown"
         if not explain:
             limit = problem.memory_limit_bytes or 0
-            raise InfeasiblePlanError(f"no plan into {problem.stages} stages fits {_size(limit)} per {_unit(problem)}")
+            raise InfeasiblePlanError(f"no plan into {problem.stages} stages fits {_size(limit)} per {memory_unit(problem)}")
         raise _infeasible(problem, search)
     slowest = objective(problem, best)
     return best, replace(report, objective_s=slowest, lower_bound_s=min(bound, slowest),
@@ -332,7 +185,7 @@ def _infeasible(problem: PartitionProblem, search: str) -> InfeasiblePlanError:
     costs = stage_costs(problem, lean)
     ranks = rank_costs(problem, lean, costs)
     c = max(ranks, key=lambda r: r.memory_bytes)
-    mine, need, unit = [costs[k] for k in c.stages], _size(c.memory_bytes), _unit(problem)
+    mine, need, unit = [costs[k] for k in c.stages], _size(c.memory_bytes), memory_unit(problem)
     where = f"stage {c.stages[0]} (" if unit == "stage" else f"rank {ranks.index(c)} (stages {_and(c.stages)}: "
     many = len(mine) > 1 or mine[0].inflight != 1
     flight = f"{_and([s.inflight for s in mine])} microbatch{'es' if many else ''} in flight"

@@ -12,7 +12,7 @@ and the next pair inward.  The DP walks the pairs from the outside in:
 
 A rank's time is the sum of its two runs' times as their stages (`Intervals`): compute,
 and the messages they certainly exchange with other ranks (the interval DP's bound,
-knowing only a run's own ends, `intervals._modes`).  Its memory is the sum of its runs'
+knowing only a run's own ends, `intervals._reach`).  Its memory is the sum of its runs'
 less a parameter both read (held once), which is exact.  So, as for the interval DP, the
 optimum is a lower bound of every contiguous plan's slowest rank, and `solve` evaluates
 its plan exactly; on a chain (each block feeds the next) a plan that meets the bound is
@@ -22,10 +22,11 @@ The same walk minimises, with every rank within that optimum, the ranks' summed 
 over the mean compute and then the bytes they send (the second and third objectives,
 `vee_plans`), or the fullest rank's memory (`vee_memory`, for the error that says what
 would fit).  A step looks at every (a, a', b', b): n^4 / 24 at worst, but only at runs
-whose cost stays within a known plan's slowest rank U, and only at pairs of cuts that
-leave the ranks inside no more compute than they can take within U (less the least
-messages of any of their runs): after r ranks the compute outside the cuts lies in a band
-of the cuts, as narrow as U is close to the mean rank.
+where their stage can lie, whose rank stays within a known plan's slowest rank U, and at
+pairs of cuts that leave the ranks inside no more compute than they can take within U
+(less the least messages of any of their runs): after r ranks the compute outside the
+cuts lies in a band, as narrow as U is close to the mean rank.  A step takes a chunk of
+pairs (a, b) at once, each with every a' and b' within its stages' longest runs.
 """
 
 from __future__ import annotations
@@ -102,7 +103,7 @@ class _Walk:
                      for k, t in enumerate(map(time_s, range(S)))]
         prefix = np.concatenate([[0.0], np.cumsum(problem.block_time_s, dtype=np.float64)])
         self.inner = prefix[None, :] - prefix[:, None]  # the compute of [a, b), for every pair of cuts
-        self.inner_blocks = cut[None, :] - cut[:, None]
+        self.blocks = cut[None, :] - cut[:, None]
         # what the ranks inside the cuts after step r can take: U less the least messages of their runs
         least = [float(np.min(t - self.inner, where=np.isfinite(t), initial=np.inf)) for t in self.time]
         room = [upper - least[r] - least[2 * self.p - 1 - r] for r in range(self.p)]
@@ -116,7 +117,7 @@ class _Walk:
     def _fullest(self) -> None:
         """The most memory of any run of each stage (within `upper`), and its most blocks."""
         self.fullest = [float(np.max(m, where=np.isfinite(t), initial=0.0)) for m, t in zip(self.memory, self.time)]
-        self.longest = [int(np.max(self.inner_blocks, where=np.isfinite(t), initial=0)) for t in self.time]
+        self.longest = [int(np.max(self.blocks, where=np.isfinite(t), initial=0)) for t in self.time]
 
     def within(self, upper_s: float) -> _Walk:
         """The same walk over the runs within `upper_s` (at most this walk's)."""

@@ -3,6 +3,7 @@ memory of a rank and its messages, against brute force."""
 
 from __future__ import annotations
 
+import itertools
 import math
 import random
 from typing import Any
@@ -115,8 +116,6 @@ def test_random_problems_equal_brute_force(seed: int, chain: bool) -> None:
 
 def _contiguous_brute_force(p: PartitionProblem, key: Any) -> float:
     """The least key over every contiguous plan (each stage a run of the block order)."""
-    import itertools
-
     n, S = p.num_blocks, p.stages
     found = math.inf
     for cuts in itertools.combinations(range(1, n), S - 1):
