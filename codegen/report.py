@@ -86,7 +86,8 @@ def format_plan(manifest: Manifest) -> str:
     solver = predicted.solver if predicted is not None else {}
     if solver:
         lines.append(
-            f"solver     {solver.get('method', '?')}: slowest stage {solver.get('objective_s', 0.0) * 1e3:.3f} ms, "
+            f"solver     {solver.get('method', '?')}: slowest {'stage' if manifest.virtual_stages == 1 else 'rank'} "
+            f"{solver.get('objective_s', 0.0) * 1e3:.3f} ms, "
             f"proved bound {solver.get('lower_bound_s', 0.0) * 1e3:.3f} ms (gap {solver.get('gap', 0.0) * 100:.1f}% "
             f"against the cost model), "
             f"{solver.get('blocks', 0)} blocks from {solver.get('nodes', 0)} nodes"

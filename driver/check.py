@@ -5,10 +5,10 @@ problem solved once more with those times where the model was far off.
     The solver's optimum (and its "gap 0.0%") is a statement about the cost model: node
     times measured one at a time and summed.  After solving, the compile times every
     stage of the plan as its rank runs it (`driver.costs.stage_costs`, the calibration
-    the prediction uses).  Where the measured slowest stage is more than `RESOLVE_OFF`
-    off the model's, the blocks are posed again with the calibrated node costs (each
+    the prediction uses).  Where the measured slowest rank (the sum of its stages, as the
+    solver counts it) is more than `RESOLVE_OFF` off the model's, the blocks are posed again with the calibrated node costs (each
     stage's nodes scaled to its measured time) and solved once more; that plan is
-    timed in turn and emitted if its measured slowest stage (with the model's messages)
+    timed in turn and emitted if its measured slowest rank (with the model's messages)
     beats the first plan's, else the first is kept.  The manifest's `predicted.calibration` keeps,
     per stage, the model's compute and the measured one, which `show` prints side by
     side (`codegen.report`), whether the plan was re-solved, and on a GPU each stage's
@@ -18,7 +18,7 @@ problem solved once more with those times where the model was far off.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, Sequence
 
 from partitioner.ir import NodeCost, Plan
 from partitioner.solve.problem import coarse_graph, make_plan, pose
@@ -29,7 +29,7 @@ from .prepared import Prepared
 
 __all__ = ["RESOLVE_OFF", "calibration_block", "check_plan", "stage_compute_s"]
 
-#: how far (relative) the measured slowest stage may be from the model's before re-solving
+#: how far (relative) the measured slowest rank may be from the model's before re-solving
 RESOLVE_OFF = 0.10
 
 
@@ -41,17 +41,17 @@ def stage_compute_s(p: Prepared, plan: Plan, costs: dict[str, NodeCost]) -> list
 
 
 def check_plan(p: Prepared, plan: Plan) -> tuple[Prepared, Plan, bool, dict[str, NodeCost]]:
-    """`plan`, or where its measured slowest stage is more than RESOLVE_OFF off the model's,
+    """`plan`, or where its measured slowest rank is more than RESOLVE_OFF off the model's,
     the plan solved again with the calibrated costs (and the Prepared it was posed in);
     True when it re-solved; and the node costs calibrated for the plan returned."""
     calibrated = stage_costs(p, plan)
     if calibrated is p.costs:  # analytic, or nothing to calibrate
         return p, plan, False, calibrated
-    model = max(stage_compute_s(p, plan, p.costs))
-    measured = max(stage_compute_s(p, plan, calibrated))
+    model = _slowest_rank(plan, stage_compute_s(p, plan, p.costs))
+    measured = _slowest_rank(plan, stage_compute_s(p, plan, calibrated))
     if model <= 0 or abs(measured - model) <= RESOLVE_OFF * model:
         return p, plan, False, calibrated
-    p.say(f"the measured slowest stage ({measured * 1e3:.3f} ms) is {(measured / model - 1) * 100:+.0f}% off the "
+    p.say(f"the measured slowest {_unit(plan)} ({measured * 1e3:.3f} ms) is {(measured / model - 1) * 100:+.0f}% off the "
           f"cost model's ({model * 1e3:.3f} ms): solving again with the stages' measured times")
     coarse = coarse_graph(p.traced, calibrated, p.sharded, p.loss)
     problem = pose(coarse, p.mesh, p.hardware)
@@ -69,8 +69,21 @@ def check_plan(p: Prepared, plan: Plan) -> tuple[Prepared, Plan, bool, dict[str,
 
 
 def _measured_slowest(p: Prepared, plan: Plan, calibrated: dict[str, NodeCost]) -> float:
-    """The slowest stage of `plan`: measured compute and the model's messages."""
-    return max(c + s.comm_s for c, s in zip(stage_compute_s(p, plan, calibrated), plan.stages))
+    """The slowest rank of `plan`: measured compute and the model's messages."""
+    return _slowest_rank(plan, [c + s.comm_s for c, s in zip(stage_compute_s(p, plan, calibrated), plan.stages)])
+
+
+def _slowest_rank(plan: Plan, per_stage: Sequence[float]) -> float:
+    """The most, over pipeline ranks, of `per_stage` summed over the stages the rank runs."""
+    ranks = [0.0] * plan.pp
+    for s in plan.stages:
+        ranks[plan.rank_of(s.index)] += per_stage[s.index]
+    return max(ranks)
+
+
+def _unit(plan: Plan) -> str:
+    """What a pipeline rank runs, in words: a stage, where every rank runs one."""
+    return "stage" if plan.virtual_stages == 1 else "rank"
 
 
 def calibration_block(p: Prepared, plan: Plan, costs: dict[str, NodeCost], resolved: bool,

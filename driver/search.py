@@ -36,7 +36,7 @@ from partitioner.errors import InfeasiblePlanError, PlanError
 from partitioner.ir import Plan, SolverReport
 from partitioner.predict.predict import simulate_plan
 from partitioner.solve.problem import coarse_graph, make_plan, pose
-from partitioner.solve.solve import solve
+from partitioner.solve.solve import rank_costs, solve
 
 from .options import CompileOptions, mesh_of, stages_per_rank
 from .package_info import model_flops
@@ -46,10 +46,9 @@ from .prepared import Compiled, Prepared, Source
 __all__ = ["Candidate", "search"]
 
 SHOWN = 5
-#: what `--schedule auto` tries (interleaved is left out: its stage count is its own choice)
-#: zb-v is left out: the solver holds each of its 2p stages to a device's memory, where a
-#: rank holds two of them (README, "Known limits"), so a plan it found could not fit
-AUTO_SCHEDULES = ("gpipe", "1f1b", "zb-h1", "zb-h2")
+#: what `--schedule auto` tries (interleaved is left out: its stage count is its own choice);
+#: zb-v splits the model in 2 stages per rank, each rank's two held to its memory together
+AUTO_SCHEDULES = ("gpipe", "1f1b", "zb-h1", "zb-h2", "zb-v")
 #: a bound this close to a step time still gets simulated (float sums in another order)
 _BOUND_SLACK = 1e-9
 
@@ -235,7 +234,8 @@ def _solve(base: Prepared, opts: CompileOptions, pp: int, microbatches: int,
         except PlanError:
             return None
         plan = make_plan(prepared.problem, prepared.blocks, assignment, report, prepared.mesh)
-        cand = Candidate(pp, opts.dp, opts.tp or 1, microbatches, memory_bytes=max(s.memory_bytes for s in plan.stages),
+        peak = max(r.memory_bytes for r in rank_costs(prepared.problem, assignment))  # a rank holds all its stages
+        cand = Candidate(pp, opts.dp, opts.tp or 1, microbatches, memory_bytes=peak,
                          recompute=sub.recompute, schedule=opts.schedule, zero=plan.zero)
         found.append(_Solved(cand, prepared, assignment, report, plan, _bound(prepared, assignment, plan)))
     return found or Candidate(pp, opts.dp, opts.tp or 1, microbatches, fits=False, note=note, schedule=opts.schedule)

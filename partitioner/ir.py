@@ -193,19 +193,17 @@ class PartitionProblem:
     Blocks are numbered in a topological order.  A solution assigns each block a stage
     in [0, stages) with stage(src) <= stage(dst) for every edge.
 
-    Stage time (what is minimised, the slowest stage's):
+    Stage time:
         sum of block times
         + comm_alpha_s * (messages) + comm_beta_s_per_byte * (bytes)
     where a stage exchanges one message with each other stage it sends values to or
     receives values from, carrying all of them, and a value goes once to each later
-    stage that reads it ([Note: the cost of a boundary] in cost/costmodel.py).  Forward
-    activations and backward gradients both travel, so bytes count twice and messages
-    twice.  Among plans with the same slowest stage, the solver prefers the least sum of
-    the stages' excess over the mean compute, then the fewest bytes sent; no stage is
-    left without compute (a block of `block_computes`; without it, a block of positive
-    time) while the blocks can fill them all.
+    stage that reads it ([Note: the cost of a boundary] in cost/costmodel.py); two
+    stages on the same pipeline rank (`placement`) hand their values over in memory, for
+    free.  Forward activations and backward gradients both travel, so bytes count twice
+    and messages twice.
 
-    Stage memory (must not exceed `memory_limit_bytes`):
+    Stage memory:
         param_bytes * (1 + 1 + optimizer_factor)   weights, gradients, optimizer state
         + activation_bytes * inflight(stage)       microbatches whose activations are kept
     with inflight(k) = microbatches for GPipe and min(stages - k, microbatches) for 1F1B
@@ -217,9 +215,15 @@ class PartitionProblem:
         + received bytes * inflight(stage)          the values it receives from earlier stages
     and `block_time_s` already includes the forward run again (see `build_problem`).
 
-    `virtual_stages` is the number of stages each rank runs (the interleaved schedule's;
-    1 otherwise): `stages` is always pp x virtual_stages.  The cost model ignores it; the
-    solver's messages use it to suggest --stages values per rank.
+    A pipeline RANK runs its stages one after another and holds them all: `virtual_stages`
+    stages each (the interleaved schedule's, 2 for zb-v's V; 1 otherwise), so `stages` is
+    always ranks x virtual_stages.  Its time is the sum of its stages' times, and that of
+    the slowest rank is what the solver minimises; its memory is the sum of its stages'
+    (a parameter that several of them read held once: the runtime shares it), which must
+    not exceed `memory_limit_bytes`.  Among plans with the same slowest rank, the solver
+    prefers the least sum of the ranks' excess over the mean compute, then the fewest bytes
+    sent between ranks; no stage is left without compute (a block of `block_computes`;
+    without it, a block of positive time) while the blocks can fill them all.
     """
 
     block_time_s: tuple[float, ...]
@@ -234,10 +238,10 @@ class PartitionProblem:
     comm_alpha_s: float = 0.0
     comm_beta_s_per_byte: float = 0.0
     block_names: tuple[str, ...] = ()
-    #: parameter names read by each block, to charge a tied parameter once per stage
+    #: parameter names read by each block, to charge a tied parameter once per rank
     block_params: tuple[tuple[str, ...], ...] = ()
     param_bytes_by_name: tuple[tuple[str, int], ...] = ()
-    #: stages per rank; `stages` is always pp x virtual_stages
+    #: stages per rank; `stages` is always ranks x virtual_stages
     virtual_stages: int = 1
     #: activation recomputation (see the memory model above)
     recompute: bool = False
@@ -248,6 +252,17 @@ class PartitionProblem:
     @property
     def num_blocks(self) -> int:
         return len(self.block_time_s)
+
+    @property
+    def ranks(self) -> int:
+        """Pipeline ranks: `virtual_stages` stages each."""
+        return max(1, self.stages // self.virtual_stages)
+
+    @property
+    def placement(self) -> tuple[int, ...]:
+        """The rank of each stage: s % ranks, or a V under zb-v ([Note: V placement] in
+        runtime/schedule.py)."""
+        return placement(self.schedule, self.stages, self.ranks)
 
     def inflight(self, stage: int) -> int:
         """Microbatches whose activations stage `stage` holds at its peak."""

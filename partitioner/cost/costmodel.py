@@ -1,9 +1,9 @@
 """What the cost model reads off a `PartitionProblem`: the values that cross blocks and the
 parameters that several blocks share.
 
-`solve.stage_costs` ([Note: the cost model]), the interval DP (`intervals`) and the CP-SAT
-model all sum over these tables; they live here, below all three, so that `intervals`
-needs nothing from `solve` and `solve` imports `intervals` without a cycle.
+`model.stage_costs` ([Note: the cost model] in solve/model.py), the DPs (`intervals`,
+`vee`) and the CP-SAT model all sum over these tables; they live here, below all of them,
+so that none needs another and `solve` imports them all without a cycle.
 
 [Note: the cost of a boundary]
     The runtime sends all the values one stage hands another for a microbatch as ONE
@@ -16,7 +16,10 @@ needs nothing from `solve` and `solve` imports `intervals` without a cycle.
         one message = alpha + beta * bytes(a, b)                            (`message_s`)
 
     and each stage pays, for every pair it is in, one message forward (the values) and
-    one backward (their gradients): `boundary_s`.  `solve.stage_costs` (the model the
+    one backward (their gradients): `boundary_s`.  A pair of stages on the same pipeline
+    rank (interleaved, the turn of zb-v's V: [Note: V placement] in runtime/schedule.py)
+    sends nothing: the runtime hands the values over in memory and `lower` emits no
+    message, so such a pair costs nothing (`remote`).  `model.stage_costs` (the model the
     solver minimises, the brute-force tests evaluate every plan with) and the step
     simulator's links (`predict.simulate_plan`) call these functions; the CP-SAT model
     writes the same sum linearly (an indicator per pair for alpha, the bytes per value
@@ -29,11 +32,11 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Callable, Iterable, Mapping, TypeVar
+from typing import Callable, Iterable, Mapping, Sequence, TypeVar
 
 from ..ir import PartitionProblem
 
-__all__ = ["Value", "boundary_s", "computing_blocks", "message_s", "pair_bytes", "shared_params", "values"]
+__all__ = ["Value", "boundary_s", "computing_blocks", "message_s", "pair_bytes", "remote", "shared_params", "values"]
 
 _T = TypeVar("_T")
 
@@ -123,6 +126,12 @@ def pair_bytes(crossings: Iterable[tuple[int, Iterable[int], int]]) -> dict[tupl
         for k in sorted({r for r in readers if r > home}):
             pairs[(home, k)] = pairs.get((home, k), 0) + nbytes
     return pairs
+
+
+def remote(pairs: Mapping[tuple[int, int], int], ranks: Sequence[int]) -> dict[tuple[int, int], int]:
+    """The stage pairs of `pairs` whose stages are on different ranks (`ranks`: the rank
+    of each stage): the others hand their values over in memory, for free."""
+    return {(a, b): nbytes for (a, b), nbytes in pairs.items() if ranks[a] != ranks[b]}
 
 
 def boundary_s(pairs: Mapping[tuple[int, int], int], alpha: float, beta: float, stages: int) -> list[float]:

@@ -1,8 +1,9 @@
-"""Step 2 of `solve`: CP-SAT on the general DAG assignment ([Note: the cost model] in solve.py).
+"""Step 2 of `solve`: CP-SAT on the general DAG assignment ([Note: the cost model] in model.py).
 
-The model minimises the slowest stage; then, lexicographically, among the plans with
-that slowest stage, the sum of the stages' excess over the mean compute (balance), and
-among those the bytes the stages send (`_CpModel.refine`).
+The model minimises the slowest pipeline rank (the sum of its stages' times); then,
+lexicographically, among the plans with that slowest rank, the sum of the ranks' excess
+over the mean compute (balance), and among those the bytes sent between ranks
+(`_CpModel.refine`).  Each rank's memory, its stages' summed, is bounded.
 """
 
 from __future__ import annotations
@@ -38,27 +39,30 @@ class _CpModel:
 
     ge[i][k] is stage(i) >= k (ge[i][0] is True, ge[i][S] False), so an edge is S-1
     implications; at[i][k] is stage(i) == k.  recv[v][k] says that stage k receives value
-    v, pair[a][b] that stage a sends stage b a message ([Note: the cost of a boundary]),
-    sent[v][k] the units stage k pays to send v (its bytes once per reader stage, when v
-    is made there), held[q][k] that stage k holds shared parameter q: they are only
-    forced up, which minimising the slowest stage never needs more of, so the optimum and
-    the proved bound are the cost model's.  Times are integer units rounded down, so a
-    bound in units is a bound in seconds.
+    v from another rank, pair[a][b] that stage a sends stage b a message ([Note: the cost
+    of a boundary]; no pair of stages on one rank has one), sent[v][k] the units stage k
+    pays to send v (its bytes once per reader stage, when v is made there), held[q][r]
+    that rank r holds shared parameter q: they are only forced up, which minimising the
+    slowest rank never needs more of, so the optimum and the proved bound are the cost
+    model's.  Times are integer units rounded down, so a bound in units is a bound in
+    seconds.
     """
 
     def __init__(self, problem: PartitionProblem, scale: float, upper_units: int) -> None:
         self.problem, self.scale, self.model = problem, scale, cp_model.CpModel()
         self.upper_units = upper_units
         self.values, (self.own, self.shared) = values(problem), shared_params(problem)
+        self.placed = problem.placement
+        self.on = [[k for k in range(problem.stages) if self.placed[k] == r] for r in range(problem.ranks)]
         self._add_placement()
         self._add_indicators()
-        units = [self._units(t) for t in problem.block_time_s]  # no stage is faster than these
-        least = max(max(units), -(-sum(units) // problem.stages))
+        units = [self._units(t) for t in problem.block_time_s]  # no rank is faster than these
+        least = max(max(units), -(-sum(units) // problem.ranks))
         self.slowest = self.model.new_int_var(min(least, upper_units), upper_units, "slowest")
-        for k in range(problem.stages):
-            self.model.add(self.slowest >= self._time(k))
+        for r in range(problem.ranks):
+            self.model.add(self.slowest >= self._time(r))
             if problem.memory_limit_bytes is not None:
-                self.model.add(self._memory(k) <= problem.memory_limit_bytes)
+                self.model.add(self._memory(r) <= problem.memory_limit_bytes)
         self.model.minimize(self.slowest)
 
     def _add_placement(self) -> None:
@@ -79,49 +83,60 @@ class _CpModel:
             m.add_bool_or([self.at[i][k] for i in every])
 
     def _add_indicators(self) -> None:
-        """recv/sent of each value, the stage pairs' messages and held of each shared
-        parameter, per stage."""
-        m, p, S = self.model, self.problem, self.problem.stages
+        """recv/sent of each value and the stage pairs' messages, per stage, and held of
+        each shared parameter, per rank."""
+        m, p, S, placed = self.model, self.problem, self.problem.stages, self.placed
         self.recv = [[m.new_bool_var(f"r{j}_{k}") for k in range(S)] for j in range(len(self.values))]
-        self.pair = {(a, b): m.new_bool_var(f"p{a}_{b}") for a in range(S) for b in range(a + 1, S)}
+        self.pair = {(a, b): m.new_bool_var(f"p{a}_{b}") for a in range(S) for b in range(a + 1, S)
+                     if placed[a] != placed[b]}
         self.byte_units = [self._units(2 * message_s(0.0, p.comm_beta_s_per_byte, v.bytes)) for v in self.values]
         self.sent = [[m.new_int_var(0, c * S, f"s{j}_{k}") for k in range(S)] for j, c in enumerate(self.byte_units)]
         for j, v in enumerate(self.values):
             for k, r in ((k, r) for k in range(S) for r in v.readers):
-                m.add_bool_or([~self.at[r][k], self.ge[v.producer][k], self.recv[j][k]])
-                for a in range(k):
+                # made before k and not on k's rank: a stage of k's rank before it hands v over in memory
+                beside = [self.at[v.producer][a] for a in range(k) if placed[a] == placed[k]]
+                m.add_bool_or([~self.at[r][k], self.ge[v.producer][k], *beside, self.recv[j][k]])
+                for a in (a for a in range(k) if (a, k) in self.pair):
                     m.add_bool_or([~self.at[v.producer][a], ~self.at[r][k], self.pair[(a, k)]])
             for k in range(S - 1):
                 if self.byte_units[j]:
                     later = sum(self.recv[j][b] for b in range(k + 1, S))
                     m.add(self.sent[j][k] >= self.byte_units[j] * later).only_enforce_if(self.at[v.producer][k])
-        self.held = [[m.new_bool_var(f"q{j}_{k}") for k in range(S)] for j in range(len(self.shared))]
+        self.recv_any = self.recv  # what a recomputing stage keeps: its inputs, whoever made them
+        if p.recompute and p.virtual_stages > 1:
+            self.recv_any = [[m.new_bool_var(f"i{j}_{k}") for k in range(S)] for j in range(len(self.values))]
+            for j, v in enumerate(self.values):
+                for k, r in ((k, r) for k in range(S) for r in v.readers):
+                    m.add_bool_or([~self.at[r][k], self.ge[v.producer][k], self.recv_any[j][k]])
+        self.held = [[m.new_bool_var(f"q{j}_{r}") for r in range(p.ranks)] for j in range(len(self.shared))]
         for j, (_, blocks) in enumerate(self.shared):
             for k, b in ((k, b) for k in range(S) for b in blocks):
-                m.add_implication(self.at[b][k], self.held[j][k])
+                m.add_implication(self.at[b][k], self.held[j][placed[k]])
 
     def _units(self, seconds: float) -> int:
         return int(math.floor(seconds * self.scale))
 
-    def _time(self, k: int) -> cp_model.LinearExprT:
-        p = self.problem
-        compute = [self._units(t) * self.at[i][k] for i, t in enumerate(p.block_time_s)]
-        received = [c * self.recv[j][k] + self.sent[j][k] for j, c in enumerate(self.byte_units) if c]
+    def _time(self, r: int) -> cp_model.LinearExprT:
+        """Rank r's time in units: its stages' compute and messages."""
+        p, mine = self.problem, self.on[r]
+        compute = [self._units(t) * self.at[i][k] for i, t in enumerate(p.block_time_s) for k in mine]
+        received = [c * self.recv[j][k] + self.sent[j][k] for j, c in enumerate(self.byte_units) if c for k in mine]
         latency = self._units(2 * message_s(p.comm_alpha_s, 0.0, 0))
-        pairs = [x for (a, b), x in self.pair.items() if k in (a, b)] if latency else []
+        pairs = [x for (a, b), x in self.pair.items() for k in mine if k in (a, b)] if latency else []
         return sum(compute) + sum(received) + latency * sum(pairs)
 
-    def _memory(self, k: int) -> cp_model.LinearExprT:
-        p = self.problem
-        per, kept = 2 + p.optimizer_factor, 1 if p.recompute else p.inflight(k)
-        blocks = [(round(per * own) + kept * act) * self.at[i][k]
-                  for i, (own, act) in enumerate(zip(self.own, p.block_activation_bytes))]
-        inputs = [p.inflight(k) * v.bytes * self.recv[j][k] for j, v in enumerate(self.values)] if p.recompute else []
-        return sum(blocks) + sum(inputs) + sum(round(per * size) * self.held[j][k] for j, (size, _) in enumerate(self.shared))
+    def _memory(self, r: int) -> cp_model.LinearExprT:
+        """Rank r's memory: its stages' blocks and inputs, each shared parameter once."""
+        p, per = self.problem, 2 + self.problem.optimizer_factor
+        blocks = [(round(per * own) + (1 if p.recompute else p.inflight(k)) * act) * self.at[i][k]
+                  for i, (own, act) in enumerate(zip(self.own, p.block_activation_bytes)) for k in self.on[r]]
+        inputs = [p.inflight(k) * v.bytes * self.recv_any[j][k] for j, v in enumerate(self.values)
+                  for k in self.on[r]] if p.recompute else []
+        return sum(blocks) + sum(inputs) + sum(round(per * size) * self.held[j][r] for j, (size, _) in enumerate(self.shared))
 
     def hint(self, assignment: Sequence[int]) -> None:
         """Warm-start from `assignment`, auxiliary booleans included."""
-        m, S = self.model, self.problem.stages
+        m, S, placed = self.model, self.problem.stages, self.placed
         for i, s in enumerate(assignment):
             for k in range(S):
                 m.add_hint(self.at[i][k], s == k)
@@ -129,30 +144,34 @@ class _CpModel:
                     m.add_hint(self.ge[i][k], s >= k)  # type: ignore[arg-type]  # a variable for 0 < k < S
         for j, v in enumerate(self.values):
             home, later = assignment[v.producer], {assignment[r] for r in v.readers}
+            remote = {b for b in later if b > home and placed[b] != placed[home]}
             for k in range(S):
-                m.add_hint(self.recv[j][k], home < k and k in later)
-                m.add_hint(self.sent[j][k], self.byte_units[j] * len([b for b in later if b > k]) if home == k else 0)
+                m.add_hint(self.recv[j][k], k in remote)
+                m.add_hint(self.sent[j][k], self.byte_units[j] * len([b for b in remote if b > k]) if home == k else 0)
+                if self.recv_any is not self.recv:
+                    m.add_hint(self.recv_any[j][k], home < k and k in later)
         talks = pair_bytes((assignment[v.producer], [assignment[r] for r in v.readers], 1) for v in self.values)
         for pair, x in self.pair.items():
             m.add_hint(x, pair in talks)
         for j, (_, blocks) in enumerate(self.shared):
-            for k in range(S):
-                m.add_hint(self.held[j][k], k in {assignment[b] for b in blocks})
+            for r in range(self.problem.ranks):
+                m.add_hint(self.held[j][r], r in {placed[assignment[b]] for b in blocks})
 
     def read(self, solver: cp_model.CpSolver) -> tuple[int, ...]:
         return tuple(sum(int(solver.boolean_value(g)) for g in ge[1:-1]) for ge in self.ge)
 
     def refine(self, solver: cp_model.CpSolver) -> tuple[int, ...]:
-        """The second and third objectives, with the slowest stage held to the one found:
-        the least excess of the stages over the mean compute, then the fewest bytes sent
-        (each value once per stage that receives it).  Returns the plan found last."""
+        """The second and third objectives, with the slowest rank held to the one found:
+        the least excess of the ranks over the mean compute, then the fewest bytes sent
+        between ranks (each value once per stage that receives it).  Returns the plan
+        found last."""
         m, p, S = self.model, self.problem, self.problem.stages
         best = self.read(solver)
         m.add(self.slowest <= solver.value(self.slowest))
-        mean = self._units(sum(p.block_time_s) / S)
-        excess = [m.new_int_var(0, self.upper_units, f"x{k}") for k in range(S)]
-        for k, x in enumerate(excess):
-            m.add(x >= self._time(k) - mean)
+        mean = self._units(sum(p.block_time_s) / p.ranks)
+        excess = [m.new_int_var(0, self.upper_units, f"x{r}") for r in range(p.ranks)]
+        for r, x in enumerate(excess):
+            m.add(x >= self._time(r) - mean)
         unit = max(1, max((v.bytes for v in self.values), default=1) // _BYTE_UNITS)
         traffic = sum(-(-v.bytes // unit) * self.recv[j][k] for j, v in enumerate(self.values) for k in range(S))
         for objective in (sum(excess), traffic):
@@ -194,10 +213,11 @@ def solve_cpsat(problem: PartitionProblem, time_limit_s: float, *, hint: Sequenc
 
 
 def _worst_time(problem: PartitionProblem) -> float:
-    """A stage time no plan exceeds: all compute, a message to and from every other stage,
-    and every value sent to every stage and received."""
+    """A rank's time no plan exceeds: all compute and, for each of its stages, a message
+    to and from every other stage, and every value sent to every stage and received."""
     S = problem.stages
     per_value = [2 * message_s(0.0, problem.comm_beta_s_per_byte, v.bytes) * (S + 1) for v in values(problem)]
-    return sum(problem.block_time_s) + sum(per_value) + 2 * S * message_s(problem.comm_alpha_s, 0.0, 0)
+    messages = sum(per_value) + 2 * S * message_s(problem.comm_alpha_s, 0.0, 0)
+    return sum(problem.block_time_s) + problem.virtual_stages * messages
 
 

@@ -8,7 +8,7 @@ forward.  Among those cuts the DP finds the one whose slowest stage is fastest:
     f[k + 1, b] = min over a < b of max(f[k, a], cost of run [a, b) as stage k)
     plan = the cuts behind f[S, n], read back through the argmins
 
-where a run's cost is its stage time under [Note: the cost model] (in `solve`), or inf
+where a run's cost is its stage time under [Note: the cost model] (in `model`), or inf
 where its memory exceeds the limit (`dp_time`); `dp_memory` minimises the fullest stage
 instead, for the error that says what would fit.  A run's messages depend on the other
 runs (one per stage pair, [Note: the cost of a boundary]), so the DP charges a run the
@@ -19,12 +19,20 @@ each block feeds the next (a chain) every valid plan is contiguous, and a plan w
 exact cost meets the bound is the optimum; `solve` hands other DAGs (and chains where
 it does not meet it) on to CP-SAT, warm-started with this plan.
 
+Where a rank runs several stages (interleaved, zb-v: `PartitionProblem.placement`), a
+message between two of them is free, and a run's bound counts only what certainly goes
+to another rank whatever the other runs are (`_reach`): the stages between stage k and
+the nearest earlier one on its rank, d of them, hold a block each, so what the d blocks
+before the run make certainly comes from another rank (everything made before it where
+no earlier stage shares its rank); likewise for what the blocks after it read.  With one
+stage per rank that is the bound above.
+
 This is the problem PipeDream's optimizer solves with a DP over layers (Narayanan et
 al., "PipeDream: Generalized Pipeline Parallelism for DNN Training", SOSP 2019), and that
 torchgpipe's `balance.blockpartition` balances with the algorithm of Bárány and Grinberg,
 "Block Partitions of Sequences" (arXiv:1308.2452).  Here a run's cost is not a sum over
 its blocks (a value crossing the cut costs both sides, a tied parameter is held once), so
-`_Intervals` computes the sums for every run [a, b) at once, by chunks of b.
+`Intervals` computes the sums for every run [a, b) at once, by chunks of b.
 """
 
 from __future__ import annotations
@@ -35,15 +43,17 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from ..cost.costmodel import computing_blocks, message_s, shared_params, values
+from ..cost.costmodel import Value, computing_blocks, message_s, shared_params, values
 from ..ir import PartitionProblem
 
-__all__ = ["dp_balanced", "dp_memory", "dp_time"]
+__all__ = ["Intervals", "dp_balanced", "dp_memory", "dp_time"]
 
 #: entries of one column chunk of the interval matrices (bounds the DP's memory)
 _CHUNK_ENTRIES = 1 << 21
 #: runs [a, b) with a0 <= a <= a1 and b0 <= b <= b1, and what each adds
 _Rect = tuple[int, int, int, int, float]
+#: how many blocks before and after a run certainly lie on other ranks (`_reach`)
+_Reach = tuple[int, int]
 
 
 def dp_time(problem: PartitionProblem, upper_s: float = math.inf) -> tuple[tuple[int, ...] | None, float]:
@@ -52,8 +62,7 @@ def dp_time(problem: PartitionProblem, upper_s: float = math.inf) -> tuple[tuple
     minimised (the module docstring).  `upper_s`, the slowest stage of a known plan, only
     prunes."""
     limit = problem.memory_limit_bytes
-    iv = _Intervals(problem, upper_s)
-
+    iv = Intervals(problem, upper_s)
     return _interval_dp(iv, problem.stages, lambda c0, c1, a0: iv.allowed_time_s(c0, c1, a0, limit))
 
 
@@ -63,7 +72,7 @@ def dp_balanced(problem: PartitionProblem, cap_s: float) -> tuple[int, ...] | No
     then send the fewest bytes: the second and third objectives (see `solve`)."""
     limit, stages, n = problem.memory_limit_bytes, problem.stages, problem.num_blocks
     cap = cap_s * (1 + 1e-9)
-    iv = _Intervals(problem, cap)
+    iv = Intervals(problem, cap)
     mean, tol = sum(problem.block_time_s) / stages, 1e-9 * cap_s
     excess = np.full((stages + 1, n + 1), np.inf)
     sent = np.full((stages + 1, n + 1), np.inf)
@@ -71,12 +80,12 @@ def dp_balanced(problem: PartitionProblem, cap_s: float) -> tuple[int, ...] | No
     arg = np.zeros((stages + 1, n + 1), dtype=np.int64)
     for c0, c1, a0 in iv.chunks():
         cost, rows = iv.allowed_time_s(c0, c1, a0, limit), np.arange(c1 - c0)
-        run_sent = _sum_corners(iv.sent, c0, c1, a0, np.float64)
+        run_sent = iv.sent_bytes(c0, c1, a0)
         for k in range(stages):
             time_s = cost(k)
             cand = np.where(time_s <= cap, excess[k, None, a0:c1] + np.maximum(time_s - mean, 0.0), np.inf)
             least = cand.min(axis=1, keepdims=True)
-            tied = np.where(np.isfinite(cand) & (cand <= least + tol), sent[k, None, a0:c1] + run_sent, np.inf)
+            tied = np.where(np.isfinite(cand) & (cand <= least + tol), sent[k, None, a0:c1] + run_sent(k), np.inf)
             best = np.argmin(tied, axis=1)
             excess[k + 1, c0:c1], sent[k + 1, c0:c1] = cand[rows, best], tied[rows, best]
             arg[k + 1, c0:c1] = best + a0
@@ -86,46 +95,43 @@ def dp_balanced(problem: PartitionProblem, cap_s: float) -> tuple[int, ...] | No
 def dp_memory(problem: PartitionProblem) -> tuple[int, ...] | None:
     """The contiguous plan with the least memory on its fullest stage, whatever the limit
     (None only when there are more stages than blocks)."""
-    iv = _Intervals(problem)
+    iv = Intervals(problem)
     return _interval_dp(iv, problem.stages, iv.memory)[0]
 
 
-class _Intervals:
+class Intervals:
     """The cost model's sums over every run [a, b) of the block order, by chunks of b.
 
     Whether a value is sent or received by a run, or a shared parameter held, is a union
     of rectangles in (b, a); each rectangle goes in as four corners of a 2-D difference
     array, so a chunk of the sums is two cumulative sums away.  Matrices are (b, a):
-    row b - c0 for each end b in [c0, c1), column a for each start a < c1.
+    row b - c0 for each end b in [c0, c1), column a for each start a < c1.  A run's
+    messages depend on its stage's neighbours' ranks (`_reach`): the sums are built per
+    kind of stage, when first asked for.
     """
 
     def __init__(self, problem: PartitionProblem, upper_s: float = math.inf) -> None:
         n, p = problem.num_blocks, problem
-        own, shared = shared_params(problem)
+        own, self.shared = shared_params(problem)
         self.n, self.problem, self.upper_s = n, problem, upper_s * (1 + 1e-9)
         self.time = np.concatenate([[0.0], np.cumsum(p.block_time_s, dtype=np.float64)])
         self.acts = np.concatenate([[0], np.cumsum(p.block_activation_bytes, dtype=np.int64)])
         self.own = np.concatenate([[0], np.cumsum(own, dtype=np.int64)])
-        comm: list[_Rect] = []
-        held: list[_Rect] = []
+        placed = problem.placement
+        span = max((v.readers[-1] - v.producer for v in values(problem)), default=0)  # the longest edge
+        self.reach = [_reach(placed, k, n, span) for k in range(p.stages)]
+        self._comm: dict[_Reach, tuple[np.ndarray, ...]] = {}
+        self._sent: dict[int, tuple[np.ndarray, ...]] = {}
         received: list[_Rect] = []
-        for v in values(problem):
-            w = 2 * message_s(0.0, p.comm_beta_s_per_byte, v.bytes)
-            comm.append((0, v.producer, v.producer + 1, v.readers[-1], w))  # sent (to one stage at least)
-            comm += _first_reader_rects(v.producer + 1, v.readers, n, w)  # received
-            if p.recompute:
+        if p.recompute:
+            for v in values(problem):
                 received += _first_reader_rects(v.producer + 1, v.readers, n, v.bytes)
-        for size, blocks in shared:
-            held += _first_reader_rects(0, blocks, n, size)
-        comm += _message_rects(problem, n, 2 * message_s(p.comm_alpha_s, 0.0, 0))
-        self.comm = _corners([r for r in comm if r[-1]], np.float64)
-        self.sent = _corners([(0, v.producer, v.producer + 1, v.readers[-1], float(v.bytes)) for v in values(problem)],
-                             np.float64)
         computing = np.zeros(n, dtype=np.int64)
         computing[computing_blocks(p)] = 1
         self.computing = np.concatenate([[0], np.cumsum(computing)])
         self.must_compute = int(computing.sum()) >= p.stages  # [Note: every stage computes] in solve.py
-        self.held = _corners(held, np.int64)
+        self.held = _corners([r for size, blocks in self.shared for r in _first_reader_rects(0, blocks, n, size)],
+                             np.int64)
         self.received = _corners([r for r in received if r[-1]], np.int64)
 
     def chunks(self) -> list[tuple[int, int, int]]:
@@ -140,23 +146,40 @@ class _Intervals:
             c0 += width
         return out
 
-    def time_s(self, c0: int, c1: int, a0: int) -> np.ndarray:
-        """Stage time of each run; inf where a >= b."""
-        b, a = np.arange(c0, c1)[:, None], np.arange(a0, c1)[None, :]
-        total = (self.time[b] - self.time[a]) + _sum_corners(self.comm, c0, c1, a0, np.float64)
-        return np.where(a < b, total, np.inf)
-
     def allowed_time_s(self, c0: int, c1: int, a0: int, limit: int | None) -> Callable[[int], np.ndarray]:
-        """Stage time of each run as stage k; inf where it exceeds the memory limit or
-        holds no compute while every stage can have some."""
-        time_s = self.time_s(c0, c1, a0)
-        if self.must_compute:
-            b, a = np.arange(c0, c1)[:, None], np.arange(a0, c1)[None, :]
-            time_s = np.where(self.computing[b] > self.computing[a], time_s, np.inf)
+        """Stage time of each run as stage k, as a function of k; inf where a >= b, where
+        it exceeds the memory limit or holds no compute while every stage can have some."""
+        b, a = np.arange(c0, c1)[:, None], np.arange(a0, c1)[None, :]
+        valid = (a < b) & (self.computing[b] > self.computing[a]) if self.must_compute else a < b
+        compute = np.where(valid, self.time[b] - self.time[a], np.inf)
+        by_reach: dict[_Reach, np.ndarray] = {}
+
+        def time_s(k: int) -> np.ndarray:
+            reach = self.reach[k]
+            if reach not in by_reach:
+                by_reach[reach] = compute + _sum_corners(self._comm_corners(reach), c0, c1, a0, np.float64)
+            return by_reach[reach]
+
         if limit is None:
-            return lambda k: time_s
+            return time_s
         memory = self.memory(c0, c1, a0)
-        return lambda k: np.where(memory(k) <= limit, time_s, np.inf)
+        return lambda k: np.where(memory(k) <= limit, time_s(k), np.inf)
+
+    def sent_bytes(self, c0: int, c1: int, a0: int) -> Callable[[int], np.ndarray]:
+        """The bytes each run certainly sends another rank as stage k (each value once),
+        as a function of k."""
+        by_reach: dict[int, np.ndarray] = {}
+
+        def sent(k: int) -> np.ndarray:
+            after = self.reach[k][1]
+            if after not in by_reach:
+                if after not in self._sent:
+                    self._sent[after] = _corners([r for v in values(self.problem)
+                                                  for r in _sent_rects(v, after, float(v.bytes))], np.float64)
+                by_reach[after] = _sum_corners(self._sent[after], c0, c1, a0, np.float64)
+            return by_reach[after]
+
+        return sent
 
     def memory(self, c0: int, c1: int, a0: int) -> Callable[[int], np.ndarray]:
         """Memory of each run as stage k, as a function of k; inf where a >= b."""
@@ -170,32 +193,85 @@ class _Intervals:
             return lambda k: fixed + acts + inputs * p.inflight(k)
         return lambda k: fixed + acts * p.inflight(k)
 
+    def holds(self, blocks: Sequence[int], c0: int, c1: int, a0: int) -> np.ndarray:
+        """Whether each run holds one of `blocks` (sorted): a parameter they read."""
+        return _sum_corners(_corners(_first_reader_rects(0, blocks, self.n, 1), np.int64), c0, c1, a0, np.int64) > 0
 
-def _message_rects(problem: PartitionProblem, n: int, w: float) -> list[_Rect]:
-    """Runs [a, b) that receive something (a value made before a, read in [a, b): b is
-    past the first such reader at or after a) and runs that send something (a value made
-    in [a, b) read at or after b: a is at most the last such producer before b), `w`
-    each: by a sweep over the cut with a heap of the edges open across it."""
+    def _comm_corners(self, reach: _Reach) -> tuple[np.ndarray, ...]:
+        """The corners of a run's messages (lower bound, forward and backward) for `reach`."""
+        if reach not in self._comm:
+            p, n = self.problem, self.n
+            rects: list[_Rect] = []
+            for v in values(p):
+                w = 2 * message_s(0.0, p.comm_beta_s_per_byte, v.bytes)
+                rects += _sent_rects(v, reach[1], w) + _received_rects(v, reach[0], n, w)
+            rects += _message_rects(p, n, 2 * message_s(p.comm_alpha_s, 0.0, 0), reach)
+            self._comm[reach] = _corners([r for r in rects if r[-1]], np.float64)
+        return self._comm[reach]
+
+
+def _reach(placed: Sequence[int], k: int, n: int, span: int) -> _Reach:
+    """How many blocks right before and right after stage k's run certainly lie on other
+    ranks, whatever the other runs are: one per stage between k and the nearest earlier
+    (later) stage on its rank, each holding a block at least; all `n` where there is none
+    or where that reaches as far as any edge (`span` blocks), which is the same."""
+    def blocks(between: list[int]) -> int:
+        return min(between) if between and min(between) < span else n
+
+    return (blocks([k - j - 1 for j in range(k) if placed[j] == placed[k]]),
+            blocks([j - k - 1 for j in range(k + 1, len(placed)) if placed[j] == placed[k]]))
+
+
+def _sent_rects(v: Value, after: int, w: float) -> list[_Rect]:
+    """Runs [a, b) that hold `v`'s producer and certainly send it: a reader in [b, b + after)."""
+    rects: list[_Rect] = []
+    for r in v.readers:
+        lo = max(v.producer + 1, r - after + 1)  # the ends b for which r is within reach
+        if lo > r:
+            continue
+        if rects and lo <= rects[-1][3] + 1:
+            rects[-1] = (0, v.producer, rects[-1][2], r, w)
+        else:
+            rects.append((0, v.producer, lo, r, w))
+    return rects
+
+
+def _received_rects(v: Value, before: int, n: int, w: float) -> list[_Rect]:
+    """Runs [a, b) that read `v` and certainly receive it: made in [a - before, a)."""
+    top = v.producer + before  # the last start a with the producer within reach
+    return [(a0, min(a1, top), b0, b1, w) for a0, a1, b0, b1, w in _first_reader_rects(v.producer + 1, v.readers, n, w)
+            if a0 <= top]
+
+
+def _message_rects(problem: PartitionProblem, n: int, w: float, reach: _Reach) -> list[_Rect]:
+    """Runs that certainly receive a message (a value made in [a - before, a) read in [a, b))
+    and runs that certainly send one (a value made in [a, b) read in [b, b + after)), `w`
+    each (`_reach`): by a sweep over the cut with heaps of the edges open across it (runs
+    starting at the cut receive once b passes the first such reader; runs ending at the cut
+    send if they hold the last such producer); an edge leaves a heap once past it."""
     if not w:
         return []
-    edges = sorted({(v.producer, r) for v in values(problem) for r in v.readers})
+    before, after = reach
+    made: dict[int, list[tuple[int, int]]] = {}  # edges (producer, reader) by the first cut past the producer
+    read: dict[int, list[tuple[int, int]]] = {}  # by the first cut whose reach after it takes in the reader
+    for src, dst in sorted({(v.producer, r) for v in values(problem) for r in v.readers}):
+        made.setdefault(src + 1, []).append((src, dst))
+        read.setdefault(max(src + 1, dst - after + 1), []).append((src, dst))
     rects: list[_Rect] = []
-    by_producer: dict[int, list[int]] = {}
-    for src, dst in edges:
-        by_producer.setdefault(src, []).append(dst)
-    open_min: list[int] = []  # readers of values made before the cut
-    open_max: list[tuple[int, int]] = []  # (-producer, reader) of values made before the cut
+    open_min: list[tuple[int, int]] = []  # (reader, producer) of values made before the cut
+    open_max: list[tuple[int, int]] = []  # (-producer, reader) of values made before the cut, read in reach
     for cut in range(1, n):
-        for dst in by_producer.get(cut - 1, []):
-            heapq.heappush(open_min, dst)
-            heapq.heappush(open_max, (-(cut - 1), dst))
-        while open_min and open_min[0] < cut:
+        for src, dst in made.get(cut, []):
+            heapq.heappush(open_min, (dst, src))
+        for src, dst in read.get(cut, []):
+            heapq.heappush(open_max, (-src, dst))
+        while open_min and (open_min[0][0] < cut or open_min[0][1] < cut - before):
             heapq.heappop(open_min)
-        if open_min:  # runs starting at the cut receive once they reach its first reader
-            rects.append((cut, cut, open_min[0] + 1, n, w))
+        if open_min:
+            rects.append((cut, cut, open_min[0][0] + 1, n, w))
         while open_max and open_max[0][1] < cut:
             heapq.heappop(open_max)
-        if open_max:  # runs ending at the cut send if they hold its last open producer
+        if open_max:
             rects.append((0, -open_max[0][0], cut, cut, w))
     return rects
 
@@ -232,7 +308,7 @@ def _sum_corners(corners: tuple[np.ndarray, ...], c0: int, c1: int, a0: int, dty
     return np.add.accumulate(grid, axis=1, out=grid)
 
 
-def _interval_dp(iv: _Intervals, stages: int,
+def _interval_dp(iv: Intervals, stages: int,
                  chunk_cost: Callable[[int, int, int], Callable[[int], np.ndarray]]
                  ) -> tuple[tuple[int, ...] | None, float]:
     """The contiguous plan into `stages` runs that minimises the max over its runs of

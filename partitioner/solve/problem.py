@@ -15,7 +15,7 @@ from typing import Any, Sequence
 
 import torch
 
-from ..cost.costmodel import pair_bytes, values
+from ..cost.costmodel import pair_bytes, remote, values
 from ..cost.hardware import Hardware
 from ..cost.nodes import compute_nodes, param_names, working_nodes
 from ..ir import (BlockCost, Edge, GraphNode, NodeCost, PartitionProblem, Plan, SolverReport, StagePlan,
@@ -42,8 +42,8 @@ class Mesh:
     schedule: str
     tp: int = 1
     dp: int = 1
-    virtual_stages: int = 1  # stages per pipeline rank (more than 1 only for the interleaved schedule)
-    memory: int | None = None  # bytes per device; None: the device's own (`device_memory`)
+    virtual_stages: int = 1  # stages per pipeline rank (the interleaved schedule's, 2 for zb-v)
+    memory: int | None = None  # bytes per device (a pipeline rank); None: the device's own (`device_memory`)
     optimizer: str = "adam"
     recompute: bool = False
     zero: int = 0  # 1: optimizer state sharded across the dp replicas (ZeRO-1), each keeps 1/dp of it
@@ -113,7 +113,7 @@ def pose(coarse: Coarse, mesh: Mesh, hardware: Hardware) -> PartitionProblem:
     return replace(
         _template(coarse, mesh.recompute), stages=mesh.stages, microbatches=mesh.microbatches,
         schedule="1f1b" if mesh.schedule == "interleaved" else mesh.schedule,
-        memory_limit_bytes=mesh.memory if mesh.memory is not None else device_memory(hardware, mesh.stages * mesh.tp * mesh.dp),
+        memory_limit_bytes=mesh.memory if mesh.memory is not None else device_memory(hardware, mesh.pp * mesh.tp * mesh.dp),
         optimizer_factor=optimizer_state_factor(mesh.optimizer, coarse.mixed_precision) / (mesh.dp if mesh.zero else 1),
         comm_alpha_s=alpha,
         comm_beta_s_per_byte=beta,
@@ -148,8 +148,8 @@ def make_plan(problem: PartitionProblem, blocks: list[Any], assignment: tuple[in
         stage_nodes[stage].extend(n for n in block.nodes if n != "output")
     sent = [0] * problem.stages
     received = [0] * problem.stages
-    for (a, b), nbytes in pair_bytes((assignment[v.producer], [assignment[r] for r in v.readers], v.bytes)
-                                     for v in values(problem)).items():
+    pairs = pair_bytes((assignment[v.producer], [assignment[r] for r in v.readers], v.bytes) for v in values(problem))
+    for (a, b), nbytes in remote(pairs, problem.placement).items():  # between ranks: the rest stays in memory
         sent[a] += nbytes
         received[b] += nbytes
     stage_plans = tuple(

@@ -1,28 +1,20 @@
-"""Assign the blocks of a `PartitionProblem` to pipeline stages (with OR-Tools' CP-SAT, as tp/choose.py does).
-
-[Note: the cost model]
-    `stage_costs` is the one definition of the model of the `PartitionProblem` docstring;
-    `evaluate`, `objective`, the interval DP (`intervals`), the CP-SAT model and the tests
-    follow it, reading the same tables (`costmodel`).
-    A value is a (producer block, name) pair: a stage receives once each value that its
-    blocks read from earlier stages, and sends each value it makes once to each later
-    stage that reads it; the values a stage pair exchanges are one message, forward and
-    backward ([Note: the cost of a boundary] in cost/costmodel.py).  A parameter
-    that several blocks read (tied) is held once per stage.  The last block holds the
-    graph's output (`coarsen` puts it there) and lies in the last stage.
+"""Assign the blocks of a `PartitionProblem` to pipeline stages (with OR-Tools' CP-SAT, as tp/choose.py does),
+minimising the cost model of `model` ([Note: the cost model] there).
 
 Two steps (torchgpipe's `blockpartition` and PipeDream solve the first alone):
-    1. An exact DP over contiguous runs of the block order (`intervals`).  Every such
-       plan is valid; when each block feeds the next (a chain) every valid plan is one,
-       and the DP is the optimum.
+    1. An exact DP over contiguous runs of the block order (`intervals`; for zb-v's V,
+       whose ranks run two runs each, over pairs of runs: `vee`).  Every such plan is
+       valid; when each block feeds the next (a chain) every valid plan is one, and the
+       DP is the optimum.  Interleaved ranks' stages go round the block order, which no
+       DP here follows: CP-SAT sums them.
     2. Otherwise CP-SAT on the general DAG (`cpsat`), warm-started with the DP plan,
        which it replaces only if strictly better; its proved bound is reported.
        Deterministic: deterministic time limit, fixed seed, interleaved search.
 
-Ties are not left to chance (`plan_key`): among plans with the same slowest stage, both
-steps prefer the least sum of the stages' excess over the mean compute, then the fewest
-bytes sent; so no rank gets a lone cheap node while another plan with the same slowest
-stage spreads the work.
+Ties are not left to chance (`plan_key`): among plans with the same slowest rank, both
+steps prefer the least sum of the ranks' excess over the mean compute, then the fewest
+bytes sent between ranks; so no rank gets a lone cheap node while another plan with the
+same slowest rank spreads the work.
 
 [Note: every stage computes]
     No stage is left without a block that computes unless there are fewer such blocks
@@ -40,118 +32,21 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Sequence
 
 import numpy as np
 
-from ..cost.costmodel import boundary_s, computing_blocks, pair_bytes, shared_params, values
 from ..errors import InfeasiblePlanError, PlanError
 from .cpsat import CpResult, solve_cpsat
 from .intervals import dp_balanced, dp_memory, dp_time
+from .model import (RankCost, StageCost, evaluate, fills_with_compute, memory_unit, objective, plan_key, rank_costs,
+                    stage_costs, violations)
+from .vee import vee_memory, vee_plans
 from ..ir import PartitionProblem, SolverReport
-from ..cost.roofline import stage_memory_bytes
 
-__all__ = ["CpResult", "StageCost", "evaluate", "fills_with_compute", "objective", "plan_key", "solve", "solve_cpsat",
-           "stage_costs", "violations"]
-
-
-# -- the cost model ([Note: the cost model]) ----------------------------------------------
-
-
-@dataclass(frozen=True)
-class StageCost:
-    """One stage's terms of the cost model; traffic counts forward and backward."""
-
-    compute_s: float
-    messages: int
-    traffic_bytes: int
-    weight_bytes: int
-    activation_bytes: int
-    inflight: int
-    time_s: float
-    memory_bytes: int
-    input_bytes: int = 0  # values received from earlier stages, once each (forward)
-
-
-def stage_costs(problem: PartitionProblem, assignment: Sequence[int]) -> tuple[StageCost, ...]:
-    """Every stage's compute, traffic and memory under `assignment` (a stage per block)."""
-    stages = problem.stages
-    compute, acts, weights = [0.0] * stages, [0] * stages, [0] * stages
-    own, shared = shared_params(problem)
-    for block, k in enumerate(assignment):
-        compute[k] += problem.block_time_s[block]
-        acts[k] += problem.block_activation_bytes[block]
-        weights[k] += own[block]
-    for size, blocks in shared:
-        for k in {assignment[b] for b in blocks}:
-            weights[k] += size
-    pairs = pair_bytes((assignment[v.producer], [assignment[r] for r in v.readers], v.bytes)
-                       for v in values(problem))
-    comm_s = boundary_s(pairs, problem.comm_alpha_s, problem.comm_beta_s_per_byte, stages)
-    messages, traffic, received = [0] * stages, [0] * stages, [0] * stages
-    for (a, b), nbytes in pairs.items():
-        for k in (a, b):
-            messages[k] += 2
-            traffic[k] += 2 * nbytes
-        received[b] += nbytes
-    return tuple(
-        StageCost(compute[k], messages[k], traffic[k], weights[k], acts[k], problem.inflight(k),
-                  compute[k] + comm_s[k],
-                  stage_memory_bytes(weights[k], acts[k], problem.inflight(k), problem.optimizer_factor,
-                                     recompute=problem.recompute, input_bytes=received[k]),
-                  received[k])
-        for k in range(stages)
-    )
-
-
-def evaluate(problem: PartitionProblem, assignment: Sequence[int]) -> tuple[tuple[float, ...], tuple[int, ...]]:
-    """(time of each stage, memory of each stage) under `assignment`."""
-    costs = stage_costs(problem, assignment)
-    return tuple(c.time_s for c in costs), tuple(c.memory_bytes for c in costs)
-
-
-def violations(problem: PartitionProblem, assignment: Sequence[int]) -> list[str]:
-    """What makes `assignment` invalid (empty when it is a valid plan)."""
-    n, stages = problem.num_blocks, problem.stages
-    if len(assignment) != n or any(not 0 <= k < stages for k in assignment):
-        return [f"need {n} stages in [0, {stages})"]
-    found = [f"edge {e.src}->{e.dst} goes backward" for e in problem.edges if assignment[e.src] > assignment[e.dst]]
-    found += [f"stage {k} is empty" for k in sorted(set(range(stages)) - set(assignment))]
-    if fills_with_compute(problem):
-        busy = {assignment[i] for i in computing_blocks(problem)}
-        found += [f"stage {k} has no compute" for k in sorted(set(assignment) - busy)]
-    if assignment[-1] != stages - 1:
-        found.append("the output block is not in the last stage")
-    limit = problem.memory_limit_bytes
-    _, memories = evaluate(problem, assignment)
-    found += [f"stage {k} needs {m} bytes > {limit}" for k, m in enumerate(memories) if limit is not None and m > limit]
-    return found
-
-
-def objective(problem: PartitionProblem, assignment: Sequence[int]) -> float:
-    """The slowest stage's time, or inf when `assignment` is not a valid plan."""
-    if violations(problem, assignment):
-        return math.inf
-    return max(evaluate(problem, assignment)[0])
-
-
-def fills_with_compute(problem: PartitionProblem) -> bool:
-    """Whether every stage can get a block that computes (positive time): otherwise the
-    user asked for more stages than the graph can fill, and some stage only moves data."""
-    return len(computing_blocks(problem)) >= problem.stages
-
-
-def plan_key(problem: PartitionProblem, assignment: Sequence[int]) -> tuple[float, float, int]:
-    """What `solve` minimises, in order: the slowest stage (inf when invalid), the sum of
-    the stages' excess over the mean compute (balance), the bytes sent (each value once
-    per stage that receives it)."""
-    slowest = objective(problem, assignment)
-    if not math.isfinite(slowest):
-        return (math.inf, math.inf, 0)
-    costs = stage_costs(problem, assignment)
-    mean = sum(problem.block_time_s) / problem.stages
-    return (slowest, sum(max(0.0, c.time_s - mean) for c in costs), sum(c.input_bytes for c in costs))
+__all__ = ["CpResult", "RankCost", "StageCost", "evaluate", "fills_with_compute", "objective", "plan_key", "rank_costs",
+           "solve", "solve_cpsat", "stage_costs", "violations"]
 
 
 def _better(problem: PartitionProblem, a: Sequence[int], b: Sequence[int] | None) -> bool:
@@ -168,11 +63,39 @@ def _better(problem: PartitionProblem, a: Sequence[int], b: Sequence[int] | None
     return ka[2] < kb[2]
 
 
-# -- step 1: the interval DP (`intervals`) -----------------------------------------------
+# -- step 1: the contiguous plans (`intervals`, `vee`) ------------------------------------
+
+
+def _contiguous(problem: PartitionProblem) -> tuple[tuple[int, ...] | None, float, bool]:
+    """The best contiguous plan a DP finds (the most balanced of the fastest), the bound it
+    minimised, and whether that bound holds for every contiguous plan: where the DP sums
+    what each rank runs, one stage per rank (`intervals`) or zb-v's V (`vee`).  Interleaved
+    ranks' stages go round the block order, which no DP here follows: the interval DP's
+    plan with each stage held to 1/virtual_stages of the memory is only CP-SAT's start."""
+    upper = _even_split_time(problem)
+    if problem.virtual_stages == 1:
+        dp, bound = dp_time(problem, upper)
+        balanced = dp_balanced(problem, bound) if dp is not None else None
+    elif problem.schedule == "zb-v":
+        start = _per_stage_plan(problem)
+        dp, balanced, bound = vee_plans(problem, min(upper, objective(problem, start)) if start is not None else upper)
+    else:
+        return _per_stage_plan(problem), 0.0, False
+    if balanced is not None and _better(problem, balanced, dp):
+        dp = balanced
+    return dp, bound, True
+
+
+def _per_stage_plan(problem: PartitionProblem) -> tuple[int, ...] | None:
+    """The interval DP's plan with every stage on a rank of its own and 1/virtual_stages
+    of the memory: each rank's stages then fit together."""
+    limit, v = problem.memory_limit_bytes, problem.virtual_stages
+    alone = replace(problem, virtual_stages=1, memory_limit_bytes=limit // v if limit is not None else None)
+    return dp_time(alone, _even_split_time(alone))[0]
 
 
 def _even_split_time(problem: PartitionProblem) -> float:
-    """The slowest stage of the plan that splits compute evenly (inf if it is invalid)."""
+    """The slowest rank of the plan that splits compute evenly (inf if it is invalid)."""
     n, stages = problem.num_blocks, problem.stages
     prefix = np.cumsum(problem.block_time_s)
     cuts = [0] + [int(c) + 1 for c in np.searchsorted(prefix, prefix[-1] * np.arange(1, stages) / stages)]
@@ -204,16 +127,12 @@ def solve(problem: PartitionProblem, time_limit_s: float = 30.0, *, seed: int = 
     """
     start = time.perf_counter()
     _check(problem)
-    dp, dp_bound = dp_time(problem, _even_split_time(problem))
-    balanced = dp_balanced(problem, dp_bound) if dp is not None else None
-    if balanced is not None and _better(problem, balanced, dp):
-        dp = balanced
+    dp, dp_bound, summed = _contiguous(problem)
+    exact = summed and _exact(problem)  # every valid plan is contiguous: the DP's bound holds for all of them
     report = SolverReport(method="dp", objective_s=0.0, lower_bound_s=0.0, wall_s=0.0, status="OPTIMAL",
                           blocks=problem.num_blocks, nodes=nodes)
-    best, bound = dp, _trivial_bound(problem)
-    if _exact(problem):  # every valid plan is contiguous: the DP's bound holds for all of them
-        bound = max(bound, dp_bound)
-    if _exact(problem) and (dp is None or objective(problem, dp) <= dp_bound * (1 + 1e-9)):
+    best, bound = dp, max(_trivial_bound(problem), dp_bound if exact else 0.0)
+    if exact and (dp is None or objective(problem, dp) <= dp_bound * (1 + 1e-9)):
         bound = math.inf  # the DP's plan meets the bound of every valid plan
     elif time_limit_s > 0:
         upper = objective(problem, dp) if dp is not None else None
@@ -225,10 +144,10 @@ def solve(problem: PartitionProblem, time_limit_s: float = 30.0, *, seed: int = 
     else:
         report = replace(report, status="FEASIBLE")
     if best is None or not math.isfinite(objective(problem, best)):
-        search = "chain" if _exact(problem) else "proved" if report.status == "INFEASIBLE" else "unknown"
+        search = "chain" if exact else "proved" if report.status == "INFEASIBLE" else "unknown"
         if not explain:
             limit = problem.memory_limit_bytes or 0
-            raise InfeasiblePlanError(f"no plan into {problem.stages} stages fits {_size(limit)} per stage")
+            raise InfeasiblePlanError(f"no plan into {problem.stages} stages fits {_size(limit)} per {memory_unit(problem)}")
         raise _infeasible(problem, search)
     slowest = objective(problem, best)
     return best, replace(report, objective_s=slowest, lower_bound_s=min(bound, slowest),
@@ -251,49 +170,67 @@ def _check(problem: PartitionProblem) -> None:
 def _trivial_bound(problem: PartitionProblem) -> float:
     """No plan beats its largest block, nor an even share of all compute."""
     times = problem.block_time_s
-    return max(max(times), sum(times) / problem.stages)
+    return max(max(times), sum(times) / problem.ranks)
 
 
 # -- infeasible: both sides and the fix --------------------------------------------------
 
 
 def _infeasible(problem: PartitionProblem, search: str) -> InfeasiblePlanError:
-    """Name the leanest plan's fullest stage, its parts, and what would fit instead."""
+    """Name the leanest plan's fullest rank, its parts, and what would fit instead."""
     limit = problem.memory_limit_bytes
     assert limit is not None
-    lean = dp_memory(problem)
+    lean = _leanest(problem)
     assert lean is not None
     costs = stage_costs(problem, lean)
-    k = max(range(problem.stages), key=lambda s: costs[s].memory_bytes)
-    c, need = costs[k], _size(costs[k].memory_bytes)
-    flight = f"{c.inflight} microbatch{'es' if c.inflight != 1 else ''} in flight"
+    ranks = rank_costs(problem, lean, costs)
+    c = max(ranks, key=lambda r: r.memory_bytes)
+    mine, need, unit = [costs[k] for k in c.stages], _size(c.memory_bytes), memory_unit(problem)
+    where = f"stage {c.stages[0]} (" if unit == "stage" else f"rank {ranks.index(c)} (stages {_and(c.stages)}: "
+    many = len(mine) > 1 or mine[0].inflight != 1
+    flight = f"{_and([s.inflight for s in mine])} microbatch{'es' if many else ''} in flight"
     parts = (f"weights {_size(c.weight_bytes)}, gradients {_size(c.weight_bytes)}, optimizer "
              f"{_size(round(c.weight_bytes * problem.optimizer_factor))}, ")
     if problem.recompute:
-        parts += (f"activations {_size(c.activation_bytes)} of the microbatch recomputed, inputs "
-                  f"{_size(c.input_bytes * c.inflight)} for {flight}")
+        parts += (f"activations {_size(sum(s.activation_bytes for s in mine))} of the microbatch recomputed, "
+                  f"inputs {_size(sum(s.input_bytes * s.inflight for s in mine))} for {flight}")
     else:
-        parts += f"activations {_size(c.activation_bytes * c.inflight)} for {flight}"
+        parts += f"activations {_size(sum(s.activation_bytes * s.inflight for s in mine))} for {flight}"
     into = f"into {problem.stages} stage{'s' if problem.stages != 1 else ''}"
     if problem.virtual_stages > 1:
-        into += f" ({problem.stages // problem.virtual_stages} x {problem.virtual_stages} virtual stages per rank)"
-    head = {"chain": f"every plan {into} needs at least {need} on one stage",
+        into += f" ({problem.ranks} x {problem.virtual_stages} virtual stages per rank)"
+    head = {"chain": f"every plan {into} needs at least {need} on one {unit}",
             "proved": f"CP-SAT proved that no plan {into} fits",
             "unknown": f"no plan {into} that fits was found within --time-limit"}[search]
+    leanest = "the leanest" if _summed(problem) else "the leanest found"
     fits = _stages_that_fit(problem, limit)
     fits_note = " (fits)" if problem.virtual_stages == 1 else ", which fits,"
     fix = f"use {_flag(problem, fits)}{fits_note} or raise --memory to {need}" if fits else f"raise --memory to {need}"
     if not problem.recompute and _fits(replace(problem, recompute=True), limit):
         fix = f"recompute activations (--recompute fits), {fix}"
     more = " (or raise --time-limit)" if search == "unknown" else ""
-    return InfeasiblePlanError(f"{head}: the leanest puts {need} on stage {k} ({parts}) but --memory is "
-                               f"{_size(limit)} per stage: {fix}{more}.")
+    return InfeasiblePlanError(f"{head}: {leanest} puts {need} on {where}{parts}) but --memory is "
+                               f"{_size(limit)} per {unit}: {fix}{more}.")
+
+
+def _summed(problem: PartitionProblem) -> bool:
+    """Whether a DP sums what each rank runs (`_contiguous`)."""
+    return problem.virtual_stages == 1 or problem.schedule == "zb-v"
+
+
+def _leanest(problem: PartitionProblem, limit: int | None = None) -> tuple[int, ...] | None:
+    """The contiguous plan with the least memory on its fullest rank (within `limit`, if
+    given; None if none is): for interleaved, whose ranks no DP follows, on its fullest stage."""
+    lean = dp_memory(problem)
+    if lean is not None and problem.virtual_stages > 1 and problem.schedule == "zb-v":
+        # the V's leanest is no fuller than `lean`'s fullest rank (to a byte of rounding per stage)
+        return vee_memory(problem, limit if limit is not None else max(evaluate(problem, lean)[1]) + problem.stages)
+    return lean if limit is None or lean is not None and max(evaluate(problem, lean)[1]) <= limit else None
 
 
 def _fits(problem: PartitionProblem, limit: int) -> bool:
-    """Whether the leanest contiguous plan of `problem` fits `limit` on every stage."""
-    lean = dp_memory(problem)
-    return lean is not None and max(evaluate(problem, lean)[1]) <= limit
+    """Whether the leanest contiguous plan of `problem` fits `limit` on every rank."""
+    return _leanest(problem, limit) is not None
 
 
 def _stages_that_fit(problem: PartitionProblem, limit: int, most: int = 64) -> int | None:
@@ -304,6 +241,12 @@ def _stages_that_fit(problem: PartitionProblem, limit: int, most: int = 64) -> i
         if _fits(replace(problem, stages=stages), limit):
             return stages
     return None
+
+
+def _and(items: Sequence[object]) -> str:
+    """'0', '0 and 3', '0, 2 and 4'."""
+    words = [str(i) for i in items]
+    return words[0] if len(words) == 1 else ", ".join(words[:-1]) + " and " + words[-1]
 
 
 def _flag(problem: PartitionProblem, stages: int, *, down: bool = False) -> str:

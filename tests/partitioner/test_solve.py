@@ -145,10 +145,17 @@ def test_more_stages_than_blocks() -> None:
     # 3 ranks x 2 virtual stages over 4 blocks: 2 ranks x 2 is the most
     (6, {}, PlanError, r"^--stages 3 \(x 2 virtual stages per rank\) makes 6 stages, which is more than the 4 "
                        r"blocks .* use --stages 2 \(x 2 virtual stages per rank\) or fewer\.$"),
-    # 1 rank x 2 puts 2 MiB of weights on a stage (8 MiB with gradients and Adam); 2 ranks x 2 fit
-    (2, {"param_bytes": (MiB,) * 4, "memory_limit_bytes": 5 * MiB}, InfeasiblePlanError,
-     r"^every plan into 2 stages \(1 x 2 virtual stages per rank\) needs at least 8\.0 MiB on one stage: .* "
-     r"use --stages 2 \(x 2 virtual stages per rank\), which fits, or raise --memory to 8\.0 MiB\.$"),
+    # 1 rank x 2 virtual stages holds all 4 MiB of weights (16 MiB with gradients and Adam); 2 ranks x 2 hold
+    # 2 MiB each (8 MiB): the limit is per rank.  Interleaved: CP-SAT proves it; zb-v: the V DP on a chain
+    (2, {"param_bytes": (MiB,) * 4, "memory_limit_bytes": 9 * MiB}, InfeasiblePlanError,
+     r"^CP-SAT proved that no plan into 2 stages \(1 x 2 virtual stages per rank\) fits: the leanest found puts "
+     r"16\.0 MiB on rank 0 \(stages 0 and 1: weights 4\.0 MiB, .* for 2 and 1 microbatches in flight\) but "
+     r"--memory is 9\.0 MiB per rank: use --stages 2 \(x 2 virtual stages per rank\), which fits, or raise "
+     r"--memory to 16\.0 MiB\.$"),
+    (2, {"param_bytes": (MiB,) * 4, "memory_limit_bytes": 9 * MiB, "schedule": "zb-v"}, InfeasiblePlanError,
+     r"^every plan into 2 stages \(1 x 2 virtual stages per rank\) needs at least 16\.0 MiB on one rank: the "
+     r"leanest puts 16\.0 MiB on rank 0 \(stages 0 and 1: .*\) but --memory is 9\.0 MiB per rank: use "
+     r"--stages 2 \(x 2 virtual stages per rank\), which fits, or raise --memory to 16\.0 MiB\.$"),
 ])
 def test_virtual_stages_suggest_stages_per_rank(stages: int, options: dict[str, Any], error: type[Exception],
                                                 message: str) -> None:

@@ -1,0 +1,165 @@
+"""The cost model the solver minimises: each stage's and each pipeline rank's time and
+memory under an assignment, and what makes an assignment a valid plan.
+
+[Note: the cost model]
+    `stage_costs` and `rank_costs` are the one definition of the model of the
+    `PartitionProblem` docstring; `evaluate`, `objective`, the DPs (`intervals`, `vee`),
+    the CP-SAT model and the tests follow them, reading the same tables (`costmodel`).
+    A value is a (producer block, name) pair: a stage receives once each value that its
+    blocks read from earlier stages, and sends each value it makes once to each later
+    stage that reads it; the values a stage pair exchanges are one message, forward and
+    backward ([Note: the cost of a boundary] in cost/costmodel.py).  A parameter
+    that several blocks read (tied) is held once per stage, and once per rank where a rank
+    runs several of the stages that read it.  A rank's time and memory are its stages'
+    summed; a message between two stages of one rank is free.  The last block holds the
+    graph's output (`coarsen` puts it there) and lies in the last stage.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Sequence
+
+from ..cost.costmodel import boundary_s, computing_blocks, pair_bytes, remote, shared_params, values
+from ..cost.roofline import stage_memory_bytes
+from ..ir import PartitionProblem
+
+__all__ = ["RankCost", "StageCost", "evaluate", "fills_with_compute", "memory_unit", "objective", "plan_key",
+           "rank_costs", "stage_costs", "violations"]
+
+
+@dataclass(frozen=True)
+class StageCost:
+    """One stage's terms of the cost model; traffic counts forward and backward."""
+
+    compute_s: float
+    messages: int
+    traffic_bytes: int
+    weight_bytes: int
+    activation_bytes: int
+    inflight: int
+    time_s: float
+    memory_bytes: int
+    input_bytes: int = 0  # values received from earlier stages, once each (forward)
+    link_bytes: int = 0  # of those, the bytes received from other ranks (the rest are handed over in memory)
+
+
+@dataclass(frozen=True)
+class RankCost:
+    """One pipeline rank's terms: the sums over the stages it runs, a parameter that
+    several of them read held once (the runtime shares it)."""
+
+    stages: tuple[int, ...]
+    compute_s: float
+    time_s: float
+    weight_bytes: int
+    memory_bytes: int
+    link_bytes: int  # received from other ranks, each value once per stage that reads it
+
+
+def stage_costs(problem: PartitionProblem, assignment: Sequence[int]) -> tuple[StageCost, ...]:
+    """Every stage's compute, traffic and memory under `assignment` (a stage per block)."""
+    stages = problem.stages
+    compute, acts, weights = [0.0] * stages, [0] * stages, [0] * stages
+    own, shared = shared_params(problem)
+    for block, k in enumerate(assignment):
+        compute[k] += problem.block_time_s[block]
+        acts[k] += problem.block_activation_bytes[block]
+        weights[k] += own[block]
+    for size, blocks in shared:
+        for k in {assignment[b] for b in blocks}:
+            weights[k] += size
+    pairs = pair_bytes((assignment[v.producer], [assignment[r] for r in v.readers], v.bytes)
+                       for v in values(problem))
+    linked = remote(pairs, problem.placement)
+    comm_s = boundary_s(linked, problem.comm_alpha_s, problem.comm_beta_s_per_byte, stages)
+    messages, traffic, received, over_links = [0] * stages, [0] * stages, [0] * stages, [0] * stages
+    for (a, b), nbytes in pairs.items():
+        received[b] += nbytes
+    for (a, b), nbytes in linked.items():
+        for k in (a, b):
+            messages[k] += 2
+            traffic[k] += 2 * nbytes
+        over_links[b] += nbytes
+    return tuple(
+        StageCost(compute[k], messages[k], traffic[k], weights[k], acts[k], problem.inflight(k),
+                  compute[k] + comm_s[k],
+                  stage_memory_bytes(weights[k], acts[k], problem.inflight(k), problem.optimizer_factor,
+                                     recompute=problem.recompute, input_bytes=received[k]),
+                  received[k], over_links[k])
+        for k in range(stages)
+    )
+
+
+def rank_costs(problem: PartitionProblem, assignment: Sequence[int],
+               costs: Sequence[StageCost] | None = None) -> tuple[RankCost, ...]:
+    """Every pipeline rank's time and memory under `assignment`: its stages' sums
+    (`costs`, the stages' own, computed if not given)."""
+    costs = costs if costs is not None else stage_costs(problem, assignment)
+    placed, (_, shared) = problem.placement, shared_params(problem)
+    out = []
+    for r in range(problem.ranks):
+        mine = tuple(k for k in range(problem.stages) if placed[k] == r)
+        copies = sum(size * (len(on) - 1) for size, blocks in shared
+                     for on in [{assignment[b] for b in blocks} & set(mine)] if on)
+        out.append(RankCost(mine, sum(costs[k].compute_s for k in mine), sum(costs[k].time_s for k in mine),
+                            sum(costs[k].weight_bytes for k in mine) - copies,
+                            sum(costs[k].memory_bytes for k in mine) - round(copies * (2 + problem.optimizer_factor)),
+                            sum(costs[k].link_bytes for k in mine)))
+    return tuple(out)
+
+
+def evaluate(problem: PartitionProblem, assignment: Sequence[int]) -> tuple[tuple[float, ...], tuple[int, ...]]:
+    """(time of each pipeline rank, memory of each) under `assignment`: of each stage
+    where every rank runs one."""
+    ranks = rank_costs(problem, assignment)
+    return tuple(c.time_s for c in ranks), tuple(c.memory_bytes for c in ranks)
+
+
+def violations(problem: PartitionProblem, assignment: Sequence[int]) -> list[str]:
+    """What makes `assignment` invalid (empty when it is a valid plan)."""
+    n, stages = problem.num_blocks, problem.stages
+    if len(assignment) != n or any(not 0 <= k < stages for k in assignment):
+        return [f"need {n} stages in [0, {stages})"]
+    found = [f"edge {e.src}->{e.dst} goes backward" for e in problem.edges if assignment[e.src] > assignment[e.dst]]
+    found += [f"stage {k} is empty" for k in sorted(set(range(stages)) - set(assignment))]
+    if fills_with_compute(problem):
+        busy = {assignment[i] for i in computing_blocks(problem)}
+        found += [f"stage {k} has no compute" for k in sorted(set(assignment) - busy)]
+    if assignment[-1] != stages - 1:
+        found.append("the output block is not in the last stage")
+    limit, unit = problem.memory_limit_bytes, memory_unit(problem)
+    _, memories = evaluate(problem, assignment)
+    found += [f"{unit} {k} needs {m} bytes > {limit}" for k, m in enumerate(memories) if limit is not None and m > limit]
+    return found
+
+
+def objective(problem: PartitionProblem, assignment: Sequence[int]) -> float:
+    """The slowest rank's time, or inf when `assignment` is not a valid plan."""
+    if violations(problem, assignment):
+        return math.inf
+    return max(evaluate(problem, assignment)[0])
+
+
+def fills_with_compute(problem: PartitionProblem) -> bool:
+    """Whether every stage can get a block that computes (positive time): otherwise the
+    user asked for more stages than the graph can fill, and some stage only moves data."""
+    return len(computing_blocks(problem)) >= problem.stages
+
+
+def plan_key(problem: PartitionProblem, assignment: Sequence[int]) -> tuple[float, float, int]:
+    """What `solve` minimises, in order: the slowest rank (inf when invalid), the sum of
+    the ranks' excess over the mean compute (balance), the bytes sent between ranks (each
+    value once per stage that receives it)."""
+    slowest = objective(problem, assignment)
+    if not math.isfinite(slowest):
+        return (math.inf, math.inf, 0)
+    ranks = rank_costs(problem, assignment)
+    mean = sum(problem.block_time_s) / problem.ranks
+    return (slowest, sum(max(0.0, c.time_s - mean) for c in ranks), sum(c.link_bytes for c in ranks))
+
+
+def memory_unit(problem: PartitionProblem) -> str:
+    """What the memory limit bounds, in words: a stage, where every rank runs one."""
+    return "stage" if problem.virtual_stages == 1 else "rank"
