@@ -16,7 +16,7 @@ from partitioner.solve.cpsat import solve_cpsat
 from partitioner.solve.solve import objective, rank_costs, solve, stage_costs, violations
 from partitioner.solve.vee import vee_memory, vee_plans
 
-from .test_solve import CHAIN, MiB, _lex_brute_force, _rounded_key, brute_force, problem
+from .test_solve import CHAIN, MiB, _lex_brute_force, _rounded_key, brute_force, problem, solve_or_refuse
 
 #: (schedule, virtual stages per rank): zb-v's V, and interleaved (posed as 1f1b, `problem.pose`)
 PLACEMENTS = [("zb-v", 2), ("1f1b", 2), ("1f1b", 3)]
@@ -100,12 +100,10 @@ def test_random_problems_equal_brute_force(seed: int, chain: bool) -> None:
     """Both steps against every assignment: the slowest rank, then balance and bytes;
     CP-SAT alone (not warm-started) finds the same slowest rank."""
     p = _random_problem(seed, chain)
-    best = brute_force(p)
-    if math.isinf(best):
-        with pytest.raises(InfeasiblePlanError):
-            solve(p, time_limit_s=5)
+    solved = solve_or_refuse(p)
+    if solved is None:
         return
-    assignment, report = solve(p, time_limit_s=5)
+    assignment, report, best = solved
     assert not violations(p, assignment)
     assert report.objective_s == pytest.approx(best, rel=1e-9)
     assert report.lower_bound_s <= report.objective_s * (1 + 1e-9)

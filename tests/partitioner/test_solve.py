@@ -12,7 +12,7 @@ from typing import Any, Sequence
 import pytest
 
 from partitioner.errors import InfeasiblePlanError, PlanError
-from partitioner.ir import Edge, PartitionProblem
+from partitioner.ir import Edge, PartitionProblem, SolverReport
 from partitioner.solve.cpsat import solve_cpsat
 from partitioner.solve.solve import evaluate, fills_with_compute, objective, plan_key, solve, stage_costs, violations
 
@@ -37,6 +37,18 @@ def problem(times: Sequence[float], edges: Sequence[tuple[int, int]], stages: in
 def brute_force(p: PartitionProblem) -> float:
     """The optimum over every assignment of every block to every stage."""
     return min(objective(p, a) for a in itertools.product(range(p.stages), repeat=p.num_blocks))
+
+
+def solve_or_refuse(p: PartitionProblem) -> tuple[tuple[int, ...], SolverReport, float] | None:
+    """`solve(p)`'s (assignment, report) and brute force's optimum; None where brute force
+    finds no plan that fits, after checking that `solve` refuses with InfeasiblePlanError."""
+    best = brute_force(p)
+    if math.isinf(best):
+        with pytest.raises(InfeasiblePlanError):
+            solve(p, time_limit_s=5)
+        return None
+    assignment, report = solve(p, time_limit_s=5)
+    return assignment, report, best
 
 
 CHAIN = [(0, 1), (1, 2), (2, 3), (3, 4), (4, 5)]
@@ -95,12 +107,10 @@ def _random_problem(seed: int) -> PartitionProblem:
 @pytest.mark.parametrize("seed", range(60))
 def test_random_dags_equal_brute_force(seed: int) -> None:
     p = _random_problem(seed)
-    best = brute_force(p)
-    if math.isinf(best):
-        with pytest.raises(InfeasiblePlanError):
-            solve(p, time_limit_s=5)
+    solved = solve_or_refuse(p)
+    if solved is None:
         return
-    _, report = solve(p, time_limit_s=5)
+    _, report, best = solved
     assert report.objective_s == pytest.approx(best, rel=1e-9)
 
 
@@ -381,12 +391,10 @@ def test_blocks_that_do_not_compute_equal_brute_force(seed: int, chain: bool) ->
     its own, not warm-started) find the brute-force optimum of the plans that give every
     stage a block that computes, when there are enough of them."""
     p = _problem_with_idle_blocks(seed, chain)
-    best = brute_force(p)
-    if math.isinf(best):
-        with pytest.raises(InfeasiblePlanError):
-            solve(p, time_limit_s=5)
+    solved = solve_or_refuse(p)
+    if solved is None:
         return
-    assignment, report = solve(p, time_limit_s=5)
+    assignment, report, best = solved
     assert not violations(p, assignment)
     assert report.objective_s == pytest.approx(best, rel=1e-9)
     if chain:
