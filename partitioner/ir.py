@@ -201,7 +201,8 @@ class PartitionProblem:
     stage that reads it ([Note: the cost of a boundary] in cost/costmodel.py); two
     stages on the same pipeline rank (`placement`) hand their values over in memory, for
     free.  Forward activations and backward gradients both travel, so bytes count twice
-    and messages twice.
+    and messages twice.  `comm_alpha_s` is what one message costs each end's own time
+    (`predict.stage_message_s`: on gloo, where receives are posted ahead, posting it).
 
     Stage memory:
         param_bytes * (1 + 1 + optimizer_factor)   weights, gradients, optimizer state

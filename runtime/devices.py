@@ -156,9 +156,18 @@ class CommStream:
             return torch.empty(shape, dtype=dtype, device=self.device)
 
     @contextlib.contextmanager
+    def posting(self) -> Iterator[None]:
+        """Post the enclosed receive from the communication stream."""
+        if self.stream is None:
+            yield
+            return
+        with torch.cuda.stream(self.stream):
+            yield
+
+    @contextlib.contextmanager
     def receiving(self, buffer: torch.Tensor) -> Iterator[None]:
-        """Post and wait for the enclosed receive into `buffer` on the communication stream;
-        then order the compute stream after it and give it the buffer (rule 4)."""
+        """Wait for the enclosed receive into `buffer` on the communication stream; then
+        order the compute stream after it and give it the buffer (rule 4)."""
         if self.stream is None:
             yield
             return

@@ -20,6 +20,8 @@ its own stage files and interprets its own row of the lowered schedule:
                             communication stream ([Note: communication stream] in
                             devices.py)
            RECV_F / RECV_B  irecv into a fresh buffer and wait, with the timeout; on
+                            gloo the irecv is posted before the previous compute
+                            ([Note: receives posted ahead] in schedule.py); on
                             CUDA on the communication stream, which compute then waits for
            I / W            B split in two ([Note: split backward] in stage.py)
            before the last B (or W) of each stage: arm its dp gradient buckets (comm.py)
@@ -55,7 +57,7 @@ from .faults import parse_fault
 from .groups import Mesh, make_groups
 from .local import concat_outputs
 from .manifest import Manifest
-from .schedule import Action, Kind, Schedule, StageGraph, lower, make_schedule, validate
+from .schedule import Action, Kind, Schedule, StageGraph, lower, make_schedule, receives_ahead, validate
 from .stage import StageRunner, as_leaf
 from .steps import StepGuard
 from .tracing import Tracer
@@ -76,10 +78,22 @@ class _Step:
     in_grads: dict[tuple[int, int], dict[str, torch.Tensor | None]] = field(default_factory=dict)
     out_grads: dict[tuple[int, int], dict[str, torch.Tensor]] = field(default_factory=dict)
     sends: list[tuple[Any, Action, torch.Tensor]] = field(default_factory=list)
+    posted: dict[Action, _Receive | None] = field(default_factory=dict)  # receives posted ahead
     loss: torch.Tensor | None = None
     results: list[Any] = field(default_factory=list)
     rows: list[int] = field(default_factory=list)  # each microbatch's rows ([Note: free batch])
     scales: list[float] = field(default_factory=list)  # [Note: microbatch weights]
+
+
+@dataclass(frozen=True)
+class _Receive:
+    """A posted receive: its work, its buffer, and what the buffer holds."""
+
+    work: Any
+    buffer: torch.Tensor
+    specs: list[Any]
+    shapes: list[list[int]]
+    dtypes: list[torch.dtype]
 
 
 @dataclass
@@ -129,6 +143,12 @@ class DistributedPipeline:
         fwd = [[a for a in row if a.kind == Kind.F] for row in compute]
         self._train_actions = _row(lower(compute, g), g, m.microbatches, self.position)
         self._forward_actions = _row(lower(fwd, g), g, m.microbatches, self.position)
+        # gloo takes receives early; NCCL matches point-to-point messages in the order they
+        # are posted on one stream, so there each is posted where it is waited for
+        # ([Note: receives posted ahead] in schedule.py)
+        early = self._comm.stream is None
+        self._train_ahead = receives_ahead(self._train_actions) if early else {}
+        self._forward_ahead = receives_ahead(self._forward_actions) if early else {}
         # 5. gradient buckets, tied gradients
         self._setup_grads()
         self.tracer = Tracer(trace or os.environ.get("PIPELINE_TRACE") or None, self.rank, self.stages)
@@ -213,8 +233,7 @@ class DistributedPipeline:
         self._begin()
         step = _Step(train=False, evaluate=True, rows=rows, scales=package.loss_scales(rows))
         with torch.no_grad():
-            for a in self._forward_actions:
-                self._execute(a, step, mb_inputs, targets, fn)
+            self._run(self._forward_actions, self._forward_ahead, step, mb_inputs, targets, fn)
             self._wait_sends(step)
             loss = self._reduce_loss(step)
         self.tracer.flush()
@@ -278,10 +297,7 @@ class DistributedPipeline:
         self._begin()
         step = _Step(train=True, rows=rows, scales=package.loss_scales(rows))
         try:
-            for t, a in enumerate(self._train_actions):
-                if t in self._arm_at and self._buckets is not None:
-                    self._buckets.arm(self._arm_at[t])
-                self._execute(a, step, mb_inputs, targets, fn)
+            self._run(self._train_actions, self._train_ahead, step, mb_inputs, targets, fn, self._arm_at)
             self._wait_sends(step)
             if self._buckets is not None:
                 with self.tracer.collective("data-parallel gradient all_reduce (what backward left)"):
@@ -319,8 +335,7 @@ class DistributedPipeline:
         self._begin()
         step = _Step(train=False, rows=package.microbatch_rows(inputs, self.manifest))
         with torch.no_grad():
-            for a in self._forward_actions:
-                self._execute(a, step, mb_inputs, None, None)
+            self._run(self._forward_actions, self._forward_ahead, step, mb_inputs, None, None)
             self._wait_sends(step)
         last = self.graph.rank_of(self.graph.num_stages - 1)
         mine = [_to_cpu(o) for o in step.results] if self.position == last and self.tp_index == 0 else None
@@ -353,6 +368,19 @@ class DistributedPipeline:
                                directory=self.directory, group=self.groups.world)
 
     # -- the interpreter ---------------------------------------------------------------------
+
+    def _run(self, actions: list[Action], ahead: dict[int, tuple[int, ...]], step: _Step,
+             mb_inputs: list[dict[str, Any]], targets: list[Any] | None, loss_fn: LossFn | None,
+             arm_at: dict[int, list[torch.nn.Parameter]] | None = None) -> None:
+        """Run this rank's row of actions; before each compute, post the receives of the
+        next (`ahead`: [Note: receives posted ahead] in schedule.py); before the last B (or
+        W) of each stage, arm its gradient buckets (`arm_at`)."""
+        for t, a in enumerate(actions):
+            if arm_at and t in arm_at and self._buckets is not None:
+                self._buckets.arm(arm_at[t])
+            for j in ahead.get(t, ()):
+                step.posted[actions[j]] = self._post_recv(actions[j], step)
+            self._execute(a, step, mb_inputs, targets, loss_fn)
 
     def _execute(self, a: Action, step: _Step, mb_inputs: list[dict[str, Any]], targets: list[Any] | None,
                  loss_fn: LossFn | None) -> None:
@@ -440,12 +468,13 @@ class DistributedPipeline:
             work = dist.isend(message, dst=dst, group=group, tag=self._tag(a.microbatch, forward))
         step.sends.append((work, a, message))  # kept until _wait_sends: [Note: communication stream] rule 2
 
-    def _recv(self, a: Action, step: _Step) -> None:
+    def _post_recv(self, a: Action, step: _Step) -> _Receive | None:
+        """Post the receive of `a` into a fresh buffer (None: nothing flows on its edge)."""
         assert a.peer is not None
         forward = a.kind == Kind.RECV_F
         specs = package.edge_values(self.manifest, a.peer, a.stage) if forward else package.edge_grads(self.manifest, a.stage, a.peer)
         if not specs:
-            return
+            return None
         group, src = self.groups.edges[(a.peer, a.stage) if forward else (a.stage, a.peer)], self._rank_of(a.peer)
         rows = step.rows[a.microbatch]
         shapes = [package.value_shape(spec, rows, self.manifest) for spec in specs]
@@ -454,14 +483,21 @@ class DistributedPipeline:
             buffer = self._comm.empty(shapes[0], dtypes[0])
         else:  # the edge's values packed in one message (messages.py)
             buffer = self._comm.empty([messages.layout(shapes, dtypes)[1]], torch.uint8)
-        with self._comm.receiving(buffer):
-            with guard(self._doing(a)):
-                work = dist.irecv(buffer, src=src, group=group, tag=self._tag(a.microbatch, forward))
-            wait(work, self.timeout_s, self._doing(a))
-        values = [buffer] if len(specs) == 1 else messages.unpack(buffer, shapes, dtypes)
+        with self._comm.posting(), guard(self._doing(a)):
+            work = dist.irecv(buffer, src=src, group=group, tag=self._tag(a.microbatch, forward))
+        return _Receive(work, buffer, specs, shapes, dtypes)
+
+    def _recv(self, a: Action, step: _Step) -> None:
+        """Wait for the receive of `a` (posted now unless it was posted ahead) and file its values."""
+        got = step.posted.pop(a) if a in step.posted else self._post_recv(a, step)
+        if got is None:
+            return
+        with self._comm.receiving(got.buffer):
+            wait(got.work, self.timeout_s, self._doing(a))
+        values = [got.buffer] if len(got.specs) == 1 else messages.unpack(got.buffer, got.shapes, got.dtypes)
         key = (a.stage, a.microbatch)
-        for spec, value in zip(specs, values):
-            if forward:
+        for spec, value in zip(got.specs, values):
+            if a.kind == Kind.RECV_F:
                 step.received.setdefault(key, {})[spec.name] = as_leaf(value, spec.requires_grad)
             else:
                 have = step.out_grads.setdefault(key, {})

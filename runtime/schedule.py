@@ -24,6 +24,17 @@ interpret.  Nothing here runs a tensor: the runtimes only interpret what this mo
     over on rank p-1 in memory.  The solver's split into 2p stages is the same; codegen
     writes each stage's `ranks` from `placement`, and `StageGraph.from_manifest` places
     the stages by the manifest's schedule (the runtime checks the two agree).
+
+[Note: receives posted ahead]
+    `lower` puts each receive right before the compute that needs it, which is where a
+    rank WAITS for it.  Where the transport lets a receive be posted early (gloo), the
+    runtime posts the receives of a rank's next compute before it starts the current one
+    (`receives_ahead`): gloo moves a message only once both sides have posted it, so a
+    receive posted just in time costs its rank the whole round trip (about a millisecond
+    on this VM's loopback, as much as a small stage's compute), while one posted a compute
+    ahead arrives during that compute.  The order of the actions, and so every schedule's
+    validity, is unchanged: only the posting moves.  The simulator posts them where the
+    runtime does (partitioner/predict/simulate.py).
 """
 
 from __future__ import annotations
@@ -54,6 +65,7 @@ __all__ = [
     "placement",
     "make_schedule",
     "lower",
+    "receives_ahead",
     "validate",
     "execution_order",
     "format_schedule",
@@ -343,6 +355,19 @@ def lower(schedule: Schedule, graph: StageGraph | Manifest | Mapping[str, Any]) 
                 raise ScheduleError(f"lower() takes a compute-only schedule but rank {r} already has {a!r}.")
         lowered.append(out)
     return lowered
+
+
+def receives_ahead(row: Sequence[Action]) -> dict[int, tuple[int, ...]]:
+    """For each compute action of a lowered `row`, by index, the indices of the receives
+    of the rank's next compute (those between the two): what the runtime posts before
+    running it ([Note: receives posted ahead])."""
+    ahead: dict[int, tuple[int, ...]] = {}
+    computes = [t for t, a in enumerate(row) if a.is_compute]
+    for t, nxt in zip(computes, computes[1:]):
+        recvs = tuple(j for j in range(t + 1, nxt) if row[j].kind in (RECV_F, RECV_B))
+        if recvs:
+            ahead[t] = recvs
+    return ahead
 
 
 # -- validation ----------------------------------------------------------------------------

@@ -16,7 +16,12 @@ so that none needs another and `solve` imports them all without a cycle.
         one message = alpha + beta * bytes(a, b)                            (`message_s`)
 
     and each stage pays, for every pair it is in, one message forward (the values) and
-    one backward (their gradients): `boundary_s`.  A pair of stages on the same pipeline
+    one backward (their gradients): `boundary_s`.  In the solver's stage time, alpha is
+    what a message costs each END's own time (`predict.stage_message_s`): the link's
+    latency where a receive is posted just before it is waited for (NCCL), but on gloo,
+    where receives are posted a compute ahead ([Note: receives posted ahead] in
+    runtime/schedule.py), only posting the send and the receive, since the message moves
+    during that compute; the simulator plays the latency out where it falls.  A pair of stages on the same pipeline
     rank (interleaved, the turn of zb-v's V: [Note: V placement] in runtime/schedule.py)
     sends nothing: the runtime hands the values over in memory and `lower` emits no
     message, so such a pair costs nothing (`remote`).  `model.stage_costs` (the model the

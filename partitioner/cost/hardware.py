@@ -80,6 +80,13 @@ class Hardware:
         return 0.0 if self.overlaps_comm else self.message_wait_s
 
     @property
+    def receives_ahead(self) -> bool:
+        """Whether the runtime posts pipeline receives a compute ahead here: on the CPU
+        (gloo) yes; on GPUs no, NCCL matching messages in the order they are posted
+        ([Note: receives posted ahead] in runtime/schedule.py)."""
+        return self.name == "cpu"
+
+    @property
     def send_post_s(self) -> float:
         """What posting one pipeline send costs its sender."""
         return self.p2p_send_post_s or self.p2p_alpha_s

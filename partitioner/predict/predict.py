@@ -26,7 +26,7 @@ from ..trace.passes import get_attr
 from ..cost.roofline import BACKWARD_FLOP_FACTOR, mfu, ring_allreduce_s, ring_broadcast_s
 from .simulate import Simulation, simulate
 
-__all__ = ["pipeline_link", "pipeline_posts", "predict", "rounded", "simulate_plan", "tied_allreduce_s",
+__all__ = ["pipeline_link", "pipeline_posts", "predict", "rounded", "simulate_plan", "stage_message_s", "tied_allreduce_s",
            "zero_broadcast_s"]
 
 
@@ -102,7 +102,8 @@ def simulate_plan(gm: torch.fx.GraphModule, plan: Plan, costs: dict[str, NodeCos
     final = (hardware.allreduce_latency_s or hardware.p2p_alpha_s) if plan.pp * plan.tp * plan.dp > 1 else 0.0
     send, receive = pipeline_posts(hardware, plan.pp, plan.tp)
     sim = simulate(forward, backward, links, plan.schedule, plan.pp, plan.microbatches, plan.virtual_stages,
-                   send_s=send, recv_s=receive, loss_s=loss, final_s=final, weight_share=weight_share)
+                   send_s=send, recv_s=receive, loss_s=loss, final_s=final, weight_share=weight_share,
+                   ahead=hardware.receives_ahead)
     sim = dataclasses.replace(sim, step_time_s=sim.step_time_s + tied_allreduce_s(gm, plan, hardware))
     if plan.dp == 1:
         return sim
@@ -135,6 +136,20 @@ def pipeline_link(hardware: Hardware, pp: int, tp: int) -> tuple[float, float]:
     ranks are neighbours in rank order, so the pipeline leaves a node once pp x tp ranks
     outgrow it."""
     return _link(hardware, across_nodes=pp * tp > hardware.devices_per_node)
+
+
+def stage_message_s(hardware: Hardware, pp: int, tp: int) -> float:
+    """What one pipeline message costs each of its two ends' own time, as the solver
+    charges it (`PartitionProblem.comm_alpha_s`; the bytes apart).  Where receives are
+    posted a compute ahead (gloo: [Note: receives posted ahead] in runtime/schedule.py) the
+    message moves during that compute, and a stage pays posting it: at each end of a
+    boundary one send and one receive a microbatch, so their mean per message.  Elsewhere
+    (NCCL) a receive is posted where it is waited for, and its end pays the latency."""
+    alpha, _ = pipeline_link(hardware, pp, tp)
+    if not hardware.receives_ahead:
+        return alpha
+    send, receive = pipeline_posts(hardware, pp, tp)
+    return (send + receive) / 2
 
 
 def tied_allreduce_s(gm: torch.fx.GraphModule, plan: Plan, hardware: Hardware) -> float:

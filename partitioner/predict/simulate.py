@@ -17,7 +17,10 @@ right after the compute that made them, so it alone says which messages exist.  
 - send: posting one costs the sender `send_s` seconds on its own timeline (about the
   link's alpha), after the compute and before its next action;
 - receive: posting one costs the receiver `recv_s` before it waits (each receive in turn,
-  as the runtime posts one and waits in it before the next);
+  as the runtime posts one and waits in it before the next); with `ahead` (gloo: [Note:
+  receives posted ahead] in runtime/schedule.py) the receives of a rank's next compute
+  are posted, and cost `recv_s`, before its current compute, so their message moves
+  during it: such a receive ends at max(its post, the send's post) + the message;
 - end of step: after the last action of every rank, the loss all-reduce (`final_s`,
   about the all-reduce latency for a 0-dim tensor) runs on all ranks together, so the
   step is max over ranks of their last action's end, plus final_s.
@@ -41,7 +44,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
-from runtime.schedule import Action, Kind, StageGraph, lower, make_schedule, placement
+from runtime.schedule import Action, Kind, StageGraph, lower, make_schedule, placement, receives_ahead
 
 __all__ = ["Simulation", "simulate", "bubble_fraction"]
 
@@ -68,6 +71,7 @@ def simulate(
     recv_s: float = 0.0,
     final_s: float = 0.0,
     weight_share: float | Sequence[float] = 0.5,
+    ahead: bool = False,
 ) -> Simulation:
     """Simulate one step; `links[(a, b)]` (a < b) is the seconds of one message from stage
     a to stage b, which is also what its gradient takes back.  `send_s` and `recv_s` are
@@ -76,19 +80,25 @@ def simulate(
     ends the step (the loss all-reduce).  Where the schedule splits B (zb-h1, zb-h2, zb-v), W
     takes `weight_share` of the stage's backward time (one for all stages, or one per
     stage: the profiled weight-gradient part, NodeCost.weight_fraction) and I the rest (the
-    loss's backward with it); a microbatch's activations stay in flight until its W."""
+    loss's backward with it); a microbatch's activations stay in flight until its W.
+    `ahead`: receives are posted a compute ahead, as the runtime does on gloo."""
     stages = len(forward_s)
     graph = StageGraph(stages, pp, tuple(sorted(links)), frozenset(links),  # every edge carries a gradient back
                        placement(schedule, stages, pp))
     lowered = lower(make_schedule(schedule, pp, microbatches, virtual), graph)
     clock = _Clock(forward_s, backward_s, links, pp, send_s=send_s, recv_s=recv_s, loss_s=loss_s,
                    weight_share=weight_share)
+    early = [receives_ahead(actions) if ahead else {} for actions in lowered]
     cursor = [0] * pp
     remaining = sum(len(actions) for actions in lowered)
     while remaining:
         progressed = False
         for rank, actions in enumerate(lowered):
-            while cursor[rank] < len(actions) and clock.run(rank, actions[cursor[rank]]):
+            while cursor[rank] < len(actions):
+                for j in early[rank].get(cursor[rank], ()):  # a compute, which runs now: first these
+                    clock.post_receive(rank, actions[j])
+                if not clock.run(rank, actions[cursor[rank]]):
+                    break
                 cursor[rank] += 1
                 remaining -= 1
                 progressed = True
@@ -115,6 +125,12 @@ class _Clock:
         self.inflight, self.peak = [0] * stages, [0] * stages
         self.events: list[tuple[int, float, float, str]] = []  # what the timeline draws
         self.posted: dict[tuple[bool, int, int, int], float] = {}  # (backward, from, to, microbatch): posted at
+        self.receiving: dict[Action, float] = {}  # receives posted ahead: when
+
+    def post_receive(self, rank: int, a: Action) -> None:
+        """Post the receive `a` now, ahead of the compute before it."""
+        self.free[rank] += self.recv_s
+        self.receiving[a] = self.free[rank]
 
     def run(self, rank: int, a: Action) -> bool:
         """Run `a` on `rank`; False (nothing done) when it is a RECV whose SEND is not posted yet."""
@@ -131,7 +147,10 @@ class _Clock:
         if sent is None:
             return False
         message = self.links[(min(a.stage, a.peer), max(a.stage, a.peer))]
-        self.free[rank] = max(self.free[rank] + self.recv_s, sent) + message
+        if a in self.receiving:  # posted ahead: its message moved meanwhile
+            self.free[rank] = max(self.free[rank], max(self.receiving.pop(a), sent) + message)
+        else:
+            self.free[rank] = max(self.free[rank] + self.recv_s, sent) + message
         return True
 
     def _compute(self, rank: int, a: Action) -> None:

@@ -20,7 +20,7 @@ from ..cost.hardware import Hardware
 from ..cost.nodes import compute_nodes, param_names, working_nodes
 from ..ir import (BlockCost, Edge, GraphNode, NodeCost, PartitionProblem, Plan, SolverReport, StagePlan,
                   optimizer_state_factor)
-from ..predict.predict import pipeline_link
+from ..predict.predict import pipeline_link, stage_message_s
 from ..tp import Sharded
 from ..trace.buffers import mutated_buffers
 from ..trace.passes import is_tensor_node, node_module
@@ -109,13 +109,13 @@ def _mostly_16_bit(named: Sequence[tuple[str, torch.Tensor]]) -> bool:
 
 def pose(coarse: Coarse, mesh: Mesh, hardware: Hardware) -> PartitionProblem:
     """The problem of splitting `coarse` into `mesh.stages` stages for `mesh`."""
-    alpha, beta = pipeline_link(hardware, mesh.pp, mesh.tp)
+    _, beta = pipeline_link(hardware, mesh.pp, mesh.tp)
     return replace(
         _template(coarse, mesh.recompute), stages=mesh.stages, microbatches=mesh.microbatches,
         schedule="1f1b" if mesh.schedule == "interleaved" else mesh.schedule,
         memory_limit_bytes=mesh.memory if mesh.memory is not None else device_memory(hardware, mesh.pp * mesh.tp * mesh.dp),
         optimizer_factor=optimizer_state_factor(mesh.optimizer, coarse.mixed_precision) / (mesh.dp if mesh.zero else 1),
-        comm_alpha_s=alpha,
+        comm_alpha_s=stage_message_s(hardware, mesh.pp, mesh.tp),
         comm_beta_s_per_byte=beta,
         virtual_stages=mesh.virtual_stages,
     )

@@ -35,6 +35,21 @@ def test_stages_are_profiled_idle_only_where_communication_shares_the_cores() ->
     assert cpu.idle_before_compute_s == pytest.approx(3e-4 + 1e-4 + gpu.p2p_alpha_s)
 
 
+def test_a_stage_pays_the_posts_of_its_messages_where_receives_are_posted_ahead() -> None:
+    """[Note: receives posted ahead]: on the CPU (gloo) the solver charges each end of a
+    message what posting it costs (the mean of a send and a receive), not the round trip,
+    which moves during the compute before; on a GPU (NCCL, no early receives) the latency."""
+    from partitioner.predict.predict import stage_message_s
+
+    gpu = load_hardware("a100")
+    assert not gpu.receives_ahead
+    assert stage_message_s(gpu, 2, 1) == gpu.intra_node_latency_s
+    cpu = dataclasses.replace(gpu, name="cpu", devices_per_node=8, intra_node_latency_s=9e-4,
+                              p2p_send_post_s=3e-4, p2p_recv_post_s=1e-4)
+    assert cpu.receives_ahead
+    assert stage_message_s(cpu, 2, 1) == pytest.approx(2e-4)
+
+
 def test_user_profile_loads_from_a_path(tmp_path: Path) -> None:
     raw = json.loads((hardware._PROFILES / "h100.json").read_text())
     raw.update(name="my-gpu", peak_flops=1e15, intra_node_latency_s=2e-6, sources=["my own numbers"])

@@ -44,6 +44,35 @@ def test_a_receive_waits_for_both_sides_then_takes_the_message() -> None:
     assert sim.step_time_s == pytest.approx(12.0)
 
 
+def test_a_receive_posted_ahead_takes_its_message_during_the_compute_before() -> None:
+    """The previous test's pipeline with receives posted a compute ahead (gloo: [Note:
+    receives posted ahead]).  Rank 1 posts 1F1's receive at 1.5, before 1F0; 0F1 is sent at
+    2, so it is there at 2.5, long before 1F0 ends at 4.5: 1F1 4.5..7.5, 1B0 ..8.5, 1B1
+    ..9.5.  Rank 0 posted B0's receive at 1 (before 0F1): sent at 8.5, there at 9, 0B0
+    9..10; B1's, posted at 9, sent at 9.5, there at 10: 0B1 10..11, not 12."""
+    sim = simulate([1.0, 3.0], [1.0, 1.0], {(0, 1): 0.5}, "gpipe", 2, 2, ahead=True)
+    assert sim.step_time_s == pytest.approx(11.0)
+    free = simulate([1.0, 3.0], [1.0, 1.0], {(0, 1): 0.0}, "gpipe", 2, 2)
+    assert sim.step_time_s >= free.step_time_s
+
+
+@pytest.mark.parametrize("schedule, stages, microbatches", [("1f1b", 2, 4), ("1f1b", 4, 8), ("gpipe", 3, 6),
+                                                             ("zb-h1", 3, 6), ("interleaved", 2, 4)])
+def test_receives_posted_ahead_never_slow_a_step_without_posting_costs(schedule: str, stages: int,
+                                                                       microbatches: int) -> None:
+    """A receive posted earlier ends no later; with free links nothing changes."""
+    virtual = 2 if schedule == "interleaved" else 1
+    n = stages * virtual
+    links = {(k, k + 1): 0.3 for k in range(n - 1)}
+    forward, backward = [1.0 + 0.1 * k for k in range(n)], [2.0] * n
+    late = simulate(forward, backward, links, schedule, stages, microbatches, virtual)
+    early = simulate(forward, backward, links, schedule, stages, microbatches, virtual, ahead=True)
+    assert early.step_time_s < late.step_time_s
+    free = {pair: 0.0 for pair in links}
+    assert simulate(forward, backward, free, schedule, stages, microbatches, virtual, ahead=True).step_time_s == \
+        pytest.approx(simulate(forward, backward, free, schedule, stages, microbatches, virtual).step_time_s)
+
+
 def test_a_send_costs_its_sender() -> None:
     """Free links but each send costs its sender 0.25, and its message leaves once posted:
     2 stages, F 1, B 2, M = 1.  0F0 ends at 1, its send is posted by 1.25; 1F0 1.25..2.25,

@@ -21,6 +21,7 @@ from runtime.schedule import (
     one_f_one_b,
     parse_schedule,
     placement,
+    receives_ahead,
     validate,
     zb_h1,
     zb_h2,
@@ -99,6 +100,20 @@ def test_lower_sends_a_skip_value_to_each_reader() -> None:
         1RECV_F0<0 1F0 1SEND_F0>2 1RECV_B0<2 1B0 1SEND_B0>0
         2RECV_F0<0 2RECV_F0<1 2F0 2B0 2SEND_B0>0 2SEND_B0>1
     """)
+
+
+def test_the_receives_of_the_next_compute_are_posted_before_the_current_one() -> None:
+    """[Note: receives posted ahead]: each compute maps to the receives between it and the
+    rank's next compute (the first compute's own receives are posted where they stand)."""
+    row = lower(gpipe(3, 1), SKIP)[2]  # 2RECV_F0<0 2RECV_F0<1 2F0 2B0 2SEND_B0>0 2SEND_B0>1
+    assert receives_ahead(row) == {}
+    rows = lower(one_f_one_b(2, 3), StageGraph.chain(2))
+    assert format_schedule(rows) == _layout("""
+        0F0 0SEND_F0>1 0F1 0SEND_F1>1 0RECV_B0<1 0B0 0F2 0SEND_F2>1 0RECV_B1<1 0B1 0RECV_B2<1 0B2
+        1RECV_F0<0 1F0 1B0 1SEND_B0>0 1RECV_F1<0 1F1 1B1 1SEND_B1>0 1RECV_F2<0 1F2 1B2 1SEND_B2>0
+    """)
+    assert receives_ahead(rows[0]) == {2: (4,), 6: (8,), 9: (10,)}  # 0B0's before 0F1, ...
+    assert receives_ahead(rows[1]) == {2: (4,), 6: (8,)}  # 1F1's before 1B0, 1F2's before 1B1
 
 
 def test_lower_keeps_same_rank_values_in_memory() -> None:

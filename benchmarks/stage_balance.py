@@ -1,0 +1,75 @@
+"""Stage balance on transformers nobody here wrote (issue 16's outside check, reproduced).
+
+Small Hugging Face Qwen2, Llama with a tied head, Mistral and BART
+(`benchmarks/models/hf_small.py`) are compiled with measured costs into 2 and 3 stages, and
+each emitted stage is timed alone on a real microbatch (forward + backward on a rank's one
+thread; the last stage also runs the loss, as the compile timed it).  The figure is the
+slowest stage over the mean stage; the goal is at most 1.2.  Each is the median over
+rounds, the stage times of one round taken together.
+
+    python -m benchmarks.stage_balance [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from driver.compile import compile_model
+from driver.options import CompileOptions
+from driver.phases import prepare
+from partitioner.cost.measure import rank_threads
+
+from .common import load_package, save, table, update_readme
+from .partition_quality import measure_stages
+
+MODELS = ["benchmarks/models/hf_qwen2_small.py", "benchmarks/models/hf_llama_tied_small.py",
+          "benchmarks/models/hf_mistral_small.py", "benchmarks/models/hf_bart_small.py"]
+GOAL = 1.2
+
+
+def run_model(path: str, stages: int, rounds: int, repeats: int, work: Path) -> dict[str, Any]:
+    compile_model(CompileOptions(model=path, out=str(work), stages=stages, quiet=True, time_limit=10))
+    prepared = prepare(CompileOptions(model=path, out=str(work / "x"), stages=stages, quiet=True))
+    loss_s = prepared.loss.time_s if prepared.loss is not None else 0.0
+    samples = []
+    for _ in range(rounds):
+        times = measure_stages(work, prepared, repeats)
+        times[-1] += loss_s
+        samples.append(times)
+    per_stage = [statistics.median(s) for s in zip(*samples)]
+    ratios = [max(t) / statistics.fmean(t) for t in samples]
+    manifest = load_package(work).MANIFEST
+    return {"model": Path(path).stem.removesuffix("_small"), "stages": stages,
+            "nodes": "/".join(str(s["nodes"]) for s in manifest["stages"]),
+            "stage_ms": "/".join(f"{t * 1e3:.2f}" for t in per_stage),
+            "slowest_over_mean": statistics.median(ratios)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--quick", action="store_true", help="one model, S=2, fewer rounds")
+    ns = parser.parse_args(argv)
+    rounds, repeats = (3, 3) if ns.quick else (8, 5)
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp, rank_threads():
+        for path in MODELS[:1] if ns.quick else MODELS:
+            for stages in [2] if ns.quick else [2, 3]:
+                row = run_model(path, stages, rounds, repeats, Path(tmp) / f"{Path(path).stem}{stages}")
+                row["within_goal"] = row["slowest_over_mean"] <= GOAL
+                rows.append(row)
+                print(f"{row['model']} S={stages}: stages {row['stage_ms']} ms, slowest/mean "
+                      f"{row['slowest_over_mean']:.3f}", file=sys.stderr)
+    text = table(rows, ["model", "stages", "nodes", "stage_ms", "slowest_over_mean", "within_goal"])
+    print(text)
+    save("stage_balance", rows)
+    update_readme("stage_balance", text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
