@@ -35,6 +35,7 @@ from driver.prepared import Prepared
 from partitioner.cost.nodes import compute_nodes
 from partitioner.cost.measure import rank_threads
 from partitioner.trace.passes import node_module
+from runtime.malloc import keep_freed_memory
 
 from .common import load_package, save, table, update_readme
 
@@ -102,7 +103,10 @@ def by_layers(groups: list[list[str]], bounds: list[int]) -> dict[str, int]:
 
 
 def measure_stages(directory: Path, prepared: Prepared, repeats: int) -> list[float]:
-    """Median forward+backward seconds of each stage on microbatch 0."""
+    """Median forward+backward seconds of each stage on microbatch 0, with freed memory kept
+    as a rank keeps it (runtime/malloc.py): else a stage's large buffers are faulted in
+    again or not depending on what ran before it in this process."""
+    keep_freed_memory()
     pkg = load_package(directory)
     manifest = pkg.MANIFEST
     state = prepared.model.state_dict()

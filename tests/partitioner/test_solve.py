@@ -302,6 +302,25 @@ def test_equal_layers_with_four_values_per_boundary_split_evenly(stages: int) ->
     assert report.gap < 1e-6
 
 
+def test_where_receives_go_ahead_a_middle_stage_is_not_starved_for_its_messages() -> None:
+    """12 layers of 1 ms into 3 stages on a CPU-like profile (a 0.9 ms round trip, posting a
+    send 0.3 ms and a receive 0.1 ms): charged the posts ([Note: receives posted ahead]),
+    the middle stage with its two boundaries gets its third of the layers; charged the
+    round trip at each end, as before receives went ahead, it got fewer than the ends."""
+    from partitioner.cost.hardware import load_hardware
+    from partitioner.predict.predict import stage_message_s
+
+    cpu = dataclasses.replace(load_hardware("a100"), name="cpu", devices_per_node=8, intra_node_latency_s=9e-4,
+                              p2p_send_post_s=3e-4, p2p_recv_post_s=1e-4)
+    counts = {}
+    for name, alpha in [("posts", stage_message_s(cpu, 3, 1)), ("round trip", cpu.p2p_alpha_s)]:
+        layers = dataclasses.replace(_layers(12, 3, 4, comm_alpha_s=alpha), block_time_s=(1e-3,) * 12)
+        assignment, _ = solve(layers, time_limit_s=5)
+        counts[name] = [assignment.count(k) for k in range(3)]
+    assert counts["posts"] == [4, 4, 4]
+    assert counts["round trip"][1] < 4
+
+
 def test_a_chain_with_skips_and_latency_equals_brute_force() -> None:
     # values that skip stages: the DP's bound is not met, CP-SAT finishes the search
     p = problem([2, 2, 3, 1, 2, 2], SKIPS + [(4, 5), (0, 5)], 3, comm_alpha_s=0.4, comm_beta_s_per_byte=0.01)
