@@ -26,8 +26,8 @@ from ..trace.passes import get_attr
 from ..cost.roofline import BACKWARD_FLOP_FACTOR, mfu, ring_allreduce_s, ring_broadcast_s
 from .simulate import Simulation, simulate
 
-__all__ = ["pipeline_link", "pipeline_posts", "predict", "rounded", "simulate_plan", "stage_message_s", "tied_allreduce_s",
-           "zero_broadcast_s"]
+__all__ = ["pipeline_link", "pipeline_posts", "predict", "rounded", "simulate_plan", "stage_message_s",
+           "tied_allreduce_s", "zero_broadcast_s"]
 
 
 def predict(gm: torch.fx.GraphModule, plan: Plan, costs: dict[str, NodeCost], hardware: Hardware,
