@@ -24,7 +24,7 @@ from typing import Any, Callable, Iterable
 
 import torch
 
-from . import package
+from . import modes, package
 from .errors import PipelineError
 from .manifest import Manifest, ParamSpec
 
@@ -73,8 +73,7 @@ def initial_value(model: torch.nn.Module, name: str, seed: int, model_init: Modu
     for n, p in fresh.items():
         setattr(owner, n, p)
     try:
-        with torch.random.fork_rng(devices=[]), torch.no_grad():
-            torch.manual_seed(param_seed(seed, name))
+        with modes.seeded(param_seed(seed, name), torch.device("cpu")), torch.no_grad():
             ran = _initialiser(model, model_init)(owner)
         value = fresh[attr].detach()
     finally:

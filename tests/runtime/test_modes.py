@@ -236,3 +236,20 @@ def test_tp_ranks_in_processes_draw_a_mask_per_shard(tp_compiled: Path, tmp_path
     model = tmp_path / "tp_dropout.py"
     shutil.copy(TP_PATH, model)
     _ok(launch(2, "dropout", [tp_compiled], model))
+
+
+def test_a_cpu_forward_is_seeded_without_torch_manual_seed(monkeypatch: pytest.MonkeyPatch) -> None:
+    """modes.seeded on the CPU draws what torch.manual_seed(seed) would, restores the
+    caller's stream, and never calls torch.manual_seed, which on a CPU-only process
+    records the caller's stack for CUDA's lazy seeding (0.5 ms a forward)."""
+    from runtime import modes
+
+    torch.manual_seed(7)
+    want = torch.rand(3)
+    torch.manual_seed(1)
+    before = torch.get_rng_state()
+    monkeypatch.setattr(torch, "manual_seed", lambda seed: pytest.fail("torch.manual_seed was called"))
+    with modes.seeded(7, torch.device("cpu")):
+        got = torch.rand(3)
+    assert torch.equal(got, want)
+    assert torch.equal(torch.get_rng_state(), before)
