@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import json
 import os
@@ -125,3 +126,31 @@ def update_readme(block: str, text: str) -> None:
         return
     pattern = re.compile(re.escape(start) + ".*?" + re.escape(end), re.S)
     readme.write_text(pattern.sub(lambda _m: f"{start}\n{text}\n{end}", content))
+
+
+def stage_sweep(argv: list[str] | None, doc: str, models: Sequence[str], stage_counts: Sequence[int],
+                run: Callable[[str, int, int, int, Path], dict[str, Any]]) -> list[dict[str, Any]]:
+    """The rows of `run(model, stages, rounds, repeats, work folder)` for every model and
+    stage count, torch on a rank's one thread; `--quick` (in `argv`): the first model at
+    the first count, 3 rounds of 3 repeats instead of 8 of 5."""
+    from partitioner.cost.measure import rank_threads
+
+    parser = argparse.ArgumentParser(description=doc)
+    parser.add_argument("--quick", action="store_true", help="one model, one stage count, fewer rounds")
+    quick = parser.parse_args(argv).quick
+    rounds, repeats = (3, 3) if quick else (8, 5)
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp, rank_threads():
+        for path in models[:1] if quick else models:
+            for stages in stage_counts[:1] if quick else stage_counts:
+                rows.append(run(path, stages, rounds, repeats, Path(tmp) / f"{Path(path).stem}{stages}"))
+    return rows
+
+
+def publish(name: str, rows: Sequence[dict[str, Any]], columns: Sequence[str]) -> None:
+    """Print `rows` as a table, save them as benchmarks/results/NAME.json and put the table
+    in the README's NAME block."""
+    text = table(rows, columns)
+    print(text)
+    save(name, rows)
+    update_readme(name, text)

@@ -25,10 +25,8 @@ this 2-core machine is shared and noisy (~10%).
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -36,9 +34,8 @@ from driver.compile import compile_model
 from driver.options import CompileOptions
 from driver.phases import assign_nodes, prepare
 from driver.prepared import Prepared
-from partitioner.cost.measure import rank_threads
 
-from .common import save, table, update_readme
+from .common import publish, stage_sweep
 from .partition_quality import _node, by_layers, layers, measure_stages, split_balanced
 
 MODELS = ["benchmarks/models/hf_gpt2_big.py", "benchmarks/models/hf_llama_big.py", "benchmarks/models/hf_bert_big.py"]
@@ -98,28 +95,15 @@ def run_model(path: str, stages: int, rounds: int, repeats: int, work: Path) -> 
         row[f"ours_vs_{other}"] = statistics.median(a / b for a, b in zip(slowest["ours"], slowest[other]))
     # what any contiguous split can gain on torchtitan's: where the head dominates, little
     row["best_vs_torchtitan"] = statistics.median(a / b for a, b in zip(slowest["best"], slowest["torchtitan"]))
+    print(f"{row['model']} S={stages}: ours {row['ours_ms']:.2f} ms, best {row['best_ms']:.2f}, "
+          f"torchtitan {row['torchtitan_ms']:.2f}, parameters {row['parameters_ms']:.2f}", file=sys.stderr)
     return row
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--quick", action="store_true", help="one model, S=2, fewer rounds")
-    ns = parser.parse_args(argv)
-    rounds, repeats = (3, 3) if ns.quick else (8, 5)
-    rows = []
-    with tempfile.TemporaryDirectory() as tmp, rank_threads():
-        for path in MODELS[:1] if ns.quick else MODELS:
-            for stages in [2] if ns.quick else [2, 3, 4]:
-                row = run_model(path, stages, rounds, repeats, Path(tmp) / f"{Path(path).stem}{stages}")
-                rows.append(row)
-                print(f"{row['model']} S={stages}: ours {row['ours_ms']:.2f} ms, best {row['best_ms']:.2f}, "
-                      f"torchtitan {row['torchtitan_ms']:.2f}, parameters {row['parameters_ms']:.2f}", file=sys.stderr)
-    cols = ["model", "stages", "units", "ours_ms", "best_ms", "torchtitan_ms", "parameters_ms", "ours_vs_best",
-            "ours_vs_torchtitan", "ours_vs_parameters", "best_vs_torchtitan"]
-    text = table(rows, cols)
-    print(text)
-    save("split_quality", rows)
-    update_readme("split_quality", text)
+    rows = stage_sweep(argv, __doc__, MODELS, [2, 3, 4], run_model)
+    publish("split_quality", rows, ["model", "stages", "units", "ours_ms", "best_ms", "torchtitan_ms", "parameters_ms",
+                                    "ours_vs_best", "ours_vs_torchtitan", "ours_vs_parameters", "best_vs_torchtitan"])
     return 0
 
 

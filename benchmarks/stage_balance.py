@@ -12,19 +12,16 @@ rounds, the stage times of one round taken together.
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any
 
 from driver.compile import compile_model
 from driver.options import CompileOptions
 from driver.phases import prepare
-from partitioner.cost.measure import rank_threads
 
-from .common import load_package, save, table, update_readme
+from .common import load_package, publish, stage_sweep
 from .partition_quality import measure_stages
 
 MODELS = ["benchmarks/models/hf_qwen2_small.py", "benchmarks/models/hf_llama_tied_small.py",
@@ -44,30 +41,19 @@ def run_model(path: str, stages: int, rounds: int, repeats: int, work: Path) -> 
     per_stage = [statistics.median(s) for s in zip(*samples)]
     ratios = [max(t) / statistics.fmean(t) for t in samples]
     manifest = load_package(work).MANIFEST
-    return {"model": Path(path).stem.removesuffix("_small"), "stages": stages,
-            "nodes": "/".join(str(s["nodes"]) for s in manifest["stages"]),
-            "stage_ms": "/".join(f"{t * 1e3:.2f}" for t in per_stage),
-            "slowest_over_mean": statistics.median(ratios)}
+    row: dict[str, Any] = {"model": Path(path).stem.removesuffix("_small"), "stages": stages,
+                           "nodes": "/".join(str(s["nodes"]) for s in manifest["stages"]),
+                           "stage_ms": "/".join(f"{t * 1e3:.2f}" for t in per_stage),
+                           "slowest_over_mean": statistics.median(ratios)}
+    row["within_goal"] = row["slowest_over_mean"] <= GOAL
+    print(f"{row['model']} S={stages}: stages {row['stage_ms']} ms, slowest/mean {row['slowest_over_mean']:.3f}",
+          file=sys.stderr)
+    return row
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--quick", action="store_true", help="one model, S=2, fewer rounds")
-    ns = parser.parse_args(argv)
-    rounds, repeats = (3, 3) if ns.quick else (8, 5)
-    rows = []
-    with tempfile.TemporaryDirectory() as tmp, rank_threads():
-        for path in MODELS[:1] if ns.quick else MODELS:
-            for stages in [2] if ns.quick else [2, 3]:
-                row = run_model(path, stages, rounds, repeats, Path(tmp) / f"{Path(path).stem}{stages}")
-                row["within_goal"] = row["slowest_over_mean"] <= GOAL
-                rows.append(row)
-                print(f"{row['model']} S={stages}: stages {row['stage_ms']} ms, slowest/mean "
-                      f"{row['slowest_over_mean']:.3f}", file=sys.stderr)
-    text = table(rows, ["model", "stages", "nodes", "stage_ms", "slowest_over_mean", "within_goal"])
-    print(text)
-    save("stage_balance", rows)
-    update_readme("stage_balance", text)
+    rows = stage_sweep(argv, __doc__, MODELS, [2, 3], run_model)
+    publish("stage_balance", rows, ["model", "stages", "nodes", "stage_ms", "slowest_over_mean", "within_goal"])
     return 0
 
 
