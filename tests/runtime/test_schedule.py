@@ -116,6 +116,22 @@ def test_the_receives_of_the_next_compute_are_posted_before_the_current_one() ->
     assert receives_ahead(rows[1]) == {2: (4,), 6: (8,)}  # 1F1's before 1B0, 1F2's before 1B1
 
 
+def test_the_distributed_runtime_posts_them_there() -> None:
+    """DistributedPipeline._run, with its posts and actions recorded: each receive of the
+    next compute is posted before the current compute runs, and waited for in its place."""
+    from types import SimpleNamespace
+
+    from runtime.distributed import DistributedPipeline, _Step
+
+    row = lower(one_f_one_b(2, 3), StageGraph.chain(2))[0]
+    log: list[str] = []
+    rank = SimpleNamespace(_buckets=None, _post_recv=lambda a, step: log.append(f"post {a!r}"),
+                           _execute=lambda a, *rest: log.append(repr(a)))
+    DistributedPipeline._run(rank, row, receives_ahead(row), _Step(train=True), [], None, None)  # type: ignore[arg-type]
+    assert log == ["0F0", "0SEND_F0>1", "post 0RECV_B0<1", "0F1", "0SEND_F1>1", "0RECV_B0<1", "0B0",
+                   "post 0RECV_B1<1", "0F2", "0SEND_F2>1", "0RECV_B1<1", "post 0RECV_B2<1", "0B1", "0RECV_B2<1", "0B2"]
+
+
 def test_lower_keeps_same_rank_values_in_memory() -> None:
     # 4 stages on 2 ranks: 0 -> 2 is on rank 0, so no send
     g = StageGraph(4, 2, ((0, 1), (0, 2), (1, 2), (2, 3)), frozenset({(0, 1), (0, 2), (1, 2), (2, 3)}))
