@@ -203,6 +203,10 @@ def main(argv: list[str] | None = None) -> int:
     evals = train(ns.dir, ns.steps, ns.accumulate, ns.eval_every, ns.lr)
     if int(os.environ.get("RANK", "0")) == 0:
         print("eval loss: " + " ".join(f"{e:.4f}" for e in evals), flush=True)
+    # every rank done, then the process group closed: left to the interpreter's exit, gloo's
+    # threads were sometimes torn down joinable and the process aborted after training
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
     return 0
 
 
