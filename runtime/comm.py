@@ -21,6 +21,7 @@ with timeouts, data-parallel gradient buckets, tied-parameter gradient sums.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import functools
 import os
@@ -57,7 +58,11 @@ def init_from_env(timeout_s: float) -> torch.device:
     """Start torch.distributed from torchrun's environment unless someone already has
     (gloo on CPU, nccl with CUDA); return this rank's device.  A CPU rank is bound to
     cores of its own ([Note: binding CPU ranks to cores] in affinity.py) and keeps the
-    memory it frees for its next step ([Note: keeping freed memory] in malloc.py)."""
+    memory it frees for its next step ([Note: keeping freed memory] in malloc.py).  A
+    process group started here is also closed here, at the interpreter's exit unless the
+    caller closed it first: left to the interpreter's teardown, gloo's threads were
+    sometimes destroyed still running and the rank aborted after training ("terminate
+    called without an active exception")."""
     cuda = torch.cuda.is_available()
     if cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
@@ -71,6 +76,7 @@ def init_from_env(timeout_s: float) -> torch.device:
         except Exception as exc:
             raise MeshError(f"rank {os.environ['RANK']} could not join the process group within {timeout_s:g} s "
                             f"({type(exc).__name__}: {_short(exc)}): start every rank, or raise PIPELINE_TIMEOUT_S.") from None
+        atexit.register(_close_process_group)
     backend = dist.get_backend()
     if cuda and backend == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
@@ -78,6 +84,12 @@ def init_from_env(timeout_s: float) -> torch.device:
     bind_local_rank(local_rank, int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size())))
     keep_freed_memory()
     return torch.device("cpu")
+
+
+def _close_process_group() -> None:
+    """Close the default process group if it is still open (at exit: `init_from_env`)."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def _short(exc: BaseException) -> str:

@@ -176,3 +176,26 @@ def test_zero_bubble_schedules(make_tiny: Callable[..., Tiny], schedule: str, dp
     v = 2 if schedule == "zb-v" else 1
     t = make_tiny(stages=2 * v, schedule=schedule, microbatches=4, dp=dp, virtual_stages=v)
     _ok(launch(2 * dp, "check", [t.dir], t.dir.parent / "tiny.py"))
+
+
+def test_a_process_group_the_runtime_started_is_closed_at_exit() -> None:
+    """init_from_env registers the group's closing for the interpreter's exit (left to the
+    teardown, gloo's threads sometimes aborted a rank after training); a group the caller
+    closed first is left alone."""
+    script = (
+        "import atexit, torch.distributed as dist\n"
+        "from runtime import comm\n"
+        "hooks = []\n"
+        "atexit.register = hooks.append\n"
+        "comm.init_from_env(10.0)\n"
+        "assert dist.is_initialized() and hooks == [comm._close_process_group], hooks\n"
+        "hooks[0]()\n"
+        "assert not dist.is_initialized()\n"
+        "hooks[0]()\n"
+        "print('closed')\n"
+    )
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "WORLD_SIZE": "1", "RANK": "0",
+           "PIPELINE_CPU_BIND": "0", "PIPELINE_CPU_MALLOC": "0"}
+    proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=60,
+                          cwd=Path(__file__).resolve().parents[2])
+    assert proc.returncode == 0 and "closed" in proc.stdout, proc.stderr[-2000:]
