@@ -12,7 +12,7 @@ import json
 import os
 import sys
 from dataclasses import asdict
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Sequence
 
 import torch
 import torch.fx
@@ -36,7 +36,7 @@ from runtime.precision import loss_input
 from .options import CompileOptions
 from .prepared import Prepared
 
-__all__ = ["loss_costs", "node_costs", "stage_costs", "stage_peaks"]
+__all__ = ["loss_costs", "node_costs", "stage_costs", "stage_costs_in_turn", "stage_peaks"]
 
 
 def node_costs(gm: torch.fx.GraphModule, values: dict[torch.fx.Node, Any], hardware: Hardware,
@@ -109,37 +109,81 @@ def stage_costs(p: Prepared, plan: Plan) -> dict[str, NodeCost]:
     on the CPU after a message's wait, on a rank's thread and cores, every rank beside the
     others when each has cores of its own), cached per plan so that compiles on one machine
     stay byte-identical; else the costs as they are."""
-    wait = p.hardware.idle_before_compute_s
-    if p.opts.analytic or not (wait or p.timer.is_cuda) or p.values is None or plan.num_stages < 2 or plan.recompute:
+    if not _calibrates(p, plan):
         return p.costs
-    stage_of = plan.stage_of()
-    ranks = plan.pp * plan.tp * plan.dp
-    side_by_side = [] if p.timer.is_cuda else _rank_cores(plan)  # forked ranks: CPU only
-    key = "stages-" + hashlib.sha256(json.dumps(
-        [PROFILE_VERSION, p.traced.gm.code, sorted(stage_of.items()), wait, p.opts.repeats, CALIBRATION_MIN_S, torch.__version__,
-         RANK_THREADS, binding_enabled() and ranks, [(stages, sorted(cores)) for stages, cores in side_by_side],
-         sorted((n, asdict(c)) for n, c in p.costs.items()), p.timer.key]
-    ).encode()).hexdigest()[:32]
+    key = _stage_key(p, [plan])
     cached = None if p.opts.reprofile else cache.get(key)
     if isinstance(cached, dict) and set(cached) == set(p.costs):
         return {name: NodeCost(**c) for name, c in cached.items()}
-    p.say(f"calibrating {plan.num_stages} stages as the ranks run them"
-          + (f", {len(side_by_side)} ranks side by side" if side_by_side else ""))
-    failed = False
-    with rank_threads():  # on a rank's threads and cores (runtime/affinity.py)
-        try:
-            if side_by_side:
-                costs = calibrate_stages(p.traced.gm, p.values, p.costs, stage_of, p.opts.repeats, wait, side_by_side,
-                                         p.timer)
-        except CalibrationError as e:
-            failed = True
-            p.say(f"warning: timing the stages side by side failed ({e}); timing them one at a time")
-        if failed or not side_by_side:
-            with bound_as_local_rank(0, ranks):
-                costs = calibrate_stages(p.traced.gm, p.values, p.costs, stage_of, p.opts.repeats, wait, (), p.timer)
+    costs, failed = _calibrate(p, plan)
     if not failed:  # a fallback is not cached: the next compile tries side by side again
         cache.put(key, {name: asdict(c) for name, c in costs.items()})
     return costs
+
+
+def stage_costs_in_turn(p: Prepared, plans: Sequence[Plan], rounds: int) -> list[list[dict[str, NodeCost]]]:
+    """`rounds` calibrations of each of `plans` (as `stage_costs` calibrates one), taken in
+    turn, a different plan first each round, so that the machine's drift falls on all of
+    them alike: per plan, its calibrations in round order.  Cached as one, so that a compile
+    that chooses between the plans by them stays byte-identical on one machine."""
+    if not all(_calibrates(p, plan) for plan in plans):
+        return [[p.costs] * rounds for _ in plans]
+    key = _stage_key(p, plans, rounds)
+    cached = None if p.opts.reprofile else cache.get(key)
+    if isinstance(cached, list) and len(cached) == len(plans):
+        return [[{name: NodeCost(**c) for name, c in got.items()} for got in per_plan] for per_plan in cached]
+    timed: list[list[dict[str, NodeCost]]] = [[] for _ in plans]
+    failed = False
+    for r in range(rounds):
+        for i in [(r + k) % len(plans) for k in range(len(plans))]:
+            costs, fell_back = _calibrate(p, plans[i])
+            timed[i].append(costs)
+            failed = failed or fell_back
+    if not failed:
+        cache.put(key, [[{name: asdict(c) for name, c in got.items()} for got in per_plan] for per_plan in timed])
+    return timed
+
+
+def _calibrates(p: Prepared, plan: Plan) -> bool:
+    """Whether `stage_costs` calibrates `plan`'s stages (else the model's costs stand)."""
+    waits = p.hardware.idle_before_compute_s > 0  # the cpu profile: stages wait on the cores they compute on
+    return (not p.opts.analytic and (waits or p.timer.is_cuda) and p.values is not None and plan.num_stages >= 2
+            and not plan.recompute)
+
+
+def _stage_key(p: Prepared, plans: Sequence[Plan], rounds: int | None = None) -> str:
+    """The cache key of `plans`' stage calibrations (`rounds` of them in turn, or one)."""
+    return "stages-" + hashlib.sha256(json.dumps([
+        PROFILE_VERSION, p.traced.gm.code, [sorted(plan.stage_of().items()) for plan in plans],
+        p.hardware.idle_before_compute_s, p.opts.repeats, CALIBRATION_MIN_S, torch.__version__, RANK_THREADS,
+        [binding_enabled() and plan.pp * plan.tp * plan.dp for plan in plans],
+        [[(stages, sorted(cores)) for stages, cores in _side_by_side(p, plan)] for plan in plans],
+        sorted((n, asdict(c)) for n, c in p.costs.items()), p.timer.key, rounds]).encode()).hexdigest()[:32]
+
+
+def _side_by_side(p: Prepared, plan: Plan) -> list[tuple[list[int], set[int]]]:
+    return [] if p.timer.is_cuda else _rank_cores(plan)  # forked ranks: CPU only
+
+
+def _calibrate(p: Prepared, plan: Plan) -> tuple[dict[str, NodeCost], bool]:
+    """`plan`'s stages calibrated now, side by side where every rank has cores of its own;
+    True where that failed and they were timed one at a time instead."""
+    assert p.values is not None  # _calibrates
+    values, stage_of = p.values, plan.stage_of()
+    side_by_side = _side_by_side(p, plan)
+    wait = p.hardware.idle_before_compute_s
+    p.say(f"calibrating {plan.num_stages} stages as the ranks run them"
+          + (f", {len(side_by_side)} ranks side by side" if side_by_side else ""))
+    with rank_threads():  # on a rank's threads and cores (runtime/affinity.py)
+        if side_by_side:
+            try:
+                return calibrate_stages(p.traced.gm, values, p.costs, stage_of, p.opts.repeats, wait, side_by_side,
+                                        p.timer), False
+            except CalibrationError as e:
+                p.say(f"warning: timing the stages side by side failed ({e}); timing them one at a time")
+        with bound_as_local_rank(0, plan.pp * plan.tp * plan.dp):
+            costs = calibrate_stages(p.traced.gm, values, p.costs, stage_of, p.opts.repeats, wait, (), p.timer)
+    return costs, bool(side_by_side)
 
 
 def stage_peaks(p: Prepared, plan: Plan) -> list[int] | None:
