@@ -18,7 +18,7 @@ problem solved once more with those times where the model was far off.
     and on a shared machine a stage timed in a busy second reads 1.5x slow: the re-solve
     then moves work off it, and a later, quieter calibration of the new plan looks better
     than the first plan's, which measures better beside it (Mistral, 2 stages: the plan
-    chosen that way was 1.18x slowest-over-mean timed alone, the first 1.04x).  The
+    chosen that way was 1.18x slowest-over-mean timed alone, the first 1.05x).  The
     manifest's `predicted.calibration` keeps, per stage, the model's compute and the
     measured one, which `show` prints side by side (`codegen.report`), whether the plan
     was re-solved, and on a GPU each stage's measured peak memory

@@ -108,29 +108,22 @@ def stage_costs(p: Prepared, plan: Plan) -> dict[str, NodeCost]:
     calibrated stage by stage as a rank runs them (`partitioner.cost.calibrate.calibrate_stages`:
     on the CPU after a message's wait, on a rank's thread and cores, every rank beside the
     others when each has cores of its own), cached per plan so that compiles on one machine
-    stay byte-identical; else the costs as they are."""
-    if not _calibrates(p, plan):
-        return p.costs
-    key = _stage_key(p, [plan])
-    cached = None if p.opts.reprofile else cache.get(key)
-    if isinstance(cached, dict) and set(cached) == set(p.costs):
-        return {name: NodeCost(**c) for name, c in cached.items()}
-    costs, failed = _calibrate(p, plan)
-    if not failed:  # a fallback is not cached: the next compile tries side by side again
-        cache.put(key, {name: asdict(c) for name, c in costs.items()})
-    return costs
+    stay byte-identical; else the costs as they are (`p.costs` itself)."""
+    return stage_costs_in_turn(p, [plan], 1)[0][0]
 
 
 def stage_costs_in_turn(p: Prepared, plans: Sequence[Plan], rounds: int) -> list[list[dict[str, NodeCost]]]:
     """`rounds` calibrations of each of `plans` (as `stage_costs` calibrates one), taken in
     turn, a different plan first each round, so that the machine's drift falls on all of
     them alike: per plan, its calibrations in round order.  Cached as one, so that a compile
-    that chooses between the plans by them stays byte-identical on one machine."""
+    that chooses between the plans by them stays byte-identical on one machine; a fallback
+    to one stage at a time is not cached, so the next compile tries side by side again."""
     if not all(_calibrates(p, plan) for plan in plans):
         return [[p.costs] * rounds for _ in plans]
     key = _stage_key(p, plans, rounds)
     cached = None if p.opts.reprofile else cache.get(key)
-    if isinstance(cached, list) and len(cached) == len(plans):
+    if (isinstance(cached, list) and len(cached) == len(plans)
+            and all(len(per_plan) == rounds and all(set(got) == set(p.costs) for got in per_plan) for per_plan in cached)):
         return [[{name: NodeCost(**c) for name, c in got.items()} for got in per_plan] for per_plan in cached]
     timed: list[list[dict[str, NodeCost]]] = [[] for _ in plans]
     failed = False
@@ -151,8 +144,8 @@ def _calibrates(p: Prepared, plan: Plan) -> bool:
             and not plan.recompute)
 
 
-def _stage_key(p: Prepared, plans: Sequence[Plan], rounds: int | None = None) -> str:
-    """The cache key of `plans`' stage calibrations (`rounds` of them in turn, or one)."""
+def _stage_key(p: Prepared, plans: Sequence[Plan], rounds: int) -> str:
+    """The cache key of `rounds` calibrations of `plans` in turn."""
     return "stages-" + hashlib.sha256(json.dumps([
         PROFILE_VERSION, p.traced.gm.code, [sorted(plan.stage_of().items()) for plan in plans],
         p.hardware.idle_before_compute_s, p.opts.repeats, CALIBRATION_MIN_S, torch.__version__, RANK_THREADS,
