@@ -1,7 +1,7 @@
 """Run every benchmark: `python -m benchmarks [--quick] [NAME ...]`.
 
 Each prints its table, writes benchmarks/results/<name>.json and refreshes its block of
-the README.  Benchmarks that a checkout lacks (or that fail) are reported and skipped, so
+docs/benchmarks.md.  Benchmarks that a checkout lacks (or that fail) are reported and skipped, so
 one broken benchmark does not hide the others' figures.
 """
 

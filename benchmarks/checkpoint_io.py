@@ -24,7 +24,7 @@ from typing import Any, Callable
 
 import torch
 
-from .common import barrier_timed, free_port, save, spawn_ranks, table, update_readme
+from .common import barrier_timed, free_port, save, spawn_ranks, table, update_docs
 
 MODEL = "benchmarks/models/half_gb_mlp.py"
 PAGE = os.sysconf("SC_PAGE_SIZE")
@@ -153,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
              f"during the call above the set before it); {os.cpu_count()} CPUs, one local disk.")
     print(text)
     save("checkpoint_io", rows, model=MODEL)
-    update_readme("checkpoint_io", text)
+    update_docs("checkpoint_io", text)
     return 0
 
 

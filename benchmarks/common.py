@@ -1,4 +1,4 @@
-"""What every benchmark script shares: a markdown table, a JSON result, the README block."""
+"""What every benchmark script shares: a markdown table, a JSON result, the block in docs/benchmarks.md."""
 
 from __future__ import annotations
 
@@ -117,15 +117,18 @@ def save(name: str, rows: Sequence[dict[str, Any]], **extra: Any) -> Path:
     return path
 
 
-def update_readme(block: str, text: str) -> None:
-    """Replace the README between `<!-- bench:block -->` and `<!-- /bench:block -->`."""
-    readme = ROOT / "README.md"
-    content = readme.read_text()
+#: the page whose `<!-- bench:NAME -->` blocks the benchmarks rewrite
+DOCS_PAGE = ROOT / "docs" / "benchmarks.md"
+
+
+def update_docs(block: str, text: str) -> None:
+    """Replace docs/benchmarks.md between `<!-- bench:block -->` and `<!-- /bench:block -->`."""
+    content = DOCS_PAGE.read_text()
     start, end = f"<!-- bench:{block} -->", f"<!-- /bench:{block} -->"
     if start not in content:
         return
     pattern = re.compile(re.escape(start) + ".*?" + re.escape(end), re.S)
-    readme.write_text(pattern.sub(lambda _m: f"{start}\n{text}\n{end}", content))
+    DOCS_PAGE.write_text(pattern.sub(lambda _m: f"{start}\n{text}\n{end}", content))
 
 
 def stage_sweep(argv: list[str] | None, doc: str, models: Sequence[str], stage_counts: Sequence[int],
@@ -149,8 +152,8 @@ def stage_sweep(argv: list[str] | None, doc: str, models: Sequence[str], stage_c
 
 def publish(name: str, rows: Sequence[dict[str, Any]], columns: Sequence[str]) -> None:
     """Print `rows` as a table, save them as benchmarks/results/NAME.json and put the table
-    in the README's NAME block."""
+    in the NAME block of docs/benchmarks.md."""
     text = table(rows, columns)
     print(text)
     save(name, rows)
-    update_readme(name, text)
+    update_docs(name, text)

@@ -28,7 +28,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from .common import free_port, save, spawn_ranks, table, update_readme
+from .common import free_port, save, spawn_ranks, table, update_docs
 
 EXAMPLES = ("mlp", "gpt", "bert", "ncf", "skip", "hf_gpt2", "hf_bert")
 WORLD = 2
@@ -36,7 +36,7 @@ ROUND_STEPS = 6
 DEADLINE_S = 900.0
 
 
-#: each A/B's conditions: (the runtime's, the alternative), and the README block it fills
+#: each A/B's conditions: (the runtime's, the alternative), and the docs/benchmarks.md block it fills
 AB = {"binding": (("bound", "free"), "cpu_binding"), "malloc": (("kept", "default"), "cpu_malloc")}
 
 
@@ -90,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="fewer rounds")
     parser.add_argument("--examples", default=",".join(EXAMPLES), help="comma-separated examples/ names")
     parser.add_argument("--ab", default=",".join(AB), help=f"which A/Bs, of {', '.join(AB)}")
-    parser.add_argument("--no-readme", action="store_true", help="do not rewrite the README block")
+    parser.add_argument("--no-docs", "--no-readme", dest="no_docs", action="store_true", help="do not rewrite the block in docs/benchmarks.md")
     ns = parser.parse_args(argv)
     unknown = sorted(set(a for a in ns.ab.split(",") if a) - set(AB))
     if unknown:
@@ -128,8 +128,8 @@ def main(argv: list[str] | None = None) -> int:
                          f"ratio {statistics.geometric_mean([r['ratio'] for r in rows]):.2f}.")
             print(text)
             save(name, rows, rounds=rounds, round_steps=ROUND_STEPS, cpus=os.cpu_count(), conditions=[ours, other])
-            if not ns.no_readme:
-                update_readme(name, text)
+            if not ns.no_docs:
+                update_docs(name, text)
     return 0
 
 

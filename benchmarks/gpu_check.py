@@ -1,4 +1,4 @@
-"""The prepared device check: what a lent GPU should confirm, in one short run.
+"""The prepared device check: the GPU paths not yet measured on a GPU, checked in one short run.
 
     python benchmarks/gpu_check.py [--quick] [--device cuda|cpu]      (or: make gpu-check)
 

@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from .common import ROOT, barrier_timed, free_port, profiled_here, save, spawn_ranks, table, update_readme
+from .common import ROOT, barrier_timed, free_port, profiled_here, save, spawn_ranks, table, update_docs
 
 MODEL = str(ROOT / "benchmarks" / "models" / "wide_mlp.py")
 DEADLINE_S = 1200.0
@@ -115,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="fewer timed steps")
     parser.add_argument("--devices", default="2,4", help="comma-separated device counts")
-    parser.add_argument("--no-readme", action="store_true")
+    parser.add_argument("--no-docs", "--no-readme", dest="no_docs", action="store_true", help="do not rewrite the block in docs/benchmarks.md")
     ns = parser.parse_args(argv)
     warmup, steps = (2, 6) if ns.quick else (3, 24)
     rows: list[dict[str, Any]] = []
@@ -152,8 +152,8 @@ def main(argv: list[str] | None = None) -> int:
     text += f"\n\nModel: benchmarks/models/wide_mlp.py; {steps} timed steps after {warmup} warm-up; load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs."
     print(text)
     save("mesh_search", rows, verdicts=[{"devices": d, "chosen_vs_fastest": r} for d, r in verdicts])
-    if not ns.no_readme:
-        update_readme("mesh_search", text)
+    if not ns.no_docs:
+        update_docs("mesh_search", text)
     return 0
 
 

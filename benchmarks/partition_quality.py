@@ -37,7 +37,7 @@ from partitioner.cost.measure import rank_threads
 from partitioner.trace.passes import node_module
 from runtime.malloc import keep_freed_memory
 
-from .common import load_package, save, table, update_readme
+from .common import load_package, save, table, update_docs
 
 MODELS = ["benchmarks/models/pyramid_mlp.py", "benchmarks/models/uneven_transformer.py"]
 
@@ -221,7 +221,7 @@ def main(argv: list[str] | None = None) -> int:
     gpt_text = table([gpt], ["model", "nodes", "stages", "compile_s", "trace_s", "cost_s", "solve_s", "emit_s", "solver", "gap"])
     print(text + "\n\n" + gpt_text)
     save("partition_quality", rows, compile_time=gpt)
-    update_readme("partition_quality", text + "\n\nCompile time, profiling included (fresh cache):\n\n" + gpt_text)
+    update_docs("partition_quality", text + "\n\nCompile time, profiling included (fresh cache):\n\n" + gpt_text)
     return 0
 
 

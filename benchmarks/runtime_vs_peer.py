@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from .common import load_package, save, table, update_readme
+from .common import load_package, save, table, update_docs
 
 MODEL = "benchmarks/models/pyramid_mlp.py"
 
@@ -128,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
     text = table(rows, ["schedule", "stages", "microbatches", "ours_ms", "peer_ms", "ours_vs_peer", "ideal_ms", "ours_vs_ideal"])
     print(text)
     save("runtime_vs_peer", rows, model=MODEL)
-    update_readme("runtime_vs_peer", text)
+    update_docs("runtime_vs_peer", text)
     return 0
 
 

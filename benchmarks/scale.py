@@ -12,7 +12,7 @@ Python's start-up and imports included):
   and with the paper's interleaved schedule (Narayanan et al. 2021, section 2.2) and full
   activation recomputation (section 3.5) for reference.
 
-    python -m benchmarks.scale [--quick] [--no-readme]
+    python -m benchmarks.scale [--quick] [--no-docs]
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from typing import Any
 
 from runtime.schedule import placement
 
-from .common import ROOT, save, table, update_readme
+from .common import ROOT, save, table, update_docs
 
 MODEL = "examples/gpt3_175b.py"
 HARDWARE = ["--hardware", "h100", "--memory", "80GiB"]
@@ -78,7 +78,7 @@ def _compile(out: Path, options: list[str]) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="our plan and Megatron-LM's published one only")
-    parser.add_argument("--no-readme", action="store_true")
+    parser.add_argument("--no-docs", "--no-readme", dest="no_docs", action="store_true", help="do not rewrite the block in docs/benchmarks.md")
     ns = parser.parse_args(argv)
     rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -97,8 +97,8 @@ def main(argv: list[str] | None = None) -> int:
              f"device's weights, gradients, mixed-precision Adam state and activations.")
     print(text)
     save("scale", rows, model=MODEL, hardware="h100", memory_gib=80)
-    if not ns.no_readme:
-        update_readme("scale", text)
+    if not ns.no_docs:
+        update_docs("scale", text)
     return 0
 
 

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .common import free_port, profiled_here, save, spawn_ranks, table, update_readme
+from .common import free_port, profiled_here, save, spawn_ranks, table, update_docs
 
 MODELS = ("benchmarks/models/wide_mlp.py", "examples/gpt.py")
 SCHEDULES = ("1f1b", "zb-h1", "zb-h2", "zb-v")
@@ -96,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
              f"rounds.")
     print(text)
     save("schedules", rows, models=list(MODELS))
-    update_readme("schedules", text)
+    update_docs("schedules", text)
     return 0
 
 

@@ -41,7 +41,7 @@ can be traced to compute or to communication.  Columns:
 `stage_ms` in the JSON holds the per-stage numbers, `samples_ms` every timed step.
 
 Twice: at the examples' own batch (24 rows: steps of 7-25 ms, where a 1-4 ms stall of
-one message on this VM is a large share), and at LARGE_BATCH (`simulator_error_batch192`:
+one message on a shared 2-core CPU is a large share), and at LARGE_BATCH (`simulator_error_batch192`:
 the same models with 8x the rows, through a model file of ours that sets the example's
 `BATCH`), where the stages' compute outweighs the messages as it does in real training.
 
@@ -62,7 +62,7 @@ from typing import Any
 
 import torch
 
-from .common import barrier_timed, free_port, profiled_here, save, spawn_ranks, table, update_readme
+from .common import barrier_timed, free_port, profiled_here, save, spawn_ranks, table, update_docs
 
 EXAMPLES = ("mlp", "gpt", "bert", "ncf", "skip", "hf_gpt2", "hf_bert")
 SCHEDULES = ("gpipe", "1f1b")
@@ -288,18 +288,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--schedules", default=",".join(SCHEDULES))
     parser.add_argument("--batch", type=int, default=None,
                         help=f"only this batch (default: the examples' own, then {LARGE_BATCH})")
-    parser.add_argument("--no-readme", action="store_true", help="do not rewrite the README block")
+    parser.add_argument("--no-docs", "--no-readme", dest="no_docs", action="store_true", help="do not rewrite the block in docs/benchmarks.md")
     ns = parser.parse_args(argv)
     examples = [e for e in ns.examples.split(",") if e]
     schedules = [s for s in ns.schedules.split(",") if s]
     for batch in [ns.batch] if ns.batch else [None, LARGE_BATCH]:
-        measure(examples, schedules, batch, ns.quick, not ns.no_readme)
+        measure(examples, schedules, batch, ns.quick, not ns.no_docs)
     return 0
 
 
 def measure(examples: list[str], schedules: list[str], batch: int | None, quick: bool, readme: bool) -> None:
     """Compile, run and compare every example and schedule at `batch` (None: the
-    examples' own); print the table, save it and (`readme`) put it in the README as
+    examples' own); print the table, save it and (`readme`) put it in docs/benchmarks.md as
     `simulator_error`, or `simulator_error_batch{batch}`."""
     name = "simulator_error" if batch is None else f"simulator_error_batch{batch}"
     warmup, steps = (2, 2 * STEPS_PER_ROUND) if quick else (3, 8 * STEPS_PER_ROUND)
@@ -386,7 +386,7 @@ def measure(examples: list[str], schedules: list[str], batch: int | None, quick:
                    "allreduce_alpha_s": hw.allreduce_latency_s, "allreduce_bandwidth": hw.allreduce_bandwidth,
                    "peak_flops": hw.peak_flops, "sources": list(hw.sources)})
     if readme:
-        update_readme(name, text)
+        update_docs(name, text)
 
 
 if __name__ == "__main__":

@@ -28,7 +28,7 @@ from partitioner.solve.coarsen import build_problem, coarsen, param_sizes
 from partitioner.ir import BlockCost, Edge, GraphNode, NodeCost, PartitionProblem
 from partitioner.solve.solve import objective, solve, solve_cpsat
 
-from .common import save, table, update_readme
+from .common import save, table, update_docs
 
 SIZES = [100, 500, 2000, 5000, 20000]
 QUICK_SIZES = [100, 2000]
@@ -161,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
     naive_text = table([naive], naive_cols)
     print(text + "\n\nNaive CP-SAT on the raw 2,000-node chain (no coarsening, no warm start):\n\n" + naive_text)
     save("solver_scaling", rows, naive=naive, stages=STAGES, time_limit_s=limit)
-    update_readme("solver_scaling", text + "\n\nNaive CP-SAT on the raw 2,000-node chain:\n\n" + naive_text)
+    update_docs("solver_scaling", text + "\n\nNaive CP-SAT on the raw 2,000-node chain:\n\n" + naive_text)
     return 0
 
 

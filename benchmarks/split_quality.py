@@ -1,5 +1,5 @@
 """Split quality on large-vocabulary transformers: our measured slowest stage against the
-splits users get elsewhere (issue 16).
+splits users get elsewhere (torchtitan's even split, DeepSpeed's `parameters`).
 
 For Hugging Face GPT-2, Llama and BERT with their real vocabularies and 8 layers
 (`benchmarks/models/hf_*_big.py`) and S = 2, 3, 4 stages, four packages are emitted from

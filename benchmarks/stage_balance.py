@@ -1,4 +1,4 @@
-"""Stage balance on transformers nobody here wrote (issue 16's outside check, reproduced).
+"""Stage balance on transformers nobody here wrote (an outside check of the planner).
 
 Small Hugging Face Qwen2, Llama with a tied head, Mistral and BART
 (`benchmarks/models/hf_small.py`) are compiled with measured costs into 2 and 3 stages, and

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .common import free_port, save, spawn_ranks, table, update_readme
+from .common import free_port, save, spawn_ranks, table, update_docs
 
 MODEL = "examples/gpt.py"
 
@@ -83,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
                         "measured_minus_predicted", "memory_bytes_predicted"])
     print(text)
     save("zero_memory", rows, model=MODEL)
-    update_readme("zero_memory", text)
+    update_docs("zero_memory", text)
     return 0
 
 

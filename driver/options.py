@@ -1,4 +1,4 @@
-"""The compile options (the command line of README.md), their checks, and the example batch.
+"""The compile options (docs/command-line.md), their checks, and the example batch.
 
 `check` turns the options into (stages per rank, virtual stages, microbatches) or a
 PlanError naming the option and the fix; the batch helpers find the batch size and cut one
@@ -55,7 +55,7 @@ class CompileOptions:
 
     def __post_init__(self) -> None:
         """The default schedule: auto (the fastest that fits) where --devices opens a search,
-        else 1f1b (CONTRACT.md, section 2)."""
+        else 1f1b (docs/command-line.md)."""
         if not self.schedule:
             self.schedule = "auto" if self.devices is not None else "1f1b"
 

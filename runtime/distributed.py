@@ -343,7 +343,7 @@ class DistributedPipeline:
         dist.all_gather_object(gathered, mine, group=self.groups.world)
         return concat_outputs([o for r in range(self.dp) for o in gathered[self.mesh.rank(r, last, 0)]])
 
-    # -- checkpoints (runtime/checkpoint/; README "Checkpoints") ------------------------------
+    # -- checkpoints (runtime/checkpoint/; docs/checkpoints.md) ------------------------------
 
     def save_checkpoint(self, path: str | Path, optimizer: torch.optim.Optimizer | None = None, extra: Any = None,
                         keep: int | None = None) -> Path:

@@ -1,7 +1,7 @@
 """`partitioner run DIR --nproc N [--steps K] [--lr LR] [--trace FILE]` (and the checkpoint
 options of checkpoint/run.py: --checkpoint DIR --save-every K --keep N --resume --init --load
 PATH): train a package for a few steps, one process per rank, through torchrun (the
-user-facing contract: README.md, "Use" and "Checkpoints").
+user-facing contract: README.md, "Use", and docs/checkpoints.md).
 
 The lead's command line calls `main(argv)` with the arguments after `run`; it turns a
 `PipelineError` into exit status 2 and one paragraph.  `python -m runtime.launch ...`

@@ -247,7 +247,7 @@ class LocalPipeline:
         self.streams.synchronize()
         return concat_outputs(outs)
 
-    # -- checkpoints (runtime/checkpoint/; README "Checkpoints") ------------------------------
+    # -- checkpoints (runtime/checkpoint/; docs/checkpoints.md) ------------------------------
 
     def save_checkpoint(self, path: str | Path, optimizer: torch.optim.Optimizer | None = None, extra: Any = None,
                         keep: int | None = None) -> Path:

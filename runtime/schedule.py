@@ -31,7 +31,7 @@ interpret.  Nothing here runs a tensor: the runtimes only interpret what this mo
     runtime posts the receives of a rank's next compute before it starts the current one
     (`receives_ahead`): gloo moves a message only once both sides have posted it, so a
     receive posted just in time costs its rank the whole round trip (about a millisecond
-    on this VM's loopback, as much as a small stage's compute), while one posted a compute
+    on a 2-core CPU machine's loopback, as much as a small stage's compute), while one posted a compute
     ahead arrives during that compute.  The order of the actions, and so every schedule's
     validity, is unchanged: only the posting moves.  The simulator posts them where the
     runtime does (partitioner/predict/simulate.py).

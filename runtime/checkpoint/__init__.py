@@ -1,7 +1,7 @@
 """Checkpoints: save and resume on any plan (dcp.py), atomically (commit.py); weights from
 safetensors files and Hugging Face folders (files.py).
 
-See README.md, "Checkpoints", and [Note: checkpoint chunks] / [Note: checkpoint commit].
+See docs/checkpoints.md, and [Note: checkpoint chunks] / [Note: checkpoint commit].
 torch.distributed.checkpoint (about 2 s to import) is imported on the first save or load.
 """
 

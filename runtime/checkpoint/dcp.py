@@ -1,5 +1,5 @@
 """save_checkpoint / load_checkpoint in torch.distributed.checkpoint's format (the user-facing
-contract: README.md, "Checkpoints").
+contract: docs/checkpoints.md).
 
 A checkpoint PATH is two DCP checkpoints:
 

@@ -1,5 +1,5 @@
 """`python -m partitioner export CKPT --out DIR [--hf]`: a checkpoint of save_checkpoint as the
-original model's weights in safetensors (README.md, "Checkpoints").
+original model's weights in safetensors (docs/checkpoints.md).
 
 One process reads the whole model part of CKPT (what dcp_to_torch_save reads) and writes
 DIR/model.safetensors, or, above `max_shard_bytes`, model-0000i-of-0000N.safetensors and the

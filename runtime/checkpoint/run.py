@@ -1,5 +1,5 @@
 """What `partitioner run --checkpoint DIR --save-every K --resume --init --load PATH` does on
-each rank (runtime/_worker.py calls these; README.md, "Checkpoints")."""
+each rank (runtime/_worker.py calls these; docs/checkpoints.md)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """A small language model with a large vocabulary: 4 pre-norm transformer layers of width
 64 and an 8192-token vocabulary, so the LM head's logits and the loss over them weigh like
-several layers (the imbalance of even splits, issue 16)."""
+several layers (the imbalance of even splits)."""
 
 import torch
 import torch.nn as nn

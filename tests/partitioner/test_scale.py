@@ -87,7 +87,7 @@ def test_attention_on_the_meta_device_saves_what_a_fused_kernel_saves() -> None:
 
 @pytest.mark.slow
 def test_gpt3_175b_on_1024_h100s_compiles_in_under_a_minute(tmp_path: Path) -> None:
-    """The command of the README's scale section, as a process: every device used, every
+    """The command of docs/planning-at-scale.md, as a process: every device used, every
     device's memory within 80 GiB, and an MFU in the range large-scale training reaches."""
     argv = [sys.executable, "-m", "partitioner", "compile", "examples/gpt3_175b.py", "--out", str(tmp_path / "gpt3"),
             "--analytic", "--devices", "1024", "--hardware", "h100", "--memory", "80GiB", "--quiet"]

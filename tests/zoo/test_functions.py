@@ -1,4 +1,4 @@
-"""Issue 17 point 4: custom autograd Functions keep their own backward: the stage calls the
+"""Custom autograd Functions keep their own backward: the stage calls the
 user's `Function.apply` (from the model file), or the compile refuses naming the Function."""
 
 from __future__ import annotations

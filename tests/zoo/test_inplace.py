@@ -1,4 +1,4 @@
-"""Issue 17, point 1 and 2: in-place ops and mutated buffers, profiled, placed and run like
+"""In-place ops and mutated buffers, profiled, placed and run like
 the original (ResNet-18's structure: inplace ReLU, `out += identity`, BatchNorm in train mode)."""
 
 from __future__ import annotations

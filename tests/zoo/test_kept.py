@@ -1,4 +1,4 @@
-"""Issue 17 point 6: a submodule neither tracer can trace (a data-dependent `if`) is kept
+"""A submodule neither tracer can trace (a data-dependent `if`) is kept
 whole inside a larger model: placed on one stage, run as the user wrote it, trained like
 the original; a top-level module with one is refused (exit 2)."""
 

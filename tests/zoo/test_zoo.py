@@ -1,6 +1,6 @@
-"""The model zoo (issue 17): models nobody here wrote, each compiled with analytic costs and
+"""The model zoo: models nobody here wrote, each compiled with analytic costs and
 trained 2 SGD steps on LocalPipeline against the original (`harness.trains_like_original`:
-every loss and state_dict entry to rtol 1e-5).  README.md, "Model zoo", lists them."""
+every loss and state_dict entry to rtol 1e-5).  docs/model-files.md, "Models that work", lists them."""
 
 from __future__ import annotations
 
