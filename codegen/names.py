@@ -1,27 +1,30 @@
 """The names a person reads in the stage sources: every name is given here, once.
 
-- A value that crosses a stage boundary is named after the module that makes it: `layers_4`
-  when it is that module's last value (its output), `transformer_h_3_add` when the cut falls
-  inside the module; a value a top-level op makes keeps its fx name.  Every other value
-  keeps its fx name.  See [Note: boundary names].
+- A value is named after the module that makes it ([Note: value names]): `h_0_attn_c_attn`
+  for that module's output, `h_0_attn_view` for a value inside it, `h_0_attn_split_1` for
+  an item of a tuple; a value of the model's own forward keeps its op's name (`add`).
 - A tensor attribute is named after its state_dict key; a tied tensor (several keys, one
   storage) after the key of the module that first reads it in the stage, so GPT-2's token
   embedding reads `self.transformer_wte_weight` and its LM head `self.lm_head_weight`.
 - A section comment, `# -- transformer.h.0.attn --`, opens each run of statements from one
   module, cut one level below the layer index (`h.0.attn.c_attn` is part of `h.0.attn`).
 
-[Note: boundary names]
-The manifest matches a stage's inputs to an earlier stage's outputs by name, so a boundary
-value has one name in every stage and file: `value_names` gives it for the whole graph, and
-the source and the manifest both read it from there.  Names are unique among every node
-name of the graph and the generated code's own (`self`, `torch`, `F`, `aten`, builtins),
-valid identifiers, and deterministic (graph order decides who gets a suffix).
+[Note: value names]
+The manifest matches a stage's inputs to an earlier stage's outputs by name, so a value has
+one name in every stage and file: `value_names` gives it for the whole graph, and the source
+and the manifest both read it from there.  A name is the module path of the value without
+the model's wrapper (`transformer.` of `transformer.h.0`, `model.` of `model.layers.3`),
+then the op unless the value is the module's output (the one value of it read outside it).
+Names are unique among the graph's inputs and attributes and the generated code's own
+(`self`, `torch`, `F`, `aten`, builtins), valid identifiers, and deterministic (graph order
+decides who gets a suffix).
 """
 
 from __future__ import annotations
 
 import builtins
 import keyword
+import operator
 import re
 from typing import Iterable
 
@@ -32,7 +35,7 @@ from partitioner.trace.passes import node_module
 
 from .layout import StageLayout
 
-__all__ = ["attr_name", "attr_names", "module_roots", "section", "value_names"]
+__all__ = ["attr_name", "attr_names", "group", "module_roots", "section", "value_names"]
 
 #: names the generated stage files use themselves
 _RESERVED = frozenset({"self", "torch", "F", "aten", "tp", "os", "Any", "annotations", "constants",
@@ -47,23 +50,29 @@ def attr_name(source_name: str) -> str:
     return f"p_{name}" if name[0].isdigit() else name
 
 
-def value_names(graph: torch.fx.Graph, layouts: list[StageLayout], reserved: Iterable[str] = ()) -> dict[torch.fx.Node, str]:
-    """The name of every node in the stage sources and the manifest ([Note: boundary names]);
+def value_names(graph: torch.fx.Graph, reserved: Iterable[str] = ()) -> dict[torch.fx.Node, str]:
+    """The name of every node in the stage sources and the manifest ([Note: value names]);
     `reserved`: more names the stages use (the packages they import, `module_roots`)."""
-    names = {n: n.name for n in graph.nodes}
+    names = {n: n.name for n in graph.nodes if n.op in ("placeholder", "get_attr", "output")}
     taken = set(names.values()) | _RESERVED | set(reserved)
     taken |= {str(getattr(n.target, "__module__", None) or "").split(".")[0] for n in graph.nodes if callable(n.target)}
-    last = _last_value_of_module(graph)
-    order = {n: i for i, n in enumerate(graph.nodes)}
-    crossing = sorted({n for layout in layouts for n in layout.outputs}, key=order.__getitem__)
-    for node in crossing:
-        module = node_module(node)
-        if not module:
-            continue  # a top-level op: its fx name (`gelu_4`) is the model's own word for it
-        base = _identifier(module)
-        names[node] = _unique(base if last.get(module) is node else f"{base}_{_op(node.name)}", taken)
-        taken.add(names[node])
+    outputs = _outputs_of_modules(graph)
+    prefixes = _prefixes({node_module(n) for n in graph.nodes})
+    for node in graph.nodes:
+        if node not in names:
+            names[node] = _unique(_want(node, names, prefixes[node_module(node)], node in outputs), taken)
+            taken.add(names[node])
     return names
+
+
+def _want(node: torch.fx.Node, names: dict[torch.fx.Node, str], prefix: str, output: bool) -> str:
+    """A node's name before it is made unique: its module's for the module's output, else
+    `<module>_<op>`, or `<tuple>_<index>` for an item of a tuple (`split`'s parts)."""
+    if output:
+        return _identifier(prefix)
+    if node.target is operator.getitem and isinstance(node.args[1], int) and node.args[0] in names:
+        return f"{names[node.args[0]]}_{node.args[1]}"  # type: ignore[index]
+    return _identifier("_".join(p for p in (prefix, _op(node)) if p))
 
 
 def attr_names(layout: StageLayout, aliases: dict[str, str]) -> dict[str, str]:
@@ -94,32 +103,71 @@ def module_roots(spec: pytree.TreeSpec) -> set[str]:
 def section(node: torch.fx.Node) -> str:
     """The module a statement is listed under: `transformer.h.0.attn` for a node of
     `transformer.h.0.attn.c_attn`; `(top level)` for the model's own forward."""
-    parts = node_module(node).split(".")
+    return _cut(node_module(node), below=2) or "(top level)"
+
+
+def group(module: str) -> str:
+    """The group a parameter of `module` is declared in: its layer (`transformer.h.0` for
+    `transformer.h.0.attn.c_attn`), or the module itself outside the layers."""
+    return _cut(module, below=1) or "(top level)"
+
+
+def _cut(module: str, below: int) -> str:
+    """`module`'s path kept to `below` parts from its first layer index (the index itself is 1)."""
+    parts = module.split(".") if module else []
     layer = next((i for i, p in enumerate(parts) if p.isdigit()), None)
-    kept = parts if layer is None else parts[: layer + 2]
-    return ".".join(kept) or "(top level)"
+    return ".".join(parts if layer is None else parts[: layer + below])
 
 
-def _last_value_of_module(graph: torch.fx.Graph) -> dict[str, torch.fx.Node]:
-    """For each module path (and each path above it), the last node made inside it."""
-    last: dict[str, torch.fx.Node] = {}
+def _outputs_of_modules(graph: torch.fx.Graph) -> set[torch.fx.Node]:
+    """The nodes that are their module's output: for each module, the last of its values
+    that something outside it reads, when it is the only such value."""
+    read_outside: dict[str, list[torch.fx.Node]] = {}
     for node in graph.nodes:
         module = node_module(node) if node.op not in ("placeholder", "get_attr", "output") else ""
+        if module and any(not _inside(node_module(u), module) or u.op == "output" for u in node.users):
+            read_outside.setdefault(module, []).append(node)
+    return {nodes[0] for nodes in read_outside.values() if len(nodes) == 1}
+
+
+def _inside(module: str, outer: str) -> bool:
+    return module == outer or module.startswith(outer + ".")
+
+
+def _prefixes(modules: set[str]) -> dict[str, str]:
+    """Each module path as the prefix of its values' names: its dotted path without the
+    model's wrapper (`transformer.h.0.attn` -> `h.0.attn`, `transformer.wte` -> `wte`), and
+    nothing for the wrapper itself or the top level ([Note: value names])."""
+    wrappers = {m.split(".")[0] for m in modules if "." in m}
+    prefixes = {}
+    for module in modules:
         parts = module.split(".") if module else []
-        for depth in range(1, len(parts) + 1):
-            last[".".join(parts[:depth])] = node
-    return last
+        if len(parts) > 1 and not parts[1].isdigit():
+            parts = parts[1:]
+        elif len(parts) == 1 and parts[0] in wrappers:
+            parts = []
+        prefixes[module] = ".".join(parts)
+    return prefixes
 
 
 def _identifier(module: str) -> str:
-    """`transformer.h.3` -> `transformer_h_3`; `0` (a Sequential's child) -> `m_0`."""
+    """`h.0.attn` -> `h_0_attn`; `0` (a Sequential's child) -> `m_0`."""
     name = re.sub(r"\W", "_", module.replace(".", "_")).strip("_") or "value"
     return f"m_{name}" if name[0].isdigit() else name
 
 
-def _op(name: str) -> str:
-    """`add_16` -> `add`: the fx name without its counter."""
-    return re.sub(r"_\d+$", "", name) or name
+#: shorter words for ops whose own names are long
+_SHORT = {"scaled_dot_product_attention": "sdpa", "_scaled_dot_product_flash_attention_for_cpu": "sdpa",
+          "_scaled_dot_product_efficient_attention": "sdpa", "_scaled_dot_product_flash_attention": "sdpa",
+          "native_layer_norm": "layer_norm", "_native_batch_norm_legit_functional": "batch_norm",
+          "_native_batch_norm_legit": "batch_norm", "_native_batch_norm_legit_no_training": "batch_norm"}
+
+
+def _op(node: torch.fx.Node) -> str:
+    """The word for what `node` computes: its op without fx's counters (`linear`, `view`),
+    shortened where the op's own name is long (`sdpa`)."""
+    word = re.sub(r"_\d+(?=_|$)", "", node.name) or node.name
+    return _SHORT.get(word, word)
 
 
 def _unique(want: str, taken: set[str]) -> str:

@@ -29,7 +29,7 @@ from runtime.manifest import (FORMAT_VERSION, BufferSpec, Manifest, Mesh, ModelI
                               Source, StageInput, StageOutput, StageSpec, TiedParameter)
 
 from .layout import StageLayout, lay_out
-from .names import attr_name, attr_names, module_roots, value_names
+from .names import attr_name, attr_names, group, module_roots, value_names
 from .report import format_kept, format_plan
 from .source import BATCH, MODEL_FILE, EmitError, StageSource, uses_batch
 
@@ -70,7 +70,7 @@ def emit(out: str | Path, gm: torch.fx.GraphModule, plan: Plan, info: PackageInf
     layouts = lay_out(gm.graph, plan.stage_of(), plan.num_stages)
     if info.free_batch and any(_batch_input(layout) is None for layout in layouts if uses_batch(layout.nodes)):
         info = dataclasses.replace(info, free_batch=False)  # a stage could not read the batch: fixed for all
-    values = value_names(gm.graph, layouts, [*module_roots(info.out_spec), BATCH])
+    values = value_names(gm.graph, [*module_roots(info.out_spec), BATCH])
     tensors = _attr_tensors(gm, info)
     files: dict[str, bytes] = {}
     stages = []
@@ -168,8 +168,7 @@ def _render(entry: StageSpec, layout: StageLayout, plan: Plan, info: PackageInfo
     lines += _model_file_line(writer)
     lines += ["", f"class Stage{k}(torch.nn.Module):", f'    """Stage {k} of {S}: {_summary(entry)}."""', ""]
     lines += ["    def __init__(self) -> None:", "        super().__init__()"]
-    for p in entry.parameters:
-        lines.append(f"        self.{p.name} = torch.nn.Parameter({_zeros(p)}{_grad(p)})  # {_origin(p, info.aliases)}")
+    lines += _parameter_lines(entry.parameters, info.aliases)
     lines += _kept_lines(writer)
     if entry.buffers:
         lines.append("        constants = _constants()")
@@ -382,13 +381,34 @@ def _count(n: int, noun: str) -> str:
     return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
 
 
+def _parameter_lines(params: tuple[ParamSpec, ...], aliases: dict[str, str]) -> list[str]:
+    """One line per parameter, those of one layer under a `# <layer>` line (`names.group`),
+    the origin written out only where the name does not say it."""
+    lines: list[str] = []
+    current, in_layer = None, False
+    for p in params:
+        key = next((k for k in (p.source_name, *sorted(aliases)) if attr_name(k) == p.name), p.source_name)
+        module = key.rpartition(".")[0]
+        layer = group(module) != module
+        if group(module) != current and (layer or in_layer):
+            lines += [""] if lines else []
+        if group(module) != current and layer:
+            lines.append(f"        # {group(module)}")
+        current, in_layer = group(module), layer
+        origin = _origin(p, aliases)
+        comment = f"  # {origin}" if origin else ""
+        lines.append(f"        self.{p.name} = torch.nn.Parameter({_zeros(p)}{_grad(p)}){comment}")
+    return lines
+
+
 def _origin(p: ParamSpec, aliases: dict[str, str]) -> str:
-    """Where a parameter comes from: `lm_head.weight`, or for a tied one named after another
-    of its keys, `transformer.wte.weight (= lm_head.weight)`."""
+    """Where a parameter comes from when its name does not say it: `lm_head.weight` for an
+    attribute named otherwise, `= lm_head.weight` for a tied one named after another of its
+    keys; '' when the name is the state_dict key's."""
     if attr_name(p.source_name) == p.name:
-        return p.source_name
+        return ""
     key = next((k for k, c in sorted(aliases.items()) if c == p.source_name and attr_name(k) == p.name), None)
-    return p.source_name if key is None else f"{key} (= {p.source_name})"
+    return p.source_name if key is None else f"= {p.source_name}"
 
 
 def _zeros(p: ParamSpec) -> str:

@@ -275,7 +275,7 @@ class StageSource:
             if section(node) != current:
                 current = section(node)
                 lines.append(f"# -- {current} --")
-            line = f"{self.statement(node, names)}{shape_comment(node)}"
+            line = f"{self.statement(node, names)}{shape_comment(node, self.batch)}"
             if _drops_a_shard(node):
                 self.imports.add("from runtime import tp")
                 lines.append(f"with tp.rank_stream({names[node.all_input_nodes[0]]}.device, self.training):")
@@ -340,12 +340,19 @@ def _without_defaults(target: Any, kwargs: Any) -> dict[str, Any]:
     return {k: v for k, v in kwargs.items() if not is_default(k, v)}
 
 
-def shape_comment(node: torch.fx.Node) -> str:
-    """`  # (B, T, C)` for a tensor node, with the dtype when it is not float32."""
+def shape_comment(node: torch.fx.Node, batch: str = "") -> str:
+    """`  # (batch, T, C)` for a tensor node, with the dtype when it is not float32; the
+    dimension that follows the microbatch's rows is written with `batch` where the stage
+    reads it ([Note: free batch]), else every size is the compiled one."""
     meta = node.meta.get("tensor_meta")
     if meta is None or not hasattr(meta, "shape"):
         return ""
-    dims = ", ".join(str(d) for d in meta.shape)
-    shape = f"({dims},)" if len(meta.shape) == 1 else f"({dims})"
+    sizes = [str(d) for d in meta.shape]
+    free = node.meta.get("batch_dim") if batch else None
+    if free is not None and free[0] < len(sizes):
+        dim, coef = free
+        sizes[dim] = batch if coef == 1 else f"{coef} * {batch}"
+    dims = ", ".join(sizes)
+    shape = f"({dims},)" if len(sizes) == 1 else f"({dims})"
     dtype = "" if meta.dtype == torch.float32 else f" {str(meta.dtype).replace('torch.', '')}"
     return f"  # {shape}{dtype}"

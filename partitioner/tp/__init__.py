@@ -16,7 +16,8 @@ import torch.fx
 
 from ..cost.hardware import Hardware
 from ..ir import REPLICATED, Layout, NodeCost
-from .choose import CopyCost, EdgeCost, ShardingProblem, ShardingReport, brute_force, choose, objective
+from .choose import brute_force, choose
+from .problem import CopyCost, EdgeCost, ShardingProblem, ShardingReport, objective
 from .pose import Posed, collective_s, pose
 from .rewrite import Sharded, rewrite
 from .rules import SplitContext, Strategy, replicate, rule_for, split_rule

@@ -28,10 +28,9 @@ from __future__ import annotations
 import itertools
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Hashable, Sequence
+from typing import Hashable, Sequence
 
-if TYPE_CHECKING:  # choose.py imports this module
-    from .choose import ShardingProblem
+from .problem import ShardingProblem
 
 __all__ = ["solve"]
 

@@ -20,7 +20,7 @@ from ..cost.hardware import Hardware
 from ..ir import REPLICATED, Layout, NodeCost
 from ..cost.roofline import ring_allreduce_s
 from . import layers, shapes  # noqa: F401  (registers the built-in rules)
-from .choose import CopyCost, EdgeCost, ShardingProblem
+from .problem import CopyCost, EdgeCost, ShardingProblem
 from .rules import SplitContext, Strategy, replicate, rule_for
 
 __all__ = ["Posed", "pose", "call_s", "collective_s", "conversion", "needs_grad", "tp_link", "value_bytes"]

@@ -24,7 +24,7 @@ import torch.fx
 
 from ..cost.hardware import Hardware
 from ..ir import REPLICATED, Layout, NodeCost
-from .choose import ShardingReport
+from .problem import ShardingReport
 from .pose import PAIRS, Posed, call_s, needs_grad, value_bytes
 from .rules import Strategy, insert
 

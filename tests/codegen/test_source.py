@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.fx
 
-from codegen.source import EmitError, StageSource, attr_name, format_value
+from codegen.source import EmitError, StageSource, attr_name, format_value, shape_comment
 
 
 @pytest.mark.parametrize(
@@ -58,3 +58,15 @@ def test_statements_read_like_python() -> None:
     assert _statement(torch.nn.functional.gelu, "X") == "out = F.gelu(x)"
     assert _statement(torch.cat, ["X", "Y"], 1) == "out = torch.cat([x, y], 1)"
     assert _statement(torch.ops.aten.addmm.default, "X", "Y", "X") == "out = aten.addmm.default(x, y, x)"
+
+
+def test_shape_comments_write_the_dimension_that_follows_the_batch_as_batch() -> None:
+    graph = torch.fx.Graph()
+    node = graph.placeholder("x")
+    node.meta["tensor_meta"] = torch.fx.passes.shape_prop._extract_tensor_metadata(torch.zeros(48, 32))
+    assert shape_comment(node, "batch") == "  # (48, 32)"  # no free dimension recorded: the compiled sizes
+    node.meta["batch_dim"] = (0, 8)
+    assert shape_comment(node, "batch") == "  # (8 * batch, 32)"
+    assert shape_comment(node, "") == "  # (48, 32)"  # a stage that does not read its rows
+    node.meta["batch_dim"] = (1, 1)
+    assert shape_comment(node, "rows") == "  # (48, rows)"

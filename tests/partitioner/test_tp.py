@@ -153,9 +153,9 @@ def test_a_transformer_block_is_split_as_megatron_splits_it(tmp_path: Path) -> N
     assert sharded["h.0.attn.c_attn.weight"] == "S0x3" and sharded["h.0.mlp.c_proj.weight"] == "S1"
     assert "h.0.ln_1.weight" not in sharded and "h.0.mlp.c_proj.bias" not in sharded
     source = (tmp_path / "pkg" / "stage_0.py").read_text()
-    assert "linear_3_sum = tp.all_reduce(linear_3_partial)" in source
-    assert "linear_3 = linear_3_sum + self.h_0_mlp_c_proj_bias" in source
-    assert "layer_norm_1_copy = tp.copy(layer_norm_1)" in source
+    assert "h_0_mlp_c_proj_linear_sum = tp.all_reduce(h_0_mlp_c_proj_linear_partial)" in source
+    assert "h_0_mlp_c_proj = h_0_mlp_c_proj_linear_sum + self.h_0_mlp_c_proj_bias" in source
+    assert "h_0_mlp_c_fc_layer_norm_copy = tp.copy(h_0_ln_2)" in source
     params = {p["source_name"]: p for p in manifest["stages"][0]["parameters"]}
     assert params["h.0.attn.c_attn.weight"]["shape"] == [1536, 1024]
     assert params["h.0.attn.c_attn.weight"]["shard"] == {"dim": 0, "index": "tp", "count": 2, "blocks": 3}

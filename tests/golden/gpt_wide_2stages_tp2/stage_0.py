@@ -17,76 +17,80 @@ class Stage0(torch.nn.Module):
 
     def __init__(self) -> None:
         super().__init__()
-        self.wte_weight = torch.nn.Parameter(torch.zeros(2048, 1024))  # wte.weight
-        self.wpe_weight = torch.nn.Parameter(torch.zeros(128, 1024))  # wpe.weight
-        self.h_0_ln_1_weight = torch.nn.Parameter(torch.zeros(1024))  # h.0.ln_1.weight
-        self.h_0_ln_1_bias = torch.nn.Parameter(torch.zeros(1024))  # h.0.ln_1.bias
-        self.h_0_attn_c_attn_weight = torch.nn.Parameter(torch.zeros(1536, 1024))  # h.0.attn.c_attn.weight
-        self.h_0_attn_c_attn_bias = torch.nn.Parameter(torch.zeros(1536))  # h.0.attn.c_attn.bias
-        self.h_0_attn_c_proj_weight = torch.nn.Parameter(torch.zeros(1024, 512))  # h.0.attn.c_proj.weight
-        self.h_0_attn_c_proj_bias = torch.nn.Parameter(torch.zeros(1024))  # h.0.attn.c_proj.bias
-        self.h_0_ln_2_weight = torch.nn.Parameter(torch.zeros(1024))  # h.0.ln_2.weight
-        self.h_0_ln_2_bias = torch.nn.Parameter(torch.zeros(1024))  # h.0.ln_2.bias
-        self.h_0_mlp_c_fc_weight = torch.nn.Parameter(torch.zeros(2048, 1024))  # h.0.mlp.c_fc.weight
-        self.h_0_mlp_c_fc_bias = torch.nn.Parameter(torch.zeros(2048))  # h.0.mlp.c_fc.bias
-        self.h_0_mlp_c_proj_weight = torch.nn.Parameter(torch.zeros(1024, 2048))  # h.0.mlp.c_proj.weight
-        self.h_0_mlp_c_proj_bias = torch.nn.Parameter(torch.zeros(1024))  # h.0.mlp.c_proj.bias
-        self.h_1_ln_1_weight = torch.nn.Parameter(torch.zeros(1024))  # h.1.ln_1.weight
-        self.h_1_ln_1_bias = torch.nn.Parameter(torch.zeros(1024))  # h.1.ln_1.bias
+        self.wte_weight = torch.nn.Parameter(torch.zeros(2048, 1024))
+        self.wpe_weight = torch.nn.Parameter(torch.zeros(128, 1024))
+
+        # h.0
+        self.h_0_ln_1_weight = torch.nn.Parameter(torch.zeros(1024))
+        self.h_0_ln_1_bias = torch.nn.Parameter(torch.zeros(1024))
+        self.h_0_attn_c_attn_weight = torch.nn.Parameter(torch.zeros(1536, 1024))
+        self.h_0_attn_c_attn_bias = torch.nn.Parameter(torch.zeros(1536))
+        self.h_0_attn_c_proj_weight = torch.nn.Parameter(torch.zeros(1024, 512))
+        self.h_0_attn_c_proj_bias = torch.nn.Parameter(torch.zeros(1024))
+        self.h_0_ln_2_weight = torch.nn.Parameter(torch.zeros(1024))
+        self.h_0_ln_2_bias = torch.nn.Parameter(torch.zeros(1024))
+        self.h_0_mlp_c_fc_weight = torch.nn.Parameter(torch.zeros(2048, 1024))
+        self.h_0_mlp_c_fc_bias = torch.nn.Parameter(torch.zeros(2048))
+        self.h_0_mlp_c_proj_weight = torch.nn.Parameter(torch.zeros(1024, 2048))
+        self.h_0_mlp_c_proj_bias = torch.nn.Parameter(torch.zeros(1024))
+
+        # h.1
+        self.h_1_ln_1_weight = torch.nn.Parameter(torch.zeros(1024))
+        self.h_1_ln_1_bias = torch.nn.Parameter(torch.zeros(1024))
 
     def forward(self, idx: torch.Tensor) -> tuple[torch.Tensor, ...]:
         batch = idx.shape[0]
         # -- (top level) --
         arange = torch.arange(0, 128, dtype=torch.int64, device=idx.device)  # (128,) int64
         # -- wte --
-        embedding_vocab = tp.vocab_shard(idx, 2048)
-        embedding_ids = embedding_vocab[0]  # (4, 128) int64
-        embedding_outside = embedding_vocab[1]  # (4, 128) bool
-        embedding_partial = F.embedding(embedding_ids, self.wte_weight)  # (4, 128, 1024)
-        embedding_outside_col = embedding_outside.unsqueeze(-1)  # (4, 128, 1) bool
-        embedding_masked = embedding_partial.masked_fill(embedding_outside_col, 0.0)  # (4, 128, 1024)
-        embedding = tp.all_reduce(embedding_masked)  # (4, 128, 1024)
+        wte_embedding_vocab = tp.vocab_shard(idx, 2048)
+        wte_embedding_vocab_0 = wte_embedding_vocab[0]  # (4, 128) int64
+        wte_embedding_vocab_1 = wte_embedding_vocab[1]  # (4, 128) bool
+        wte_embedding_partial = F.embedding(wte_embedding_vocab_0, self.wte_weight)  # (4, 128, 1024)
+        wte_embedding_outside_col = wte_embedding_vocab_1.unsqueeze(-1)  # (4, 128, 1) bool
+        wte_embedding_masked = wte_embedding_partial.masked_fill(wte_embedding_outside_col, 0.0)  # (4, 128, 1024)
+        wte = tp.all_reduce(wte_embedding_masked)  # (batch, 128, 1024)
         # -- wpe --
-        embedding_1 = F.embedding(arange, self.wpe_weight)  # (128, 1024)
+        wpe = F.embedding(arange, self.wpe_weight)  # (128, 1024)
         # -- (top level) --
-        add = embedding + embedding_1  # (4, 128, 1024)
+        add = wte + wpe  # (batch, 128, 1024)
         # -- h.0.ln_1 --
-        layer_norm = F.layer_norm(add, (1024,), weight=self.h_0_ln_1_weight, bias=self.h_0_ln_1_bias)  # (4, 128, 1024)
+        h_0_ln_1 = F.layer_norm(add, (1024,), weight=self.h_0_ln_1_weight, bias=self.h_0_ln_1_bias)  # (batch, 128, 1024)
         # -- h.0.attn --
-        layer_norm_copy = tp.copy(layer_norm)  # (4, 128, 1024)
-        linear = F.linear(layer_norm_copy, self.h_0_attn_c_attn_weight, self.h_0_attn_c_attn_bias)  # (4, 128, 1536)
-        split = linear.split(512, dim=2)
-        getitem_3 = split[0]  # (4, 128, 512)
-        getitem_4 = split[1]  # (4, 128, 512)
-        getitem_5 = split[2]  # (4, 128, 512)
-        view = getitem_3.view(batch, 128, 8, 64)  # (4, 128, 8, 64)
-        transpose = view.transpose(1, 2)  # (4, 8, 128, 64)
-        view_1 = getitem_4.view(batch, 128, 8, 64)  # (4, 128, 8, 64)
-        transpose_1 = view_1.transpose(1, 2)  # (4, 8, 128, 64)
-        view_2 = getitem_5.view(batch, 128, 8, 64)  # (4, 128, 8, 64)
-        transpose_2 = view_2.transpose(1, 2)  # (4, 8, 128, 64)
-        scaled_dot_product_attention = F.scaled_dot_product_attention(transpose, transpose_1, transpose_2, is_causal=True)  # (4, 8, 128, 64)
-        transpose_3 = scaled_dot_product_attention.transpose(1, 2)  # (4, 128, 8, 64)
-        contiguous = transpose_3.contiguous()  # (4, 128, 8, 64)
-        view_3 = contiguous.view(batch, 128, 512)  # (4, 128, 512)
-        linear_1_partial = F.linear(view_3, self.h_0_attn_c_proj_weight)  # (4, 128, 1024)
-        linear_1_sum = tp.all_reduce(linear_1_partial)  # (4, 128, 1024)
-        linear_1 = linear_1_sum + self.h_0_attn_c_proj_bias  # (4, 128, 1024)
+        h_0_attn_c_attn_layer_norm_copy = tp.copy(h_0_ln_1)  # (4, 128, 1024)
+        h_0_attn_c_attn = F.linear(h_0_attn_c_attn_layer_norm_copy, self.h_0_attn_c_attn_weight, self.h_0_attn_c_attn_bias)  # (batch, 128, 1536)
+        h_0_attn_split = h_0_attn_c_attn.split(512, dim=2)
+        h_0_attn_split_0 = h_0_attn_split[0]  # (batch, 128, 512)
+        h_0_attn_split_1 = h_0_attn_split[1]  # (batch, 128, 512)
+        h_0_attn_split_2 = h_0_attn_split[2]  # (batch, 128, 512)
+        h_0_attn_view = h_0_attn_split_0.view(batch, 128, 8, 64)  # (batch, 128, 8, 64)
+        h_0_attn_transpose = h_0_attn_view.transpose(1, 2)  # (batch, 8, 128, 64)
+        h_0_attn_view_1 = h_0_attn_split_1.view(batch, 128, 8, 64)  # (batch, 128, 8, 64)
+        h_0_attn_transpose_1 = h_0_attn_view_1.transpose(1, 2)  # (batch, 8, 128, 64)
+        h_0_attn_view_2 = h_0_attn_split_2.view(batch, 128, 8, 64)  # (batch, 128, 8, 64)
+        h_0_attn_transpose_2 = h_0_attn_view_2.transpose(1, 2)  # (batch, 8, 128, 64)
+        h_0_attn_sdpa = F.scaled_dot_product_attention(h_0_attn_transpose, h_0_attn_transpose_1, h_0_attn_transpose_2, is_causal=True)  # (batch, 8, 128, 64)
+        h_0_attn_transpose_3 = h_0_attn_sdpa.transpose(1, 2)  # (batch, 128, 8, 64)
+        h_0_attn_contiguous = h_0_attn_transpose_3.contiguous()  # (batch, 128, 8, 64)
+        h_0_attn_view_3 = h_0_attn_contiguous.view(batch, 128, 512)  # (batch, 128, 512)
+        h_0_attn_c_proj_linear_partial = F.linear(h_0_attn_view_3, self.h_0_attn_c_proj_weight)  # (4, 128, 1024)
+        h_0_attn_c_proj_linear_sum = tp.all_reduce(h_0_attn_c_proj_linear_partial)  # (4, 128, 1024)
+        h_0_attn_c_proj = h_0_attn_c_proj_linear_sum + self.h_0_attn_c_proj_bias  # (batch, 128, 1024)
         # -- h.0 --
-        add_1 = add + linear_1  # (4, 128, 1024)
+        h_0_add = add + h_0_attn_c_proj  # (batch, 128, 1024)
         # -- h.0.ln_2 --
-        layer_norm_1 = F.layer_norm(add_1, (1024,), weight=self.h_0_ln_2_weight, bias=self.h_0_ln_2_bias)  # (4, 128, 1024)
+        h_0_ln_2 = F.layer_norm(h_0_add, (1024,), weight=self.h_0_ln_2_weight, bias=self.h_0_ln_2_bias)  # (batch, 128, 1024)
         # -- h.0.mlp --
-        layer_norm_1_copy = tp.copy(layer_norm_1)  # (4, 128, 1024)
-        linear_2 = F.linear(layer_norm_1_copy, self.h_0_mlp_c_fc_weight, self.h_0_mlp_c_fc_bias)  # (4, 128, 2048)
-        gelu = F.gelu(linear_2)  # (4, 128, 2048)
-        linear_3_partial = F.linear(gelu, self.h_0_mlp_c_proj_weight)  # (4, 128, 1024)
-        linear_3_sum = tp.all_reduce(linear_3_partial)  # (4, 128, 1024)
-        linear_3 = linear_3_sum + self.h_0_mlp_c_proj_bias  # (4, 128, 1024)
+        h_0_mlp_c_fc_layer_norm_copy = tp.copy(h_0_ln_2)  # (4, 128, 1024)
+        h_0_mlp_c_fc = F.linear(h_0_mlp_c_fc_layer_norm_copy, self.h_0_mlp_c_fc_weight, self.h_0_mlp_c_fc_bias)  # (batch, 128, 2048)
+        h_0_mlp_gelu = F.gelu(h_0_mlp_c_fc)  # (batch, 128, 2048)
+        h_0_mlp_c_proj_linear_partial = F.linear(h_0_mlp_gelu, self.h_0_mlp_c_proj_weight)  # (4, 128, 1024)
+        h_0_mlp_c_proj_linear_sum = tp.all_reduce(h_0_mlp_c_proj_linear_partial)  # (4, 128, 1024)
+        h_0_mlp_c_proj = h_0_mlp_c_proj_linear_sum + self.h_0_mlp_c_proj_bias  # (batch, 128, 1024)
         # -- h.0 --
-        h_0 = add_1 + linear_3  # (4, 128, 1024)
+        h_0 = h_0_add + h_0_mlp_c_proj  # (batch, 128, 1024)
         # -- h.1.ln_1 --
-        layer_norm_2 = F.layer_norm(h_0, (1024,), weight=self.h_1_ln_1_weight, bias=self.h_1_ln_1_bias)  # (4, 128, 1024)
+        h_1_ln_1 = F.layer_norm(h_0, (1024,), weight=self.h_1_ln_1_weight, bias=self.h_1_ln_1_bias)  # (batch, 128, 1024)
         # -- h.1.attn --
-        h_1_attn_c_attn_layer_norm_2_copy = tp.copy(layer_norm_2)  # (4, 128, 1024)
-        return (h_0, h_1_attn_c_attn_layer_norm_2_copy)
+        h_1_attn_c_attn_layer_norm_copy = tp.copy(h_1_ln_1)  # (4, 128, 1024)
+        return (h_0, h_1_attn_c_attn_layer_norm_copy)

@@ -19,59 +19,62 @@ class Stage1(torch.nn.Module):
 
     def __init__(self) -> None:
         super().__init__()
-        self.lm_head_weight = torch.nn.Parameter(torch.zeros(2048, 1024))  # lm_head.weight (= wte.weight)
-        self.h_1_attn_c_attn_weight = torch.nn.Parameter(torch.zeros(1536, 1024))  # h.1.attn.c_attn.weight
-        self.h_1_attn_c_attn_bias = torch.nn.Parameter(torch.zeros(1536))  # h.1.attn.c_attn.bias
-        self.h_1_attn_c_proj_weight = torch.nn.Parameter(torch.zeros(1024, 512))  # h.1.attn.c_proj.weight
-        self.h_1_attn_c_proj_bias = torch.nn.Parameter(torch.zeros(1024))  # h.1.attn.c_proj.bias
-        self.h_1_ln_2_weight = torch.nn.Parameter(torch.zeros(1024))  # h.1.ln_2.weight
-        self.h_1_ln_2_bias = torch.nn.Parameter(torch.zeros(1024))  # h.1.ln_2.bias
-        self.h_1_mlp_c_fc_weight = torch.nn.Parameter(torch.zeros(2048, 1024))  # h.1.mlp.c_fc.weight
-        self.h_1_mlp_c_fc_bias = torch.nn.Parameter(torch.zeros(2048))  # h.1.mlp.c_fc.bias
-        self.h_1_mlp_c_proj_weight = torch.nn.Parameter(torch.zeros(1024, 2048))  # h.1.mlp.c_proj.weight
-        self.h_1_mlp_c_proj_bias = torch.nn.Parameter(torch.zeros(1024))  # h.1.mlp.c_proj.bias
-        self.ln_f_weight = torch.nn.Parameter(torch.zeros(1024))  # ln_f.weight
-        self.ln_f_bias = torch.nn.Parameter(torch.zeros(1024))  # ln_f.bias
+        self.lm_head_weight = torch.nn.Parameter(torch.zeros(2048, 1024))  # = wte.weight
 
-    def forward(self, h_0: torch.Tensor, h_1_attn_c_attn_layer_norm_2_copy: torch.Tensor) -> Any:
+        # h.1
+        self.h_1_attn_c_attn_weight = torch.nn.Parameter(torch.zeros(1536, 1024))
+        self.h_1_attn_c_attn_bias = torch.nn.Parameter(torch.zeros(1536))
+        self.h_1_attn_c_proj_weight = torch.nn.Parameter(torch.zeros(1024, 512))
+        self.h_1_attn_c_proj_bias = torch.nn.Parameter(torch.zeros(1024))
+        self.h_1_ln_2_weight = torch.nn.Parameter(torch.zeros(1024))
+        self.h_1_ln_2_bias = torch.nn.Parameter(torch.zeros(1024))
+        self.h_1_mlp_c_fc_weight = torch.nn.Parameter(torch.zeros(2048, 1024))
+        self.h_1_mlp_c_fc_bias = torch.nn.Parameter(torch.zeros(2048))
+        self.h_1_mlp_c_proj_weight = torch.nn.Parameter(torch.zeros(1024, 2048))
+        self.h_1_mlp_c_proj_bias = torch.nn.Parameter(torch.zeros(1024))
+
+        self.ln_f_weight = torch.nn.Parameter(torch.zeros(1024))
+        self.ln_f_bias = torch.nn.Parameter(torch.zeros(1024))
+
+    def forward(self, h_0: torch.Tensor, h_1_attn_c_attn_layer_norm_copy: torch.Tensor) -> Any:
         batch = h_0.shape[0]
         # -- h.1.attn --
-        linear_4 = F.linear(h_1_attn_c_attn_layer_norm_2_copy, self.h_1_attn_c_attn_weight, self.h_1_attn_c_attn_bias)  # (4, 128, 1536)
-        split_1 = linear_4.split(512, dim=2)
-        getitem_9 = split_1[0]  # (4, 128, 512)
-        getitem_10 = split_1[1]  # (4, 128, 512)
-        getitem_11 = split_1[2]  # (4, 128, 512)
-        view_4 = getitem_9.view(batch, 128, 8, 64)  # (4, 128, 8, 64)
-        transpose_4 = view_4.transpose(1, 2)  # (4, 8, 128, 64)
-        view_5 = getitem_10.view(batch, 128, 8, 64)  # (4, 128, 8, 64)
-        transpose_5 = view_5.transpose(1, 2)  # (4, 8, 128, 64)
-        view_6 = getitem_11.view(batch, 128, 8, 64)  # (4, 128, 8, 64)
-        transpose_6 = view_6.transpose(1, 2)  # (4, 8, 128, 64)
-        scaled_dot_product_attention_1 = F.scaled_dot_product_attention(transpose_4, transpose_5, transpose_6, is_causal=True)  # (4, 8, 128, 64)
-        transpose_7 = scaled_dot_product_attention_1.transpose(1, 2)  # (4, 128, 8, 64)
-        contiguous_1 = transpose_7.contiguous()  # (4, 128, 8, 64)
-        view_7 = contiguous_1.view(batch, 128, 512)  # (4, 128, 512)
-        linear_5_partial = F.linear(view_7, self.h_1_attn_c_proj_weight)  # (4, 128, 1024)
-        linear_5_sum = tp.all_reduce(linear_5_partial)  # (4, 128, 1024)
-        linear_5 = linear_5_sum + self.h_1_attn_c_proj_bias  # (4, 128, 1024)
+        h_1_attn_c_attn = F.linear(h_1_attn_c_attn_layer_norm_copy, self.h_1_attn_c_attn_weight, self.h_1_attn_c_attn_bias)  # (batch, 128, 1536)
+        h_1_attn_split = h_1_attn_c_attn.split(512, dim=2)
+        h_1_attn_split_0 = h_1_attn_split[0]  # (batch, 128, 512)
+        h_1_attn_split_1 = h_1_attn_split[1]  # (batch, 128, 512)
+        h_1_attn_split_2 = h_1_attn_split[2]  # (batch, 128, 512)
+        h_1_attn_view = h_1_attn_split_0.view(batch, 128, 8, 64)  # (batch, 128, 8, 64)
+        h_1_attn_transpose = h_1_attn_view.transpose(1, 2)  # (batch, 8, 128, 64)
+        h_1_attn_view_1 = h_1_attn_split_1.view(batch, 128, 8, 64)  # (batch, 128, 8, 64)
+        h_1_attn_transpose_1 = h_1_attn_view_1.transpose(1, 2)  # (batch, 8, 128, 64)
+        h_1_attn_view_2 = h_1_attn_split_2.view(batch, 128, 8, 64)  # (batch, 128, 8, 64)
+        h_1_attn_transpose_2 = h_1_attn_view_2.transpose(1, 2)  # (batch, 8, 128, 64)
+        h_1_attn_sdpa = F.scaled_dot_product_attention(h_1_attn_transpose, h_1_attn_transpose_1, h_1_attn_transpose_2, is_causal=True)  # (batch, 8, 128, 64)
+        h_1_attn_transpose_3 = h_1_attn_sdpa.transpose(1, 2)  # (batch, 128, 8, 64)
+        h_1_attn_contiguous = h_1_attn_transpose_3.contiguous()  # (batch, 128, 8, 64)
+        h_1_attn_view_3 = h_1_attn_contiguous.view(batch, 128, 512)  # (batch, 128, 512)
+        h_1_attn_c_proj_linear_partial = F.linear(h_1_attn_view_3, self.h_1_attn_c_proj_weight)  # (4, 128, 1024)
+        h_1_attn_c_proj_linear_sum = tp.all_reduce(h_1_attn_c_proj_linear_partial)  # (4, 128, 1024)
+        h_1_attn_c_proj = h_1_attn_c_proj_linear_sum + self.h_1_attn_c_proj_bias  # (batch, 128, 1024)
         # -- h.1 --
-        add_3 = h_0 + linear_5  # (4, 128, 1024)
+        h_1_add = h_0 + h_1_attn_c_proj  # (batch, 128, 1024)
         # -- h.1.ln_2 --
-        layer_norm_3 = F.layer_norm(add_3, (1024,), weight=self.h_1_ln_2_weight, bias=self.h_1_ln_2_bias)  # (4, 128, 1024)
+        h_1_ln_2 = F.layer_norm(h_1_add, (1024,), weight=self.h_1_ln_2_weight, bias=self.h_1_ln_2_bias)  # (batch, 128, 1024)
         # -- h.1.mlp --
-        layer_norm_3_copy = tp.copy(layer_norm_3)  # (4, 128, 1024)
-        linear_6 = F.linear(layer_norm_3_copy, self.h_1_mlp_c_fc_weight, self.h_1_mlp_c_fc_bias)  # (4, 128, 2048)
-        gelu_1 = F.gelu(linear_6)  # (4, 128, 2048)
-        linear_7_partial = F.linear(gelu_1, self.h_1_mlp_c_proj_weight)  # (4, 128, 1024)
-        linear_7_sum = tp.all_reduce(linear_7_partial)  # (4, 128, 1024)
-        linear_7 = linear_7_sum + self.h_1_mlp_c_proj_bias  # (4, 128, 1024)
+        h_1_mlp_c_fc_layer_norm_copy = tp.copy(h_1_ln_2)  # (4, 128, 1024)
+        h_1_mlp_c_fc = F.linear(h_1_mlp_c_fc_layer_norm_copy, self.h_1_mlp_c_fc_weight, self.h_1_mlp_c_fc_bias)  # (batch, 128, 2048)
+        h_1_mlp_gelu = F.gelu(h_1_mlp_c_fc)  # (batch, 128, 2048)
+        h_1_mlp_c_proj_linear_partial = F.linear(h_1_mlp_gelu, self.h_1_mlp_c_proj_weight)  # (4, 128, 1024)
+        h_1_mlp_c_proj_linear_sum = tp.all_reduce(h_1_mlp_c_proj_linear_partial)  # (4, 128, 1024)
+        h_1_mlp_c_proj = h_1_mlp_c_proj_linear_sum + self.h_1_mlp_c_proj_bias  # (batch, 128, 1024)
         # -- h.1 --
-        add_4 = add_3 + linear_7  # (4, 128, 1024)
+        h_1 = h_1_add + h_1_mlp_c_proj  # (batch, 128, 1024)
         # -- ln_f --
-        layer_norm_4 = F.layer_norm(add_4, (1024,), weight=self.ln_f_weight, bias=self.ln_f_bias)  # (4, 128, 1024)
+        ln_f = F.layer_norm(h_1, (1024,), weight=self.ln_f_weight, bias=self.ln_f_bias)  # (batch, 128, 1024)
         # -- lm_head --
-        layer_norm_4_copy = tp.copy(layer_norm_4)  # (4, 128, 1024)
-        linear_8 = F.linear(layer_norm_4_copy, self.lm_head_weight, None)  # (4, 128, 2048)
+        lm_head_layer_norm_copy = tp.copy(ln_f)  # (4, 128, 1024)
+        lm_head = F.linear(lm_head_layer_norm_copy, self.lm_head_weight, None)  # (batch, 128, 2048)
         # -- (top level) --
-        linear_8_whole = tp.all_gather(linear_8, 2)  # (4, 128, 4096)
-        return linear_8_whole
+        linear_whole = tp.all_gather(lm_head, 2)  # (4, 128, 4096)
+        return linear_whole

@@ -16,173 +16,178 @@ class Stage0(torch.nn.Module):
 
     def __init__(self) -> None:
         super().__init__()
-        self.transformer_wpe_weight = torch.nn.Parameter(torch.zeros(16, 32))  # transformer.wpe.weight
-        self.transformer_h_0_ln_1_weight = torch.nn.Parameter(torch.zeros(32))  # transformer.h.0.ln_1.weight
-        self.transformer_h_0_ln_1_bias = torch.nn.Parameter(torch.zeros(32))  # transformer.h.0.ln_1.bias
-        self.transformer_h_0_attn_c_attn_weight = torch.nn.Parameter(torch.zeros(32, 96))  # transformer.h.0.attn.c_attn.weight
-        self.transformer_h_0_attn_c_attn_bias = torch.nn.Parameter(torch.zeros(96))  # transformer.h.0.attn.c_attn.bias
-        self.transformer_h_0_attn_c_proj_weight = torch.nn.Parameter(torch.zeros(32, 32))  # transformer.h.0.attn.c_proj.weight
-        self.transformer_h_0_attn_c_proj_bias = torch.nn.Parameter(torch.zeros(32))  # transformer.h.0.attn.c_proj.bias
-        self.transformer_h_0_ln_2_weight = torch.nn.Parameter(torch.zeros(32))  # transformer.h.0.ln_2.weight
-        self.transformer_h_0_ln_2_bias = torch.nn.Parameter(torch.zeros(32))  # transformer.h.0.ln_2.bias
-        self.transformer_h_0_mlp_c_fc_weight = torch.nn.Parameter(torch.zeros(32, 128))  # transformer.h.0.mlp.c_fc.weight
-        self.transformer_h_0_mlp_c_fc_bias = torch.nn.Parameter(torch.zeros(128))  # transformer.h.0.mlp.c_fc.bias
-        self.transformer_h_0_mlp_c_proj_weight = torch.nn.Parameter(torch.zeros(128, 32))  # transformer.h.0.mlp.c_proj.weight
-        self.transformer_h_0_mlp_c_proj_bias = torch.nn.Parameter(torch.zeros(32))  # transformer.h.0.mlp.c_proj.bias
-        self.transformer_h_1_ln_1_weight = torch.nn.Parameter(torch.zeros(32))  # transformer.h.1.ln_1.weight
-        self.transformer_h_1_ln_1_bias = torch.nn.Parameter(torch.zeros(32))  # transformer.h.1.ln_1.bias
-        self.transformer_h_1_attn_c_attn_weight = torch.nn.Parameter(torch.zeros(32, 96))  # transformer.h.1.attn.c_attn.weight
-        self.transformer_h_1_attn_c_attn_bias = torch.nn.Parameter(torch.zeros(96))  # transformer.h.1.attn.c_attn.bias
-        self.transformer_h_1_attn_c_proj_weight = torch.nn.Parameter(torch.zeros(32, 32))  # transformer.h.1.attn.c_proj.weight
-        self.transformer_h_1_attn_c_proj_bias = torch.nn.Parameter(torch.zeros(32))  # transformer.h.1.attn.c_proj.bias
-        self.transformer_h_1_ln_2_weight = torch.nn.Parameter(torch.zeros(32))  # transformer.h.1.ln_2.weight
-        self.transformer_h_1_ln_2_bias = torch.nn.Parameter(torch.zeros(32))  # transformer.h.1.ln_2.bias
-        self.transformer_h_1_mlp_c_fc_weight = torch.nn.Parameter(torch.zeros(32, 128))  # transformer.h.1.mlp.c_fc.weight
-        self.transformer_h_1_mlp_c_fc_bias = torch.nn.Parameter(torch.zeros(128))  # transformer.h.1.mlp.c_fc.bias
-        self.transformer_h_1_mlp_c_proj_weight = torch.nn.Parameter(torch.zeros(128, 32))  # transformer.h.1.mlp.c_proj.weight
-        self.transformer_h_1_mlp_c_proj_bias = torch.nn.Parameter(torch.zeros(32))  # transformer.h.1.mlp.c_proj.bias
-        self.transformer_wte_weight = torch.nn.Parameter(torch.zeros(96, 32))  # transformer.wte.weight (= lm_head.weight)
+        self.transformer_wpe_weight = torch.nn.Parameter(torch.zeros(16, 32))
+
+        # transformer.h.0
+        self.transformer_h_0_ln_1_weight = torch.nn.Parameter(torch.zeros(32))
+        self.transformer_h_0_ln_1_bias = torch.nn.Parameter(torch.zeros(32))
+        self.transformer_h_0_attn_c_attn_weight = torch.nn.Parameter(torch.zeros(32, 96))
+        self.transformer_h_0_attn_c_attn_bias = torch.nn.Parameter(torch.zeros(96))
+        self.transformer_h_0_attn_c_proj_weight = torch.nn.Parameter(torch.zeros(32, 32))
+        self.transformer_h_0_attn_c_proj_bias = torch.nn.Parameter(torch.zeros(32))
+        self.transformer_h_0_ln_2_weight = torch.nn.Parameter(torch.zeros(32))
+        self.transformer_h_0_ln_2_bias = torch.nn.Parameter(torch.zeros(32))
+        self.transformer_h_0_mlp_c_fc_weight = torch.nn.Parameter(torch.zeros(32, 128))
+        self.transformer_h_0_mlp_c_fc_bias = torch.nn.Parameter(torch.zeros(128))
+        self.transformer_h_0_mlp_c_proj_weight = torch.nn.Parameter(torch.zeros(128, 32))
+        self.transformer_h_0_mlp_c_proj_bias = torch.nn.Parameter(torch.zeros(32))
+
+        # transformer.h.1
+        self.transformer_h_1_ln_1_weight = torch.nn.Parameter(torch.zeros(32))
+        self.transformer_h_1_ln_1_bias = torch.nn.Parameter(torch.zeros(32))
+        self.transformer_h_1_attn_c_attn_weight = torch.nn.Parameter(torch.zeros(32, 96))
+        self.transformer_h_1_attn_c_attn_bias = torch.nn.Parameter(torch.zeros(96))
+        self.transformer_h_1_attn_c_proj_weight = torch.nn.Parameter(torch.zeros(32, 32))
+        self.transformer_h_1_attn_c_proj_bias = torch.nn.Parameter(torch.zeros(32))
+        self.transformer_h_1_ln_2_weight = torch.nn.Parameter(torch.zeros(32))
+        self.transformer_h_1_ln_2_bias = torch.nn.Parameter(torch.zeros(32))
+        self.transformer_h_1_mlp_c_fc_weight = torch.nn.Parameter(torch.zeros(32, 128))
+        self.transformer_h_1_mlp_c_fc_bias = torch.nn.Parameter(torch.zeros(128))
+        self.transformer_h_1_mlp_c_proj_weight = torch.nn.Parameter(torch.zeros(128, 32))
+        self.transformer_h_1_mlp_c_proj_bias = torch.nn.Parameter(torch.zeros(32))
+
+        self.transformer_wte_weight = torch.nn.Parameter(torch.zeros(96, 32))  # = lm_head.weight
 
     def forward(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, ...]:
         batch = input_ids.shape[0]
         # -- transformer --
-        view = aten.view.default(input_ids, [-1, 8])  # (6, 8) int64
+        view = aten.view.default(input_ids, [-1, 8])  # (batch, 8) int64
         # -- transformer.wte --
-        embedding = aten.embedding.default(self.transformer_wte_weight, view)  # (6, 8, 32)
+        wte = aten.embedding.default(self.transformer_wte_weight, view)  # (batch, 8, 32)
         # -- transformer --
         arange = aten.arange.default(8, device=input_ids.device, pin_memory=False)  # (8,) int64
         add = aten.add.Tensor(arange, 0)  # (8,) int64
         unsqueeze = aten.unsqueeze.default(add, 0)  # (1, 8) int64
         # -- transformer.wpe --
-        embedding_1 = aten.embedding.default(self.transformer_wpe_weight, unsqueeze)  # (1, 8, 32)
+        wpe = aten.embedding.default(self.transformer_wpe_weight, unsqueeze)  # (1, 8, 32)
         # -- transformer --
-        to = aten.to.dtype_layout(embedding_1, dtype=torch.float32, layout=torch.strided, device=input_ids.device)  # (1, 8, 32)
-        add_1 = aten.add.Tensor(embedding, to)  # (6, 8, 32)
-        expand = aten.expand.default(unsqueeze, [batch, -1])  # (6, 8) int64
-        slice_2 = aten.slice.Tensor(expand, 1, 0, 1)  # (6, 1) int64
-        sub = aten.sub.Tensor(slice_2, 1)  # (6, 1) int64
-        diff = aten.diff.default(expand, 1, -1, sub)  # (6, 8) int64
-        ne_1 = aten.ne.Scalar(diff, 1)  # (6, 8) bool
-        cumsum = aten.cumsum.default(ne_1, -1)  # (6, 8) int64
-        expand_1 = aten.expand.default(unsqueeze, [batch, -1])  # (6, 8) int64
-        arange_1 = aten.arange.default(batch, device=input_ids.device, pin_memory=False)  # (6,) int64
+        to = aten.to.dtype_layout(wpe, dtype=torch.float32, layout=torch.strided, device=input_ids.device)  # (1, 8, 32)
+        add_1 = aten.add.Tensor(wte, to)  # (batch, 8, 32)
+        expand = aten.expand.default(unsqueeze, [batch, -1])  # (batch, 8) int64
+        slice_1 = aten.slice.Tensor(expand, 1, 0, 1)  # (batch, 1) int64
+        sub = aten.sub.Tensor(slice_1, 1)  # (batch, 1) int64
+        diff = aten.diff.default(expand, 1, -1, sub)  # (batch, 8) int64
+        ne = aten.ne.Scalar(diff, 1)  # (batch, 8) bool
+        cumsum = aten.cumsum.default(ne, -1)  # (batch, 8) int64
+        expand_1 = aten.expand.default(unsqueeze, [batch, -1])  # (batch, 8) int64
+        arange_1 = aten.arange.default(batch, device=input_ids.device, pin_memory=False)  # (batch,) int64
+        arange_2 = aten.arange.default(8, device=input_ids.device, pin_memory=False)  # (8,) int64
+        add_2 = aten.add.Tensor(arange_2, 0)  # (8,) int64
         arange_3 = aten.arange.default(8, device=input_ids.device, pin_memory=False)  # (8,) int64
-        add_2 = aten.add.Tensor(arange_3, 0)  # (8,) int64
-        arange_4 = aten.arange.default(8, device=input_ids.device, pin_memory=False)  # (8,) int64
-        add_3 = aten.add.Tensor(arange_4, 0)  # (8,) int64
-        unsqueeze_1 = aten.unsqueeze.default(arange_1, 1)  # (6, 1) int64
-        unsqueeze_2 = aten.unsqueeze.default(unsqueeze_1, 2)  # (6, 1, 1) int64
-        unsqueeze_3 = aten.unsqueeze.default(unsqueeze_2, 3)  # (6, 1, 1, 1) int64
-        unsqueeze_7 = aten.unsqueeze.default(add_2, 0)  # (1, 8) int64
+        add_3 = aten.add.Tensor(arange_3, 0)  # (8,) int64
+        unsqueeze_1 = aten.unsqueeze.default(arange_1, 1)  # (batch, 1) int64
+        unsqueeze_2 = aten.unsqueeze.default(unsqueeze_1, 2)  # (batch, 1, 1) int64
+        unsqueeze_3 = aten.unsqueeze.default(unsqueeze_2, 3)  # (batch, 1, 1, 1) int64
+        unsqueeze_4 = aten.unsqueeze.default(add_2, 0)  # (1, 8) int64
+        unsqueeze_5 = aten.unsqueeze.default(unsqueeze_4, 1)  # (1, 1, 8) int64
+        unsqueeze_6 = aten.unsqueeze.default(unsqueeze_5, 3)  # (1, 1, 8, 1) int64
+        unsqueeze_7 = aten.unsqueeze.default(add_3, 0)  # (1, 8) int64
         unsqueeze_8 = aten.unsqueeze.default(unsqueeze_7, 1)  # (1, 1, 8) int64
-        unsqueeze_9 = aten.unsqueeze.default(unsqueeze_8, 3)  # (1, 1, 8, 1) int64
-        unsqueeze_10 = aten.unsqueeze.default(add_3, 0)  # (1, 8) int64
-        unsqueeze_11 = aten.unsqueeze.default(unsqueeze_10, 1)  # (1, 1, 8) int64
-        unsqueeze_12 = aten.unsqueeze.default(unsqueeze_11, 2)  # (1, 1, 1, 8) int64
-        new_ones = aten.new_ones.default(unsqueeze_9, [], dtype=torch.bool, pin_memory=False)  # () bool
-        index = aten.index.Tensor(cumsum, [unsqueeze_3, unsqueeze_9])  # (6, 1, 8, 1) int64
-        index_1 = aten.index.Tensor(cumsum, [unsqueeze_3, unsqueeze_12])  # (6, 1, 1, 8) int64
-        eq = aten.eq.Tensor(index, index_1)  # (6, 1, 8, 8) bool
-        to_1 = aten.to.dtype_layout(eq, dtype=torch.bool, layout=torch.strided, device=input_ids.device)  # (6, 1, 8, 8) bool
-        and_1 = aten.__and__.Tensor(new_ones, to_1)  # (6, 1, 8, 8) bool
-        index_2 = aten.index.Tensor(expand_1, [unsqueeze_3, unsqueeze_9])  # (6, 1, 8, 1) int64
-        index_3 = aten.index.Tensor(expand_1, [unsqueeze_3, unsqueeze_12])  # (6, 1, 1, 8) int64
-        le_2 = aten.le.Tensor(index_3, index_2)  # (6, 1, 8, 8) bool
-        to_2 = aten.to.dtype_layout(le_2, dtype=torch.bool, layout=torch.strided, device=input_ids.device)  # (6, 1, 8, 8) bool
-        and_2 = aten.__and__.Tensor(and_1, to_2)  # (6, 1, 8, 8) bool
-        transformer_expand = aten.expand.default(and_2, [batch, -1, 8, 8])  # (6, 1, 8, 8) bool
+        unsqueeze_9 = aten.unsqueeze.default(unsqueeze_8, 2)  # (1, 1, 1, 8) int64
+        new_ones = aten.new_ones.default(unsqueeze_6, [], dtype=torch.bool, pin_memory=False)  # () bool
+        index = aten.index.Tensor(cumsum, [unsqueeze_3, unsqueeze_6])  # (batch, 1, 8, 1) int64
+        index_1 = aten.index.Tensor(cumsum, [unsqueeze_3, unsqueeze_9])  # (batch, 1, 1, 8) int64
+        eq = aten.eq.Tensor(index, index_1)  # (batch, 1, 8, 8) bool
+        to_1 = aten.to.dtype_layout(eq, dtype=torch.bool, layout=torch.strided, device=input_ids.device)  # (batch, 1, 8, 8) bool
+        and_ = aten.__and__.Tensor(new_ones, to_1)  # (batch, 1, 8, 8) bool
+        index_2 = aten.index.Tensor(expand_1, [unsqueeze_3, unsqueeze_6])  # (batch, 1, 8, 1) int64
+        index_3 = aten.index.Tensor(expand_1, [unsqueeze_3, unsqueeze_9])  # (batch, 1, 1, 8) int64
+        le = aten.le.Tensor(index_3, index_2)  # (batch, 1, 8, 8) bool
+        to_2 = aten.to.dtype_layout(le, dtype=torch.bool, layout=torch.strided, device=input_ids.device)  # (batch, 1, 8, 8) bool
+        and_1 = aten.__and__.Tensor(and_, to_2)  # (batch, 1, 8, 8) bool
+        expand_2 = aten.expand.default(and_1, [batch, -1, 8, 8])  # (batch, 1, 8, 8) bool
         # -- transformer.drop --
-        dropout = aten.dropout.default(add_1, 0.0, self.training)  # (6, 8, 32)
+        drop = aten.dropout.default(add_1, 0.0, self.training)  # (batch, 8, 32)
         # -- transformer.h.0.ln_1 --
-        layer_norm = aten.layer_norm.default(dropout, [32], self.transformer_h_0_ln_1_weight, self.transformer_h_0_ln_1_bias, 1e-05, False)  # (6, 8, 32)
+        h_0_ln_1 = aten.layer_norm.default(drop, [32], self.transformer_h_0_ln_1_weight, self.transformer_h_0_ln_1_bias, 1e-05, False)  # (batch, 8, 32)
         # -- transformer.h.0.attn --
-        view_1 = aten.view.default(layer_norm, [-1, 32])  # (48, 32)
-        addmm = aten.addmm.default(self.transformer_h_0_attn_c_attn_bias, view_1, self.transformer_h_0_attn_c_attn_weight)  # (48, 96)
-        view_2 = aten.view.default(addmm, [batch, 8, 96])  # (6, 8, 96)
-        split = aten.split.Tensor(view_2, 32, 2)
-        getitem = split[0]  # (6, 8, 32)
-        getitem_1 = split[1]  # (6, 8, 32)
-        getitem_2 = split[2]  # (6, 8, 32)
-        view_3 = aten.view.default(getitem_1, [batch, 8, -1, 8])  # (6, 8, 4, 8)
-        transpose = aten.transpose.int(view_3, 1, 2)  # (6, 4, 8, 8)
-        view_4 = aten.view.default(getitem_2, [batch, 8, -1, 8])  # (6, 8, 4, 8)
-        transpose_1 = aten.transpose.int(view_4, 1, 2)  # (6, 4, 8, 8)
-        view_5 = aten.view.default(getitem, [batch, 8, -1, 8])  # (6, 8, 4, 8)
-        transpose_2 = aten.transpose.int(view_5, 1, 2)  # (6, 4, 8, 8)
-        scaled_dot_product_attention = aten.scaled_dot_product_attention.default(transpose_2, transpose, transpose_1, transformer_expand, scale=0.3535533905932738)  # (6, 4, 8, 8)
-        reshape = aten.reshape.default(scaled_dot_product_attention, [batch, -1, 8, 8])  # (6, 4, 8, 8)
-        transpose_3 = aten.transpose.int(reshape, 1, 2)  # (6, 8, 4, 8)
-        reshape_1 = aten.reshape.default(transpose_3, [batch, 8, -1])  # (6, 8, 32)
-        view_6 = aten.view.default(reshape_1, [-1, 32])  # (48, 32)
-        addmm_1 = aten.addmm.default(self.transformer_h_0_attn_c_proj_bias, view_6, self.transformer_h_0_attn_c_proj_weight)  # (48, 32)
-        view_7 = aten.view.default(addmm_1, [batch, 8, 32])  # (6, 8, 32)
-        dropout_1 = aten.dropout.default(view_7, 0.0, self.training)  # (6, 8, 32)
+        h_0_attn_c_attn_view = aten.view.default(h_0_ln_1, [-1, 32])  # (8 * batch, 32)
+        h_0_attn_c_attn_addmm = aten.addmm.default(self.transformer_h_0_attn_c_attn_bias, h_0_attn_c_attn_view, self.transformer_h_0_attn_c_attn_weight)  # (8 * batch, 96)
+        h_0_attn_c_attn = aten.view.default(h_0_attn_c_attn_addmm, [batch, 8, 96])  # (batch, 8, 96)
+        h_0_attn_split = aten.split.Tensor(h_0_attn_c_attn, 32, 2)
+        h_0_attn_split_0 = h_0_attn_split[0]  # (batch, 8, 32)
+        h_0_attn_split_1 = h_0_attn_split[1]  # (batch, 8, 32)
+        h_0_attn_split_2 = h_0_attn_split[2]  # (batch, 8, 32)
+        h_0_attn_view = aten.view.default(h_0_attn_split_1, [batch, 8, -1, 8])  # (batch, 8, 4, 8)
+        h_0_attn_transpose = aten.transpose.int(h_0_attn_view, 1, 2)  # (batch, 4, 8, 8)
+        h_0_attn_view_1 = aten.view.default(h_0_attn_split_2, [batch, 8, -1, 8])  # (batch, 8, 4, 8)
+        h_0_attn_transpose_1 = aten.transpose.int(h_0_attn_view_1, 1, 2)  # (batch, 4, 8, 8)
+        h_0_attn_view_2 = aten.view.default(h_0_attn_split_0, [batch, 8, -1, 8])  # (batch, 8, 4, 8)
+        h_0_attn_transpose_2 = aten.transpose.int(h_0_attn_view_2, 1, 2)  # (batch, 4, 8, 8)
+        h_0_attn_sdpa = aten.scaled_dot_product_attention.default(h_0_attn_transpose_2, h_0_attn_transpose, h_0_attn_transpose_1, expand_2, scale=0.3535533905932738)  # (batch, 4, 8, 8)
+        h_0_attn_reshape = aten.reshape.default(h_0_attn_sdpa, [batch, -1, 8, 8])  # (batch, 4, 8, 8)
+        h_0_attn_transpose_3 = aten.transpose.int(h_0_attn_reshape, 1, 2)  # (batch, 8, 4, 8)
+        h_0_attn_reshape_1 = aten.reshape.default(h_0_attn_transpose_3, [batch, 8, -1])  # (batch, 8, 32)
+        h_0_attn_c_proj_view = aten.view.default(h_0_attn_reshape_1, [-1, 32])  # (8 * batch, 32)
+        h_0_attn_c_proj_addmm = aten.addmm.default(self.transformer_h_0_attn_c_proj_bias, h_0_attn_c_proj_view, self.transformer_h_0_attn_c_proj_weight)  # (8 * batch, 32)
+        h_0_attn_c_proj = aten.view.default(h_0_attn_c_proj_addmm, [batch, 8, 32])  # (batch, 8, 32)
+        h_0_attn_resid_dropout = aten.dropout.default(h_0_attn_c_proj, 0.0, self.training)  # (batch, 8, 32)
         # -- transformer.h.0 --
-        add_4 = aten.add.Tensor(dropout_1, dropout)  # (6, 8, 32)
+        h_0_add = aten.add.Tensor(h_0_attn_resid_dropout, drop)  # (batch, 8, 32)
         # -- transformer.h.0.ln_2 --
-        layer_norm_1 = aten.layer_norm.default(add_4, [32], self.transformer_h_0_ln_2_weight, self.transformer_h_0_ln_2_bias, 1e-05, False)  # (6, 8, 32)
+        h_0_ln_2 = aten.layer_norm.default(h_0_add, [32], self.transformer_h_0_ln_2_weight, self.transformer_h_0_ln_2_bias, 1e-05, False)  # (batch, 8, 32)
         # -- transformer.h.0.mlp --
-        view_8 = aten.view.default(layer_norm_1, [-1, 32])  # (48, 32)
-        addmm_2 = aten.addmm.default(self.transformer_h_0_mlp_c_fc_bias, view_8, self.transformer_h_0_mlp_c_fc_weight)  # (48, 128)
-        view_9 = aten.view.default(addmm_2, [batch, 8, 128])  # (6, 8, 128)
-        mul_4 = aten.mul.Tensor(view_9, 0.5)  # (6, 8, 128)
-        pow_1 = aten.pow.Tensor_Scalar(view_9, 3.0)  # (6, 8, 128)
-        mul_5 = aten.mul.Tensor(pow_1, 0.044715)  # (6, 8, 128)
-        add_5 = aten.add.Tensor(view_9, mul_5)  # (6, 8, 128)
-        mul_6 = aten.mul.Tensor(add_5, 0.7978845608028654)  # (6, 8, 128)
-        tanh = aten.tanh.default(mul_6)  # (6, 8, 128)
-        add_6 = aten.add.Tensor(tanh, 1.0)  # (6, 8, 128)
-        mul_7 = aten.mul.Tensor(mul_4, add_6)  # (6, 8, 128)
-        view_10 = aten.view.default(mul_7, [-1, 128])  # (48, 128)
-        addmm_3 = aten.addmm.default(self.transformer_h_0_mlp_c_proj_bias, view_10, self.transformer_h_0_mlp_c_proj_weight)  # (48, 32)
-        view_11 = aten.view.default(addmm_3, [batch, 8, 32])  # (6, 8, 32)
-        dropout_2 = aten.dropout.default(view_11, 0.0, self.training)  # (6, 8, 32)
+        h_0_mlp_c_fc_view = aten.view.default(h_0_ln_2, [-1, 32])  # (8 * batch, 32)
+        h_0_mlp_c_fc_addmm = aten.addmm.default(self.transformer_h_0_mlp_c_fc_bias, h_0_mlp_c_fc_view, self.transformer_h_0_mlp_c_fc_weight)  # (8 * batch, 128)
+        h_0_mlp_c_fc = aten.view.default(h_0_mlp_c_fc_addmm, [batch, 8, 128])  # (batch, 8, 128)
+        h_0_mlp_act_mul = aten.mul.Tensor(h_0_mlp_c_fc, 0.5)  # (batch, 8, 128)
+        h_0_mlp_act_pow = aten.pow.Tensor_Scalar(h_0_mlp_c_fc, 3.0)  # (batch, 8, 128)
+        h_0_mlp_act_mul_1 = aten.mul.Tensor(h_0_mlp_act_pow, 0.044715)  # (batch, 8, 128)
+        h_0_mlp_act_add = aten.add.Tensor(h_0_mlp_c_fc, h_0_mlp_act_mul_1)  # (batch, 8, 128)
+        h_0_mlp_act_mul_2 = aten.mul.Tensor(h_0_mlp_act_add, 0.7978845608028654)  # (batch, 8, 128)
+        h_0_mlp_act_tanh = aten.tanh.default(h_0_mlp_act_mul_2)  # (batch, 8, 128)
+        h_0_mlp_act_add_1 = aten.add.Tensor(h_0_mlp_act_tanh, 1.0)  # (batch, 8, 128)
+        h_0_mlp_act = aten.mul.Tensor(h_0_mlp_act_mul, h_0_mlp_act_add_1)  # (batch, 8, 128)
+        h_0_mlp_c_proj_view = aten.view.default(h_0_mlp_act, [-1, 128])  # (8 * batch, 128)
+        h_0_mlp_c_proj_addmm = aten.addmm.default(self.transformer_h_0_mlp_c_proj_bias, h_0_mlp_c_proj_view, self.transformer_h_0_mlp_c_proj_weight)  # (8 * batch, 32)
+        h_0_mlp_c_proj = aten.view.default(h_0_mlp_c_proj_addmm, [batch, 8, 32])  # (batch, 8, 32)
+        h_0_mlp_dropout = aten.dropout.default(h_0_mlp_c_proj, 0.0, self.training)  # (batch, 8, 32)
         # -- transformer.h.0 --
-        add_7 = aten.add.Tensor(add_4, dropout_2)  # (6, 8, 32)
+        h_0 = aten.add.Tensor(h_0_add, h_0_mlp_dropout)  # (batch, 8, 32)
         # -- transformer.h.1.ln_1 --
-        layer_norm_2 = aten.layer_norm.default(add_7, [32], self.transformer_h_1_ln_1_weight, self.transformer_h_1_ln_1_bias, 1e-05, False)  # (6, 8, 32)
+        h_1_ln_1 = aten.layer_norm.default(h_0, [32], self.transformer_h_1_ln_1_weight, self.transformer_h_1_ln_1_bias, 1e-05, False)  # (batch, 8, 32)
         # -- transformer.h.1.attn --
-        view_12 = aten.view.default(layer_norm_2, [-1, 32])  # (48, 32)
-        addmm_4 = aten.addmm.default(self.transformer_h_1_attn_c_attn_bias, view_12, self.transformer_h_1_attn_c_attn_weight)  # (48, 96)
-        view_13 = aten.view.default(addmm_4, [batch, 8, 96])  # (6, 8, 96)
-        split_1 = aten.split.Tensor(view_13, 32, 2)
-        getitem_3 = split_1[0]  # (6, 8, 32)
-        getitem_4 = split_1[1]  # (6, 8, 32)
-        getitem_5 = split_1[2]  # (6, 8, 32)
-        view_14 = aten.view.default(getitem_4, [batch, 8, -1, 8])  # (6, 8, 4, 8)
-        transpose_4 = aten.transpose.int(view_14, 1, 2)  # (6, 4, 8, 8)
-        view_15 = aten.view.default(getitem_5, [batch, 8, -1, 8])  # (6, 8, 4, 8)
-        transpose_5 = aten.transpose.int(view_15, 1, 2)  # (6, 4, 8, 8)
-        view_16 = aten.view.default(getitem_3, [batch, 8, -1, 8])  # (6, 8, 4, 8)
-        transpose_6 = aten.transpose.int(view_16, 1, 2)  # (6, 4, 8, 8)
-        scaled_dot_product_attention_1 = aten.scaled_dot_product_attention.default(transpose_6, transpose_4, transpose_5, transformer_expand, scale=0.3535533905932738)  # (6, 4, 8, 8)
-        reshape_2 = aten.reshape.default(scaled_dot_product_attention_1, [batch, -1, 8, 8])  # (6, 4, 8, 8)
-        transpose_7 = aten.transpose.int(reshape_2, 1, 2)  # (6, 8, 4, 8)
-        reshape_3 = aten.reshape.default(transpose_7, [batch, 8, -1])  # (6, 8, 32)
-        view_17 = aten.view.default(reshape_3, [-1, 32])  # (48, 32)
-        addmm_5 = aten.addmm.default(self.transformer_h_1_attn_c_proj_bias, view_17, self.transformer_h_1_attn_c_proj_weight)  # (48, 32)
-        view_18 = aten.view.default(addmm_5, [batch, 8, 32])  # (6, 8, 32)
-        dropout_3 = aten.dropout.default(view_18, 0.0, self.training)  # (6, 8, 32)
+        h_1_attn_c_attn_view = aten.view.default(h_1_ln_1, [-1, 32])  # (8 * batch, 32)
+        h_1_attn_c_attn_addmm = aten.addmm.default(self.transformer_h_1_attn_c_attn_bias, h_1_attn_c_attn_view, self.transformer_h_1_attn_c_attn_weight)  # (8 * batch, 96)
+        h_1_attn_c_attn = aten.view.default(h_1_attn_c_attn_addmm, [batch, 8, 96])  # (batch, 8, 96)
+        h_1_attn_split = aten.split.Tensor(h_1_attn_c_attn, 32, 2)
+        h_1_attn_split_0 = h_1_attn_split[0]  # (batch, 8, 32)
+        h_1_attn_split_1 = h_1_attn_split[1]  # (batch, 8, 32)
+        h_1_attn_split_2 = h_1_attn_split[2]  # (batch, 8, 32)
+        h_1_attn_view = aten.view.default(h_1_attn_split_1, [batch, 8, -1, 8])  # (batch, 8, 4, 8)
+        h_1_attn_transpose = aten.transpose.int(h_1_attn_view, 1, 2)  # (batch, 4, 8, 8)
+        h_1_attn_view_1 = aten.view.default(h_1_attn_split_2, [batch, 8, -1, 8])  # (batch, 8, 4, 8)
+        h_1_attn_transpose_1 = aten.transpose.int(h_1_attn_view_1, 1, 2)  # (batch, 4, 8, 8)
+        h_1_attn_view_2 = aten.view.default(h_1_attn_split_0, [batch, 8, -1, 8])  # (batch, 8, 4, 8)
+        h_1_attn_transpose_2 = aten.transpose.int(h_1_attn_view_2, 1, 2)  # (batch, 4, 8, 8)
+        h_1_attn_sdpa = aten.scaled_dot_product_attention.default(h_1_attn_transpose_2, h_1_attn_transpose, h_1_attn_transpose_1, expand_2, scale=0.3535533905932738)  # (batch, 4, 8, 8)
+        h_1_attn_reshape = aten.reshape.default(h_1_attn_sdpa, [batch, -1, 8, 8])  # (batch, 4, 8, 8)
+        h_1_attn_transpose_3 = aten.transpose.int(h_1_attn_reshape, 1, 2)  # (batch, 8, 4, 8)
+        h_1_attn_reshape_1 = aten.reshape.default(h_1_attn_transpose_3, [batch, 8, -1])  # (batch, 8, 32)
+        h_1_attn_c_proj_view = aten.view.default(h_1_attn_reshape_1, [-1, 32])  # (8 * batch, 32)
+        h_1_attn_c_proj_addmm = aten.addmm.default(self.transformer_h_1_attn_c_proj_bias, h_1_attn_c_proj_view, self.transformer_h_1_attn_c_proj_weight)  # (8 * batch, 32)
+        h_1_attn_c_proj = aten.view.default(h_1_attn_c_proj_addmm, [batch, 8, 32])  # (batch, 8, 32)
+        h_1_attn_resid_dropout = aten.dropout.default(h_1_attn_c_proj, 0.0, self.training)  # (batch, 8, 32)
         # -- transformer.h.1 --
-        add_8 = aten.add.Tensor(dropout_3, add_7)  # (6, 8, 32)
+        h_1_add = aten.add.Tensor(h_1_attn_resid_dropout, h_0)  # (batch, 8, 32)
         # -- transformer.h.1.ln_2 --
-        layer_norm_3 = aten.layer_norm.default(add_8, [32], self.transformer_h_1_ln_2_weight, self.transformer_h_1_ln_2_bias, 1e-05, False)  # (6, 8, 32)
+        h_1_ln_2 = aten.layer_norm.default(h_1_add, [32], self.transformer_h_1_ln_2_weight, self.transformer_h_1_ln_2_bias, 1e-05, False)  # (batch, 8, 32)
         # -- transformer.h.1.mlp --
-        view_19 = aten.view.default(layer_norm_3, [-1, 32])  # (48, 32)
-        addmm_6 = aten.addmm.default(self.transformer_h_1_mlp_c_fc_bias, view_19, self.transformer_h_1_mlp_c_fc_weight)  # (48, 128)
-        view_20 = aten.view.default(addmm_6, [batch, 8, 128])  # (6, 8, 128)
-        mul_8 = aten.mul.Tensor(view_20, 0.5)  # (6, 8, 128)
-        pow_2 = aten.pow.Tensor_Scalar(view_20, 3.0)  # (6, 8, 128)
-        mul_9 = aten.mul.Tensor(pow_2, 0.044715)  # (6, 8, 128)
-        add_9 = aten.add.Tensor(view_20, mul_9)  # (6, 8, 128)
-        mul_10 = aten.mul.Tensor(add_9, 0.7978845608028654)  # (6, 8, 128)
-        tanh_1 = aten.tanh.default(mul_10)  # (6, 8, 128)
-        add_10 = aten.add.Tensor(tanh_1, 1.0)  # (6, 8, 128)
-        mul_11 = aten.mul.Tensor(mul_8, add_10)  # (6, 8, 128)
-        view_21 = aten.view.default(mul_11, [-1, 128])  # (48, 128)
-        addmm_7 = aten.addmm.default(self.transformer_h_1_mlp_c_proj_bias, view_21, self.transformer_h_1_mlp_c_proj_weight)  # (48, 32)
-        view_22 = aten.view.default(addmm_7, [batch, 8, 32])  # (6, 8, 32)
-        dropout_4 = aten.dropout.default(view_22, 0.0, self.training)  # (6, 8, 32)
+        h_1_mlp_c_fc_view = aten.view.default(h_1_ln_2, [-1, 32])  # (8 * batch, 32)
+        h_1_mlp_c_fc_addmm = aten.addmm.default(self.transformer_h_1_mlp_c_fc_bias, h_1_mlp_c_fc_view, self.transformer_h_1_mlp_c_fc_weight)  # (8 * batch, 128)
+        h_1_mlp_c_fc = aten.view.default(h_1_mlp_c_fc_addmm, [batch, 8, 128])  # (batch, 8, 128)
+        h_1_mlp_act_mul = aten.mul.Tensor(h_1_mlp_c_fc, 0.5)  # (batch, 8, 128)
+        h_1_mlp_act_pow = aten.pow.Tensor_Scalar(h_1_mlp_c_fc, 3.0)  # (batch, 8, 128)
+        h_1_mlp_act_mul_1 = aten.mul.Tensor(h_1_mlp_act_pow, 0.044715)  # (batch, 8, 128)
+        h_1_mlp_act_add = aten.add.Tensor(h_1_mlp_c_fc, h_1_mlp_act_mul_1)  # (batch, 8, 128)
+        h_1_mlp_act_mul_2 = aten.mul.Tensor(h_1_mlp_act_add, 0.7978845608028654)  # (batch, 8, 128)
+        h_1_mlp_act_tanh = aten.tanh.default(h_1_mlp_act_mul_2)  # (batch, 8, 128)
+        h_1_mlp_act_add_1 = aten.add.Tensor(h_1_mlp_act_tanh, 1.0)  # (batch, 8, 128)
+        h_1_mlp_act = aten.mul.Tensor(h_1_mlp_act_mul, h_1_mlp_act_add_1)  # (batch, 8, 128)
+        h_1_mlp_c_proj_view = aten.view.default(h_1_mlp_act, [-1, 128])  # (8 * batch, 128)
+        h_1_mlp_c_proj_addmm = aten.addmm.default(self.transformer_h_1_mlp_c_proj_bias, h_1_mlp_c_proj_view, self.transformer_h_1_mlp_c_proj_weight)  # (8 * batch, 32)
+        h_1_mlp_c_proj = aten.view.default(h_1_mlp_c_proj_addmm, [batch, 8, 32])  # (batch, 8, 32)
+        h_1_mlp_dropout = aten.dropout.default(h_1_mlp_c_proj, 0.0, self.training)  # (batch, 8, 32)
         # -- transformer.h.1 --
-        transformer_h_1 = aten.add.Tensor(add_8, dropout_4)  # (6, 8, 32)
-        return (transformer_expand, transformer_h_1)
+        h_1 = aten.add.Tensor(h_1_add, h_1_mlp_dropout)  # (batch, 8, 32)
+        return (expand_2, h_1)

@@ -19,132 +19,136 @@ class Stage1(torch.nn.Module):
 
     def __init__(self) -> None:
         super().__init__()
-        self.transformer_h_2_ln_1_weight = torch.nn.Parameter(torch.zeros(32))  # transformer.h.2.ln_1.weight
-        self.transformer_h_2_ln_1_bias = torch.nn.Parameter(torch.zeros(32))  # transformer.h.2.ln_1.bias
-        self.transformer_h_2_attn_c_attn_weight = torch.nn.Parameter(torch.zeros(32, 96))  # transformer.h.2.attn.c_attn.weight
-        self.transformer_h_2_attn_c_attn_bias = torch.nn.Parameter(torch.zeros(96))  # transformer.h.2.attn.c_attn.bias
-        self.transformer_h_2_attn_c_proj_weight = torch.nn.Parameter(torch.zeros(32, 32))  # transformer.h.2.attn.c_proj.weight
-        self.transformer_h_2_attn_c_proj_bias = torch.nn.Parameter(torch.zeros(32))  # transformer.h.2.attn.c_proj.bias
-        self.transformer_h_2_ln_2_weight = torch.nn.Parameter(torch.zeros(32))  # transformer.h.2.ln_2.weight
-        self.transformer_h_2_ln_2_bias = torch.nn.Parameter(torch.zeros(32))  # transformer.h.2.ln_2.bias
-        self.transformer_h_2_mlp_c_fc_weight = torch.nn.Parameter(torch.zeros(32, 128))  # transformer.h.2.mlp.c_fc.weight
-        self.transformer_h_2_mlp_c_fc_bias = torch.nn.Parameter(torch.zeros(128))  # transformer.h.2.mlp.c_fc.bias
-        self.transformer_h_2_mlp_c_proj_weight = torch.nn.Parameter(torch.zeros(128, 32))  # transformer.h.2.mlp.c_proj.weight
-        self.transformer_h_2_mlp_c_proj_bias = torch.nn.Parameter(torch.zeros(32))  # transformer.h.2.mlp.c_proj.bias
-        self.transformer_h_3_ln_1_weight = torch.nn.Parameter(torch.zeros(32))  # transformer.h.3.ln_1.weight
-        self.transformer_h_3_ln_1_bias = torch.nn.Parameter(torch.zeros(32))  # transformer.h.3.ln_1.bias
-        self.transformer_h_3_attn_c_attn_weight = torch.nn.Parameter(torch.zeros(32, 96))  # transformer.h.3.attn.c_attn.weight
-        self.transformer_h_3_attn_c_attn_bias = torch.nn.Parameter(torch.zeros(96))  # transformer.h.3.attn.c_attn.bias
-        self.transformer_h_3_attn_c_proj_weight = torch.nn.Parameter(torch.zeros(32, 32))  # transformer.h.3.attn.c_proj.weight
-        self.transformer_h_3_attn_c_proj_bias = torch.nn.Parameter(torch.zeros(32))  # transformer.h.3.attn.c_proj.bias
-        self.transformer_h_3_ln_2_weight = torch.nn.Parameter(torch.zeros(32))  # transformer.h.3.ln_2.weight
-        self.transformer_h_3_ln_2_bias = torch.nn.Parameter(torch.zeros(32))  # transformer.h.3.ln_2.bias
-        self.transformer_h_3_mlp_c_fc_weight = torch.nn.Parameter(torch.zeros(32, 128))  # transformer.h.3.mlp.c_fc.weight
-        self.transformer_h_3_mlp_c_fc_bias = torch.nn.Parameter(torch.zeros(128))  # transformer.h.3.mlp.c_fc.bias
-        self.transformer_h_3_mlp_c_proj_weight = torch.nn.Parameter(torch.zeros(128, 32))  # transformer.h.3.mlp.c_proj.weight
-        self.transformer_h_3_mlp_c_proj_bias = torch.nn.Parameter(torch.zeros(32))  # transformer.h.3.mlp.c_proj.bias
-        self.transformer_ln_f_weight = torch.nn.Parameter(torch.zeros(32))  # transformer.ln_f.weight
-        self.transformer_ln_f_bias = torch.nn.Parameter(torch.zeros(32))  # transformer.ln_f.bias
-        self.lm_head_weight = torch.nn.Parameter(torch.zeros(96, 32))  # lm_head.weight
+        # transformer.h.2
+        self.transformer_h_2_ln_1_weight = torch.nn.Parameter(torch.zeros(32))
+        self.transformer_h_2_ln_1_bias = torch.nn.Parameter(torch.zeros(32))
+        self.transformer_h_2_attn_c_attn_weight = torch.nn.Parameter(torch.zeros(32, 96))
+        self.transformer_h_2_attn_c_attn_bias = torch.nn.Parameter(torch.zeros(96))
+        self.transformer_h_2_attn_c_proj_weight = torch.nn.Parameter(torch.zeros(32, 32))
+        self.transformer_h_2_attn_c_proj_bias = torch.nn.Parameter(torch.zeros(32))
+        self.transformer_h_2_ln_2_weight = torch.nn.Parameter(torch.zeros(32))
+        self.transformer_h_2_ln_2_bias = torch.nn.Parameter(torch.zeros(32))
+        self.transformer_h_2_mlp_c_fc_weight = torch.nn.Parameter(torch.zeros(32, 128))
+        self.transformer_h_2_mlp_c_fc_bias = torch.nn.Parameter(torch.zeros(128))
+        self.transformer_h_2_mlp_c_proj_weight = torch.nn.Parameter(torch.zeros(128, 32))
+        self.transformer_h_2_mlp_c_proj_bias = torch.nn.Parameter(torch.zeros(32))
 
-    def forward(self, transformer_expand: torch.Tensor, transformer_h_1: torch.Tensor) -> Any:
-        batch = transformer_expand.shape[0]
+        # transformer.h.3
+        self.transformer_h_3_ln_1_weight = torch.nn.Parameter(torch.zeros(32))
+        self.transformer_h_3_ln_1_bias = torch.nn.Parameter(torch.zeros(32))
+        self.transformer_h_3_attn_c_attn_weight = torch.nn.Parameter(torch.zeros(32, 96))
+        self.transformer_h_3_attn_c_attn_bias = torch.nn.Parameter(torch.zeros(96))
+        self.transformer_h_3_attn_c_proj_weight = torch.nn.Parameter(torch.zeros(32, 32))
+        self.transformer_h_3_attn_c_proj_bias = torch.nn.Parameter(torch.zeros(32))
+        self.transformer_h_3_ln_2_weight = torch.nn.Parameter(torch.zeros(32))
+        self.transformer_h_3_ln_2_bias = torch.nn.Parameter(torch.zeros(32))
+        self.transformer_h_3_mlp_c_fc_weight = torch.nn.Parameter(torch.zeros(32, 128))
+        self.transformer_h_3_mlp_c_fc_bias = torch.nn.Parameter(torch.zeros(128))
+        self.transformer_h_3_mlp_c_proj_weight = torch.nn.Parameter(torch.zeros(128, 32))
+        self.transformer_h_3_mlp_c_proj_bias = torch.nn.Parameter(torch.zeros(32))
+
+        self.transformer_ln_f_weight = torch.nn.Parameter(torch.zeros(32))
+        self.transformer_ln_f_bias = torch.nn.Parameter(torch.zeros(32))
+        self.lm_head_weight = torch.nn.Parameter(torch.zeros(96, 32))
+
+    def forward(self, expand_2: torch.Tensor, h_1: torch.Tensor) -> Any:
+        batch = expand_2.shape[0]
         # -- transformer.h.2.ln_1 --
-        layer_norm_4 = aten.layer_norm.default(transformer_h_1, [32], self.transformer_h_2_ln_1_weight, self.transformer_h_2_ln_1_bias, 1e-05, False)  # (6, 8, 32)
+        h_2_ln_1 = aten.layer_norm.default(h_1, [32], self.transformer_h_2_ln_1_weight, self.transformer_h_2_ln_1_bias, 1e-05, False)  # (batch, 8, 32)
         # -- transformer.h.2.attn --
-        view_23 = aten.view.default(layer_norm_4, [-1, 32])  # (48, 32)
-        addmm_8 = aten.addmm.default(self.transformer_h_2_attn_c_attn_bias, view_23, self.transformer_h_2_attn_c_attn_weight)  # (48, 96)
-        view_24 = aten.view.default(addmm_8, [batch, 8, 96])  # (6, 8, 96)
-        split_2 = aten.split.Tensor(view_24, 32, 2)
-        getitem_6 = split_2[0]  # (6, 8, 32)
-        getitem_7 = split_2[1]  # (6, 8, 32)
-        getitem_8 = split_2[2]  # (6, 8, 32)
-        view_25 = aten.view.default(getitem_7, [batch, 8, -1, 8])  # (6, 8, 4, 8)
-        transpose_8 = aten.transpose.int(view_25, 1, 2)  # (6, 4, 8, 8)
-        view_26 = aten.view.default(getitem_8, [batch, 8, -1, 8])  # (6, 8, 4, 8)
-        transpose_9 = aten.transpose.int(view_26, 1, 2)  # (6, 4, 8, 8)
-        view_27 = aten.view.default(getitem_6, [batch, 8, -1, 8])  # (6, 8, 4, 8)
-        transpose_10 = aten.transpose.int(view_27, 1, 2)  # (6, 4, 8, 8)
-        scaled_dot_product_attention_2 = aten.scaled_dot_product_attention.default(transpose_10, transpose_8, transpose_9, transformer_expand, scale=0.3535533905932738)  # (6, 4, 8, 8)
-        reshape_4 = aten.reshape.default(scaled_dot_product_attention_2, [batch, -1, 8, 8])  # (6, 4, 8, 8)
-        transpose_11 = aten.transpose.int(reshape_4, 1, 2)  # (6, 8, 4, 8)
-        reshape_5 = aten.reshape.default(transpose_11, [batch, 8, -1])  # (6, 8, 32)
-        view_28 = aten.view.default(reshape_5, [-1, 32])  # (48, 32)
-        addmm_9 = aten.addmm.default(self.transformer_h_2_attn_c_proj_bias, view_28, self.transformer_h_2_attn_c_proj_weight)  # (48, 32)
-        view_29 = aten.view.default(addmm_9, [batch, 8, 32])  # (6, 8, 32)
-        dropout_5 = aten.dropout.default(view_29, 0.0, self.training)  # (6, 8, 32)
+        h_2_attn_c_attn_view = aten.view.default(h_2_ln_1, [-1, 32])  # (8 * batch, 32)
+        h_2_attn_c_attn_addmm = aten.addmm.default(self.transformer_h_2_attn_c_attn_bias, h_2_attn_c_attn_view, self.transformer_h_2_attn_c_attn_weight)  # (8 * batch, 96)
+        h_2_attn_c_attn = aten.view.default(h_2_attn_c_attn_addmm, [batch, 8, 96])  # (batch, 8, 96)
+        h_2_attn_split = aten.split.Tensor(h_2_attn_c_attn, 32, 2)
+        h_2_attn_split_0 = h_2_attn_split[0]  # (batch, 8, 32)
+        h_2_attn_split_1 = h_2_attn_split[1]  # (batch, 8, 32)
+        h_2_attn_split_2 = h_2_attn_split[2]  # (batch, 8, 32)
+        h_2_attn_view = aten.view.default(h_2_attn_split_1, [batch, 8, -1, 8])  # (batch, 8, 4, 8)
+        h_2_attn_transpose = aten.transpose.int(h_2_attn_view, 1, 2)  # (batch, 4, 8, 8)
+        h_2_attn_view_1 = aten.view.default(h_2_attn_split_2, [batch, 8, -1, 8])  # (batch, 8, 4, 8)
+        h_2_attn_transpose_1 = aten.transpose.int(h_2_attn_view_1, 1, 2)  # (batch, 4, 8, 8)
+        h_2_attn_view_2 = aten.view.default(h_2_attn_split_0, [batch, 8, -1, 8])  # (batch, 8, 4, 8)
+        h_2_attn_transpose_2 = aten.transpose.int(h_2_attn_view_2, 1, 2)  # (batch, 4, 8, 8)
+        h_2_attn_sdpa = aten.scaled_dot_product_attention.default(h_2_attn_transpose_2, h_2_attn_transpose, h_2_attn_transpose_1, expand_2, scale=0.3535533905932738)  # (batch, 4, 8, 8)
+        h_2_attn_reshape = aten.reshape.default(h_2_attn_sdpa, [batch, -1, 8, 8])  # (batch, 4, 8, 8)
+        h_2_attn_transpose_3 = aten.transpose.int(h_2_attn_reshape, 1, 2)  # (batch, 8, 4, 8)
+        h_2_attn_reshape_1 = aten.reshape.default(h_2_attn_transpose_3, [batch, 8, -1])  # (batch, 8, 32)
+        h_2_attn_c_proj_view = aten.view.default(h_2_attn_reshape_1, [-1, 32])  # (8 * batch, 32)
+        h_2_attn_c_proj_addmm = aten.addmm.default(self.transformer_h_2_attn_c_proj_bias, h_2_attn_c_proj_view, self.transformer_h_2_attn_c_proj_weight)  # (8 * batch, 32)
+        h_2_attn_c_proj = aten.view.default(h_2_attn_c_proj_addmm, [batch, 8, 32])  # (batch, 8, 32)
+        h_2_attn_resid_dropout = aten.dropout.default(h_2_attn_c_proj, 0.0, self.training)  # (batch, 8, 32)
         # -- transformer.h.2 --
-        add_12 = aten.add.Tensor(dropout_5, transformer_h_1)  # (6, 8, 32)
+        h_2_add = aten.add.Tensor(h_2_attn_resid_dropout, h_1)  # (batch, 8, 32)
         # -- transformer.h.2.ln_2 --
-        layer_norm_5 = aten.layer_norm.default(add_12, [32], self.transformer_h_2_ln_2_weight, self.transformer_h_2_ln_2_bias, 1e-05, False)  # (6, 8, 32)
+        h_2_ln_2 = aten.layer_norm.default(h_2_add, [32], self.transformer_h_2_ln_2_weight, self.transformer_h_2_ln_2_bias, 1e-05, False)  # (batch, 8, 32)
         # -- transformer.h.2.mlp --
-        view_30 = aten.view.default(layer_norm_5, [-1, 32])  # (48, 32)
-        addmm_10 = aten.addmm.default(self.transformer_h_2_mlp_c_fc_bias, view_30, self.transformer_h_2_mlp_c_fc_weight)  # (48, 128)
-        view_31 = aten.view.default(addmm_10, [batch, 8, 128])  # (6, 8, 128)
-        mul_12 = aten.mul.Tensor(view_31, 0.5)  # (6, 8, 128)
-        pow_3 = aten.pow.Tensor_Scalar(view_31, 3.0)  # (6, 8, 128)
-        mul_13 = aten.mul.Tensor(pow_3, 0.044715)  # (6, 8, 128)
-        add_13 = aten.add.Tensor(view_31, mul_13)  # (6, 8, 128)
-        mul_14 = aten.mul.Tensor(add_13, 0.7978845608028654)  # (6, 8, 128)
-        tanh_2 = aten.tanh.default(mul_14)  # (6, 8, 128)
-        add_14 = aten.add.Tensor(tanh_2, 1.0)  # (6, 8, 128)
-        mul_15 = aten.mul.Tensor(mul_12, add_14)  # (6, 8, 128)
-        view_32 = aten.view.default(mul_15, [-1, 128])  # (48, 128)
-        addmm_11 = aten.addmm.default(self.transformer_h_2_mlp_c_proj_bias, view_32, self.transformer_h_2_mlp_c_proj_weight)  # (48, 32)
-        view_33 = aten.view.default(addmm_11, [batch, 8, 32])  # (6, 8, 32)
-        dropout_6 = aten.dropout.default(view_33, 0.0, self.training)  # (6, 8, 32)
+        h_2_mlp_c_fc_view = aten.view.default(h_2_ln_2, [-1, 32])  # (8 * batch, 32)
+        h_2_mlp_c_fc_addmm = aten.addmm.default(self.transformer_h_2_mlp_c_fc_bias, h_2_mlp_c_fc_view, self.transformer_h_2_mlp_c_fc_weight)  # (8 * batch, 128)
+        h_2_mlp_c_fc = aten.view.default(h_2_mlp_c_fc_addmm, [batch, 8, 128])  # (batch, 8, 128)
+        h_2_mlp_act_mul = aten.mul.Tensor(h_2_mlp_c_fc, 0.5)  # (batch, 8, 128)
+        h_2_mlp_act_pow = aten.pow.Tensor_Scalar(h_2_mlp_c_fc, 3.0)  # (batch, 8, 128)
+        h_2_mlp_act_mul_1 = aten.mul.Tensor(h_2_mlp_act_pow, 0.044715)  # (batch, 8, 128)
+        h_2_mlp_act_add = aten.add.Tensor(h_2_mlp_c_fc, h_2_mlp_act_mul_1)  # (batch, 8, 128)
+        h_2_mlp_act_mul_2 = aten.mul.Tensor(h_2_mlp_act_add, 0.7978845608028654)  # (batch, 8, 128)
+        h_2_mlp_act_tanh = aten.tanh.default(h_2_mlp_act_mul_2)  # (batch, 8, 128)
+        h_2_mlp_act_add_1 = aten.add.Tensor(h_2_mlp_act_tanh, 1.0)  # (batch, 8, 128)
+        h_2_mlp_act = aten.mul.Tensor(h_2_mlp_act_mul, h_2_mlp_act_add_1)  # (batch, 8, 128)
+        h_2_mlp_c_proj_view = aten.view.default(h_2_mlp_act, [-1, 128])  # (8 * batch, 128)
+        h_2_mlp_c_proj_addmm = aten.addmm.default(self.transformer_h_2_mlp_c_proj_bias, h_2_mlp_c_proj_view, self.transformer_h_2_mlp_c_proj_weight)  # (8 * batch, 32)
+        h_2_mlp_c_proj = aten.view.default(h_2_mlp_c_proj_addmm, [batch, 8, 32])  # (batch, 8, 32)
+        h_2_mlp_dropout = aten.dropout.default(h_2_mlp_c_proj, 0.0, self.training)  # (batch, 8, 32)
         # -- transformer.h.2 --
-        add_15 = aten.add.Tensor(add_12, dropout_6)  # (6, 8, 32)
+        h_2 = aten.add.Tensor(h_2_add, h_2_mlp_dropout)  # (batch, 8, 32)
         # -- transformer.h.3.ln_1 --
-        layer_norm_6 = aten.layer_norm.default(add_15, [32], self.transformer_h_3_ln_1_weight, self.transformer_h_3_ln_1_bias, 1e-05, False)  # (6, 8, 32)
+        h_3_ln_1 = aten.layer_norm.default(h_2, [32], self.transformer_h_3_ln_1_weight, self.transformer_h_3_ln_1_bias, 1e-05, False)  # (batch, 8, 32)
         # -- transformer.h.3.attn --
-        view_34 = aten.view.default(layer_norm_6, [-1, 32])  # (48, 32)
-        addmm_12 = aten.addmm.default(self.transformer_h_3_attn_c_attn_bias, view_34, self.transformer_h_3_attn_c_attn_weight)  # (48, 96)
-        view_35 = aten.view.default(addmm_12, [batch, 8, 96])  # (6, 8, 96)
-        split_3 = aten.split.Tensor(view_35, 32, 2)
-        getitem_9 = split_3[0]  # (6, 8, 32)
-        getitem_10 = split_3[1]  # (6, 8, 32)
-        getitem_11 = split_3[2]  # (6, 8, 32)
-        view_36 = aten.view.default(getitem_10, [batch, 8, -1, 8])  # (6, 8, 4, 8)
-        transpose_12 = aten.transpose.int(view_36, 1, 2)  # (6, 4, 8, 8)
-        view_37 = aten.view.default(getitem_11, [batch, 8, -1, 8])  # (6, 8, 4, 8)
-        transpose_13 = aten.transpose.int(view_37, 1, 2)  # (6, 4, 8, 8)
-        view_38 = aten.view.default(getitem_9, [batch, 8, -1, 8])  # (6, 8, 4, 8)
-        transpose_14 = aten.transpose.int(view_38, 1, 2)  # (6, 4, 8, 8)
-        scaled_dot_product_attention_3 = aten.scaled_dot_product_attention.default(transpose_14, transpose_12, transpose_13, transformer_expand, scale=0.3535533905932738)  # (6, 4, 8, 8)
-        reshape_6 = aten.reshape.default(scaled_dot_product_attention_3, [batch, -1, 8, 8])  # (6, 4, 8, 8)
-        transpose_15 = aten.transpose.int(reshape_6, 1, 2)  # (6, 8, 4, 8)
-        reshape_7 = aten.reshape.default(transpose_15, [batch, 8, -1])  # (6, 8, 32)
-        view_39 = aten.view.default(reshape_7, [-1, 32])  # (48, 32)
-        addmm_13 = aten.addmm.default(self.transformer_h_3_attn_c_proj_bias, view_39, self.transformer_h_3_attn_c_proj_weight)  # (48, 32)
-        view_40 = aten.view.default(addmm_13, [batch, 8, 32])  # (6, 8, 32)
-        dropout_7 = aten.dropout.default(view_40, 0.0, self.training)  # (6, 8, 32)
+        h_3_attn_c_attn_view = aten.view.default(h_3_ln_1, [-1, 32])  # (8 * batch, 32)
+        h_3_attn_c_attn_addmm = aten.addmm.default(self.transformer_h_3_attn_c_attn_bias, h_3_attn_c_attn_view, self.transformer_h_3_attn_c_attn_weight)  # (8 * batch, 96)
+        h_3_attn_c_attn = aten.view.default(h_3_attn_c_attn_addmm, [batch, 8, 96])  # (batch, 8, 96)
+        h_3_attn_split = aten.split.Tensor(h_3_attn_c_attn, 32, 2)
+        h_3_attn_split_0 = h_3_attn_split[0]  # (batch, 8, 32)
+        h_3_attn_split_1 = h_3_attn_split[1]  # (batch, 8, 32)
+        h_3_attn_split_2 = h_3_attn_split[2]  # (batch, 8, 32)
+        h_3_attn_view = aten.view.default(h_3_attn_split_1, [batch, 8, -1, 8])  # (batch, 8, 4, 8)
+        h_3_attn_transpose = aten.transpose.int(h_3_attn_view, 1, 2)  # (batch, 4, 8, 8)
+        h_3_attn_view_1 = aten.view.default(h_3_attn_split_2, [batch, 8, -1, 8])  # (batch, 8, 4, 8)
+        h_3_attn_transpose_1 = aten.transpose.int(h_3_attn_view_1, 1, 2)  # (batch, 4, 8, 8)
+        h_3_attn_view_2 = aten.view.default(h_3_attn_split_0, [batch, 8, -1, 8])  # (batch, 8, 4, 8)
+        h_3_attn_transpose_2 = aten.transpose.int(h_3_attn_view_2, 1, 2)  # (batch, 4, 8, 8)
+        h_3_attn_sdpa = aten.scaled_dot_product_attention.default(h_3_attn_transpose_2, h_3_attn_transpose, h_3_attn_transpose_1, expand_2, scale=0.3535533905932738)  # (batch, 4, 8, 8)
+        h_3_attn_reshape = aten.reshape.default(h_3_attn_sdpa, [batch, -1, 8, 8])  # (batch, 4, 8, 8)
+        h_3_attn_transpose_3 = aten.transpose.int(h_3_attn_reshape, 1, 2)  # (batch, 8, 4, 8)
+        h_3_attn_reshape_1 = aten.reshape.default(h_3_attn_transpose_3, [batch, 8, -1])  # (batch, 8, 32)
+        h_3_attn_c_proj_view = aten.view.default(h_3_attn_reshape_1, [-1, 32])  # (8 * batch, 32)
+        h_3_attn_c_proj_addmm = aten.addmm.default(self.transformer_h_3_attn_c_proj_bias, h_3_attn_c_proj_view, self.transformer_h_3_attn_c_proj_weight)  # (8 * batch, 32)
+        h_3_attn_c_proj = aten.view.default(h_3_attn_c_proj_addmm, [batch, 8, 32])  # (batch, 8, 32)
+        h_3_attn_resid_dropout = aten.dropout.default(h_3_attn_c_proj, 0.0, self.training)  # (batch, 8, 32)
         # -- transformer.h.3 --
-        add_16 = aten.add.Tensor(dropout_7, add_15)  # (6, 8, 32)
+        h_3_add = aten.add.Tensor(h_3_attn_resid_dropout, h_2)  # (batch, 8, 32)
         # -- transformer.h.3.ln_2 --
-        layer_norm_7 = aten.layer_norm.default(add_16, [32], self.transformer_h_3_ln_2_weight, self.transformer_h_3_ln_2_bias, 1e-05, False)  # (6, 8, 32)
+        h_3_ln_2 = aten.layer_norm.default(h_3_add, [32], self.transformer_h_3_ln_2_weight, self.transformer_h_3_ln_2_bias, 1e-05, False)  # (batch, 8, 32)
         # -- transformer.h.3.mlp --
-        view_41 = aten.view.default(layer_norm_7, [-1, 32])  # (48, 32)
-        addmm_14 = aten.addmm.default(self.transformer_h_3_mlp_c_fc_bias, view_41, self.transformer_h_3_mlp_c_fc_weight)  # (48, 128)
-        view_42 = aten.view.default(addmm_14, [batch, 8, 128])  # (6, 8, 128)
-        mul_16 = aten.mul.Tensor(view_42, 0.5)  # (6, 8, 128)
-        pow_4 = aten.pow.Tensor_Scalar(view_42, 3.0)  # (6, 8, 128)
-        mul_17 = aten.mul.Tensor(pow_4, 0.044715)  # (6, 8, 128)
-        add_17 = aten.add.Tensor(view_42, mul_17)  # (6, 8, 128)
-        mul_18 = aten.mul.Tensor(add_17, 0.7978845608028654)  # (6, 8, 128)
-        tanh_3 = aten.tanh.default(mul_18)  # (6, 8, 128)
-        add_18 = aten.add.Tensor(tanh_3, 1.0)  # (6, 8, 128)
-        mul_19 = aten.mul.Tensor(mul_16, add_18)  # (6, 8, 128)
-        view_43 = aten.view.default(mul_19, [-1, 128])  # (48, 128)
-        addmm_15 = aten.addmm.default(self.transformer_h_3_mlp_c_proj_bias, view_43, self.transformer_h_3_mlp_c_proj_weight)  # (48, 32)
-        view_44 = aten.view.default(addmm_15, [batch, 8, 32])  # (6, 8, 32)
-        dropout_8 = aten.dropout.default(view_44, 0.0, self.training)  # (6, 8, 32)
+        h_3_mlp_c_fc_view = aten.view.default(h_3_ln_2, [-1, 32])  # (8 * batch, 32)
+        h_3_mlp_c_fc_addmm = aten.addmm.default(self.transformer_h_3_mlp_c_fc_bias, h_3_mlp_c_fc_view, self.transformer_h_3_mlp_c_fc_weight)  # (8 * batch, 128)
+        h_3_mlp_c_fc = aten.view.default(h_3_mlp_c_fc_addmm, [batch, 8, 128])  # (batch, 8, 128)
+        h_3_mlp_act_mul = aten.mul.Tensor(h_3_mlp_c_fc, 0.5)  # (batch, 8, 128)
+        h_3_mlp_act_pow = aten.pow.Tensor_Scalar(h_3_mlp_c_fc, 3.0)  # (batch, 8, 128)
+        h_3_mlp_act_mul_1 = aten.mul.Tensor(h_3_mlp_act_pow, 0.044715)  # (batch, 8, 128)
+        h_3_mlp_act_add = aten.add.Tensor(h_3_mlp_c_fc, h_3_mlp_act_mul_1)  # (batch, 8, 128)
+        h_3_mlp_act_mul_2 = aten.mul.Tensor(h_3_mlp_act_add, 0.7978845608028654)  # (batch, 8, 128)
+        h_3_mlp_act_tanh = aten.tanh.default(h_3_mlp_act_mul_2)  # (batch, 8, 128)
+        h_3_mlp_act_add_1 = aten.add.Tensor(h_3_mlp_act_tanh, 1.0)  # (batch, 8, 128)
+        h_3_mlp_act = aten.mul.Tensor(h_3_mlp_act_mul, h_3_mlp_act_add_1)  # (batch, 8, 128)
+        h_3_mlp_c_proj_view = aten.view.default(h_3_mlp_act, [-1, 128])  # (8 * batch, 128)
+        h_3_mlp_c_proj_addmm = aten.addmm.default(self.transformer_h_3_mlp_c_proj_bias, h_3_mlp_c_proj_view, self.transformer_h_3_mlp_c_proj_weight)  # (8 * batch, 32)
+        h_3_mlp_c_proj = aten.view.default(h_3_mlp_c_proj_addmm, [batch, 8, 32])  # (batch, 8, 32)
+        h_3_mlp_dropout = aten.dropout.default(h_3_mlp_c_proj, 0.0, self.training)  # (batch, 8, 32)
         # -- transformer.h.3 --
-        add_19 = aten.add.Tensor(add_16, dropout_8)  # (6, 8, 32)
+        h_3 = aten.add.Tensor(h_3_add, h_3_mlp_dropout)  # (batch, 8, 32)
         # -- transformer.ln_f --
-        layer_norm_8 = aten.layer_norm.default(add_19, [32], self.transformer_ln_f_weight, self.transformer_ln_f_bias, 1e-05, False)  # (6, 8, 32)
+        ln_f = aten.layer_norm.default(h_3, [32], self.transformer_ln_f_weight, self.transformer_ln_f_bias, 1e-05, False)  # (batch, 8, 32)
         # -- transformer --
-        view_45 = aten.view.default(layer_norm_8, [-1, 8, 32])  # (6, 8, 32)
+        value = aten.view.default(ln_f, [-1, 8, 32])  # (batch, 8, 32)
         # -- lm_head --
-        linear = aten.linear.default(view_45, self.lm_head_weight)  # (6, 8, 96)
-        return transformers.modeling_outputs.CausalLMOutputWithCrossAttentions(logits=linear)
+        lm_head = aten.linear.default(value, self.lm_head_weight)  # (batch, 8, 96)
+        return transformers.modeling_outputs.CausalLMOutputWithCrossAttentions(logits=lm_head)

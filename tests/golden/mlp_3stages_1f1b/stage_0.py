@@ -15,34 +15,34 @@ class Stage0(torch.nn.Module):
 
     def __init__(self) -> None:
         super().__init__()
-        self.layers_0_weight = torch.nn.Parameter(torch.zeros(256, 64))  # layers.0.weight
-        self.layers_0_bias = torch.nn.Parameter(torch.zeros(256))  # layers.0.bias
-        self.layers_1_weight = torch.nn.Parameter(torch.zeros(512, 256))  # layers.1.weight
-        self.layers_1_bias = torch.nn.Parameter(torch.zeros(512))  # layers.1.bias
-        self.layers_2_weight = torch.nn.Parameter(torch.zeros(256, 512))  # layers.2.weight
-        self.layers_2_bias = torch.nn.Parameter(torch.zeros(256))  # layers.2.bias
-        self.layers_3_weight = torch.nn.Parameter(torch.zeros(128, 256))  # layers.3.weight
-        self.layers_3_bias = torch.nn.Parameter(torch.zeros(128))  # layers.3.bias
-        self.layers_4_weight = torch.nn.Parameter(torch.zeros(64, 128))  # layers.4.weight
-        self.layers_4_bias = torch.nn.Parameter(torch.zeros(64))  # layers.4.bias
+        self.layers_0_weight = torch.nn.Parameter(torch.zeros(256, 64))
+        self.layers_0_bias = torch.nn.Parameter(torch.zeros(256))
+        self.layers_1_weight = torch.nn.Parameter(torch.zeros(512, 256))
+        self.layers_1_bias = torch.nn.Parameter(torch.zeros(512))
+        self.layers_2_weight = torch.nn.Parameter(torch.zeros(256, 512))
+        self.layers_2_bias = torch.nn.Parameter(torch.zeros(256))
+        self.layers_3_weight = torch.nn.Parameter(torch.zeros(128, 256))
+        self.layers_3_bias = torch.nn.Parameter(torch.zeros(128))
+        self.layers_4_weight = torch.nn.Parameter(torch.zeros(64, 128))
+        self.layers_4_bias = torch.nn.Parameter(torch.zeros(64))
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         # -- layers.0 --
-        linear = F.linear(x, self.layers_0_weight, self.layers_0_bias)  # (4, 256)
+        layers_0 = F.linear(x, self.layers_0_weight, self.layers_0_bias)  # (batch, 256)
         # -- (top level) --
-        gelu = F.gelu(linear)  # (4, 256)
+        gelu = F.gelu(layers_0)  # (batch, 256)
         # -- layers.1 --
-        linear_1 = F.linear(gelu, self.layers_1_weight, self.layers_1_bias)  # (4, 512)
+        layers_1 = F.linear(gelu, self.layers_1_weight, self.layers_1_bias)  # (batch, 512)
         # -- (top level) --
-        gelu_1 = F.gelu(linear_1)  # (4, 512)
+        gelu_1 = F.gelu(layers_1)  # (batch, 512)
         # -- layers.2 --
-        linear_2 = F.linear(gelu_1, self.layers_2_weight, self.layers_2_bias)  # (4, 256)
+        layers_2 = F.linear(gelu_1, self.layers_2_weight, self.layers_2_bias)  # (batch, 256)
         # -- (top level) --
-        gelu_2 = F.gelu(linear_2)  # (4, 256)
+        gelu_2 = F.gelu(layers_2)  # (batch, 256)
         # -- layers.3 --
-        linear_3 = F.linear(gelu_2, self.layers_3_weight, self.layers_3_bias)  # (4, 128)
+        layers_3 = F.linear(gelu_2, self.layers_3_weight, self.layers_3_bias)  # (batch, 128)
         # -- (top level) --
-        gelu_3 = F.gelu(linear_3)  # (4, 128)
+        gelu_3 = F.gelu(layers_3)  # (batch, 128)
         # -- layers.4 --
-        layers_4 = F.linear(gelu_3, self.layers_4_weight, self.layers_4_bias)  # (4, 64)
+        layers_4 = F.linear(gelu_3, self.layers_4_weight, self.layers_4_bias)  # (batch, 64)
         return (layers_4,)

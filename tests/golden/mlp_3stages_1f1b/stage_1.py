@@ -18,5 +18,5 @@ class Stage1(torch.nn.Module):
 
     def forward(self, layers_4: torch.Tensor) -> tuple[torch.Tensor, ...]:
         # -- (top level) --
-        gelu_4 = F.gelu(layers_4)  # (4, 64)
+        gelu_4 = F.gelu(layers_4)  # (batch, 64)
         return (gelu_4,)

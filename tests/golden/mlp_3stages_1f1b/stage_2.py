@@ -17,10 +17,10 @@ class Stage2(torch.nn.Module):
 
     def __init__(self) -> None:
         super().__init__()
-        self.layers_5_weight = torch.nn.Parameter(torch.zeros(10, 64))  # layers.5.weight
-        self.layers_5_bias = torch.nn.Parameter(torch.zeros(10))  # layers.5.bias
+        self.layers_5_weight = torch.nn.Parameter(torch.zeros(10, 64))
+        self.layers_5_bias = torch.nn.Parameter(torch.zeros(10))
 
     def forward(self, gelu_4: torch.Tensor) -> Any:
         # -- layers.5 --
-        linear_5 = F.linear(gelu_4, self.layers_5_weight, self.layers_5_bias)  # (4, 10)
-        return linear_5
+        layers_5 = F.linear(gelu_4, self.layers_5_weight, self.layers_5_bias)  # (batch, 10)
+        return layers_5

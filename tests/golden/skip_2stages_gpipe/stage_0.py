@@ -15,50 +15,50 @@ class Stage0(torch.nn.Module):
 
     def __init__(self) -> None:
         super().__init__()
-        self.enc1_weight = torch.nn.Parameter(torch.zeros(128, 64))  # enc1.weight
-        self.enc1_bias = torch.nn.Parameter(torch.zeros(128))  # enc1.bias
-        self.enc2_weight = torch.nn.Parameter(torch.zeros(96, 128))  # enc2.weight
-        self.enc2_bias = torch.nn.Parameter(torch.zeros(96))  # enc2.bias
-        self.enc3_weight = torch.nn.Parameter(torch.zeros(64, 96))  # enc3.weight
-        self.enc3_bias = torch.nn.Parameter(torch.zeros(64))  # enc3.bias
-        self.enc4_weight = torch.nn.Parameter(torch.zeros(32, 64))  # enc4.weight
-        self.enc4_bias = torch.nn.Parameter(torch.zeros(32))  # enc4.bias
-        self.bottleneck_weight = torch.nn.Parameter(torch.zeros(32, 32))  # bottleneck.weight
-        self.bottleneck_bias = torch.nn.Parameter(torch.zeros(32))  # bottleneck.bias
-        self.dec4_weight = torch.nn.Parameter(torch.zeros(64, 64))  # dec4.weight
-        self.dec4_bias = torch.nn.Parameter(torch.zeros(64))  # dec4.bias
-        self.dec3_weight = torch.nn.Parameter(torch.zeros(96, 64))  # dec3.weight
-        self.dec3_bias = torch.nn.Parameter(torch.zeros(96))  # dec3.bias
+        self.enc1_weight = torch.nn.Parameter(torch.zeros(128, 64))
+        self.enc1_bias = torch.nn.Parameter(torch.zeros(128))
+        self.enc2_weight = torch.nn.Parameter(torch.zeros(96, 128))
+        self.enc2_bias = torch.nn.Parameter(torch.zeros(96))
+        self.enc3_weight = torch.nn.Parameter(torch.zeros(64, 96))
+        self.enc3_bias = torch.nn.Parameter(torch.zeros(64))
+        self.enc4_weight = torch.nn.Parameter(torch.zeros(32, 64))
+        self.enc4_bias = torch.nn.Parameter(torch.zeros(32))
+        self.bottleneck_weight = torch.nn.Parameter(torch.zeros(32, 32))
+        self.bottleneck_bias = torch.nn.Parameter(torch.zeros(32))
+        self.dec4_weight = torch.nn.Parameter(torch.zeros(64, 64))
+        self.dec4_bias = torch.nn.Parameter(torch.zeros(64))
+        self.dec3_weight = torch.nn.Parameter(torch.zeros(96, 64))
+        self.dec3_bias = torch.nn.Parameter(torch.zeros(96))
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         # -- enc1 --
-        linear = F.linear(x, self.enc1_weight, self.enc1_bias)  # (6, 128)
+        enc1 = F.linear(x, self.enc1_weight, self.enc1_bias)  # (batch, 128)
         # -- (top level) --
-        gelu = F.gelu(linear)  # (6, 128)
+        gelu = F.gelu(enc1)  # (batch, 128)
         # -- enc2 --
-        linear_1 = F.linear(gelu, self.enc2_weight, self.enc2_bias)  # (6, 96)
+        enc2 = F.linear(gelu, self.enc2_weight, self.enc2_bias)  # (batch, 96)
         # -- (top level) --
-        gelu_1 = F.gelu(linear_1)  # (6, 96)
+        gelu_1 = F.gelu(enc2)  # (batch, 96)
         # -- enc3 --
-        linear_2 = F.linear(gelu_1, self.enc3_weight, self.enc3_bias)  # (6, 64)
+        enc3 = F.linear(gelu_1, self.enc3_weight, self.enc3_bias)  # (batch, 64)
         # -- (top level) --
-        gelu_2 = F.gelu(linear_2)  # (6, 64)
+        gelu_2 = F.gelu(enc3)  # (batch, 64)
         # -- enc4 --
-        linear_3 = F.linear(gelu_2, self.enc4_weight, self.enc4_bias)  # (6, 32)
+        enc4 = F.linear(gelu_2, self.enc4_weight, self.enc4_bias)  # (batch, 32)
         # -- (top level) --
-        gelu_3 = F.gelu(linear_3)  # (6, 32)
+        gelu_3 = F.gelu(enc4)  # (batch, 32)
         # -- bottleneck --
-        linear_4 = F.linear(gelu_3, self.bottleneck_weight, self.bottleneck_bias)  # (6, 32)
+        bottleneck = F.linear(gelu_3, self.bottleneck_weight, self.bottleneck_bias)  # (batch, 32)
         # -- (top level) --
-        gelu_4 = F.gelu(linear_4)  # (6, 32)
-        cat = torch.cat([gelu_4, gelu_3], dim=-1)  # (6, 64)
+        gelu_4 = F.gelu(bottleneck)  # (batch, 32)
+        cat = torch.cat([gelu_4, gelu_3], dim=-1)  # (batch, 64)
         # -- dec4 --
-        linear_5 = F.linear(cat, self.dec4_weight, self.dec4_bias)  # (6, 64)
+        dec4 = F.linear(cat, self.dec4_weight, self.dec4_bias)  # (batch, 64)
         # -- (top level) --
-        gelu_5 = F.gelu(linear_5)  # (6, 64)
-        add = gelu_5 + gelu_2  # (6, 64)
+        gelu_5 = F.gelu(dec4)  # (batch, 64)
+        add = gelu_5 + gelu_2  # (batch, 64)
         # -- dec3 --
-        linear_6 = F.linear(add, self.dec3_weight, self.dec3_bias)  # (6, 96)
+        dec3 = F.linear(add, self.dec3_weight, self.dec3_bias)  # (batch, 96)
         # -- (top level) --
-        gelu_6 = F.gelu(linear_6)  # (6, 96)
+        gelu_6 = F.gelu(dec3)  # (batch, 96)
         return (gelu, gelu_1, gelu_6)

@@ -17,26 +17,26 @@ class Stage1(torch.nn.Module):
 
     def __init__(self) -> None:
         super().__init__()
-        self.dec2_weight = torch.nn.Parameter(torch.zeros(128, 192))  # dec2.weight
-        self.dec2_bias = torch.nn.Parameter(torch.zeros(128))  # dec2.bias
-        self.dec1_weight = torch.nn.Parameter(torch.zeros(64, 128))  # dec1.weight
-        self.dec1_bias = torch.nn.Parameter(torch.zeros(64))  # dec1.bias
-        self.head_weight = torch.nn.Parameter(torch.zeros(64, 128))  # head.weight
-        self.head_bias = torch.nn.Parameter(torch.zeros(64))  # head.bias
+        self.dec2_weight = torch.nn.Parameter(torch.zeros(128, 192))
+        self.dec2_bias = torch.nn.Parameter(torch.zeros(128))
+        self.dec1_weight = torch.nn.Parameter(torch.zeros(64, 128))
+        self.dec1_bias = torch.nn.Parameter(torch.zeros(64))
+        self.head_weight = torch.nn.Parameter(torch.zeros(64, 128))
+        self.head_bias = torch.nn.Parameter(torch.zeros(64))
 
     def forward(self, x: torch.Tensor, gelu: torch.Tensor, gelu_1: torch.Tensor, gelu_6: torch.Tensor) -> Any:
         # -- (top level) --
-        cat_1 = torch.cat([gelu_6, gelu_1], dim=-1)  # (6, 192)
+        cat_1 = torch.cat([gelu_6, gelu_1], dim=-1)  # (batch, 192)
         # -- dec2 --
-        linear_7 = F.linear(cat_1, self.dec2_weight, self.dec2_bias)  # (6, 128)
+        dec2 = F.linear(cat_1, self.dec2_weight, self.dec2_bias)  # (batch, 128)
         # -- (top level) --
-        gelu_7 = F.gelu(linear_7)  # (6, 128)
-        add_1 = gelu_7 + gelu  # (6, 128)
+        gelu_7 = F.gelu(dec2)  # (batch, 128)
+        add_1 = gelu_7 + gelu  # (batch, 128)
         # -- dec1 --
-        linear_8 = F.linear(add_1, self.dec1_weight, self.dec1_bias)  # (6, 64)
+        dec1 = F.linear(add_1, self.dec1_weight, self.dec1_bias)  # (batch, 64)
         # -- (top level) --
-        gelu_8 = F.gelu(linear_8)  # (6, 64)
-        cat_2 = torch.cat([gelu_8, x], dim=-1)  # (6, 128)
+        gelu_8 = F.gelu(dec1)  # (batch, 64)
+        cat_2 = torch.cat([gelu_8, x], dim=-1)  # (batch, 128)
         # -- head --
-        linear_9 = F.linear(cat_2, self.head_weight, self.head_bias)  # (6, 64)
-        return linear_9
+        head = F.linear(cat_2, self.head_weight, self.head_bias)  # (batch, 64)
+        return head
