@@ -31,7 +31,7 @@ from runtime.manifest import (FORMAT_VERSION, BufferSpec, Manifest, Mesh, ModelI
 from .layout import StageLayout, lay_out
 from .names import attr_name, attr_names, group, module_roots, value_names
 from .report import format_kept, format_plan
-from .source import BATCH, MODEL_FILE, EmitError, StageSource, uses_batch
+from .source import BATCH, MODEL_FILE, EmitError, StageSource, batch_dim, uses_batch
 
 __all__ = ["PackageInfo", "emit", "FORMAT_VERSION"]
 
@@ -261,29 +261,14 @@ def _boundary_in(node: torch.fx.Node, name: str, plan: Plan, free: bool) -> Stag
     shape, dtype, grad = _meta(node)
     if node.op == "placeholder":
         return StageInput(name, tuple(shape), dtype, "input", False)
-    found = _batch_dim(node) if free else None
+    found = batch_dim(node) if free else None
     return StageInput(name, tuple(shape), dtype, plan.stage_of()[node.name], grad, found[0] if found else None)
 
 
 def _boundary_out(node: torch.fx.Node, name: str, readers: list[int], free: bool) -> StageOutput:
     shape, dtype, grad = _meta(node)
-    found = _batch_dim(node) if free else None
+    found = batch_dim(node) if free else None
     return StageOutput(name, tuple(shape), dtype, tuple(readers), grad, found[0] if found else None)
-
-
-def _batch_dim(node: torch.fx.Node, depth: int = 8) -> tuple[int, int] | None:
-    """(dim, rows per microbatch row) of a tensor that follows the batch ([Note: free
-    batch]).  A node tensor parallelism inserted (a collective, a shard) has no record: it
-    keeps the batch dimension of the input it was made from, where the sizes agree."""
-    if "batch_dim" in node.meta:
-        return node.meta["batch_dim"]  # type: ignore[no-any-return]
-    shape = node.meta["tensor_meta"].shape if "tensor_meta" in node.meta else None
-    for src in node.all_input_nodes if depth else ():
-        found = _batch_dim(src, depth - 1) if "tensor_meta" in src.meta else None
-        if found and shape is not None and len(src.meta["tensor_meta"].shape) == len(shape) \
-                and src.meta["tensor_meta"].shape[found[0]] == shape[found[0]]:
-            return found
-    return None
 
 
 def _batch_name(taken: set[str]) -> str:
@@ -300,7 +285,7 @@ def _batch_input(layout: StageLayout) -> tuple[torch.fx.Node, int, int] | None:
     without one fixes the package's batch (the solver may place such nodes apart from every
     batch-carrying value)."""
     for node in layout.inputs:
-        found = _batch_dim(node) if "tensor_meta" in node.meta else None
+        found = batch_dim(node) if "tensor_meta" in node.meta else None
         if found and found[1] > 0:
             return node, found[0], found[1]
     return None

@@ -26,7 +26,7 @@ from partitioner.trace.kept import KeptModule
 
 from .names import attr_name, section
 
-__all__ = ["BATCH", "MODEL_FILE", "StageSource", "format_value", "attr_name", "uses_batch"]
+__all__ = ["BATCH", "MODEL_FILE", "StageSource", "attr_name", "batch_dim", "format_value", "shape_comment", "uses_batch"]
 
 #: the name a stage gives its microbatch's rows when sizes follow them ([Note: free batch])
 BATCH = "batch"
@@ -340,6 +340,21 @@ def _without_defaults(target: Any, kwargs: Any) -> dict[str, Any]:
     return {k: v for k, v in kwargs.items() if not is_default(k, v)}
 
 
+def batch_dim(node: torch.fx.Node, depth: int = 8) -> tuple[int, int] | None:
+    """(dim, rows per microbatch row) of a tensor that follows the batch ([Note: free
+    batch]).  A node tensor parallelism inserted (a collective, a shard) has no record: it
+    keeps the batch dimension of the input it was made from, where the sizes agree."""
+    if "batch_dim" in node.meta:
+        return node.meta["batch_dim"]  # type: ignore[no-any-return]
+    shape = node.meta["tensor_meta"].shape if "tensor_meta" in node.meta else None
+    for src in node.all_input_nodes if depth else ():
+        found = batch_dim(src, depth - 1) if "tensor_meta" in src.meta else None
+        if found and shape is not None and len(src.meta["tensor_meta"].shape) == len(shape) \
+                and src.meta["tensor_meta"].shape[found[0]] == shape[found[0]]:
+            return found
+    return None
+
+
 def shape_comment(node: torch.fx.Node, batch: str = "") -> str:
     """`  # (batch, T, C)` for a tensor node, with the dtype when it is not float32; the
     dimension that follows the microbatch's rows is written with `batch` where the stage
@@ -348,7 +363,7 @@ def shape_comment(node: torch.fx.Node, batch: str = "") -> str:
     if meta is None or not hasattr(meta, "shape"):
         return ""
     sizes = [str(d) for d in meta.shape]
-    free = node.meta.get("batch_dim") if batch else None
+    free = batch_dim(node) if batch else None
     if free is not None and free[0] < len(sizes):
         dim, coef = free
         sizes[dim] = batch if coef == 1 else f"{coef} * {batch}"

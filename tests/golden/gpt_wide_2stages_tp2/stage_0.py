@@ -57,7 +57,7 @@ class Stage0(torch.nn.Module):
         # -- h.0.ln_1 --
         h_0_ln_1 = F.layer_norm(add, (1024,), weight=self.h_0_ln_1_weight, bias=self.h_0_ln_1_bias)  # (batch, 128, 1024)
         # -- h.0.attn --
-        h_0_attn_c_attn_layer_norm_copy = tp.copy(h_0_ln_1)  # (4, 128, 1024)
+        h_0_attn_c_attn_layer_norm_copy = tp.copy(h_0_ln_1)  # (batch, 128, 1024)
         h_0_attn_c_attn = F.linear(h_0_attn_c_attn_layer_norm_copy, self.h_0_attn_c_attn_weight, self.h_0_attn_c_attn_bias)  # (batch, 128, 1536)
         h_0_attn_split = h_0_attn_c_attn.split(512, dim=2)
         h_0_attn_split_0 = h_0_attn_split[0]  # (batch, 128, 512)
@@ -73,24 +73,24 @@ class Stage0(torch.nn.Module):
         h_0_attn_transpose_3 = h_0_attn_sdpa.transpose(1, 2)  # (batch, 128, 8, 64)
         h_0_attn_contiguous = h_0_attn_transpose_3.contiguous()  # (batch, 128, 8, 64)
         h_0_attn_view_3 = h_0_attn_contiguous.view(batch, 128, 512)  # (batch, 128, 512)
-        h_0_attn_c_proj_linear_partial = F.linear(h_0_attn_view_3, self.h_0_attn_c_proj_weight)  # (4, 128, 1024)
-        h_0_attn_c_proj_linear_sum = tp.all_reduce(h_0_attn_c_proj_linear_partial)  # (4, 128, 1024)
+        h_0_attn_c_proj_linear_partial = F.linear(h_0_attn_view_3, self.h_0_attn_c_proj_weight)  # (batch, 128, 1024)
+        h_0_attn_c_proj_linear_sum = tp.all_reduce(h_0_attn_c_proj_linear_partial)  # (batch, 128, 1024)
         h_0_attn_c_proj = h_0_attn_c_proj_linear_sum + self.h_0_attn_c_proj_bias  # (batch, 128, 1024)
         # -- h.0 --
         h_0_add = add + h_0_attn_c_proj  # (batch, 128, 1024)
         # -- h.0.ln_2 --
         h_0_ln_2 = F.layer_norm(h_0_add, (1024,), weight=self.h_0_ln_2_weight, bias=self.h_0_ln_2_bias)  # (batch, 128, 1024)
         # -- h.0.mlp --
-        h_0_mlp_c_fc_layer_norm_copy = tp.copy(h_0_ln_2)  # (4, 128, 1024)
+        h_0_mlp_c_fc_layer_norm_copy = tp.copy(h_0_ln_2)  # (batch, 128, 1024)
         h_0_mlp_c_fc = F.linear(h_0_mlp_c_fc_layer_norm_copy, self.h_0_mlp_c_fc_weight, self.h_0_mlp_c_fc_bias)  # (batch, 128, 2048)
         h_0_mlp_gelu = F.gelu(h_0_mlp_c_fc)  # (batch, 128, 2048)
-        h_0_mlp_c_proj_linear_partial = F.linear(h_0_mlp_gelu, self.h_0_mlp_c_proj_weight)  # (4, 128, 1024)
-        h_0_mlp_c_proj_linear_sum = tp.all_reduce(h_0_mlp_c_proj_linear_partial)  # (4, 128, 1024)
+        h_0_mlp_c_proj_linear_partial = F.linear(h_0_mlp_gelu, self.h_0_mlp_c_proj_weight)  # (batch, 128, 1024)
+        h_0_mlp_c_proj_linear_sum = tp.all_reduce(h_0_mlp_c_proj_linear_partial)  # (batch, 128, 1024)
         h_0_mlp_c_proj = h_0_mlp_c_proj_linear_sum + self.h_0_mlp_c_proj_bias  # (batch, 128, 1024)
         # -- h.0 --
         h_0 = h_0_add + h_0_mlp_c_proj  # (batch, 128, 1024)
         # -- h.1.ln_1 --
         h_1_ln_1 = F.layer_norm(h_0, (1024,), weight=self.h_1_ln_1_weight, bias=self.h_1_ln_1_bias)  # (batch, 128, 1024)
         # -- h.1.attn --
-        h_1_attn_c_attn_layer_norm_copy = tp.copy(h_1_ln_1)  # (4, 128, 1024)
+        h_1_attn_c_attn_layer_norm_copy = tp.copy(h_1_ln_1)  # (batch, 128, 1024)
         return (h_0, h_1_attn_c_attn_layer_norm_copy)

@@ -54,27 +54,27 @@ class Stage1(torch.nn.Module):
         h_1_attn_transpose_3 = h_1_attn_sdpa.transpose(1, 2)  # (batch, 128, 8, 64)
         h_1_attn_contiguous = h_1_attn_transpose_3.contiguous()  # (batch, 128, 8, 64)
         h_1_attn_view_3 = h_1_attn_contiguous.view(batch, 128, 512)  # (batch, 128, 512)
-        h_1_attn_c_proj_linear_partial = F.linear(h_1_attn_view_3, self.h_1_attn_c_proj_weight)  # (4, 128, 1024)
-        h_1_attn_c_proj_linear_sum = tp.all_reduce(h_1_attn_c_proj_linear_partial)  # (4, 128, 1024)
+        h_1_attn_c_proj_linear_partial = F.linear(h_1_attn_view_3, self.h_1_attn_c_proj_weight)  # (batch, 128, 1024)
+        h_1_attn_c_proj_linear_sum = tp.all_reduce(h_1_attn_c_proj_linear_partial)  # (batch, 128, 1024)
         h_1_attn_c_proj = h_1_attn_c_proj_linear_sum + self.h_1_attn_c_proj_bias  # (batch, 128, 1024)
         # -- h.1 --
         h_1_add = h_0 + h_1_attn_c_proj  # (batch, 128, 1024)
         # -- h.1.ln_2 --
         h_1_ln_2 = F.layer_norm(h_1_add, (1024,), weight=self.h_1_ln_2_weight, bias=self.h_1_ln_2_bias)  # (batch, 128, 1024)
         # -- h.1.mlp --
-        h_1_mlp_c_fc_layer_norm_copy = tp.copy(h_1_ln_2)  # (4, 128, 1024)
+        h_1_mlp_c_fc_layer_norm_copy = tp.copy(h_1_ln_2)  # (batch, 128, 1024)
         h_1_mlp_c_fc = F.linear(h_1_mlp_c_fc_layer_norm_copy, self.h_1_mlp_c_fc_weight, self.h_1_mlp_c_fc_bias)  # (batch, 128, 2048)
         h_1_mlp_gelu = F.gelu(h_1_mlp_c_fc)  # (batch, 128, 2048)
-        h_1_mlp_c_proj_linear_partial = F.linear(h_1_mlp_gelu, self.h_1_mlp_c_proj_weight)  # (4, 128, 1024)
-        h_1_mlp_c_proj_linear_sum = tp.all_reduce(h_1_mlp_c_proj_linear_partial)  # (4, 128, 1024)
+        h_1_mlp_c_proj_linear_partial = F.linear(h_1_mlp_gelu, self.h_1_mlp_c_proj_weight)  # (batch, 128, 1024)
+        h_1_mlp_c_proj_linear_sum = tp.all_reduce(h_1_mlp_c_proj_linear_partial)  # (batch, 128, 1024)
         h_1_mlp_c_proj = h_1_mlp_c_proj_linear_sum + self.h_1_mlp_c_proj_bias  # (batch, 128, 1024)
         # -- h.1 --
         h_1 = h_1_add + h_1_mlp_c_proj  # (batch, 128, 1024)
         # -- ln_f --
         ln_f = F.layer_norm(h_1, (1024,), weight=self.ln_f_weight, bias=self.ln_f_bias)  # (batch, 128, 1024)
         # -- lm_head --
-        lm_head_layer_norm_copy = tp.copy(ln_f)  # (4, 128, 1024)
+        lm_head_layer_norm_copy = tp.copy(ln_f)  # (batch, 128, 1024)
         lm_head = F.linear(lm_head_layer_norm_copy, self.lm_head_weight, None)  # (batch, 128, 2048)
         # -- (top level) --
-        linear_whole = tp.all_gather(lm_head, 2)  # (4, 128, 4096)
+        linear_whole = tp.all_gather(lm_head, 2)  # (batch, 128, 4096)
         return linear_whole
