@@ -9,7 +9,7 @@ when stages sit on different GPUs).
 A package compiled with tp = T > 1 runs as T lanes: lane t is a full copy of every
 stage holding tensor-parallel index t's shards (as rank t of a distributed group
 would), and the lanes' tp.* collectives meet in process (tp.Lanes, [Note: lanes] in
-tp.py).  With tp = 1 there is one lane, run in the calling thread.  CPU only when T > 1.
+lanes.py).  With tp = 1 there is one lane, run in the calling thread.  CPU only when T > 1.
 
     train_step, per replica r of mesh.dp (run one after the other here):
       1. split the batch: replica r's rows, then M microbatches     (package.split_inputs)

@@ -21,7 +21,7 @@
     (`mix`), restored after: each shard its own mask, still a function of (seed, n, s,
     i) alone, so reruns and recomputation reproduce it.  `LocalPipeline`'s tp lanes
     share one process's generator, so they take turns between collectives, each with
-    its own generator state ([Note: lanes] in tp.py).
+    its own generator state ([Note: lanes] in lanes.py).
 """
 
 from __future__ import annotations
