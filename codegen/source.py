@@ -23,7 +23,7 @@ import torch.utils._pytree as pytree
 from partitioner.trace.batch import BatchInt
 from partitioner.trace.functions import function_of
 from partitioner.trace.kept import KeptModule
-from partitioner.trace.modes import DROPOUTS, ModeValue, with_mode
+from partitioner.trace.modes import ModeValue, draws_a_mask, with_mode
 
 from .names import attr_name, section
 
@@ -44,16 +44,12 @@ _BINARY = {
 _UNARY = {operator.neg: "-", operator.pos: "+", operator.invert: "~"}
 
 
-#: the dropouts: under tensor parallelism, one of a sharded value draws from its rank's own
-#: stream (`tp.rank_stream`, [Note: dropout streams] in runtime/modes.py)
-_DROPOUTS = DROPOUTS
-
-
 def _drops_a_shard(node: torch.fx.Node) -> bool:
     """Whether `node` is a dropout of a value sharded across the tensor-parallel group
-    (its layout, `tp_layout`, as partitioner/tp/rewrite.py recorded it)."""
+    (its layout, `tp_layout`, as partitioner/tp/rewrite.py recorded it): it draws from
+    its rank's own stream (`tp.rank_stream`, [Note: dropout streams] in runtime/modes.py)."""
     layout = node.meta.get("tp_layout")
-    return (node.op == "call_function" and node.target in _DROPOUTS and layout is not None
+    return (draws_a_mask(node) and layout is not None
             and layout.dim is not None and bool(node.all_input_nodes))
 
 

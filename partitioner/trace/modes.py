@@ -47,9 +47,10 @@ import torch.fx
 import torch.nn.functional as F
 
 from ..errors import TraceError
+from .kept import KeptModule
 from .passes import node_module
 
-__all__ = ["DROPOUTS", "MODE_ARGS", "ModeArg", "ModeValue", "check_modes", "dropout_modules", "note_dropout",
+__all__ = ["DROPOUTS", "MODE_ARGS", "ModeArg", "ModeValue", "check_modes", "draws_a_mask", "dropout_modules", "note_dropout",
            "with_mode"]
 
 
@@ -195,7 +196,7 @@ def check_modes(gm: torch.fx.GraphModule) -> None:
     """Refuse an op whose mode the trace fixed in a way the stages cannot follow
     ([Note: modes in generated code])."""
     for node in gm.graph.nodes:
-        if node.op == "call_function" and node.target in _FIXED:
+        if node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload) and node.target in _FIXED:
             where = node_module(node) or node.name
             raise TraceError(
                 f"{where} was traced as aten.{node.target.__name__}, which updates the running statistics "
@@ -205,19 +206,42 @@ def check_modes(gm: torch.fx.GraphModule) -> None:
                 f"{_FIXED[node.target]}, whose mode the stages follow), or compile with --tracer fx.")
 
 
+def draws_a_mask(node: torch.fx.Node) -> bool:
+    """Whether a call node is a dropout (of `DROPOUTS`) with a rate above 0: left out, the
+    rate of a dropout function is its default 0.5, SDPA's its default 0."""
+    where = _lookup(node.target) if node.op == "call_function" else None
+    if where is None or where.rate is None:
+        return False
+    rate = _argument(node.args, dict(node.kwargs), *where.rate)
+    return (rate is None and where.kind == "flag") or (isinstance(rate, (int, float)) and rate > 0)
+
+
 def dropout_modules(gm: torch.fx.GraphModule) -> list[str]:
-    """The modules (dotted paths, graph order) whose dropout draws a mask in train mode."""
+    """The modules (dotted paths, graph order) whose dropout draws a mask in train mode only."""
     found: list[str] = []
     for node in gm.graph.nodes:
-        where = _lookup(node.target) if node.op == "call_function" else None
-        if where is None or where.rate is None:
-            continue
-        rate = _argument(node.args, dict(node.kwargs), *where.rate)
-        if isinstance(rate, (int, float)) and rate > 0 and _follows_mode(node):
+        if (draws_a_mask(node) and _follows_mode(node)) or _kept_dropout(node):
             module = node_module(node) or node.name
             if module not in found:
                 found.append(module)
     return found
+
+
+def _kept_dropout(node: torch.fx.Node) -> bool:
+    """Whether a node calls a module kept whole that holds a dropout above 0 (`nn.Dropout` and
+    its kin, an RNN's between layers, nn.MultiheadAttention's)."""
+    if node.op != "call_function" or not isinstance(node.target, KeptModule):
+        return False
+    return any(_dropout_rate(m) > 0 for m in node.target.module.modules())
+
+
+def _dropout_rate(module: torch.nn.Module) -> float:
+    """A module's own dropout probability (0 for a module without dropout)."""
+    if isinstance(module, torch.nn.modules.dropout._DropoutNd):
+        return float(module.p)
+    if isinstance(module, (torch.nn.RNNBase, torch.nn.MultiheadAttention)):
+        return float(module.dropout)
+    return 0.0
 
 
 def _follows_mode(node: torch.fx.Node) -> bool:
