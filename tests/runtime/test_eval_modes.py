@@ -1,7 +1,8 @@
 """After `pipe.eval()` every mode-dependent op of a compiled model computes what the original
 computes after `model.eval()`, under both tracers ([Note: modes in generated code] in
 partitioner/trace/modes.py): SDPA's dropout rate (Hugging Face GPT-2, attn_pdrop 0.1), an
-LSTM's dropout between layers, batch norm's and instance norm's running statistics."""
+LSTM's dropout between layers, batch norm's and instance norm's running statistics, RReLU's
+slope."""
 
 from __future__ import annotations
 
@@ -26,6 +27,8 @@ CASES = [
     pytest.param("tests/model_files/batch_norm.py", "fx", id="batchnorm-fx"),
     pytest.param("tests/model_files/instance_norm.py", "export", id="instancenorm-export"),
     pytest.param("tests/model_files/instance_norm.py", "fx", id="instancenorm-fx"),
+    pytest.param("tests/model_files/rrelu.py", "export", id="rrelu-export"),
+    pytest.param("tests/model_files/rrelu.py", "fx", id="rrelu-fx"),
 ]
 
 
