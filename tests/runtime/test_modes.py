@@ -1,6 +1,6 @@
 """pipe.train() / pipe.eval() / pipe.evaluate against the original model, on a compiled
 model with dropout and batch norm (tests/model_files/dropout_bn.py): the generated code
-writes their mode as `self.training` ([Note: modes in generated code] in codegen/source.py)
+writes their mode as `self.training` ([Note: modes in generated code] in partitioner/trace/modes.py)
 and each microbatch draws its own seeded stream ([Note: dropout streams] in runtime/modes.py)."""
 
 from __future__ import annotations
