@@ -23,6 +23,7 @@ import torch.utils._pytree as pytree
 from partitioner.trace.batch import BatchInt
 from partitioner.trace.functions import function_of
 from partitioner.trace.kept import KeptModule
+from partitioner.trace.modes import ModeValue, draws_a_mask, with_mode
 
 from .names import attr_name, section
 
@@ -43,53 +44,12 @@ _BINARY = {
 _UNARY = {operator.neg: "-", operator.pos: "+", operator.invert: "~"}
 
 
-class _Training:
-    """Written as `self.training`: the stage module's mode ([Note: modes in generated code])."""
-
-    def __repr__(self) -> str:
-        return "self.training"
-
-
-TRAINING = _Training()
-
-# [Note: modes in generated code]
-#     The argument that says "training or not" of dropout and batch norm is written as
-#     `self.training`, never as the constant the trace saw, so one package follows
-#     `pipe.train()` / `pipe.eval()` as the original module follows `model.train()`.
-#     Positions are those of each function's signature (0-based), with its keyword name.
-_MODE_ARG: dict[Any, tuple[int, str]] = {
-    F.dropout: (2, "training"), F.dropout1d: (2, "training"), F.dropout2d: (2, "training"),
-    F.dropout3d: (2, "training"), F.alpha_dropout: (2, "training"), F.feature_alpha_dropout: (2, "training"),
-    F.batch_norm: (5, "training"),
-    torch.ops.aten.dropout.default: (2, "train"), torch.ops.aten.feature_dropout.default: (2, "train"),
-    torch.ops.aten.alpha_dropout.default: (2, "train"), torch.ops.aten.batch_norm.default: (5, "training"),
-}
-
-
-def with_mode(target: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    """`args`, `kwargs` of a dropout or batch norm call with its mode argument `self.training`."""
-    where = _MODE_ARG.get(target)
-    if where is None:
-        return args, kwargs
-    index, name = where
-    if len(args) > index:
-        return (*args[:index], TRAINING, *args[index + 1:]), kwargs
-    return args, {**kwargs, name: TRAINING}
-
-
-#: the dropouts: under tensor parallelism, one of a sharded value draws from its rank's own
-#: stream (`tp.rank_stream`, [Note: dropout streams] in runtime/modes.py)
-_DROPOUTS = {F.dropout, F.dropout1d, F.dropout2d, F.dropout3d, F.alpha_dropout, F.feature_alpha_dropout,
-             torch.ops.aten.dropout.default, torch.ops.aten.native_dropout.default,
-             torch.ops.aten.feature_dropout.default, torch.ops.aten.alpha_dropout.default,
-             torch.ops.aten.feature_alpha_dropout.default}
-
-
 def _drops_a_shard(node: torch.fx.Node) -> bool:
     """Whether `node` is a dropout of a value sharded across the tensor-parallel group
-    (its layout, `tp_layout`, as partitioner/tp/rewrite.py recorded it)."""
+    (its layout, `tp_layout`, as partitioner/tp/rewrite.py recorded it): it draws from
+    its rank's own stream (`tp.rank_stream`, [Note: dropout streams] in runtime/modes.py)."""
     layout = node.meta.get("tp_layout")
-    return (node.op == "call_function" and node.target in _DROPOUTS and layout is not None
+    return (draws_a_mask(node) and layout is not None
             and layout.dim is not None and bool(node.all_input_nodes))
 
 
@@ -117,8 +77,8 @@ def format_value(value: Any, names: dict[torch.fx.Node, str], batch: str = BATCH
         return str(value)
     if value is Ellipsis:
         return "..."
-    if value is TRAINING:
-        return "self.training"
+    if isinstance(value, ModeValue):  # [Note: modes in generated code] in partitioner/trace/modes.py
+        return repr(value)
     if isinstance(value, slice):
         return (f"slice({format_value(value.start, names, batch)}, {format_value(value.stop, names, batch)}, "
                 f"{format_value(value.step, names, batch)})")
@@ -256,7 +216,8 @@ class StageSource:
         elif node.op == "call_function" and isinstance(target, KeptModule):
             expr = self._kept_call(target, args, kwargs, fmt)
         elif node.op == "call_function":
-            args, kwargs = with_mode(target, args, _without_defaults(target, kwargs))
+            args, kwargs = with_mode(target, args, dict(kwargs))  # [Note: modes in generated code]
+            kwargs = _without_defaults(target, kwargs)
             if self.device is not None and "device" not in kwargs and _is_factory(target):
                 kwargs = {**kwargs, "device": torch.device("cpu")}  # written as self.device
             call = ", ".join([fmt(a) for a in args] + [f"{k}={fmt(v)}" for k, v in kwargs.items()])

@@ -39,6 +39,7 @@ from partitioner.solve.solve import fills_with_compute, solve
 from partitioner.tp import Sharded, shard
 from partitioner.trace import model_file
 from partitioner.trace.buffers import BufferSnapshot, kept_buffers, warn_batch_statistics
+from partitioner.trace.modes import check_modes, note_dropout
 from partitioner.trace.passes import probe, propagate, specialize
 from partitioner.trace.trace import Traced, by_input_key, check_autocast, copy_traced, trace
 from runtime.precision import autocast, cast_inputs, cast_model
@@ -119,6 +120,8 @@ def prepare(opts: CompileOptions, say: Callable[[str], None] = lambda _m: None, 
         values = propagate(traced.gm, [by_key[key] for _name, key in traced.input_keys], opts.model)
     free_batch = specialize(traced.gm, values, free, rows)
     warn_batch_statistics(traced.gm, microbatches, None if opts.quiet else say)
+    check_modes(traced.gm)  # [Note: modes in generated code]
+    note_dropout(traced.gm, None if opts.quiet else say)
     phase("trace")
     # 3. cost every node, measured (cached) or analytic (partitioner.cost).
     hardware = load_hardware(opts.hardware)

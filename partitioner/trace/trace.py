@@ -125,7 +125,7 @@ def trace(
     order = ["fx", "export"] if tracer == "auto" else [tracer]
     failures: list[tuple[str, BaseException]] = []
     was_training = model.training
-    model.train()  # the training branches are traced; dropout's and batch norm's mode is `self.training` in the stages
+    model.train()  # the training branches are traced ([Note: modes in generated code] in modes.py)
     try:
         for name in order:
             try:

@@ -1,6 +1,6 @@
 """pipe.train() / pipe.eval() / pipe.evaluate against the original model, on a compiled
 model with dropout and batch norm (tests/model_files/dropout_bn.py): the generated code
-writes their mode as `self.training` ([Note: modes in generated code] in codegen/source.py)
+writes their mode as `self.training` ([Note: modes in generated code] in partitioner/trace/modes.py)
 and each microbatch draws its own seeded stream ([Note: dropout streams] in runtime/modes.py)."""
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ def _setup(pkg: Path) -> tuple[runtime.LocalPipeline, torch.nn.Module, torch.Ten
 
 def test_the_stage_code_follows_the_mode(compiled: dict[int, Path]) -> None:
     code = "".join(p.read_text() for p in sorted(compiled[4].glob("stage_*.py")))
-    assert code.count("self.training") == 4  # three dropouts and the batch norm
+    assert code.count("self.training") == 5  # three dropouts, the batch norm and its counter
     assert "0.25, True" not in code and "0.1, True" not in code
 
 
