@@ -5,6 +5,7 @@ A pure function of the manifest, so `show` on any package prints what compile wr
 
 from __future__ import annotations
 
+from partitioner.trace.checkpointing import describe
 from runtime.manifest import Manifest, Predicted, StagePrediction
 
 __all__ = ["format_plan", "format_bytes", "format_kept"]
@@ -129,10 +130,10 @@ def format_plan(manifest: Manifest) -> str:
 def _checkpointing_line(manifest: Manifest) -> str:
     """What became of the model's own gradient checkpointing ([Note: the user's checkpointing]
     in partitioner/trace/checkpointing.py), or '' when it has none."""
-    regions = list(manifest.options.get("checkpointing", []))
+    regions = tuple(manifest.options.get("checkpointing", ()))
     if not regions:
         return ""
-    shown = ", ".join(regions[:6]) + (f" and {len(regions) - 6} more" if len(regions) > 6 else "")
+    shown = describe(regions)
     kept = ("kept as the plan's recomputation (every stage runs its forward again in backward)"
             if any(s.recompute for s in manifest.stages) else
             "replaced by the planner's recompute choice: activations kept (--recompute to recompute them)")

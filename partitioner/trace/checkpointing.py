@@ -56,7 +56,11 @@ class _Regions:
         """The body runs the region of `fn`: recorded under the module it runs, else the
         first module called inside it (a lambda around a block), else its name."""
         called: list[torch.nn.Module] = []
-        with torch.nn.modules.module.register_module_forward_pre_hook(lambda m, _a: called.append(m) or None):
+
+        def seen(module: torch.nn.Module, _args: Any) -> None:
+            called.append(module)
+
+        with torch.nn.modules.module.register_module_forward_pre_hook(seen):
             yield
         module = _module_called(fn) or (called[0] if called else None)
         name = self.paths.get(id(module), "") if module is not None else ""
@@ -81,13 +85,15 @@ def inlined_checkpoints(model: torch.nn.Module) -> Iterator[list[str]]:
         with regions.recording(function):  # checkpoint() runs `function` between its two next()
             yield
 
-    saved = (checkpoint_module.CheckpointFunction, checkpoint_module._checkpoint_without_reentrant_generator)
-    checkpoint_module.CheckpointFunction = Reentrant  # type: ignore[assignment,misc]
-    checkpoint_module._checkpoint_without_reentrant_generator = nonreentrant  # type: ignore[assignment]
+    stand_ins = {"CheckpointFunction": Reentrant, "_checkpoint_without_reentrant_generator": nonreentrant}
+    saved = {name: getattr(checkpoint_module, name) for name in stand_ins}
     try:
+        for name, stand_in in stand_ins.items():
+            setattr(checkpoint_module, name, stand_in)
         yield regions.names
     finally:
-        checkpoint_module.CheckpointFunction, checkpoint_module._checkpoint_without_reentrant_generator = saved
+        for name, original in saved.items():
+            setattr(checkpoint_module, name, original)
 
 
 def describe(regions: tuple[str, ...], limit: int = 6) -> str:
