@@ -5,6 +5,7 @@ A pure function of the manifest, so `show` on any package prints what compile wr
 
 from __future__ import annotations
 
+from partitioner.trace.checkpointing import describe
 from runtime.manifest import Manifest, Predicted, StagePrediction
 
 __all__ = ["format_plan", "format_bytes", "format_kept"]
@@ -83,6 +84,9 @@ def format_plan(manifest: Manifest) -> str:
         + (", optimizer state sharded across the replicas (ZeRO-1)" if manifest.options.get("zero") and mesh.dp > 1 else ""),
         _predicted_line(predicted),
     ]
+    checkpointing = _checkpointing_line(manifest)
+    if checkpointing:
+        lines.append(checkpointing)
     solver = predicted.solver if predicted is not None else {}
     if solver:
         lines.append(
@@ -121,6 +125,19 @@ def format_plan(manifest: Manifest) -> str:
             )
         table = table + lines_c
     return "\n".join(lines + [""] + table) + "\n"
+
+
+def _checkpointing_line(manifest: Manifest) -> str:
+    """What became of the model's own gradient checkpointing ([Note: the user's checkpointing]
+    in partitioner/trace/checkpointing.py), or '' when it has none."""
+    regions = tuple(manifest.options.get("checkpointing", ()))
+    if not regions:
+        return ""
+    shown = describe(regions)
+    kept = ("kept as the plan's recomputation (every stage runs its forward again in backward)"
+            if any(s.recompute for s in manifest.stages) else
+            "replaced by the planner's recompute choice: activations kept (--recompute to recompute them)")
+    return f"checkpoint the model's gradient checkpointing ({shown}) is traced as the ops it runs and {kept}"
 
 
 def _predicted_line(predicted: Predicted | None) -> str:

@@ -51,7 +51,8 @@ def package_info(p: Prepared, plan: Plan, predicted: dict[str, Any]) -> PackageI
     options = {"stages": plan.pp, "tp": plan.tp, "microbatches": plan.microbatches, "schedule": plan.schedule,
                "memory": opts.memory, "hardware": hardware.name, "analytic": opts.analytic,
                "optimizer": opts.optimizer} | ({"recompute": True} if plan.recompute else {}) \
-        | ({"zero": 1} if opts.zero else {}) | ({"precision": opts.precision} if opts.precision != "fp32" else {})
+        | ({"zero": 1} if opts.zero else {}) | ({"precision": opts.precision} if opts.precision != "fp32" else {}) \
+        | ({"checkpointing": list(traced.checkpointed)} if traced.checkpointed else {})
     return PackageInfo(
         source_path=opts.model, source_sha256=mf.sha256, entry=opts.entry, seed=opts.seed, tracer=traced.tracer,
         batch_size=batch, inputs=inputs, out_spec=traced.out_spec, output_leaves=traced.output_leaves,

@@ -38,6 +38,7 @@ from partitioner.solve.problem import coarse_graph, make_plan, pose
 from partitioner.solve.solve import fills_with_compute, solve
 from partitioner.tp import Sharded, shard
 from partitioner.trace import model_file
+from partitioner.trace.checkpointing import describe
 from partitioner.trace.buffers import BufferSnapshot, kept_buffers, warn_batch_statistics
 from partitioner.trace.modes import check_modes, note_dropout
 from partitioner.trace.passes import probe, propagate, specialize
@@ -51,8 +52,8 @@ from .options import (CompileOptions, batch_size, check, default_microbatches, f
 from .package_info import model_flops, package_info
 from .prepared import Compiled, Prepared, Source
 
-__all__ = ["apply_tp", "assign_nodes", "compile_device", "emit_plan", "finish", "load_source", "prepare",
-           "solve_problem"]
+__all__ = ["apply_tp", "assign_nodes", "compile_device", "emit_plan", "finish", "keep_checkpointing", "load_source",
+           "prepare", "solve_problem"]
 
 
 def load_source(opts: CompileOptions, say: Callable[[str], None] = lambda _m: None) -> Source:
@@ -113,6 +114,7 @@ def prepare(opts: CompileOptions, say: Callable[[str], None] = lambda _m: None, 
     buffers = BufferSnapshot(model)  # running the model moves BatchNorm's statistics (partitioner.trace.buffers)
     traced = _trace(src, margs, mkwargs, opts, rows, say)
     check_autocast(traced, opts.precision)
+    opts = keep_checkpointing(opts, traced.checkpointed, say)
     by_key = by_input_key(margs, mkwargs)
     # the values' dtypes are the autocast run's ([Note: mixed precision])
     with autocast(opts.precision, src.device.type):
@@ -156,6 +158,18 @@ def _trace(src: Source, margs: tuple[Any, ...], mkwargs: dict[str, Any], opts: C
     if traced.tracer == "fx":
         src.generic = copy_traced(traced)
     return traced
+
+
+def keep_checkpointing(opts: CompileOptions, regions: tuple[str, ...], say: Callable[[str], None]) -> CompileOptions:
+    """`opts` with recomputation on where the model checkpoints regions itself and no mesh is
+    searched ([Note: the user's checkpointing] in partitioner/trace/checkpointing.py); under
+    a search (`--devices`) the planner chooses, and `driver.search` says so."""
+    if not regions or opts.devices is not None:
+        return opts
+    say(f"the model's own gradient checkpointing (torch.utils.checkpoint around {describe(regions)}) is traced as the "
+        f"ops it runs and kept as the plan's recomputation: every stage runs its forward again in backward "
+        f"(--recompute)")
+    return dataclasses.replace(opts, recompute=True)
 
 
 def apply_tp(traced: Traced, costs: dict[str, NodeCost], tp: int, hardware: Hardware, opts: CompileOptions,

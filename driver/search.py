@@ -37,6 +37,7 @@ from partitioner.ir import Plan, SolverReport
 from partitioner.predict.predict import simulate_plan
 from partitioner.solve.problem import coarse_graph, make_plan, pose
 from partitioner.solve.solve import rank_costs, solve
+from partitioner.trace.checkpointing import describe
 
 from .options import CompileOptions, mesh_of, stages_per_rank
 from .package_info import model_flops
@@ -114,8 +115,19 @@ def search(opts: CompileOptions, say: Callable[[str], None]) -> Compiled:
     best, win = ranked[0]
     say(f"best mesh: pp={best.pp} tp={best.tp} dp={best.dp}, {best.microbatches} microbatches, {best.schedule}"
         + (", activations recomputed" if best.recompute else "") + (", ZeRO-1" if best.zero else ""))
+    _say_checkpointing(win.prepared.traced.checkpointed, best.recompute, say)
     shown = [dataclasses.asdict(c) for c, _ in ranked[:SHOWN]]
     return finish(win.prepared, win.assignment, win.report, extra={"candidates": shown})
+
+
+def _say_checkpointing(regions: tuple[str, ...], recompute: bool, say: Callable[[str], None]) -> None:
+    """One line where the model checkpoints regions itself: the search's recompute choice
+    replaces that ([Note: the user's checkpointing] in partitioner/trace/checkpointing.py)."""
+    if regions:
+        say(f"the model's own gradient checkpointing (torch.utils.checkpoint around {describe(regions)}) is traced as "
+            f"the ops it runs and replaced by the planner's recompute choice: activations "
+            f"{'recomputed' if recompute else 'kept, since the mesh fits without recomputing'} (--recompute forces "
+            f"recomputation)")
 
 
 # -- 1. meshes ---------------------------------------------------------------------------------

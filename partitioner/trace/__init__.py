@@ -7,5 +7,6 @@
     batch.py       sizes that follow the batch, kept as expressions of it ([Note: free batch])
     buffers.py     buffers kept as they were while the compile runs the model; BatchNorm's warning
     functions.py   custom autograd Functions kept as one call (their own backward)
+    checkpointing.py  the user's torch.utils.checkpoint traced as the ops it runs, kept as recomputation
     kept.py        untraceable submodules kept whole
 """

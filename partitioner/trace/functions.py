@@ -21,7 +21,9 @@ import torch
 import torch.fx
 import torch.utils._pytree as pytree
 
-__all__ = ["function_of", "functions_as_leaves", "recorded_functions"]
+from ..errors import TraceError
+
+__all__ = ["function_of", "functions_as_leaves", "recorded_functions", "short_name"]
 
 _APPLY = torch.autograd.Function.__dict__["apply"]
 
@@ -53,6 +55,12 @@ def _name(cls: type) -> str:
     return f"{cls.__module__}.{cls.__qualname__}"
 
 
+def short_name(name: str) -> str:
+    """A Function's name without the private module name of a model file."""
+    module, _, rest = name.partition(".")
+    return rest if module.startswith("_partitioner_model") else name
+
+
 @contextlib.contextmanager
 def _watching_forwards(seen: Callable[[type, Any], None]) -> Iterator[None]:
     """Call `seen(cls, (args, kwargs))` whenever a user Function's forward runs in the body."""
@@ -79,6 +87,17 @@ def _watching_forwards(seen: Callable[[type, Any], None]) -> Iterator[None]:
             cls.forward = original  # type: ignore[attr-defined]
 
 
+def _refuse_modules(cls: type, args: Any) -> None:
+    """A Function handed a module cannot be one call in a stage: the stage holds the module's
+    parameters, not the module (torch.utils.checkpoint's own Function never gets here:
+    [Note: the user's checkpointing] in checkpointing.py)."""
+    module = next((v for v in pytree.tree_leaves(args) if isinstance(v, torch.nn.Module)), None)
+    if module is not None:
+        raise TraceError(f"{short_name(_name(cls))}.apply(...) is given a module ({type(module).__name__}) as an argument, "
+                         f"which a pipeline stage cannot pass on (it holds the module's parameters, not the module): "
+                         f"pass the tensors the Function needs (the module's weights) instead of the module.")
+
+
 @contextlib.contextmanager
 def functions_as_leaves(tracer: torch.fx.Tracer, inlined: list[str]) -> Iterator[None]:
     """While fx traces: `F.apply(proxy, ...)` is one node; a Function forward run on proxies
@@ -86,6 +105,7 @@ def functions_as_leaves(tracer: torch.fx.Tracer, inlined: list[str]) -> Iterator
 
     def apply(cls: type, *args: Any, **kwargs: Any) -> Any:
         if _traced((args, kwargs)):
+            _refuse_modules(cls, (args, kwargs))
             return tracer.create_proxy("call_function", _APPLY.__get__(None, cls), args, kwargs)
         return _APPLY.__get__(None, cls)(*args, **kwargs)
 

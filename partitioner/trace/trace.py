@@ -19,6 +19,7 @@ structure the model returns (a tensor, a tuple, a dict, a Hugging Face ModelOutp
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import inspect
 import io
 import logging
@@ -34,7 +35,8 @@ import torch.utils._pytree as pytree
 
 from ..errors import TraceError
 from .autocast import AutocastRefused, recording_autocast, refuse_autocast
-from .functions import functions_as_leaves, recorded_functions
+from .checkpointing import inlined_checkpoints
+from .functions import functions_as_leaves, recorded_functions, short_name
 from .kept import failing_submodule, rewrite_kept
 from .model_file import user_frame
 from .passes import inline_higher_order
@@ -61,6 +63,9 @@ class Traced:
     autocast: tuple[bool, ...] = ()
     #: submodules kept whole (partitioner.trace.kept): dotted path -> the line that broke tracing
     kept: dict[str, str] = field(default_factory=dict)
+    #: the regions the model runs under torch.utils.checkpoint, by module path, traced as
+    #: the ops they run ([Note: the user's checkpointing])
+    checkpointed: tuple[str, ...] = ()
 
 
 class _ThroughTracer(torch.fx.Tracer):
@@ -127,18 +132,19 @@ def trace(
     was_training = model.training
     model.train()  # the training branches are traced ([Note: modes in generated code] in modes.py)
     try:
-        for name in order:
-            try:
-                traced = _trace_fx(model, args, kwargs) if name == "fx" else _trace_export(model, args, kwargs, batch_dims)
-                _check_runs(traced, model, args, kwargs)
-                return traced
-            except AutocastRefused:
-                raise
-            except Exception as exc:  # every tracer failure is reported together below
-                failures.append((name, exc))
-        kept = _trace_keeping_whole(model, args, kwargs, failures[0][1], model_path) if order[0] == "fx" else None
-        if kept is not None:
-            return kept
+        with inlined_checkpoints(model) as checkpointed:  # [Note: the user's checkpointing]
+            for name in order:
+                try:
+                    traced = _trace_fx(model, args, kwargs) if name == "fx" else _trace_export(model, args, kwargs, batch_dims)
+                    _check_runs(traced, model, args, kwargs)
+                    return dataclasses.replace(traced, checkpointed=tuple(checkpointed))
+                except AutocastRefused:
+                    raise
+                except Exception as exc:  # every tracer failure is reported together below
+                    failures.append((name, exc))
+            kept = _trace_keeping_whole(model, args, kwargs, failures[0][1], model_path) if order[0] == "fx" else None
+            if kept is not None:
+                return dataclasses.replace(kept, checkpointed=tuple(checkpointed))
     finally:
         model.train(was_training)
     raise TraceError(_failure_message(failures, model_path))
@@ -236,19 +242,13 @@ def _traced_keeping_buffers(model: torch.nn.Module, concrete: dict[str, Any], ke
         for _path, module, name, buffer in owners:
             module._buffers[name] = buffer
     if inlined:
-        raise TraceError(f"the forward of custom autograd Function {_short(inlined[0])} was traced into, which would "
-                         f"lose its backward: call `{_short(inlined[0])}.apply(...)` in forward() itself (not an alias "
+        raise TraceError(f"the forward of custom autograd Function {short_name(inlined[0])} was traced into, which would "
+                         f"lose its backward: call `{short_name(inlined[0])}.apply(...)` in forward() itself (not an alias "
                          f"of it taken at import), so that the stage calls it whole.")
     if rebound:
         raise TraceError(f"forward() assigns to buffer {rebound[0]} (`self.{rebound[0].split('.')[-1]} = ...` or "
                          f"`+=` on it), which torch.fx cannot record; torch.export can (--tracer export or auto).")
     return graph
-
-
-def _short(name: str) -> str:
-    """A Function's name without the private module name of a model file."""
-    module, _, rest = name.partition(".")
-    return rest if module.startswith("_partitioner_model") else name
 
 
 def _default_value(gm: torch.fx.GraphModule, node: torch.fx.Node, name: str, value: Any) -> Any:
@@ -308,9 +308,9 @@ def _trace_export(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[st
     finally:
         logging.disable(logging.NOTSET)
     if called:
-        raise TraceError(f"torch.export traces into custom autograd Function {_short(called[0])}'s forward, which would "
+        raise TraceError(f"torch.export traces into custom autograd Function {short_name(called[0])}'s forward, which would "
                          f"lose its backward: make forward() traceable by torch.fx (--tracer fx), which keeps "
-                         f"`{_short(called[0])}.apply(...)` as one call the stage makes.")
+                         f"`{short_name(called[0])}.apply(...)` as one call the stage makes.")
     gm = ep.module()
     assert isinstance(gm, torch.fx.GraphModule)
     regions = inline_higher_order(gm)
@@ -350,7 +350,7 @@ def copy_traced(traced: Traced) -> Traced:
     gm = torch.fx.GraphModule(traced.gm, graph)
     leaves = [mapping.get(leaf, leaf) if isinstance(leaf, torch.fx.Node) else leaf for leaf in traced.output_leaves]
     return Traced(gm, traced.tracer, list(traced.input_keys), traced.out_spec, leaves, traced.autocast,
-                  dict(traced.kept))
+                  dict(traced.kept), traced.checkpointed)
 
 
 def by_input_key(args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[int | str, Any]:
