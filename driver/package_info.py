@@ -3,6 +3,7 @@ model file, its inputs, the original state_dict's names, the prediction, the opt
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -53,7 +54,7 @@ def package_info(p: Prepared, plan: Plan, predicted: dict[str, Any]) -> PackageI
                "optimizer": opts.optimizer} | ({"recompute": True} if plan.recompute else {}) \
         | ({"zero": 1} if opts.zero else {}) | ({"precision": opts.precision} if opts.precision != "fp32" else {})
     return PackageInfo(
-        source_path=opts.model, source_sha256=mf.sha256, entry=opts.entry, seed=opts.seed, tracer=traced.tracer,
+        source_path=Path(opts.model).name, source_sha256=mf.sha256, source_text=mf.text, entry=opts.entry, seed=opts.seed, tracer=traced.tracer,
         batch_size=batch, inputs=inputs, out_spec=traced.out_spec, output_leaves=traced.output_leaves,
         persistent=set(original), aliases=aliases, unused={k: t.detach() for k, t in unused.items()},
         unused_params={k for k, t in unused.items() if isinstance(t, torch.nn.Parameter)},
