@@ -28,6 +28,7 @@ from partitioner.trace.passes import get_attr, node_module
 from runtime.manifest import (FORMAT_VERSION, MODEL_COPY, BufferSpec, Manifest, Mesh, ModelInput, ParamSpec, Predicted,
                               Shard, Source, StageInput, StageOutput, StageSpec, TiedParameter)
 
+from .copies import model_copies
 from .layout import StageLayout, lay_out
 from .names import attr_name, attr_names, module_roots, value_names
 from .report import format_kept, format_plan
@@ -64,6 +65,7 @@ class PackageInfo:
     free_batch: bool = False  # sizes that follow the batch are read from the inputs ([Note: free batch])
     precision: str = "fp32"  # runtime.precision ([Note: mixed precision])
     source_text: bytes = b""  # the model file's bytes, copied into the package as MODEL_COPY
+    source_modules: dict[str, bytes] = field(default_factory=dict)  # `<name>.py` of its folder it imports
 
 
 def emit(out: str | Path, gm: torch.fx.GraphModule, plan: Plan, info: PackageInfo) -> dict[str, Any]:
@@ -73,7 +75,8 @@ def emit(out: str | Path, gm: torch.fx.GraphModule, plan: Plan, info: PackageInf
         info = dataclasses.replace(info, free_batch=False)  # a stage could not read the batch: fixed for all
     values = value_names(gm.graph, layouts, [*module_roots(info.out_spec), BATCH])
     tensors = _attr_tensors(gm, info)
-    files: dict[str, bytes] = {}
+    copies = model_copies(info.source_text, info.source_modules)
+    files = dict(copies)
     stages = []
     for layout in layouts:
         entry, source = _stage(layout, gm, plan, info, tensors, values)
@@ -84,13 +87,12 @@ def emit(out: str | Path, gm: torch.fx.GraphModule, plan: Plan, info: PackageInf
     }
     if constants:
         files["constants.pt"] = _save(dict(sorted(constants.items())))
-    manifest = _manifest(plan, info, stages)
+    manifest = _manifest(plan, info, stages, tuple(n for n in copies if n != MODEL_COPY))
     manifest = dataclasses.replace(manifest, hash=_hash(manifest.to_dict(), files))
     files["manifest.json"] = manifest.to_json().encode()
     sources = [files[f"{s.module}.py"].decode() for s in stages]
     files["plan.txt"] = (format_plan(manifest) + format_kept(sources)).encode()
     files["__init__.py"] = _INIT.format(source=Path(info.source_path).name).encode()
-    files[MODEL_COPY] = info.source_text
     _write_atomically(Path(out), files)
     return manifest.to_dict()
 
@@ -214,8 +216,9 @@ def _imports(writer: StageSource, constants: bool, last: bool) -> list[str]:
 # -- manifest entries --------------------------------------------------------------------
 
 
-def _manifest(plan: Plan, info: PackageInfo, stages: list[StageSpec]) -> Manifest:
-    """The manifest without its hash (which covers the manifest itself)."""
+def _manifest(plan: Plan, info: PackageInfo, stages: list[StageSpec], modules: tuple[str, ...]) -> Manifest:
+    """The manifest without its hash (which covers the manifest itself); `modules`: those of
+    the model file's folder copied beside it."""
     tied: dict[str, list[int]] = {}
     for s in stages:
         for p in s.parameters:
@@ -223,7 +226,7 @@ def _manifest(plan: Plan, info: PackageInfo, stages: list[StageSpec]) -> Manifes
     return Manifest(
         format_version=FORMAT_VERSION,
         generator=GENERATOR,
-        source=Source(Path(info.source_path).name, info.source_sha256, info.entry, info.seed, MODEL_COPY),
+        source=Source(Path(info.source_path).name, info.source_sha256, info.entry, info.seed, MODEL_COPY, modules),
         tracer=info.tracer,
         options=info.options,
         mesh=Mesh(plan.pp, plan.tp, plan.dp),

@@ -51,7 +51,6 @@ _RECOMPILE = "compile the model again"
 MODEL_COPY = "model_file.py"  # the package's copy of the model file ([Note: the model file's copy])
 
 
-
 # -- the types -----------------------------------------------------------------------------
 
 
@@ -66,10 +65,13 @@ class Source:
         whole, classes a stage calls) imports that copy, so a package runs from any working
         directory and after the model file has moved.  `path` is the model file's base name
         alone: no path of the machine that compiled it is written, so two checkouts compile
-        the same bytes.  Only the file itself is copied: a module it imports from its own
-        folder is found on `sys.path` (PYTHONPATH, or the working directory) when the package
-        loads.  A manifest without `copy` (compiled before) names the model file by the
-        path given to the compile, looked up as it always was.
+        the same bytes.  The modules of the model file's own folder that it imports
+        (`import gpt` beside gpt.py: partitioner/trace/siblings.py) are copied beside it
+        under their own names (`modules`), and the package folder is on sys.path while the
+        copy is imported; anything else it imports (a package folder, a module elsewhere) is
+        found on `sys.path` (PYTHONPATH, or the working directory) when the package loads.
+        A manifest without `copy` (compiled before) names the model file by the path given
+        to the compile, looked up as it always was.
     """
 
     path: str
@@ -77,10 +79,12 @@ class Source:
     entry: str = "build_model"
     seed: int = 0
     copy: str = ""  # the copy's file name in the package ("": none, an older package)
+    modules: tuple[str, ...] = ()  # modules of the model file's folder it imports, copied beside it
 
     def to_dict(self) -> dict[str, Any]:
         copy = {"copy": self.copy} if self.copy else {}
-        return {"path": self.path} | copy | {"sha256": self.sha256, "entry": self.entry, "seed": self.seed}
+        modules = {"modules": list(self.modules)} if self.modules else {}
+        return {"path": self.path} | copy | modules | {"sha256": self.sha256, "entry": self.entry, "seed": self.seed}
 
 
 @dataclass(frozen=True)
@@ -377,7 +381,7 @@ def _parse(data: str | Mapping[str, Any], origin: str) -> Mapping[str, Any]:
 
 def _source(o: _Obj) -> Source:
     return Source(o.get("path", _str), o.get("sha256", _str, ""), o.get("entry", _str, "build_model"),
-                  o.get("seed", _int, 0), o.get("copy", _str, ""))
+                  o.get("seed", _int, 0), o.get("copy", _str, ""), tuple(o.get("modules", _strs, [])))
 
 
 def _mesh(o: _Obj) -> Mesh:

@@ -22,25 +22,23 @@ __all__ = ["import_file", "model_file_path", "load_model_file", "load_loss_fn"]
 _counter = itertools.count()
 
 
-def import_file(path: Path, prefix: str, beside: bool = True) -> types.ModuleType:
-    """Import the Python file at `path` under a fresh, unique module name; with `beside`,
-    the file's own folder is on sys.path while it runs (its sibling modules import)."""
+def import_file(path: Path, prefix: str) -> types.ModuleType:
+    """Import the Python file at `path` under a fresh, unique module name, with the file's
+    own folder on sys.path while it runs (the modules beside it import)."""
     name = f"{prefix}_{next(_counter)}"
     spec = importlib.util.spec_from_file_location(name, path)
     if spec is None or spec.loader is None:
         raise ManifestError(f"{path} cannot be imported as a Python file.")
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module
-    folder = [str(path.parent)] if beside else []
-    sys.path[:0] = folder
+    sys.path.insert(0, str(path.parent))
     try:
         spec.loader.exec_module(module)
     except BaseException:
         del sys.modules[name]
         raise
     finally:
-        for entry in folder:
-            sys.path.remove(entry)
+        sys.path.remove(str(path.parent))
     return module
 
 
@@ -66,7 +64,7 @@ def load_model_file(manifest: Manifest, directory: str | Path) -> types.ModuleTy
         return import_file(path, "_pipeline_model")
     _check_copy(path, manifest.source.sha256, manifest.source.path)
     try:
-        return import_file(path, "_pipeline_model", beside=False)
+        return import_file(path, "_pipeline_model")  # the modules copied beside it import
     except ModuleNotFoundError as exc:
         raise ManifestError(_sibling(exc, manifest.source.path, path)) from exc
 
@@ -96,7 +94,7 @@ def _sibling(exc: ModuleNotFoundError, name: str, path: Path) -> str:
     """The error for a model file whose import of a module of its own folder fails."""
     missing = exc.name or str(exc)
     return (f"the model file {name} (the package's copy {path}) imports {missing!r}, which is not found: a package "
-            f"keeps a copy of the model file alone, not the modules beside it. Put the folder that holds "
+            f"keeps a copy of the model file and of the modules of its own folder it imports, no others. Put the folder that holds "
             f"{missing.split('.')[0]} on PYTHONPATH (or run from it), or install it, and load the package again.")
 
 

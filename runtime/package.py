@@ -20,7 +20,7 @@ import dataclasses
 import types
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Collection, Iterable, Mapping, Union
+from typing import Any, Collection, Iterable, Mapping, Union
 
 import torch
 import torch.utils._pytree as pytree

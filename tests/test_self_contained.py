@@ -19,7 +19,7 @@ from runtime import package
 from runtime.errors import ManifestError
 from runtime.manifest import MODEL_COPY, Manifest, Source
 
-from .conftest import ROOT
+from .conftest import ROOT, compile_example
 
 MODEL = ROOT / "tests" / "model_files" / "self_contained.py"
 COMPILE = ["--stages", "2", "--analytic", "--hardware", "a100", "--time-limit", "5", "--quiet"]
@@ -142,3 +142,22 @@ def test_a_module_beside_the_model_file_is_found_on_sys_path_or_named(tmp_path: 
 
 def _sha(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def test_a_module_beside_the_model_file_is_copied_with_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`import sc_parts` beside net.py: sc_parts.py is copied too (its own `import
+    sc_deeper` as well), so the package loads after their folder is gone."""
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "sc_parts.py").write_text("import sc_deeper\n\nWIDTH = sc_deeper.WIDTH\n")
+    (src / "sc_deeper.py").write_text("WIDTH = 16\n")
+    (src / "stage_0.py").write_text("CLASH = True\n")  # named like a stage file: not copied
+    (src / "net.py").write_text("import sc_parts\nimport stage_0\n" + MODEL.read_text())
+    compile_example(str(src / "net.py"), tmp_path / "pkg", stages=2)
+    shutil.rmtree(src)
+    for name in ("sc_parts", "sc_deeper", "stage_0"):
+        monkeypatch.delitem(sys.modules, name, raising=False)
+    manifest = package.load_manifest(tmp_path / "pkg")
+    assert manifest.source.modules == ("sc_deeper.py", "sc_parts.py")
+    assert package.load_model_file(manifest, tmp_path / "pkg").sc_parts.WIDTH == 16
+    assert "CLASH" not in (tmp_path / "pkg" / "stage_0.py").read_text()
