@@ -3,6 +3,7 @@ model file, its inputs, the original state_dict's names, the prediction, the opt
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -13,6 +14,7 @@ from partitioner.predict.predict import rounded
 from partitioner.ir import Plan
 from partitioner.tp import Sharded
 from partitioner.trace.passes import get_attr
+from partitioner.trace.siblings import sibling_modules
 from partitioner.trace.trace import by_input_key
 
 from .prepared import Prepared
@@ -54,7 +56,8 @@ def package_info(p: Prepared, plan: Plan, predicted: dict[str, Any]) -> PackageI
         | ({"zero": 1} if opts.zero else {}) | ({"precision": opts.precision} if opts.precision != "fp32" else {}) \
         | ({"checkpointing": list(traced.checkpointed)} if traced.checkpointed else {})
     return PackageInfo(
-        source_path=opts.model, source_sha256=mf.sha256, entry=opts.entry, seed=opts.seed, tracer=traced.tracer,
+        source_path=Path(opts.model).name, source_sha256=mf.sha256, source_text=mf.text,
+        source_modules=sibling_modules(opts.model), entry=opts.entry, seed=opts.seed, tracer=traced.tracer,
         batch_size=batch, inputs=inputs, out_spec=traced.out_spec, output_leaves=traced.output_leaves,
         persistent=set(original), aliases=aliases, unused={k: t.detach() for k, t in unused.items()},
         unused_params={k for k, t in unused.items() if isinstance(t, torch.nn.Parameter)},

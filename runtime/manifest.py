@@ -29,6 +29,7 @@ __all__ = [
     "SCHEDULES",
     "Manifest",
     "Source",
+    "MODEL_COPY",
     "Mesh",
     "ModelInput",
     "TensorSpec",
@@ -47,7 +48,7 @@ __all__ = [
 FORMAT_VERSION = 1
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-h2", "zb-v")  # the schedules a package may name (runtime.schedule.make_schedule)
 _RECOMPILE = "compile the model again"
-
+MODEL_COPY = "model_file.py"  # the package's copy of the model file ([Note: the model file's copy])
 
 
 # -- the types -----------------------------------------------------------------------------
@@ -55,15 +56,35 @@ _RECOMPILE = "compile the model again"
 
 @dataclass(frozen=True)
 class Source:
-    """The model file the package was compiled from."""
+    """The model file the package was compiled from.
+
+    [Note: the model file's copy]
+        A package keeps a copy of its model file beside the stages (`copy`, the file
+        `MODEL_COPY` in the package folder, whose sha256 is `sha256`), and everything that
+        needs the model file's code (`loss_fn`, `init_weights`, `batches`, modules kept
+        whole, classes a stage calls) imports that copy, so a package runs from any working
+        directory and after the model file has moved.  `path` is the model file's base name
+        alone: no path of the machine that compiled it is written, so two checkouts compile
+        the same bytes.  The modules of the model file's own folder that it imports
+        (`import gpt` beside gpt.py: partitioner/trace/siblings.py) are copied beside it
+        under their own names (`modules`), and the package folder is on sys.path while the
+        copy is imported; anything else it imports (a package folder, a module elsewhere) is
+        found on `sys.path` (PYTHONPATH, or the working directory) when the package loads.
+        A manifest without `copy` (compiled before) names the model file by the path given
+        to the compile, looked up as it always was.
+    """
 
     path: str
     sha256: str = ""
     entry: str = "build_model"
     seed: int = 0
+    copy: str = ""  # the copy's file name in the package ("": none, an older package)
+    modules: tuple[str, ...] = ()  # modules of the model file's folder it imports, copied beside it
 
     def to_dict(self) -> dict[str, Any]:
-        return {"path": self.path, "sha256": self.sha256, "entry": self.entry, "seed": self.seed}
+        copy = {"copy": self.copy} if self.copy else {}
+        modules = {"modules": list(self.modules)} if self.modules else {}
+        return {"path": self.path} | copy | modules | {"sha256": self.sha256, "entry": self.entry, "seed": self.seed}
 
 
 @dataclass(frozen=True)
@@ -360,7 +381,7 @@ def _parse(data: str | Mapping[str, Any], origin: str) -> Mapping[str, Any]:
 
 def _source(o: _Obj) -> Source:
     return Source(o.get("path", _str), o.get("sha256", _str, ""), o.get("entry", _str, "build_model"),
-                  o.get("seed", _int, 0))
+                  o.get("seed", _int, 0), o.get("copy", _str, ""), tuple(o.get("modules", _strs, [])))
 
 
 def _mesh(o: _Obj) -> Mesh:

@@ -1,7 +1,7 @@
 """Read a generated package DIR: manifest, stage modules, weights, microbatches, the loss.
 
 Everything here reads only `manifest.json` (as `runtime.manifest.Manifest`), the stage
-files and the model file: a rank needs torch alone.
+files and the package's copy of the model file (runtime.model_file): a rank needs torch alone.
 
 [Note: shards]
     A parameter entry's `shape` is the LOCAL shape, the one the stage's __init__ makes.
@@ -17,13 +17,10 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import importlib.util
-import itertools
-import sys
 import types
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Collection, Iterable, Mapping, Union
+from typing import Any, Collection, Iterable, Mapping, Union
 
 import torch
 import torch.utils._pytree as pytree
@@ -31,6 +28,8 @@ import torch.utils._pytree as pytree
 from . import tp
 from .errors import BatchError, ManifestError, StateDictError
 from .manifest import FORMAT_VERSION, BufferSpec, Manifest, ModelInput, ParamSpec, StageOutput, StageSpec, TensorSpec
+from .model_file import import_file as _import_file
+from .model_file import load_loss_fn, load_model_file
 
 __all__ = [
     "FORMAT_VERSION",
@@ -57,7 +56,6 @@ __all__ = [
     "dtype_of",
 ]
 
-_counter = itertools.count()
 _model_files: dict[Path, types.ModuleType] = {}
 _models: dict[Path, torch.nn.Module] = {}
 Held = Union[ParamSpec, BufferSpec]  # a stage tensor's manifest entry
@@ -85,25 +83,6 @@ def load_manifest(directory: str | Path) -> Manifest:
 # -- modules -------------------------------------------------------------------------------
 
 
-def _import_file(path: Path, prefix: str) -> types.ModuleType:
-    """Import the Python file at `path` under a fresh, unique module name."""
-    name = f"{prefix}_{next(_counter)}"
-    spec = importlib.util.spec_from_file_location(name, path)
-    if spec is None or spec.loader is None:
-        raise ManifestError(f"{path} cannot be imported as a Python file.")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    sys.path.insert(0, str(path.parent))
-    try:
-        spec.loader.exec_module(module)
-    except BaseException:
-        del sys.modules[name]
-        raise
-    finally:
-        sys.path.remove(str(path.parent))
-    return module
-
-
 def import_stage(directory: str | Path, manifest: Manifest, index: int) -> torch.nn.Module:
     """A fresh instance of stage `index`, imported from its own file only."""
     entry = manifest.stages[index]
@@ -118,19 +97,6 @@ def import_stage(directory: str | Path, manifest: Manifest, index: int) -> torch
     if not isinstance(stage, torch.nn.Module):
         raise ManifestError(f"{path}: {entry.class_name} is not a torch.nn.Module.")
     return stage  # type: ignore[no-any-return]
-
-
-def load_model_file(manifest: Manifest, directory: str | Path) -> types.ModuleType:
-    """Import the model file the package was compiled from (manifest `source.path`):
-    absolute, else relative to the current directory, else to the package's parent."""
-    given = manifest.source.path
-    candidates = [Path(given)] if Path(given).is_absolute() else [Path.cwd() / given, Path(directory).resolve().parent / given]
-    for path in candidates:
-        if path.is_file():
-            return _import_file(path.resolve(), "_pipeline_model")
-    looked = " and ".join(str(p) for p in candidates)
-    raise ManifestError(f"the package's model file {given!r} is not found (looked at {looked}): run from the directory "
-                        f"it was compiled in, or pass loss_fn= to train_step.")
 
 
 def model_file_of(stage_file: str) -> types.ModuleType:
@@ -155,15 +121,6 @@ def kept_module(stage_file: str, path: str) -> torch.nn.Module:
             torch.manual_seed(source.seed)
             _models[directory] = build()
     return copy.deepcopy(_models[directory].get_submodule(path))
-
-
-def load_loss_fn(manifest: Manifest, directory: str | Path) -> Callable[[Any, Any], torch.Tensor]:
-    """The model file's `loss_fn(output, target)`."""
-    fn = getattr(load_model_file(manifest, directory), "loss_fn", None)
-    if not callable(fn):
-        raise ManifestError(f"model file {manifest.source.path} defines no loss_fn(output, target): "
-                            f"add one, or pass loss_fn= to train_step.")
-    return fn  # type: ignore[no-any-return]
 
 
 # -- weights -------------------------------------------------------------------------------

@@ -33,6 +33,7 @@ class ModelFile:
     module: types.ModuleType
     sha256: str
     entry: str = "build_model"
+    text: bytes = b""  # the file's bytes, as hashed: what the package keeps a copy of
 
     @property
     def batch_dims(self) -> dict[Any, int]:
@@ -134,16 +135,17 @@ def load(path: str, entry: str = "build_model") -> ModelFile:
         ) from exc
     finally:
         sys.path.remove(str(file.parent.resolve()))
-    return ModelFile(path=path, module=module, sha256=digest, entry=entry)
+    return ModelFile(path=path, module=module, sha256=digest, entry=entry, text=source)
 
 
-def user_frame(exc: BaseException, path: str) -> str:
-    """' at <path>, line N: <source>' for the deepest frame of `exc` in the user's file."""
+def user_frame(exc: BaseException, path: str, shown: str | None = None) -> str:
+    """' at <shown>, line N: <source>' for the deepest frame of `exc` in the user's file
+    `path` (`shown`: how to name it, default `path`)."""
     target = str(Path(path).resolve())
     found = ""
     for frame in traceback.extract_tb(exc.__traceback__):
         if str(Path(frame.filename).resolve()) == target:
-            found = f" at {path}, line {frame.lineno}: `{(frame.line or '').strip()}`"
+            found = f" at {shown or path}, line {frame.lineno}: `{(frame.line or '').strip()}`"
     if not found and exc.__cause__ is not None and exc.__cause__ is not exc:
-        return user_frame(exc.__cause__, path)
+        return user_frame(exc.__cause__, path, shown)
     return found

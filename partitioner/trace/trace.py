@@ -163,7 +163,7 @@ def _trace_keeping_whole(model: torch.nn.Module, args: tuple[Any, ...], kwargs: 
         path = failing_submodule(exc, model)
         if not path or path in reasons:
             return None
-        where = user_frame(exc, model_path).strip() if model_path else ""
+        where = user_frame(exc, model_path, Path(model_path).name).strip() if model_path else ""
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         inside = _library_frame(exc, model_path)
         reasons[path] = (f"{where.removeprefix('at ')}" + (f", inside{inside}" if inside else "") +
@@ -411,5 +411,6 @@ def _library_frame(exc: BaseException, model_path: str) -> str:
     last = frames[-1]
     if "site-packages" not in last.filename and "/torch/" not in last.filename:
         return ""
-    short = last.filename.split("site-packages/")[-1]
+    name = last.filename.replace("\\", "/")  # no folder of this machine ([Note: the model file's copy])
+    short = name.split("site-packages/")[-1] if "site-packages/" in name else "torch/" + name.split("/torch/")[-1]
     return f" ({short}, line {last.lineno}: `{(last.line or '').strip()}`)"

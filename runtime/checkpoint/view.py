@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 from ..manifest import Manifest
+from ..model_file import model_file_path
 from ..package import Held
 
 __all__ = ["View"]
@@ -30,11 +31,10 @@ class View:
     group: Any = None  # the pipeline's own process group of every rank (None: the default group)
 
     def model_file(self) -> str:
-        """The model file's absolute path, as package.load_model_file finds it ('' if absent)."""
-        given = Path(self.manifest.source.path)
-        places = [given] if given.is_absolute() else [Path.cwd() / given] + (
-            [self.directory.resolve().parent / given] if self.directory is not None else [])
-        return next((str(p.resolve()) for p in places if p.is_file()), "")
+        """The absolute path of the model file the package reads (its copy, [Note: the model
+        file's copy]), as model_file.load_model_file finds it ('' if absent)."""
+        found = model_file_path(self.manifest, self.directory if self.directory is not None else Path.cwd())
+        return "" if found is None else str(found)
 
     def barrier(self) -> None:
         if self.distributed:
