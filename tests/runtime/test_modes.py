@@ -199,7 +199,7 @@ def test_the_dropout_of_a_shard_is_written_in_its_ranks_stream(tp_compiled: Path
     assert code.count("with tp.rank_stream(") == 1, code  # the first dropout's input is sharded, the second's not
     shard = code.index("with tp.rank_stream(add.device, self.training):\n            dropout = F.dropout(add")
     assert code.index("dropout_1 = F.dropout(add_1") > shard
-    assert "linear_1_partial = F.linear(dropout, " in code  # fc2 is row-parallel: dropout's input is sharded
+    assert "fc2_linear_partial = F.linear(dropout, " in code  # fc2 is row-parallel: dropout's input is sharded
 
 
 def test_a_sharded_value_draws_a_mask_per_rank_and_a_replicated_one_the_same(tp_compiled: Path) -> None:
