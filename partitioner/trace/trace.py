@@ -19,9 +19,11 @@ structure the model returns (a tensor, a tuple, a dict, a Hugging Face ModelOutp
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import inspect
 import io
 import logging
+import operator
 import traceback
 import warnings
 from dataclasses import dataclass, field
@@ -31,9 +33,11 @@ from typing import Any, Collection
 import torch
 import torch.fx
 import torch.utils._pytree as pytree
+from torch.fx._symbolic_trace import PH
 
 from ..errors import TraceError
 from .autocast import AutocastRefused, recording_autocast, refuse_autocast
+from .inputs import InputKey, flat_inputs, leaves_of, path_entry
 from .functions import functions_as_leaves, recorded_functions
 from .kept import failing_submodule, rewrite_kept
 from .model_file import user_frame
@@ -52,7 +56,7 @@ class Traced:
     tracer: str
     #: for each placeholder, in graph order: its name and the user's key
     #: (an int for a positional argument, a str for a keyword argument)
-    input_keys: list[tuple[str, int | str]]
+    input_keys: list[tuple[str, InputKey]]
     #: the structure of the model's output over `output_leaves`
     out_spec: pytree.TreeSpec
     output_leaves: list[Any]
@@ -116,7 +120,7 @@ def trace(
     kwargs: dict[str, Any],
     tracer: str = "auto",
     model_path: str = "",
-    batch_dims: dict[Any, int] | None = None,
+    batch_dims: dict[InputKey, int] | None = None,
 ) -> Traced:
     """Trace `model` called as `model(*args, **kwargs)` into an fx graph; with
     `batch_dims` (input key -> dim), export leaves those dimensions dynamic ([Note: free batch])."""
@@ -130,8 +134,7 @@ def trace(
         for name in order:
             try:
                 traced = _trace_fx(model, args, kwargs) if name == "fx" else _trace_export(model, args, kwargs, batch_dims)
-                _check_runs(traced, model, args, kwargs)
-                return traced
+                return _check_runs(traced, model, args, kwargs)
             except AutocastRefused:
                 raise
             except Exception as exc:  # every tracer failure is reported together below
@@ -164,8 +167,7 @@ def _trace_keeping_whole(model: torch.nn.Module, args: tuple[Any, ...], kwargs: 
                          f": {first[:120]}") if where else first[:160]
         try:
             traced = _trace_fx(model, args, kwargs, reasons)
-            _check_runs(traced, model, args, kwargs)
-            return traced
+            return _check_runs(traced, model, args, kwargs)
         except Exception as again:  # the next module to keep whole, or give up
             exc = again
     return None
@@ -177,7 +179,7 @@ def _trace_keeping_whole(model: torch.nn.Module, args: tuple[Any, ...], kwargs: 
 def _trace_fx(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
               kept: dict[str, str] | None = None) -> Traced:
     params = list(inspect.signature(model.forward).parameters.values())
-    given = {p.name for p in params[: len(args)]} | set(kwargs)
+    given = {p.name: v for p, v in zip(params, args)} | kwargs
     # Arguments the example batch leaves out are fixed to their defaults, so `if mask is
     # None:` takes the branch the user's call takes rather than a proxy's.
     concrete = {
@@ -187,33 +189,71 @@ def _trace_fx(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, A
         and p.default is not inspect.Parameter.empty
         and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
     }
+    nested = _nested_placeholders(given)  # [Note: input leaves] in inputs.py
     with recording_autocast() as regions:
-        graph = _traced_keeping_buffers(model, concrete, kept or {})
+        graph = _traced_keeping_buffers(model, concrete | nested, kept or {})
+    out_spec = _flat_codegen(graph)
     for node in graph.nodes:  # a tensor default would be written as an unbound `_tensor_constant0`
         if node.op == "placeholder" and any(isinstance(a, (torch.Tensor, torch.fx.Node)) for a in node.args):
             node.args = ()
     gm = torch.fx.GraphModule(model, graph)
-    # fx makes a placeholder for every parameter of forward(), in signature order; those
-    # fixed to their defaults are replaced by the default and their guards dropped.
+    # fx makes a placeholder for every parameter of forward(), in signature order (one per
+    # leaf of a nested one); those fixed to their defaults are replaced by the default and
+    # their guards dropped, and so are the non-tensor leaves of nested ones.
     named = [p for p in params if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
-    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    keys: list[tuple[str, int | str]] = []
-    for node, param in zip(placeholders, named):
+    placeholders = iter([n for n in gm.graph.nodes if n.op == "placeholder"])
+    keys: list[tuple[str, InputKey]] = []
+    for index, param in enumerate(named):
+        top = index if index < len(args) else param.name
         if param.name in concrete:
-            for user in list(node.users):
-                if "_assert_is_none" in getattr(user.target, "__name__", ""):
-                    gm.graph.erase_node(user)
-            node.replace_all_uses_with(_default_value(gm, node, param.name, concrete[param.name]))
-            gm.graph.erase_node(node)
+            _fix_placeholder(gm, next(placeholders), param.name, concrete[param.name])
+        elif param.name in nested:
+            for key, leaf in leaves_of(top, given[param.name]):
+                node = next(placeholders)
+                if isinstance(leaf, torch.Tensor):
+                    keys.append((node.name, key))
+                else:
+                    _fix_placeholder(gm, node, param.name, leaf)
         else:
-            index = named.index(param)
-            keys.append((node.name, index if index < len(args) else param.name))
+            keys.append((next(placeholders).name, top))
     gm.recompile()
     if kept:
         rewrite_kept(gm, kept)
     out = next(n for n in gm.graph.nodes if n.op == "output")
+    if out_spec is not None:
+        return Traced(gm, "fx", keys, out_spec, list(out.args[0]), tuple(regions), dict(kept or {}))
     leaves, spec = pytree.tree_flatten(_plain(out.args[0]))
     return Traced(gm, "fx", keys, spec, leaves, tuple(regions), dict(kept or {}))
+
+
+def _nested_placeholders(given: dict[str, Any]) -> dict[str, Any]:
+    """fx's `concrete_args` for the arguments given as containers: their structure with a
+    placeholder at every leaf (fx makes one placeholder per leaf, non-tensor ones too)."""
+    return {name: pytree.tree_map(lambda _v: PH, value) for name, value in given.items()
+            if not pytree.tree_is_leaf(value)}
+
+
+def _flat_codegen(graph: torch.fx.Graph) -> pytree.TreeSpec | None:
+    """The output's structure where fx traced nested inputs (its `_PyTreeCodeGen`: a flat
+    list returned, the structure kept aside), the graph's code made plain again; else None."""
+    info = getattr(graph._codegen, "pytree_info", None)
+    if info is None:
+        return None
+    graph._codegen = torch.fx.graph.CodeGen()
+    return info.out_spec  # type: ignore[no-any-return]
+
+
+def _fix_placeholder(gm: torch.fx.GraphModule, node: torch.fx.Node, name: str, value: Any) -> None:
+    """Replace the placeholder of an argument (or leaf of one) fixed to `value` by it, and
+    drop the guards fx put on it."""
+    for user in list(node.users):
+        for guard in list(user.users):
+            if "_assert" in getattr(guard.target, "__name__", ""):
+                gm.graph.erase_node(guard)
+        if "_assert" in getattr(user.target, "__name__", "") or (user.target is operator.eq and not user.users):
+            gm.graph.erase_node(user)
+    node.replace_all_uses_with(_default_value(gm, node, name, value))
+    gm.graph.erase_node(node)
 
 
 def check_autocast(traced: Traced, precision: str) -> None:
@@ -278,7 +318,7 @@ def _plain(value: Any) -> Any:
 
 
 def _dynamic_shapes(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
-                    batch_dims: dict[Any, int] | None) -> dict[str, Any] | None:
+                    batch_dims: dict[InputKey, int] | None) -> dict[str, Any] | None:
     """export's `dynamic_shapes`: each tensor input's batch dimension left to export
     (`Dim.AUTO`: dynamic where the model allows it, else specialised, which the probes of
     [Note: free batch] then find)."""
@@ -288,13 +328,18 @@ def _dynamic_shapes(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[
     spec: dict[str, Any] = {}
     for key, value in [*enumerate(args), *kwargs.items()]:
         name = names[key] if isinstance(key, int) else str(key)
-        dim = batch_dims.get(key, 0)
-        spec[name] = {dim: torch.export.Dim.AUTO} if isinstance(value, torch.Tensor) and value.dim() > dim else None
+        leaves = [(_dynamic_dim(leaf, batch_dims.get(k, 0))) for k, leaf in leaves_of(key, value)]
+        spec[name] = pytree.tree_unflatten(leaves, pytree.tree_flatten(value)[1])
     return spec
 
 
+def _dynamic_dim(value: Any, dim: int) -> dict[int, Any] | None:
+    """export's dynamic_shapes entry of one input leaf: its batch dim left to export."""
+    return {dim: torch.export.Dim.AUTO} if isinstance(value, torch.Tensor) and value.dim() > dim else None
+
+
 def _trace_export(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
-                  batch_dims: dict[Any, int] | None = None) -> Traced:
+                  batch_dims: dict[InputKey, int] | None = None) -> Traced:
     # export logs and prints its own failures (graph dumps, tracebacks); the TraceError
     # we raise says what matters, so its output is silenced while it runs.
     logging.disable(logging.CRITICAL)
@@ -323,15 +368,10 @@ def _trace_export(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[st
             f"export flattened the inputs into {len(placeholders)} tensors but the example "
             f"batch has {len(flat)} leaves; pass each input as one tensor argument."
         )
-    keys: list[tuple[str, int | str]] = []
-    for node, (path, _value) in zip(placeholders, flat):
-        if len(path) != 2:
-            raise TraceError(
-                f"input {pytree.keystr(path)} is nested inside a container; the partitioner "
-                f"needs every input to be a tensor argument of forward()."
-            )
-        key = path[1]
-        keys.append((node.name, key.idx if isinstance(key, pytree.SequenceKey) else str(getattr(key, "key"))))
+    keys: list[tuple[str, InputKey]] = []
+    for node, (path, _value) in zip(placeholders, flat):  # path: (args or kwargs, top key, *inside)
+        entries = [path_entry(k) for k in path[1:]]
+        keys.append((node.name, entries[0] if len(entries) == 1 else tuple(entries)))
     out = next(n for n in gm.graph.nodes if n.op == "output")
     leaves = list(out.args[0])
     spec = ep.call_spec.out_spec
@@ -353,23 +393,50 @@ def copy_traced(traced: Traced) -> Traced:
                   dict(traced.kept))
 
 
-def by_input_key(args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[int | str, Any]:
-    """The example batch keyed as `Traced.input_keys` names it: position or keyword."""
-    keyed: dict[int | str, Any] = dict(enumerate(args))
-    keyed.update(kwargs)
-    return keyed
+def by_input_key(args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[InputKey, Any]:
+    """The example batch keyed as `Traced.input_keys` names it: position, keyword, or a
+    path into a nested one ([Note: input leaves] in inputs.py)."""
+    return flat_inputs(args, kwargs)
 
 
 # -- checks and messages -----------------------------------------------------------------
 
 
-def _check_runs(traced: Traced, model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-    """The graph must run on the example inputs (it is run again, timed, later)."""
+def _check_runs(traced: Traced, model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Traced:
+    """The graph must run on the example inputs (it is run again, timed, later); returns
+    `traced` with every output leaf one tensor (`_expand_outputs`)."""
     by_key = by_input_key(args, kwargs)
     flat = [by_key[key] for _name, key in traced.input_keys]
     with torch.no_grad():
         traced.gm.graph.lint()
-        _ = torch.fx.Interpreter(traced.gm).run(*flat)
+        run = torch.fx.Interpreter(traced.gm, garbage_collect_values=False)
+        _ = run.run(*flat)
+    return _expand_outputs(traced, run.env)
+
+
+def _expand_outputs(traced: Traced, values: dict[torch.fx.Node, Any]) -> Traced:
+    """An output leaf whose value is a tuple or list (a kept module's `(h, c)`) becomes one
+    getitem node per element, so that each output leaf is one tensor with its own shape and
+    batch dim ([Note: input leaves] in inputs.py); the output's structure follows."""
+    graph = traced.gm.graph
+    out = next(n for n in graph.nodes if n.op == "output")
+    if not any(type(values.get(x)) in (tuple, list) for x in traced.output_leaves if isinstance(x, torch.fx.Node)):
+        return traced
+    with graph.inserting_before(out):
+        split = [_split_leaf(graph, x, values.get(x)) if isinstance(x, torch.fx.Node) else x
+                 for x in traced.output_leaves]
+    leaves, spec = pytree.tree_flatten(pytree.tree_unflatten(split, traced.out_spec))
+    out.args = (pytree.tree_unflatten(leaves, spec),)
+    traced.gm.recompile()
+    return dataclasses.replace(traced, out_spec=spec, output_leaves=leaves)
+
+
+def _split_leaf(graph: torch.fx.Graph, node: torch.fx.Node, value: Any) -> Any:
+    """`node` as a structure of getitem nodes shaped like its tuple or list `value`."""
+    if type(value) not in (tuple, list):  # a namedtuple keeps its type: one leaf
+        return node
+    return type(value)(_split_leaf(graph, graph.call_function(operator.getitem, (node, i)), v)
+                       for i, v in enumerate(value))
 
 
 def _failure_message(failures: list[tuple[str, BaseException]], model_path: str) -> str:
