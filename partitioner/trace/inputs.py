@@ -92,13 +92,12 @@ def _locate(raw: Any, names: list[str], keyed: dict[int | str, Any], where: str)
     """The top-level key a BATCH_DIMS entry names, and the path below it (still text)."""
     parts = raw.split(".") if isinstance(raw, str) else [raw]
     head, rest = parts[0], parts[1:]
-    candidates: list[int | str] = [head]
-    if isinstance(head, str) and head.isdigit():
-        candidates.append(int(head))
+    position = int(head) if isinstance(head, str) and head.isdigit() else head
+    candidates: list[int | str] = [head, position]
+    if isinstance(position, int) and 0 <= position < len(names):
+        candidates.append(names[position])
     if isinstance(head, str) and head in names:
         candidates.append(names.index(head))
-    if isinstance(head, int) and 0 <= head < len(names):
-        candidates.append(names[head])
     for c in candidates:
         if c in keyed:
             return c, rest
@@ -127,12 +126,21 @@ def _spread(prefix: InputKey, value: Any, spec: Any, raw: Any, where: str) -> di
     top, base = (prefix[0], prefix[1:]) if isinstance(prefix, tuple) else (prefix, ())
     if isinstance(spec, int) and not isinstance(spec, bool):
         return {_join(top, base, k): spec for k, leaf in leaves_of(0, value) if isinstance(leaf, torch.Tensor)}
-    got, want = pytree.tree_flatten(spec)[1], pytree.tree_flatten(value)[1]
+    got, want = pytree.tree_flatten(_tuples(spec))[1], pytree.tree_flatten(_tuples(value))[1]
     if got != want or not all(d is None or (isinstance(d, int) and not isinstance(d, bool)) for d in pytree.tree_leaves(spec)):
         raise ModelFileError(f"{where}: BATCH_DIMS[{raw!r}] is {spec!r} but the input is {_shape_text(value)}: give "
                              f"one int for every tensor in it, or the same structure with an int per tensor.")
     pairs = zip(leaves_of(0, value), pytree.tree_leaves(spec))
     return {_join(top, base, k): d for (k, leaf), d in pairs if isinstance(leaf, torch.Tensor) and d is not None}
+
+
+def _tuples(value: Any) -> Any:
+    """`value` with its lists as tuples: BATCH_DIMS may write `[1, 1]` for a tuple input."""
+    if isinstance(value, (list, tuple)) and type(value) in (list, tuple):
+        return tuple(_tuples(v) for v in value)
+    if isinstance(value, dict):
+        return {k: _tuples(v) for k, v in value.items()}
+    return value
 
 
 def _join(top: int | str, base: tuple[Any, ...], sub: InputKey) -> InputKey:

@@ -228,9 +228,10 @@ def _trace_fx(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, A
 
 def _nested_placeholders(given: dict[str, Any]) -> dict[str, Any]:
     """fx's `concrete_args` for the arguments given as containers: their structure with a
-    placeholder at every leaf (fx makes one placeholder per leaf, non-tensor ones too)."""
-    return {name: pytree.tree_map(lambda _v: PH, value) for name, value in given.items()
-            if not pytree.tree_is_leaf(value)}
+    placeholder at every tensor leaf and the value itself at every other leaf, which the
+    model then sees (fx still makes a guarded placeholder for it, `_fix_placeholder` drops)."""
+    return {name: pytree.tree_map(lambda v: PH if isinstance(v, torch.Tensor) else v, value)
+            for name, value in given.items() if not pytree.tree_is_leaf(value)}
 
 
 def _flat_codegen(graph: torch.fx.Graph) -> pytree.TreeSpec | None:
