@@ -24,15 +24,23 @@ a batch dimension.
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
-from typing import Any, Union
+import operator
+from typing import TYPE_CHECKING, Any, Callable, Union
 
 import torch
+import torch.fx
 import torch.utils._pytree as pytree
+from torch.fx._symbolic_trace import PH
 
 from ..errors import ModelFileError
 
-__all__ = ["InputKey", "flat_inputs", "forward_names", "key_text", "leaf_batch_dims", "leaves_of", "output_batch_dims", "path_entry"]
+if TYPE_CHECKING:
+    from .trace import Traced
+
+__all__ = ["InputKey", "expand_outputs", "fix_placeholder", "flat_codegen", "flat_inputs", "forward_names", "key_text", "leaf_batch_dims", "leaves_of", "nested_placeholders",
+           "output_batch_dims", "path_entry", "tops"]
 
 #: a top-level input's position or keyword, or a path into it ([Note: input leaves])
 InputKey = Union[int, str, tuple[Union[int, str], ...]]
@@ -61,9 +69,14 @@ def leaves_of(top: int | str, value: Any) -> list[tuple[InputKey, Any]]:
 def flat_inputs(args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[InputKey, Any]:
     """Every leaf of the batch by its key: positions, keywords, paths."""
     out: dict[InputKey, Any] = {}
-    for top, value in [*enumerate(args), *kwargs.items()]:
+    for top, value in tops(args, kwargs):
         out.update(leaves_of(top, value))
     return out
+
+
+def tops(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[tuple[int | str, Any]]:
+    """The batch's top-level values with their keys: positions, then keywords."""
+    return [*((i, a) for i, a in enumerate(args)), *kwargs.items()]
 
 
 def key_text(key: InputKey) -> str:
@@ -75,7 +88,7 @@ def leaf_batch_dims(declared: dict[Any, Any], names: list[str], args: tuple[Any,
                     where: str) -> dict[InputKey, int]:
     """The batch dimension of every tensor leaf of the batch, from BATCH_DIMS `declared`
     ([Note: input leaves]); `names`: forward's parameter names, `where`: the model file."""
-    keyed = {top: value for top, value in [*enumerate(args), *kwargs.items()]}
+    keyed = dict(tops(args, kwargs))
     dims: dict[InputKey, int] = {}
     for raw, spec in declared.items():
         top, rest = _locate(raw, names, keyed, where)
@@ -172,3 +185,63 @@ def _output_dim(leaf: Any, rows: int, inputs: dict[tuple[int, ...], int]) -> int
     if len(fits) > 1 and inputs.get(shape) in fits:
         return inputs[shape]
     return fits[0] if fits else 0
+
+
+# -- fx: nested inputs and outputs as graph leaves ------------------------------------------
+
+
+def nested_placeholders(given: dict[str, Any]) -> dict[str, Any]:
+    """fx's `concrete_args` for the arguments given as containers: their structure with a
+    placeholder at every tensor leaf and the value itself at every other leaf, which the
+    model then sees (fx still makes a guarded placeholder for it, `fix_placeholder` drops)."""
+    return {name: pytree.tree_map(lambda v: PH if isinstance(v, torch.Tensor) else v, value)
+            for name, value in given.items() if not pytree.tree_is_leaf(value)}
+
+
+def flat_codegen(graph: torch.fx.Graph) -> pytree.TreeSpec | None:
+    """The output's structure where fx traced nested inputs (its `_PyTreeCodeGen`: a flat
+    list returned, the structure kept aside), the graph's code made plain again; else None."""
+    info = getattr(graph._codegen, "pytree_info", None)
+    if info is None:
+        return None
+    graph._codegen = torch.fx.graph.CodeGen()
+    return info.out_spec  # type: ignore[no-any-return]
+
+
+def fix_placeholder(gm: torch.fx.GraphModule, node: torch.fx.Node, name: str, value: Any,
+                    default: Callable[[torch.fx.GraphModule, torch.fx.Node, str, Any], Any]) -> None:
+    """Replace the placeholder of an argument (or leaf of one) fixed to `value` by
+    `default(gm, node, name, value)`, and drop the guards fx put on it."""
+    for user in list(node.users):
+        for guard in list(user.users):
+            if "_assert" in getattr(guard.target, "__name__", ""):
+                gm.graph.erase_node(guard)
+        if "_assert" in getattr(user.target, "__name__", "") or (user.target is operator.eq and not user.users):
+            gm.graph.erase_node(user)
+    node.replace_all_uses_with(default(gm, node, name, value))
+    gm.graph.erase_node(node)
+
+
+def expand_outputs(traced: Traced, values: dict[torch.fx.Node, Any]) -> Traced:
+    """An output leaf whose value is a tuple or list (a kept module's `(h, c)`) becomes one
+    getitem node per element, so that each output leaf is one tensor with its own shape and
+    batch dim ([Note: input leaves] in inputs.py); the output's structure follows."""
+    graph = traced.gm.graph
+    out = next(n for n in graph.nodes if n.op == "output")
+    if not any(type(values.get(x)) in (tuple, list) for x in traced.output_leaves if isinstance(x, torch.fx.Node)):
+        return traced
+    with graph.inserting_before(out):
+        split = [_split_leaf(graph, x, values.get(x)) if isinstance(x, torch.fx.Node) else x
+                 for x in traced.output_leaves]
+    leaves, spec = pytree.tree_flatten(pytree.tree_unflatten(split, traced.out_spec))
+    out.args = (pytree.tree_unflatten(leaves, spec),)
+    traced.gm.recompile()
+    return dataclasses.replace(traced, out_spec=spec, output_leaves=leaves)
+
+
+def _split_leaf(graph: torch.fx.Graph, node: torch.fx.Node, value: Any) -> Any:
+    """`node` as a structure of getitem nodes shaped like its tuple or list `value`."""
+    if type(value) not in (tuple, list):  # a namedtuple keeps its type: one leaf
+        return node
+    return type(value)(_split_leaf(graph, graph.call_function(operator.getitem, (node, i)), v)
+                       for i, v in enumerate(value))

@@ -19,11 +19,9 @@ structure the model returns (a tensor, a tuple, a dict, a Hugging Face ModelOutp
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import inspect
 import io
 import logging
-import operator
 import traceback
 import warnings
 from dataclasses import dataclass, field
@@ -33,12 +31,12 @@ from typing import Any, Collection
 import torch
 import torch.fx
 import torch.utils._pytree as pytree
-from torch.fx._symbolic_trace import PH
 
 from ..errors import TraceError
 from .autocast import AutocastRefused, recording_autocast, refuse_autocast
-from .inputs import InputKey, flat_inputs, leaves_of, path_entry
 from .functions import functions_as_leaves, recorded_functions
+from .inputs import (InputKey, expand_outputs, fix_placeholder, flat_codegen, flat_inputs, leaves_of,
+                     nested_placeholders, path_entry, tops)
 from .kept import failing_submodule, rewrite_kept
 from .model_file import user_frame
 from .passes import inline_higher_order
@@ -189,31 +187,32 @@ def _trace_fx(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, A
         and p.default is not inspect.Parameter.empty
         and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
     }
-    nested = _nested_placeholders(given)  # [Note: input leaves] in inputs.py
+    nested = nested_placeholders(given)  # [Note: input leaves] in inputs.py
     with recording_autocast() as regions:
         graph = _traced_keeping_buffers(model, concrete | nested, kept or {})
-    out_spec = _flat_codegen(graph)
+    out_spec = flat_codegen(graph)
     for node in graph.nodes:  # a tensor default would be written as an unbound `_tensor_constant0`
         if node.op == "placeholder" and any(isinstance(a, (torch.Tensor, torch.fx.Node)) for a in node.args):
             node.args = ()
     gm = torch.fx.GraphModule(model, graph)
     # fx makes a placeholder for every parameter of forward(), in signature order (one per
     # leaf of a nested one); those fixed to their defaults are replaced by the default and
-    # their guards dropped, and so are the non-tensor leaves of nested ones.
+    # their guards dropped, and so are the non-tensor leaves of nested ones
+    # ([Note: input leaves] in inputs.py).
     named = [p for p in params if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
     placeholders = iter([n for n in gm.graph.nodes if n.op == "placeholder"])
     keys: list[tuple[str, InputKey]] = []
     for index, param in enumerate(named):
         top = index if index < len(args) else param.name
         if param.name in concrete:
-            _fix_placeholder(gm, next(placeholders), param.name, concrete[param.name])
+            fix_placeholder(gm, next(placeholders), param.name, concrete[param.name], _default_value)
         elif param.name in nested:
             for key, leaf in leaves_of(top, given[param.name]):
                 node = next(placeholders)
                 if isinstance(leaf, torch.Tensor):
                     keys.append((node.name, key))
                 else:
-                    _fix_placeholder(gm, node, param.name, leaf)
+                    fix_placeholder(gm, node, param.name, leaf, _default_value)
         else:
             keys.append((next(placeholders).name, top))
     gm.recompile()
@@ -224,37 +223,6 @@ def _trace_fx(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, A
         return Traced(gm, "fx", keys, out_spec, list(out.args[0]), tuple(regions), dict(kept or {}))
     leaves, spec = pytree.tree_flatten(_plain(out.args[0]))
     return Traced(gm, "fx", keys, spec, leaves, tuple(regions), dict(kept or {}))
-
-
-def _nested_placeholders(given: dict[str, Any]) -> dict[str, Any]:
-    """fx's `concrete_args` for the arguments given as containers: their structure with a
-    placeholder at every tensor leaf and the value itself at every other leaf, which the
-    model then sees (fx still makes a guarded placeholder for it, `_fix_placeholder` drops)."""
-    return {name: pytree.tree_map(lambda v: PH if isinstance(v, torch.Tensor) else v, value)
-            for name, value in given.items() if not pytree.tree_is_leaf(value)}
-
-
-def _flat_codegen(graph: torch.fx.Graph) -> pytree.TreeSpec | None:
-    """The output's structure where fx traced nested inputs (its `_PyTreeCodeGen`: a flat
-    list returned, the structure kept aside), the graph's code made plain again; else None."""
-    info = getattr(graph._codegen, "pytree_info", None)
-    if info is None:
-        return None
-    graph._codegen = torch.fx.graph.CodeGen()
-    return info.out_spec  # type: ignore[no-any-return]
-
-
-def _fix_placeholder(gm: torch.fx.GraphModule, node: torch.fx.Node, name: str, value: Any) -> None:
-    """Replace the placeholder of an argument (or leaf of one) fixed to `value` by it, and
-    drop the guards fx put on it."""
-    for user in list(node.users):
-        for guard in list(user.users):
-            if "_assert" in getattr(guard.target, "__name__", ""):
-                gm.graph.erase_node(guard)
-        if "_assert" in getattr(user.target, "__name__", "") or (user.target is operator.eq and not user.users):
-            gm.graph.erase_node(user)
-    node.replace_all_uses_with(_default_value(gm, node, name, value))
-    gm.graph.erase_node(node)
 
 
 def check_autocast(traced: Traced, precision: str) -> None:
@@ -327,7 +295,7 @@ def _dynamic_shapes(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[
         return None
     names = [p.name for p in inspect.signature(model.forward).parameters.values()]
     spec: dict[str, Any] = {}
-    for key, value in [*enumerate(args), *kwargs.items()]:
+    for key, value in tops(args, kwargs):
         name = names[key] if isinstance(key, int) else str(key)
         leaves = [(_dynamic_dim(leaf, batch_dims.get(k, 0))) for k, leaf in leaves_of(key, value)]
         spec[name] = pytree.tree_unflatten(leaves, pytree.tree_flatten(value)[1])
@@ -405,39 +373,14 @@ def by_input_key(args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[InputKey
 
 def _check_runs(traced: Traced, model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Traced:
     """The graph must run on the example inputs (it is run again, timed, later); returns
-    `traced` with every output leaf one tensor (`_expand_outputs`)."""
+    `traced` with every output leaf one tensor (`inputs.expand_outputs`)."""
     by_key = by_input_key(args, kwargs)
     flat = [by_key[key] for _name, key in traced.input_keys]
     with torch.no_grad():
         traced.gm.graph.lint()
         run = torch.fx.Interpreter(traced.gm, garbage_collect_values=False)
         _ = run.run(*flat)
-    return _expand_outputs(traced, run.env)
-
-
-def _expand_outputs(traced: Traced, values: dict[torch.fx.Node, Any]) -> Traced:
-    """An output leaf whose value is a tuple or list (a kept module's `(h, c)`) becomes one
-    getitem node per element, so that each output leaf is one tensor with its own shape and
-    batch dim ([Note: input leaves] in inputs.py); the output's structure follows."""
-    graph = traced.gm.graph
-    out = next(n for n in graph.nodes if n.op == "output")
-    if not any(type(values.get(x)) in (tuple, list) for x in traced.output_leaves if isinstance(x, torch.fx.Node)):
-        return traced
-    with graph.inserting_before(out):
-        split = [_split_leaf(graph, x, values.get(x)) if isinstance(x, torch.fx.Node) else x
-                 for x in traced.output_leaves]
-    leaves, spec = pytree.tree_flatten(pytree.tree_unflatten(split, traced.out_spec))
-    out.args = (pytree.tree_unflatten(leaves, spec),)
-    traced.gm.recompile()
-    return dataclasses.replace(traced, out_spec=spec, output_leaves=leaves)
-
-
-def _split_leaf(graph: torch.fx.Graph, node: torch.fx.Node, value: Any) -> Any:
-    """`node` as a structure of getitem nodes shaped like its tuple or list `value`."""
-    if type(value) not in (tuple, list):  # a namedtuple keeps its type: one leaf
-        return node
-    return type(value)(_split_leaf(graph, graph.call_function(operator.getitem, (node, i)), v)
-                       for i, v in enumerate(value))
+    return expand_outputs(traced, run.env)
 
 
 def _failure_message(failures: list[tuple[str, BaseException]], model_path: str) -> str:
