@@ -113,7 +113,7 @@ def measure_stages(directory: Path, prepared: Prepared, repeats: int) -> list[fl
     aliases = {v: k for k, v in manifest["state_dict_aliases"].items()}
     from driver.options import split_batch
 
-    args, kwargs = split_batch(prepared.args, prepared.kwargs, prepared.mf.batch_dims, prepared.rows)
+    args, kwargs = split_batch(prepared.args, prepared.kwargs, prepared.mf.leaf_batch_dims(prepared.model, prepared.args, prepared.kwargs), prepared.rows)
     given = {**dict(enumerate(args)), **kwargs}
     batch = {i["name"]: given[i["key"]] for i in manifest["inputs"]}
     values: dict[str, torch.Tensor] = {}

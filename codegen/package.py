@@ -63,6 +63,8 @@ class PackageInfo:
     tensor_parallel: dict[str, Any] = field(default_factory=dict)  # the manifest's block (rules, collectives)
     recompute: bool = False  # every stage runs its forward again in backward (the stages' "recompute")
     free_batch: bool = False  # sizes that follow the batch are read from the inputs ([Note: free batch])
+    #: each output leaf's batch dimension ([Note: input leaves] in partitioner/trace/inputs.py)
+    output_batch_dims: tuple[int | None, ...] = ()
     precision: str = "fp32"  # runtime.precision ([Note: mixed precision])
     source_text: bytes = b""  # the model file's bytes, copied into the package as MODEL_COPY
     source_modules: dict[str, bytes] = field(default_factory=dict)  # `<name>.py` of its folder it imports
@@ -234,6 +236,7 @@ def _manifest(plan: Plan, info: PackageInfo, stages: list[StageSpec], modules: t
         virtual_stages=plan.virtual_stages,
         batch_size=info.batch_size,
         free_dims=("batch",) if info.free_batch else (),
+        output_batch_dims=info.output_batch_dims if any(d not in (0, None) for d in info.output_batch_dims) else (),
         precision=info.precision,
         inputs=tuple(_model_input(i) for i in info.inputs),
         stages=tuple(stages),

@@ -11,11 +11,13 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
+import torch.utils._pytree as pytree
 
 from partitioner.errors import PlanError
 from partitioner.ir import SCHEDULES
 from partitioner.solve.problem import Mesh
 from partitioner.trace import model_file
+from partitioner.trace.inputs import InputKey, flat_inputs, key_text, leaves_of
 from runtime.precision import PRECISIONS
 
 __all__ = ["CompileOptions", "batch_size", "check", "fixed_tp", "default_microbatches", "mesh_of", "rows_per_microbatch",
@@ -126,22 +128,25 @@ def mesh_of(opts: CompileOptions, pp: int, virtual: int, microbatches: int) -> M
                 zero=opts.zero or 0)
 
 
-def batch_size(mf: model_file.ModelFile, args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
+def batch_size(mf: model_file.ModelFile, args: tuple[Any, ...], kwargs: dict[str, Any],
+               dims: dict[InputKey, int]) -> int:
+    """The rows of the example batch: every tensor leaf's size along its batch dimension
+    (`dims`, [Note: input leaves]), which must agree."""
     sizes = set()
-    dims = mf.batch_dims
-    for key, value in [*enumerate(args), *kwargs.items()]:
+    for key, value in flat_inputs(args, kwargs).items():
         if isinstance(value, torch.Tensor):
             dim = dims.get(key, 0)
             if value.dim() <= dim:
                 raise model_file.ModelFileError(
-                    f"{mf.path}: input {key!r} has shape {tuple(value.shape)} and no batch dimension {dim}; "
-                    f"set BATCH_DIMS = {{{key!r}: <dim>}} in the model file."
+                    f"{mf.path}: input {key_text(key)} has shape {tuple(value.shape)} and no batch dimension {dim}; "
+                    f"set BATCH_DIMS = {{{key_text(key)}: <dim>}} in the model file."
                 )
             sizes.add(value.shape[dim])
     if len(sizes) != 1:
         raise model_file.ModelFileError(
             f"{mf.path}: example_inputs() tensors disagree on the batch size ({sorted(sizes)}); "
-            f"dimension 0 is the batch unless BATCH_DIMS says otherwise."
+            f"dimension 0 is the batch unless BATCH_DIMS says otherwise (by position, name or dotted path: "
+            f"{{'hidden': 1}}, {{'hidden.0': 1}})."
         )
     return sizes.pop()
 
@@ -167,13 +172,14 @@ def rows_per_microbatch(batch: int, microbatches: int, dp: int) -> int:
 
 
 def split_batch(
-    args: tuple[Any, ...], kwargs: dict[str, Any], dims: dict[Any, int], rows: int, index: int = 0
+    args: tuple[Any, ...], kwargs: dict[str, Any], dims: dict[InputKey, int], rows: int, index: int = 0
 ) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    """Microbatch `index` of `rows` rows: each tensor sliced along its batch dimension."""
+    """Microbatch `index` of `rows` rows: each tensor leaf sliced along its batch dimension
+    (`dims`, [Note: input leaves])."""
 
-    def cut(key: Any, value: Any) -> Any:
-        if not isinstance(value, torch.Tensor):
-            return value
-        return value.narrow(dims.get(key, 0), index * rows, rows)
+    def cut(top: int | str, value: Any) -> Any:
+        leaves = [v.narrow(dims.get(k, 0), index * rows, rows) if isinstance(v, torch.Tensor) else v
+                  for k, v in leaves_of(top, value)]
+        return pytree.tree_unflatten(leaves, pytree.tree_flatten(value)[1])
 
     return tuple(cut(i, a) for i, a in enumerate(args)), {k: cut(k, v) for k, v in kwargs.items()}

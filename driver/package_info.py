@@ -13,6 +13,7 @@ from partitioner.cost.nodes import storage_key
 from partitioner.predict.predict import rounded
 from partitioner.ir import Plan
 from partitioner.tp import Sharded
+from partitioner.trace.inputs import output_batch_dims
 from partitioner.trace.passes import get_attr
 from partitioner.trace.siblings import sibling_modules
 from partitioner.trace.trace import by_input_key
@@ -34,13 +35,14 @@ def package_info(p: Prepared, plan: Plan, predicted: dict[str, Any]) -> PackageI
     batch, args, kwargs = p.batch, p.args, p.kwargs
     gm = traced.gm
     by_key = by_input_key(args, kwargs)
+    dims = mf.leaf_batch_dims(model, args, kwargs)  # [Note: input leaves]
     inputs = []
     for node in (n for n in gm.graph.nodes if n.op == "placeholder"):
         key = dict(traced.input_keys)[node.name]
         value = by_key[key]
         meta = node.meta.get("tensor_meta")
         inputs.append({
-            "name": node.name, "key": key, "batch_dim": mf.batch_dims.get(key, 0),
+            "name": node.name, "key": list(key) if isinstance(key, tuple) else key, "batch_dim": dims.get(key, 0),
             "shape": [int(d) for d in meta.shape] if meta is not None else None,
             "dtype": str(value.dtype).replace("torch.", "") if isinstance(value, torch.Tensor) else None,
         })
@@ -65,7 +67,13 @@ def package_info(p: Prepared, plan: Plan, predicted: dict[str, Any]) -> PackageI
         shards=dict(sharded.params) if sharded is not None else {},
         tensor_parallel=_tp_summary(sharded), recompute=plan.recompute, free_batch=p.free_batch,
         precision=opts.precision,
+        output_batch_dims=output_batch_dims(traced.output_leaves, p.rows, _input_dims_by_shape(inputs)),
     )
+
+
+def _input_dims_by_shape(inputs: list[dict[str, Any]]) -> dict[tuple[int, ...], int]:
+    """The batch dim of each input tensor's microbatch shape (the last input of a shape wins)."""
+    return {tuple(i["shape"]): i["batch_dim"] for i in inputs if i["shape"] is not None}
 
 
 def _tp_summary(sharded: Sharded | None) -> dict[str, Any]:

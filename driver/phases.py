@@ -69,7 +69,7 @@ def load_source(opts: CompileOptions, say: Callable[[str], None] = lambda _m: No
     elif device.type == "cuda":
         model = model.to(device)
         args, kwargs = pytree.tree_map_only(torch.Tensor, lambda t: t.to(device), (args, kwargs))
-    return Source(mf, model, args, kwargs, batch_size(mf, args, kwargs), device)
+    return Source(mf, model, args, kwargs, batch_size(mf, args, kwargs, mf.leaf_batch_dims(model, args, kwargs)), device)
 
 
 def compile_device(opts: CompileOptions) -> torch.device:
@@ -108,7 +108,8 @@ def prepare(opts: CompileOptions, say: Callable[[str], None] = lambda _m: None, 
                         f"with --precision fp32.")
     microbatches = microbatches or default_microbatches(batch, pp, opts)
     rows = rows_per_microbatch(batch, microbatches, opts.dp)
-    margs, mkwargs = split_batch(args, kwargs, mf.batch_dims, rows)
+    dims = mf.leaf_batch_dims(model, args, kwargs)  # [Note: input leaves]
+    margs, mkwargs = split_batch(args, kwargs, dims, rows)
     phase("load")
     # 2. trace, and specialise to the microbatch shape (partitioner.trace).
     buffers = BufferSnapshot(model)  # running the model moves BatchNorm's statistics (partitioner.trace.buffers)
@@ -118,7 +119,7 @@ def prepare(opts: CompileOptions, say: Callable[[str], None] = lambda _m: None, 
     by_key = by_input_key(margs, mkwargs)
     # the values' dtypes are the autocast run's ([Note: mixed precision])
     with autocast(opts.precision, src.device.type):
-        free = probe(traced.gm, by_key, traced.input_keys, mf.batch_dims, rows)  # [Note: free batch]
+        free = probe(traced.gm, by_key, traced.input_keys, dims, rows)  # [Note: free batch]
         values = propagate(traced.gm, [by_key[key] for _name, key in traced.input_keys], opts.model)
     free_batch = specialize(traced.gm, values, free, rows)
     warn_batch_statistics(traced.gm, microbatches, None if opts.quiet else say)
@@ -154,7 +155,7 @@ def _trace(src: Source, margs: tuple[Any, ...], mkwargs: dict[str, Any], opts: C
     if src.generic is not None:
         return copy_traced(src.generic)
     say(f"tracing {opts.model} ({type(src.model).__name__}, microbatch of {rows} rows)")
-    traced = trace(src.model, margs, mkwargs, opts.tracer, opts.model, src.mf.batch_dims)
+    traced = trace(src.model, margs, mkwargs, opts.tracer, opts.model, src.mf.leaf_batch_dims(src.model, margs, mkwargs))
     if traced.tracer == "fx":
         src.generic = copy_traced(traced)
     return traced

@@ -34,7 +34,15 @@ _opt_str = _check("a string or null", lambda v: v is None or isinstance(v, str))
 _bool = _check("true or false", lambda v: isinstance(v, bool))
 _array = _check("a list", lambda v: isinstance(v, list))
 _mapping = _check("an object", lambda v: isinstance(v, Mapping))
-_key = _check("a string or an int", lambda v: isinstance(v, str) or _is_int(v))
+_top_key = _check("a string or an int", lambda v: isinstance(v, str) or _is_int(v))
+_opt_ints_list = _check("a list of ints or nulls", lambda v: isinstance(v, list) and all(x is None or _is_int(x) for x in v))
+
+
+def _key(value: Any, where: str) -> Any:
+    """An input's key: a position or keyword, or (a list in JSON) a path into a nested input."""
+    if isinstance(value, list) and len(value) >= 2 and all(isinstance(v, str) or _is_int(v) for v in value):
+        return tuple(value)
+    return _top_key(value, where)
 _from = _check('a stage index or "input"', lambda v: v == "input" or _is_int(v))
 _to = _check('a list of stage indices or "output"',
              lambda v: v == "output" or (isinstance(v, list) and all(_is_int(x) for x in v)))

@@ -341,7 +341,8 @@ class DistributedPipeline:
         mine = [_to_cpu(o) for o in step.results] if self.position == last and self.tp_index == 0 else None
         gathered: list[Any] = [None] * self.world
         dist.all_gather_object(gathered, mine, group=self.groups.world)
-        return concat_outputs([o for r in range(self.dp) for o in gathered[self.mesh.rank(r, last, 0)]])
+        return concat_outputs([o for r in range(self.dp) for o in gathered[self.mesh.rank(r, last, 0)]],
+                              self.manifest.output_batch_dims)
 
     # -- checkpoints (runtime/checkpoint/; docs/checkpoints.md) ------------------------------
 

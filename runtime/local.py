@@ -245,7 +245,7 @@ class LocalPipeline:
                 mb_inputs = package.split_inputs(inputs, self.manifest, replica)
                 outs += self._run_lanes(self._forward, mb_inputs, None, None, [])
         self.streams.synchronize()
-        return concat_outputs(outs)
+        return concat_outputs(outs, self.manifest.output_batch_dims)
 
     # -- checkpoints (runtime/checkpoint/; docs/checkpoints.md) ------------------------------
 
@@ -403,23 +403,27 @@ def _forget_read(manifest: Manifest, reader: StageRunner, mb: int,
             outputs[(spec.source, mb)].pop(spec.name, None)
 
 
-def concat_outputs(outputs: list[Any]) -> Any:
-    """Microbatch outputs joined leaf by leaf: tensors concatenated along dim 0, scalar
-    tensors averaged (mean-reduced values), other leaves taken from the first."""
+def concat_outputs(outputs: list[Any], dims: tuple[int | None, ...] = ()) -> Any:
+    """Microbatch outputs joined leaf by leaf: tensors concatenated along their batch
+    dimension (`dims`, in pytree order, the manifest's `output_batch_dims`; dim 0 where it
+    says nothing), scalar tensors averaged (mean-reduced values), other leaves taken from the
+    first."""
     if not outputs:
         raise PipelineError("no microbatch produced an output.")
     flat = [pytree.tree_flatten(o)[0] for o in outputs]
     spec = pytree.tree_flatten(outputs[0])[1]
-    leaves = []
-    for column in zip(*flat):
-        first = column[0]
-        if isinstance(first, torch.Tensor) and first.dim() > 0:
-            leaves.append(torch.cat([c.to(first.device) for c in column], dim=0))
-        elif isinstance(first, torch.Tensor):
-            leaves.append(torch.stack([c.to(first.device) for c in column]).mean())
-        else:
-            leaves.append(first)
+    leaves = [_join(column, dims[j] if j < len(dims) else 0) for j, column in enumerate(zip(*flat))]
     return pytree.tree_unflatten(leaves, spec)
+
+
+def _join(column: tuple[Any, ...], dim: int | None) -> Any:
+    """One output leaf of every microbatch as the whole batch's."""
+    first = column[0]
+    if isinstance(first, torch.Tensor) and first.dim() > 0 and dim is not None:
+        return torch.cat([c.to(first.device) for c in column], dim=dim)
+    if isinstance(first, torch.Tensor) and first.dim() == 0:
+        return torch.stack([c.to(first.device) for c in column]).mean()
+    return first
 
 
 class _Tied:

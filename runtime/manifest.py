@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, Mapping
 
 from ._fields import (_array, _Bad, _bool, _count, _from, _index, _int, _ints, _is_int, _key, _mapping, _number,
-                      _Obj, _opt_int, _opt_str, _shape, _str, _strs, _to)
+                      _Obj, _opt_int, _opt_ints_list, _opt_str, _shape, _str, _strs, _to)
 from .errors import ManifestError
 from .precision import PRECISIONS
 
@@ -102,16 +102,18 @@ class Mesh:
 @dataclass(frozen=True)
 class ModelInput:
     """One input of the model: its name in the graph, its key in the batch (a position or a
-    keyword), the dimension microbatches cut, and its shape per microbatch (None: not a tensor)."""
+    keyword, or a path into a nested input: [Note: input leaves] in partitioner/trace/inputs.py),
+    the dimension microbatches cut, and its shape per microbatch (None: not a tensor)."""
 
     name: str
-    key: str | int
+    key: str | int | tuple[str | int, ...]
     batch_dim: int = 0
     shape: tuple[int, ...] | None = None
     dtype: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        return {"name": self.name, "key": self.key, "batch_dim": self.batch_dim, "shape": _list(self.shape),
+        key = list(self.key) if isinstance(self.key, tuple) else self.key
+        return {"name": self.name, "key": key, "batch_dim": self.batch_dim, "shape": _list(self.shape),
                 "dtype": self.dtype}
 
 
@@ -313,6 +315,9 @@ class Manifest:
     #: when set.  With "batch", a value crossing stages whose `batch_dim` is set has, along
     #: it, its `shape` scaled by the microbatch's rows over the compiled rows.
     free_dims: tuple[str, ...] = ()
+    #: each output leaf's batch dimension, in pytree order (None: not cut, e.g. a scalar);
+    #: () means dim 0 for all, and it is written only when some leaf's is not 0
+    output_batch_dims: tuple[int | None, ...] = ()
     #: `compile --precision` (runtime.precision), written only when not "fp32"
     precision: str = "fp32"
     tied_parameters: tuple[TiedParameter, ...] = ()
@@ -329,6 +334,7 @@ class Manifest:
             "tracer": self.tracer, "options": dict(self.options), "mesh": self.mesh.to_dict(),
             "schedule": self.schedule, "microbatches": self.microbatches, "virtual_stages": self.virtual_stages,
             "batch_size": self.batch_size, **({"free_dims": list(self.free_dims)} if self.free_dims else {}),
+            **({"output_batch_dims": list(self.output_batch_dims)} if self.output_batch_dims else {}),
             **({"precision": self.precision} if self.precision != "fp32" else {}),
             "inputs": [i.to_dict() for i in self.inputs],
             "stages": [s.to_dict() for s in self.stages],
@@ -469,6 +475,7 @@ def _read_manifest(data: Mapping[str, Any]) -> Manifest:
         format_version=FORMAT_VERSION, generator=m.get("generator", _str, ""), tracer=m.get("tracer", _str, ""),
         options=m.get("options", _mapping, {}), virtual_stages=m.get("virtual_stages", _count, 1),
         batch_size=m.get("batch_size", _opt_int, None), free_dims=tuple(m.get("free_dims", _free, [])),
+        output_batch_dims=tuple(m.get("output_batch_dims", _opt_ints_list, [])),
         precision=m.get("precision", _precision, "fp32"),
         tied_parameters=m.each("tied_parameters", _tied, optional=True),
         state_dict_aliases=m.get("state_dict_aliases", _mapping, {}),

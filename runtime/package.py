@@ -299,6 +299,7 @@ def edge_grads(manifest: Manifest, p: int, c: int) -> list[StageOutput]:
 
 
 def _by_key(inputs: Any) -> dict[Any, Any]:
+    """The batch's top-level values by position or keyword."""
     if isinstance(inputs, dict):
         return dict(inputs)
     if isinstance(inputs, torch.Tensor):
@@ -307,6 +308,27 @@ def _by_key(inputs: Any) -> dict[Any, Any]:
         return dict(enumerate(inputs))
     raise BatchError(f"inputs must be a tuple of positional arguments, a dict of keyword arguments or a tensor, "
                      f"as example_inputs() returns; got {type(inputs).__name__}.")
+
+
+_ABSENT = object()
+
+
+def _lookup(given: dict[Any, Any], key: Any) -> Any:
+    """The batch's value at an input's key: a position or keyword, or a path into a nested
+    input ([Note: input leaves] in partitioner/trace/inputs.py); `_ABSENT` where it has none."""
+    path = key if isinstance(key, tuple) else (key,)
+    value: Any = given
+    for step in path:
+        try:
+            value = value[step]
+        except (KeyError, IndexError, TypeError):
+            return _ABSENT
+    return value
+
+
+def _key_text(key: Any) -> str:
+    """An input's key as the model file's BATCH_DIMS writes it: `0`, `'x'`, `'hidden.0'`."""
+    return ".".join(map(str, key)) if isinstance(key, tuple) else repr(key)
 
 
 def _chunks(value: torch.Tensor, dim: int, m: int, replica: int, replicas: int, what: str) -> list[torch.Tensor]:
@@ -330,9 +352,10 @@ def microbatch_rows(inputs: Any, manifest: Manifest) -> list[int]:
     """The rows of each microbatch of one replica, as `split_inputs` cuts `inputs`."""
     given = _by_key(inputs)
     for spec in manifest.inputs:
-        value = given.get(spec.key)
+        value = _lookup(given, spec.key)
         if isinstance(value, torch.Tensor) and value.dim() > spec.batch_dim:
-            pieces = _chunks(value, spec.batch_dim, manifest.microbatches, 0, manifest.mesh.dp, f"input {spec.key!r}")
+            pieces = _chunks(value, spec.batch_dim, manifest.microbatches, 0, manifest.mesh.dp,
+                             f"input {_key_text(spec.key)}")
             return [p.shape[spec.batch_dim] for p in pieces]
     compiled = (manifest.batch_size or manifest.microbatches * manifest.mesh.dp) // manifest.mesh.dp
     return [p.numel() for p in torch.tensor_split(torch.empty(compiled), manifest.microbatches)]
@@ -379,17 +402,17 @@ def split_inputs(inputs: Any, manifest: Manifest, replica: int = 0) -> list[dict
     given = _by_key(inputs)
     out: list[dict[str, Any]] = [{} for _ in range(m)]
     for spec in manifest.inputs:
-        key = spec.key
-        if key not in given:
+        key = _key_text(spec.key)
+        value = _lookup(given, spec.key)
+        if value is _ABSENT:
             have = ", ".join(repr(k) for k in given) or "nothing"
-            raise BatchError(f"the package reads input {key!r} ({spec.name}) but the batch has {have}: pass the "
-                             f"inputs as the model file's example_inputs() gives them.")
-        value = given[key]
+            raise BatchError(f"the package reads input {key} ({spec.name}) but the batch has {have}: pass the "
+                             f"inputs as the model file's example_inputs() gives them, nested inputs included.")
         if not isinstance(value, torch.Tensor):
             for mb in out:
                 mb[spec.name] = value
             continue
-        pieces = _chunks(value, spec.batch_dim, m, replica, dp, f"input {key!r}")
+        pieces = _chunks(value, spec.batch_dim, m, replica, dp, f"input {key}")
         for piece in pieces:
             _check_shape(piece, spec, manifest, key)
         for mb, piece in zip(out, pieces):
@@ -397,7 +420,7 @@ def split_inputs(inputs: Any, manifest: Manifest, replica: int = 0) -> list[dict
     return out
 
 
-def _check_shape(piece: torch.Tensor, spec: ModelInput, manifest: Manifest, key: Any) -> None:
+def _check_shape(piece: torch.Tensor, spec: ModelInput, manifest: Manifest, key: str) -> None:
     """A microbatch's shape must be the compiled one, but for the batch dimension when it is free."""
     if spec.shape is None:
         return
@@ -410,7 +433,7 @@ def _check_shape(piece: torch.Tensor, spec: ModelInput, manifest: Manifest, key:
         fixed = ("only its batch dimension is free: the others (sequence length included) are the example "
                  "batch's" if free else f"its batch is fixed at {manifest.batch_size} rows (the model's sizes do "
                  f"not follow the batch)")
-        raise BatchError(f"input {key!r} gives microbatches of shape {list(piece.shape)} but the package was "
+        raise BatchError(f"input {key} gives microbatches of shape {list(piece.shape)} but the package was "
                          f"compiled for {list(spec.shape)} ({m} microbatches x {dp} replica(s) of the example batch), "
                          f"and {fixed}: train on batches shaped like example_inputs(), or compile again.")
 

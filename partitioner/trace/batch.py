@@ -147,8 +147,8 @@ def resize_rows(value: Any, dim: int, rows: int) -> Any:
     return value.index_select(dim, index)
 
 
-def probe_batch(keyed: dict[int | str, Any], batch_dims: dict[int | str, int], rows: int) -> dict[int | str, Any]:
-    """The example microbatch (by input key) resized to `rows` rows."""
+def probe_batch(keyed: dict[Any, Any], batch_dims: dict[Any, int], rows: int) -> dict[Any, Any]:
+    """The example microbatch (by input key: [Note: input leaves] in inputs.py) resized to `rows` rows."""
     return {k: resize_rows(v, batch_dims.get(k, 0), rows) for k, v in keyed.items()}
 
 

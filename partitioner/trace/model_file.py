@@ -21,6 +21,7 @@ from typing import Any, Callable
 import torch
 
 from ..errors import ModelFileError
+from .inputs import InputKey, forward_names, leaf_batch_dims
 
 __all__ = ["ModelFile", "load", "user_frame"]
 
@@ -40,10 +41,16 @@ class ModelFile:
         dims = getattr(self.module, "BATCH_DIMS", {})
         if not isinstance(dims, dict):
             raise ModelFileError(
-                f"{self.path}: BATCH_DIMS must be a dict mapping an input's position or "
-                f"keyword to its batch dimension, e.g. {{0: 1}}; got {type(dims).__name__}."
+                f"{self.path}: BATCH_DIMS must be a dict mapping an input's position, "
+                f"name or dotted path to its batch dimension, e.g. {{0: 1}} or {{'hidden.0': 1}}; got {type(dims).__name__}."
             )
         return dims
+
+    def leaf_batch_dims(self, model: torch.nn.Module, args: tuple[Any, ...],
+                        kwargs: dict[str, Any]) -> dict[InputKey, int]:
+        """The batch dimension of each tensor leaf of the batch `args`/`kwargs` that BATCH_DIMS
+        names ([Note: input leaves] in inputs.py); every other leaf's is 0."""
+        return leaf_batch_dims(self.batch_dims, forward_names(model), args, kwargs, self.path)
 
     def build(self, seed: int) -> torch.nn.Module:
         """`torch.manual_seed(seed)` then the entry function, checked."""

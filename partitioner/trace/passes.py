@@ -23,6 +23,7 @@ from torch.fx.passes.shape_prop import TensorMetadata, _extract_tensor_metadata
 from ..cost.nodes import storage_key, tensors
 from ..errors import TraceError
 from .batch import PROBE_EXTRA, FreeBatch, NotFree, batch_constant, batch_dim, probe_batch
+from .inputs import InputKey
 
 __all__ = ["get_attr", "inline_higher_order", "probe", "propagate", "specialize", "is_tensor_node", "node_module"]
 
@@ -62,8 +63,8 @@ def propagate(gm: torch.fx.GraphModule, flat_inputs: list[Any], model_path: str 
     return values
 
 
-def probe(gm: torch.fx.GraphModule, keyed: dict[int | str, Any], input_keys: list[tuple[str, int | str]],
-          batch_dims: dict[Any, int], rows: int) -> FreeBatch | None:
+def probe(gm: torch.fx.GraphModule, keyed: dict[InputKey, Any], input_keys: list[tuple[str, InputKey]],
+          batch_dims: dict[InputKey, int], rows: int) -> FreeBatch | None:
     """Run `gm` on the probe microbatches of [Note: free batch] (call it BEFORE the real
     `propagate`, whose tensor_meta must be the compiled microbatch's); None when a probe
     run fails, which keeps the batch fixed."""

@@ -37,6 +37,8 @@ from ..errors import TraceError
 from .autocast import AutocastRefused, recording_autocast, refuse_autocast
 from .checkpointing import inlined_checkpoints
 from .functions import functions_as_leaves, recorded_functions, short_name
+from .inputs import (InputKey, expand_outputs, fix_placeholder, flat_codegen, flat_inputs, leaves_of,
+                     nested_placeholders, path_entry, tops)
 from .kept import failing_submodule, rewrite_kept
 from .model_file import user_frame
 from .passes import inline_higher_order
@@ -54,7 +56,7 @@ class Traced:
     tracer: str
     #: for each placeholder, in graph order: its name and the user's key
     #: (an int for a positional argument, a str for a keyword argument)
-    input_keys: list[tuple[str, int | str]]
+    input_keys: list[tuple[str, InputKey]]
     #: the structure of the model's output over `output_leaves`
     out_spec: pytree.TreeSpec
     output_leaves: list[Any]
@@ -121,7 +123,7 @@ def trace(
     kwargs: dict[str, Any],
     tracer: str = "auto",
     model_path: str = "",
-    batch_dims: dict[Any, int] | None = None,
+    batch_dims: dict[InputKey, int] | None = None,
 ) -> Traced:
     """Trace `model` called as `model(*args, **kwargs)` into an fx graph; with
     `batch_dims` (input key -> dim), export leaves those dimensions dynamic ([Note: free batch])."""
@@ -136,7 +138,7 @@ def trace(
             for name in order:
                 try:
                     traced = _trace_fx(model, args, kwargs) if name == "fx" else _trace_export(model, args, kwargs, batch_dims)
-                    _check_runs(traced, model, args, kwargs)
+                    traced = _check_runs(traced, model, args, kwargs)
                     return dataclasses.replace(traced, checkpointed=tuple(checkpointed))
                 except AutocastRefused:
                     raise
@@ -170,8 +172,7 @@ def _trace_keeping_whole(model: torch.nn.Module, args: tuple[Any, ...], kwargs: 
                          f": {first[:120]}") if where else first[:160]
         try:
             traced = _trace_fx(model, args, kwargs, reasons)
-            _check_runs(traced, model, args, kwargs)
-            return traced
+            return _check_runs(traced, model, args, kwargs)
         except Exception as again:  # the next module to keep whole, or give up
             exc = again
     return None
@@ -183,7 +184,7 @@ def _trace_keeping_whole(model: torch.nn.Module, args: tuple[Any, ...], kwargs: 
 def _trace_fx(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
               kept: dict[str, str] | None = None) -> Traced:
     params = list(inspect.signature(model.forward).parameters.values())
-    given = {p.name for p in params[: len(args)]} | set(kwargs)
+    given = {p.name: v for p, v in zip(params, args)} | kwargs
     # Arguments the example batch leaves out are fixed to their defaults, so `if mask is
     # None:` takes the branch the user's call takes rather than a proxy's.
     concrete = {
@@ -193,31 +194,40 @@ def _trace_fx(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, A
         and p.default is not inspect.Parameter.empty
         and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
     }
+    nested = nested_placeholders(given)  # [Note: input leaves] in inputs.py
     with recording_autocast() as regions:
-        graph = _traced_keeping_buffers(model, concrete, kept or {})
+        graph = _traced_keeping_buffers(model, concrete | nested, kept or {})
+    out_spec = flat_codegen(graph)
     for node in graph.nodes:  # a tensor default would be written as an unbound `_tensor_constant0`
         if node.op == "placeholder" and any(isinstance(a, (torch.Tensor, torch.fx.Node)) for a in node.args):
             node.args = ()
     gm = torch.fx.GraphModule(model, graph)
-    # fx makes a placeholder for every parameter of forward(), in signature order; those
-    # fixed to their defaults are replaced by the default and their guards dropped.
+    # fx makes a placeholder for every parameter of forward(), in signature order (one per
+    # leaf of a nested one); those fixed to their defaults are replaced by the default and
+    # their guards dropped, and so are the non-tensor leaves of nested ones
+    # ([Note: input leaves] in inputs.py).
     named = [p for p in params if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
-    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    keys: list[tuple[str, int | str]] = []
-    for node, param in zip(placeholders, named):
+    placeholders = iter([n for n in gm.graph.nodes if n.op == "placeholder"])
+    keys: list[tuple[str, InputKey]] = []
+    for index, param in enumerate(named):
+        top = index if index < len(args) else param.name
         if param.name in concrete:
-            for user in list(node.users):
-                if "_assert_is_none" in getattr(user.target, "__name__", ""):
-                    gm.graph.erase_node(user)
-            node.replace_all_uses_with(_default_value(gm, node, param.name, concrete[param.name]))
-            gm.graph.erase_node(node)
+            fix_placeholder(gm, next(placeholders), param.name, concrete[param.name], _default_value)
+        elif param.name in nested:
+            for key, leaf in leaves_of(top, given[param.name]):
+                node = next(placeholders)
+                if isinstance(leaf, torch.Tensor):
+                    keys.append((node.name, key))
+                else:
+                    fix_placeholder(gm, node, param.name, leaf, _default_value)
         else:
-            index = named.index(param)
-            keys.append((node.name, index if index < len(args) else param.name))
+            keys.append((next(placeholders).name, top))
     gm.recompile()
     if kept:
         rewrite_kept(gm, kept)
     out = next(n for n in gm.graph.nodes if n.op == "output")
+    if out_spec is not None:
+        return Traced(gm, "fx", keys, out_spec, list(out.args[0]), tuple(regions), dict(kept or {}))
     leaves, spec = pytree.tree_flatten(_plain(out.args[0]))
     return Traced(gm, "fx", keys, spec, leaves, tuple(regions), dict(kept or {}))
 
@@ -278,7 +288,7 @@ def _plain(value: Any) -> Any:
 
 
 def _dynamic_shapes(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
-                    batch_dims: dict[Any, int] | None) -> dict[str, Any] | None:
+                    batch_dims: dict[InputKey, int] | None) -> dict[str, Any] | None:
     """export's `dynamic_shapes`: each tensor input's batch dimension left to export
     (`Dim.AUTO`: dynamic where the model allows it, else specialised, which the probes of
     [Note: free batch] then find)."""
@@ -286,15 +296,20 @@ def _dynamic_shapes(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[
         return None
     names = [p.name for p in inspect.signature(model.forward).parameters.values()]
     spec: dict[str, Any] = {}
-    for key, value in [*enumerate(args), *kwargs.items()]:
+    for key, value in tops(args, kwargs):
         name = names[key] if isinstance(key, int) else str(key)
-        dim = batch_dims.get(key, 0)
-        spec[name] = {dim: torch.export.Dim.AUTO} if isinstance(value, torch.Tensor) and value.dim() > dim else None
+        leaves = [(_dynamic_dim(leaf, batch_dims.get(k, 0))) for k, leaf in leaves_of(key, value)]
+        spec[name] = pytree.tree_unflatten(leaves, pytree.tree_flatten(value)[1])
     return spec
 
 
+def _dynamic_dim(value: Any, dim: int) -> dict[int, Any] | None:
+    """export's dynamic_shapes entry of one input leaf: its batch dim left to export."""
+    return {dim: torch.export.Dim.AUTO} if isinstance(value, torch.Tensor) and value.dim() > dim else None
+
+
 def _trace_export(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
-                  batch_dims: dict[Any, int] | None = None) -> Traced:
+                  batch_dims: dict[InputKey, int] | None = None) -> Traced:
     # export logs and prints its own failures (graph dumps, tracebacks); the TraceError
     # we raise says what matters, so its output is silenced while it runs.
     logging.disable(logging.CRITICAL)
@@ -323,15 +338,10 @@ def _trace_export(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[st
             f"export flattened the inputs into {len(placeholders)} tensors but the example "
             f"batch has {len(flat)} leaves; pass each input as one tensor argument."
         )
-    keys: list[tuple[str, int | str]] = []
-    for node, (path, _value) in zip(placeholders, flat):
-        if len(path) != 2:
-            raise TraceError(
-                f"input {pytree.keystr(path)} is nested inside a container; the partitioner "
-                f"needs every input to be a tensor argument of forward()."
-            )
-        key = path[1]
-        keys.append((node.name, key.idx if isinstance(key, pytree.SequenceKey) else str(getattr(key, "key"))))
+    keys: list[tuple[str, InputKey]] = []
+    for node, (path, _value) in zip(placeholders, flat):  # path: (args or kwargs, top key, *inside)
+        entries = [path_entry(k) for k in path[1:]]
+        keys.append((node.name, entries[0] if len(entries) == 1 else tuple(entries)))
     out = next(n for n in gm.graph.nodes if n.op == "output")
     leaves = list(out.args[0])
     spec = ep.call_spec.out_spec
@@ -353,23 +363,25 @@ def copy_traced(traced: Traced) -> Traced:
                   dict(traced.kept), traced.checkpointed)
 
 
-def by_input_key(args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[int | str, Any]:
-    """The example batch keyed as `Traced.input_keys` names it: position or keyword."""
-    keyed: dict[int | str, Any] = dict(enumerate(args))
-    keyed.update(kwargs)
-    return keyed
+def by_input_key(args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[InputKey, Any]:
+    """The example batch keyed as `Traced.input_keys` names it: position, keyword, or a
+    path into a nested one ([Note: input leaves] in inputs.py)."""
+    return flat_inputs(args, kwargs)
 
 
 # -- checks and messages -----------------------------------------------------------------
 
 
-def _check_runs(traced: Traced, model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-    """The graph must run on the example inputs (it is run again, timed, later)."""
+def _check_runs(traced: Traced, model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Traced:
+    """The graph must run on the example inputs (it is run again, timed, later); returns
+    `traced` with every output leaf one tensor (`inputs.expand_outputs`)."""
     by_key = by_input_key(args, kwargs)
     flat = [by_key[key] for _name, key in traced.input_keys]
     with torch.no_grad():
         traced.gm.graph.lint()
-        _ = torch.fx.Interpreter(traced.gm).run(*flat)
+        run = torch.fx.Interpreter(traced.gm, garbage_collect_values=False)
+        _ = run.run(*flat)
+    return expand_outputs(traced, run.env)
 
 
 def _failure_message(failures: list[tuple[str, BaseException]], model_path: str) -> str:
