@@ -401,7 +401,8 @@ def loss_scales(rows: list[int], replicas: int = 1) -> list[float]:
     [Note: microbatch weights]
         A batch of B rows is cut into dp replicas of B/dp rows (dp must divide B) and each
         replica into M microbatches by `torch.tensor_split` (the first (B/dp) % M are one row
-        longer; M <= B/dp).  Microbatch i's mean loss L_i over its r_i rows counts with
+        longer; M <= B/dp: the package's count, or fewer on a short batch, [Note: short batch]
+        in counts.py).  Microbatch i's mean loss L_i over its r_i rows counts with
         weight r_i / B: sum_i (r_i / B) L_i is the mean over all B rows, exactly what
         `loss.backward()` on the whole batch differentiates.  With equal microbatches the
         divisor B / r_i is M x dp, as before.  LocalPipeline divides by B / r_i; a
