@@ -51,6 +51,7 @@ import torch.utils._pytree as pytree
 
 from . import checkpoint, clip, initialize, messages, modes, optim, package, precision, tp
 from .comm import GradBuckets, TiedGrads, guard, init_from_env, timeout_from_env, wait
+from .counts import Counts
 from .devices import CommStream
 from .errors import ManifestError, MeshError, PipelineError
 from .faults import parse_fault
@@ -137,20 +138,12 @@ class DistributedPipeline:
         self._share_tied()
         # float32 masters of bf16 parameters ([Note: bf16 with master weights] in precision.py)
         self._masters = precision.masters_for([p for _, p in self._module_named()], m.precision)
-        # 4. the schedule: every rank lowers and validates the whole one, then keeps its row
-        compute = schedule if isinstance(schedule, list) else make_schedule(
-            schedule or m.schedule, self.pp, m.microbatches, m.virtual_stages)
-        fwd = [[a for a in row if a.kind == Kind.F] for row in compute]
-        self._train_actions = _row(lower(compute, g), g, m.microbatches, self.position)
-        self._forward_actions = _row(lower(fwd, g), g, m.microbatches, self.position)
-        # gloo takes receives early; NCCL matches point-to-point messages in the order they
-        # are posted on one stream, so there each is posted where it is waited for
-        # ([Note: receives posted ahead] in schedule.py)
-        early = self._comm.stream is None
-        self._train_ahead = receives_ahead(self._train_actions) if early else {}
-        self._forward_ahead = receives_ahead(self._forward_actions) if early else {}
-        # 5. gradient buckets, tied gradients
-        self._setup_grads()
+        # 4. gradient buckets, tied gradients
+        plain = self._setup_grads()
+        # 5. the schedule: every rank lowers and validates the whole one, then keeps its row;
+        # a short batch's smaller count is made when one comes ([Note: short batch] in counts.py)
+        self._rows = Counts(_rows_builder(schedule, m, g, self.position, self._comm.stream is None, self.runners,
+                                          plain), m.microbatches, fixed=isinstance(schedule, list))
         self.tracer = Tracer(trace or os.environ.get("PIPELINE_TRACE") or None, self.rank, self.stages)
         self._fault = parse_fault(os.environ.get("PIPELINE_FAULT", ""))
         self._loss_fn: LossFn | None = None
@@ -230,10 +223,11 @@ class DistributedPipeline:
 
     def _evaluate(self, inputs: Any, target: Any, loss_fn: LossFn | None) -> torch.Tensor:
         fn, mb_inputs, targets, rows = self._share(inputs, target, loss_fn)
+        order = self._rows.get(len(rows))
         self._begin()
         step = _Step(train=False, evaluate=True, rows=rows, scales=package.loss_scales(rows))
         with torch.no_grad():
-            self._run(self._forward_actions, self._forward_ahead, step, mb_inputs, targets, fn)
+            self._run(order.forward, order.forward_ahead, step, mb_inputs, targets, fn)
             self._wait_sends(step)
             loss = self._reduce_loss(step)
         self.tracer.flush()
@@ -284,20 +278,22 @@ class DistributedPipeline:
         m = self.manifest
         holds_last = self.graph.num_stages - 1 in self.runners
         fn = loss_fn or (self._default_loss_fn() if holds_last else None)
-        mb_inputs = package.split_inputs(inputs, m, self.replica)
-        rows = package.microbatch_rows(inputs, m)
-        targets = package.split_target(target, m.microbatches, self.replica, self.dp, sum(rows) * self.dp)
+        count = self._rows.fit(package.replica_rows(inputs, m))
+        mb_inputs = package.split_inputs(inputs, m, self.replica, count)
+        rows = package.microbatch_rows(inputs, m, count)
+        targets = package.split_target(target, count, self.replica, self.dp, sum(rows) * self.dp)
         return fn, mb_inputs, targets, rows
 
     def _train_step(self, inputs: Any, target: Any, loss_fn: LossFn | None) -> torch.Tensor:
         fn, mb_inputs, targets, rows = self._share(inputs, target, loss_fn)
+        order = self._rows.get(len(rows))
         snapshot = self._ties.snapshot()
         if self._buckets is not None:
             self._buckets.reset()
         self._begin()
         step = _Step(train=True, rows=rows, scales=package.loss_scales(rows))
         try:
-            self._run(self._train_actions, self._train_ahead, step, mb_inputs, targets, fn, self._arm_at)
+            self._run(order.train, order.train_ahead, step, mb_inputs, targets, fn, order.arm_at)
             self._wait_sends(step)
             if self._buckets is not None:
                 with self.tracer.collective("data-parallel gradient all_reduce (what backward left)"):
@@ -331,11 +327,13 @@ class DistributedPipeline:
 
     def _call(self, inputs: Any) -> Any:
         self._set_tp_group()
-        mb_inputs = package.split_inputs(inputs, self.manifest, self.replica)
+        count = self._rows.fit(package.replica_rows(inputs, self.manifest))
+        mb_inputs = package.split_inputs(inputs, self.manifest, self.replica, count)
+        order = self._rows.get(count)
         self._begin()
-        step = _Step(train=False, rows=package.microbatch_rows(inputs, self.manifest))
+        step = _Step(train=False, rows=package.microbatch_rows(inputs, self.manifest, count))
         with torch.no_grad():
-            self._run(self._forward_actions, self._forward_ahead, step, mb_inputs, None, None)
+            self._run(order.forward, order.forward_ahead, step, mb_inputs, None, None)
             self._wait_sends(step)
         last = self.graph.rank_of(self.graph.num_stages - 1)
         mine = [_to_cpu(o) for o in step.results] if self.position == last and self.tp_index == 0 else None
@@ -541,8 +539,8 @@ class DistributedPipeline:
                 if first is not p:
                     setattr(r.module, spec.name, first)
 
-    def _setup_grads(self) -> None:
-        """Process groups, data-parallel buckets, tied gradients, and when to arm the buckets."""
+    def _setup_grads(self) -> list[torch.nn.Parameter]:
+        """Data-parallel buckets and tied gradients; the parameters the buckets hold."""
         groups = self.groups
         mine = dict(self._module_named())
         tied = [(mine[n], group, n) for n, (group, _) in groups.ties.items() if n in mine and mine[n].requires_grad]
@@ -553,16 +551,7 @@ class DistributedPipeline:
         self._buckets = (GradBuckets(plain, groups.dp, self.dp, self.timeout_s,
                                      self._describe("the data-parallel gradient all_reduce", groups.dp_ranks))
                          if self.dp > 1 and plain else None)
-        # arm each parameter right before the last B or W (of any stage holding it) on this rank
-        last_b: dict[int, int] = {}
-        for t, a in enumerate(self._train_actions):
-            if a.kind in (Kind.B, Kind.W):
-                for spec in self.runners[a.stage].entry.parameters:
-                    last_b[id(getattr(self.runners[a.stage].module, spec.name))] = t
-        self._arm_at: dict[int, list[torch.nn.Parameter]] = {}
-        for p in plain:
-            if id(p) in last_b:
-                self._arm_at.setdefault(last_b[id(p)], []).append(p)
+        return plain
 
     # -- helpers -----------------------------------------------------------------------------
 
@@ -638,6 +627,50 @@ def _describer(rank: int, stages: list[int]) -> Callable[[str, Any], Callable[[b
                     f"stopped or failed ({reason}). Look at that rank's own error.")
         return say
     return describe
+
+
+@dataclass(frozen=True)
+class _Rows:
+    """This rank's actions for one microbatch count, and what goes with them."""
+
+    train: list[Action]
+    forward: list[Action]
+    train_ahead: dict[int, tuple[int, ...]]
+    forward_ahead: dict[int, tuple[int, ...]]
+    arm_at: dict[int, list[torch.nn.Parameter]]
+
+
+def _rows_builder(schedule: str | Schedule | None, m: Manifest, g: StageGraph, position: int, early: bool,
+                  runners: Mapping[int, StageRunner], plain: list[torch.nn.Parameter]) -> Callable[[int], _Rows]:
+    """count -> this rank's `_Rows` (closing over no pipeline: [Note: short batch] in counts.py)."""
+
+    def build(count: int) -> _Rows:
+        compute = schedule if isinstance(schedule, list) else make_schedule(
+            schedule or m.schedule, m.mesh.pp, count, m.virtual_stages)
+        fwd = [[a for a in row if a.kind == Kind.F] for row in compute]
+        train, forward = _row(lower(compute, g), g, count, position), _row(lower(fwd, g), g, count, position)
+        # gloo takes receives early; NCCL matches point-to-point messages in the order they
+        # are posted on one stream, so there each is posted where it is waited for
+        # ([Note: receives posted ahead] in schedule.py)
+        ahead = (receives_ahead(train), receives_ahead(forward)) if early else ({}, {})
+        return _Rows(train, forward, *ahead, _arm_points(train, runners, plain))
+
+    return build
+
+
+def _arm_points(actions: list[Action], runners: Mapping[int, StageRunner],
+                plain: list[torch.nn.Parameter]) -> dict[int, list[torch.nn.Parameter]]:
+    """Arm each parameter right before the last B or W (of any stage holding it) on this rank."""
+    last_b: dict[int, int] = {}
+    for t, a in enumerate(actions):
+        if a.kind in (Kind.B, Kind.W):
+            for spec in runners[a.stage].entry.parameters:
+                last_b[id(getattr(runners[a.stage].module, spec.name))] = t
+    arm_at: dict[int, list[torch.nn.Parameter]] = {}
+    for p in plain:
+        if id(p) in last_b:
+            arm_at.setdefault(last_b[id(p)], []).append(p)
+    return arm_at
 
 
 def _row(lowered: Schedule, g: StageGraph, microbatches: int, position: int) -> list[Action]:

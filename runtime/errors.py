@@ -16,6 +16,7 @@ __all__ = [
     "MeshError",
     "PeerError",
     "CheckpointError",
+    "CheckpointNotFoundError",
 ]
 
 
@@ -49,3 +50,7 @@ class PeerError(PipelineError):
 
 class CheckpointError(PipelineError):
     """A checkpoint is incomplete, corrupt, or does not match the model (runtime/checkpoint/)."""
+
+
+class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
+    """A checkpoint folder, or the folder checkpoints are looked for in, does not exist."""

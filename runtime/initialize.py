@@ -15,6 +15,14 @@ and `pipe.init_weights(seed)` on a pipeline give every parameter the same values
     `_init_weights` that initialises a child's parameter from its parent module (GPT-2's
     scaled c_proj) is run on the child only: the values stay mesh-invariant, but differ
     from `from_config`'s for those parameters.
+
+[Note: tied init]
+    A parameter tied under several names (GPT-2's `transformer.wte.weight` and
+    `lm_head.weight`) is one parameter: it is initialised once, under its FIRST name in
+    the original model's `named_parameters()` order, by that name's module and seed,
+    whichever of its names the package or the caller asks for.  So the unsplit model (whose
+    `named_parameters()` yields the first name only) and every plan (whose manifest may
+    call it by another) agree, on one stage or on several.
 """
 
 from __future__ import annotations
@@ -28,7 +36,7 @@ from . import modes, package
 from .errors import PipelineError
 from .manifest import Manifest, ParamSpec
 
-__all__ = ["init_weights", "InitError", "initial_value", "init_held", "init_pipeline", "param_seed"]
+__all__ = ["init_weights", "InitError", "initial_value", "init_held", "init_pipeline", "param_seed", "first_names"]
 
 ModuleInit = Callable[[torch.nn.Module], Any]
 
@@ -60,9 +68,19 @@ def _initialiser(model: torch.nn.Module, model_init: ModuleInit | None) -> Calla
     return run
 
 
-def initial_value(model: torch.nn.Module, name: str, seed: int, model_init: ModuleInit | None = None) -> torch.Tensor:
-    """Parameter `name`'s initial value (on the CPU) by [Note: mesh-invariant init]; `model`
-    may be on the meta device (its owner's own tensors are materialised for the call)."""
+def first_names(model: torch.nn.Module) -> dict[str, str]:
+    """Each parameter name of `model`, aliases included -> the parameter's first name
+    ([Note: tied init])."""
+    first: dict[int, str] = {}
+    return {name: first.setdefault(id(p), name) for name, p in model.named_parameters(remove_duplicate=False)}
+
+
+def initial_value(model: torch.nn.Module, name: str, seed: int, model_init: ModuleInit | None = None,
+                  names: dict[str, str] | None = None) -> torch.Tensor:
+    """Parameter `name`'s initial value (on the CPU) by [Note: mesh-invariant init] and
+    [Note: tied init] (`names`: `first_names(model)`, computed when not given); `model` may
+    be on the meta device (its owner's own tensors are materialised for the call)."""
+    name = (first_names(model) if names is None else names).get(name, name)
     owner_name, _, attr = name.rpartition(".")
     owner = model.get_submodule(owner_name)
     saved = {n: p for n, p in owner.named_parameters(recurse=False)}
@@ -92,7 +110,8 @@ def initial_value(model: torch.nn.Module, name: str, seed: int, model_init: Modu
 def init_weights(model: torch.nn.Module, seed: int = 0, model_init: ModuleInit | None = None) -> torch.nn.Module:
     """Initialise an UNSPLIT model's parameters in place as `pipe.init_weights(seed)` does
     on any plan of it ([Note: mesh-invariant init]); returns the model."""
-    values = {name: initial_value(model, name, seed, model_init) for name, _ in model.named_parameters()}
+    names = first_names(model)
+    values = {name: initial_value(model, name, seed, model_init, names) for name, _ in model.named_parameters()}
     with torch.no_grad():
         for name, p in model.named_parameters():
             p.copy_(values[name])
@@ -107,8 +126,9 @@ def init_held(held: Iterable[tuple[package.Held, torch.Tensor]], manifest: Manif
     for spec, tensor in held:
         if isinstance(spec, ParamSpec):
             by_name.setdefault(spec.source_name, []).append((spec, tensor))
+    names = first_names(meta_model)
     for name, holders in by_name.items():
-        value = initial_value(meta_model, name, seed, model_init)
+        value = initial_value(meta_model, name, seed, model_init, names)
         package.load_stage_state(holders, {name: value}, manifest)
         del value
 

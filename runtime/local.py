@@ -36,6 +36,7 @@ import torch.utils._pytree as pytree
 
 from . import checkpoint, clip, initialize, modes, optim, package, precision, tp
 from .comm import timeout_from_env
+from .counts import Counts
 from .devices import DeviceLike, StageStreams, resolve_devices
 from .errors import PipelineError
 from .manifest import Manifest, StageInput, StageOutput
@@ -86,15 +87,26 @@ class LocalPipeline:
         self._masters = precision.masters_for([p for lane in self.lanes for _, p in self._module_named(lane)],
                                               m.precision)
         self._group = tp.Lanes(self.tp, timeout_from_env()) if self.tp > 1 else None
-        compute = schedule if isinstance(schedule, list) else make_schedule(
-            schedule or m.schedule, pp, m.microbatches, m.virtual_stages)
-        forward_only = [[a for a in row if a.kind == Kind.F] for row in compute]
-        self._train = execution_order(validate(lower(compute, self.graph), self.graph, m.microbatches))
-        self._forward = execution_order(validate(lower(forward_only, self.graph), self.graph, m.microbatches))
+        self._orders = Counts(lambda count: self._make_orders(schedule, count), m.microbatches,
+                              fixed=isinstance(schedule, list))
         self._loss_fn: LossFn | None = None
         self.training = True
         self._calls = 0  # train_step, evaluate and __call__ calls: [Note: dropout streams] in modes.py
         self._replica = 0  # the replica being run (its microbatches draw their own streams)
+
+    def _make_orders(self, schedule: str | Schedule | None, count: int) -> tuple[list[tuple[int, Action]], ...]:
+        """The training and the forward-only execution order for `count` microbatches
+        ([Note: short batch] in counts.py)."""
+        m = self.manifest
+        compute = schedule if isinstance(schedule, list) else make_schedule(
+            schedule or m.schedule, m.mesh.pp, count, m.virtual_stages)
+        forward_only = [[a for a in row if a.kind == Kind.F] for row in compute]
+        return (execution_order(validate(lower(compute, self.graph), self.graph, count)),
+                execution_order(validate(lower(forward_only, self.graph), self.graph, count)))
+
+    def _count(self, inputs: Any) -> int:
+        """How many microbatches each replica of this batch runs ([Note: short batch])."""
+        return self._orders.fit(package.replica_rows(inputs, self.manifest))
 
     def _make_lane(self, index: int) -> _Lane:
         m = self.manifest
@@ -158,17 +170,17 @@ class LocalPipeline:
         """The whole-batch loss, forward only and without an autograd graph (in the current
         mode: call eval() first for dropout off and batch norm's running statistics)."""
         fn = loss_fn or self._default_loss_fn()
-        m, dp = self.manifest.microbatches, self.manifest.mesh.dp
+        m, dp = self._count(inputs), self.manifest.mesh.dp
         self._begin()
         total = torch.zeros((), device=self.devices[-1])
-        rows = package.microbatch_rows(inputs, self.manifest)
+        rows = package.microbatch_rows(inputs, self.manifest, m)
         scales = package.loss_scales(rows, dp)  # [Note: microbatch weights]
         with torch.no_grad():
             for replica in range(dp):
                 self._replica = replica
-                mb_inputs = package.split_inputs(inputs, self.manifest, replica)
+                mb_inputs = package.split_inputs(inputs, self.manifest, replica, m)
                 targets = package.split_target(target, m, replica, dp, sum(rows) * dp)
-                outs = self._run_lanes(self._forward, mb_inputs, None, None, scales)
+                outs = self._run_lanes(self._orders.get(m)[1], mb_inputs, None, None, scales)
                 last = self.runners[-1]
                 for i, out in enumerate(outs):
                     t = pytree.tree_map(lambda x: self.streams.move(x, None, len(self.runners) - 1), targets[i])
@@ -209,18 +221,18 @@ class LocalPipeline:
         """One step over the whole batch: leaves .grad as loss.backward() on the whole-batch
         mean loss would (accumulating; grads are not zeroed); returns that loss, detached."""
         fn = loss_fn or self._default_loss_fn()
-        m, dp = self.manifest.microbatches, self.manifest.mesh.dp
+        m, dp = self._count(inputs), self.manifest.mesh.dp
         snapshots = [lane.tied.snapshot() for lane in self.lanes]
         total: torch.Tensor | None = None
         self._begin()
         try:
-            rows = package.microbatch_rows(inputs, self.manifest)
+            rows = package.microbatch_rows(inputs, self.manifest, m)
             scales = package.loss_scales(rows, dp)  # [Note: microbatch weights]
             for replica in range(dp):
                 self._replica = replica
-                mb_inputs = package.split_inputs(inputs, self.manifest, replica)
+                mb_inputs = package.split_inputs(inputs, self.manifest, replica, m)
                 targets = package.split_target(target, m, replica, dp, sum(rows) * dp)
-                loss = self._run_lanes(self._train, mb_inputs, targets, fn, scales)
+                loss = self._run_lanes(self._orders.get(m)[0], mb_inputs, targets, fn, scales)
                 total = loss if total is None else total + loss
         except BaseException:
             for lane in self.lanes:
@@ -238,12 +250,13 @@ class LocalPipeline:
     def __call__(self, inputs: Any) -> Any:
         """Forward only: the whole batch's output (microbatch outputs concatenated on dim 0)."""
         outs: list[Any] = []
+        m = self._count(inputs)
         self._begin()
         with torch.no_grad():
             for replica in range(self.manifest.mesh.dp):
                 self._replica = replica
-                mb_inputs = package.split_inputs(inputs, self.manifest, replica)
-                outs += self._run_lanes(self._forward, mb_inputs, None, None, [])
+                mb_inputs = package.split_inputs(inputs, self.manifest, replica, m)
+                outs += self._run_lanes(self._orders.get(m)[1], mb_inputs, None, None, [])
         self.streams.synchronize()
         return concat_outputs(outs, self.manifest.output_batch_dims)
 

@@ -49,6 +49,7 @@ __all__ = [
     "split_inputs",
     "split_target",
     "microbatch_rows",
+    "replica_rows",
     "loss_scales",
     "value_shape",
     "edge_values",
@@ -348,17 +349,29 @@ def _chunks(value: torch.Tensor, dim: int, m: int, replica: int, replicas: int, 
     return list(torch.tensor_split(value.narrow(dim, replica * per, per), m, dim=dim))
 
 
-def microbatch_rows(inputs: Any, manifest: Manifest) -> list[int]:
-    """The rows of each microbatch of one replica, as `split_inputs` cuts `inputs`."""
+def replica_rows(inputs: Any, manifest: Manifest) -> int | None:
+    """The rows of one replica's share of `inputs` (None when no input has a batch
+    dimension), which [Note: short batch] in counts.py fits the microbatch count to."""
     given = _by_key(inputs)
     for spec in manifest.inputs:
         value = _lookup(given, spec.key)
         if isinstance(value, torch.Tensor) and value.dim() > spec.batch_dim:
-            pieces = _chunks(value, spec.batch_dim, manifest.microbatches, 0, manifest.mesh.dp,
-                             f"input {_key_text(spec.key)}")
-            return [p.shape[spec.batch_dim] for p in pieces]
-    compiled = (manifest.batch_size or manifest.microbatches * manifest.mesh.dp) // manifest.mesh.dp
-    return [p.numel() for p in torch.tensor_split(torch.empty(compiled), manifest.microbatches)]
+            share = _chunks(value, spec.batch_dim, 1, 0, manifest.mesh.dp, f"input {_key_text(spec.key)}")[0]
+            return share.shape[spec.batch_dim]
+    return None
+
+
+def microbatch_rows(inputs: Any, manifest: Manifest, count: int | None = None) -> list[int]:
+    """The rows of each microbatch of one replica, as `split_inputs` cuts `inputs` into
+    `count` microbatches (default: the package's)."""
+    m = count or manifest.microbatches
+    rows = replica_rows(inputs, manifest)
+    if rows is None:
+        rows = (manifest.batch_size or manifest.microbatches * manifest.mesh.dp) // manifest.mesh.dp
+    if rows < m:
+        raise BatchError(f"a replica's {rows} rows cannot fill {m} microbatches: give at least "
+                         f"{m * manifest.mesh.dp} rows, or compile with fewer --microbatches.")
+    return [p.numel() for p in torch.tensor_split(torch.empty(rows), m)]
 
 
 def loss_scales(rows: list[int], replicas: int = 1) -> list[float]:
@@ -368,7 +381,8 @@ def loss_scales(rows: list[int], replicas: int = 1) -> list[float]:
     [Note: microbatch weights]
         A batch of B rows is cut into dp replicas of B/dp rows (dp must divide B) and each
         replica into M microbatches by `torch.tensor_split` (the first (B/dp) % M are one row
-        longer; M <= B/dp).  Microbatch i's mean loss L_i over its r_i rows counts with
+        longer; M <= B/dp: the package's count, or fewer on a short batch, [Note: short batch]
+        in counts.py).  Microbatch i's mean loss L_i over its r_i rows counts with
         weight r_i / B: sum_i (r_i / B) L_i is the mean over all B rows, exactly what
         `loss.backward()` on the whole batch differentiates.  With equal microbatches the
         divisor B / r_i is M x dp, as before.  LocalPipeline divides by B / r_i; a
@@ -392,13 +406,13 @@ def value_shape(spec: TensorSpec, rows: int, manifest: Manifest) -> list[int]:
     return shape
 
 
-def split_inputs(inputs: Any, manifest: Manifest, replica: int = 0) -> list[dict[str, Any]]:
+def split_inputs(inputs: Any, manifest: Manifest, replica: int = 0, count: int | None = None) -> list[dict[str, Any]]:
     """Microbatch i's model inputs, by manifest input name, for data-parallel `replica`.
 
     Each tensor is cut along its `batch_dim` (replica r takes rows [r*B/dp, (r+1)*B/dp),
-    then M equal pieces); other values go to every microbatch unchanged.
+    then `count` (default M) equal pieces); other values go to every microbatch unchanged.
     """
-    m, dp = manifest.microbatches, manifest.mesh.dp
+    m, dp = count or manifest.microbatches, manifest.mesh.dp
     given = _by_key(inputs)
     out: list[dict[str, Any]] = [{} for _ in range(m)]
     for spec in manifest.inputs:

@@ -58,6 +58,8 @@ def _check_short_batch(path: str, pkg: Path, rows: int) -> None:
     with torch.no_grad():
         torch.testing.assert_close(pytree.tree_leaves(pipe(kwargs or args)),
                                    pytree.tree_leaves(model(*args, **kwargs)), rtol=RTOL, atol=ATOL)
+        torch.testing.assert_close(pipe.evaluate(kwargs or args, target),
+                                   mf.loss_fn()(model(*args, **kwargs), target), rtol=RTOL, atol=ATOL)
 
 
 @pytest.mark.parametrize("example", ["mlp", "gpt", "hf_gpt2"])
@@ -87,6 +89,41 @@ def test_short_batch_with_two_replicas(tmp_path: Path) -> None:
     _check_short_batch("examples/gpt.py", tmp_path / "pkg", 6)  # 3 rows a replica: microbatches of 2 and 1
 
 
+@pytest.mark.parametrize("options, rows", [
+    ({"stages": 2, "microbatches": 4}, 3),  # 3 microbatches of 1 row
+    ({"stages": 2, "microbatches": 4}, 2),  # a 2-row batch on a 4-microbatch package
+    ({"stages": 2, "dp": 2, "microbatches": 2}, 2),  # 1 row a replica: 1 microbatch
+    ({"stages": 2, "virtual_stages": 2, "schedule": "interleaved", "microbatches": 4}, 3),  # 2: a multiple of 2 ranks
+    ({"stages": 2, "virtual_stages": 2, "schedule": "zb-v", "microbatches": 4}, 3),
+    ({"stages": 2, "schedule": "zb-h1", "microbatches": 4}, 3),
+])
+def test_fewer_rows_than_microbatches_run_fewer_microbatches(options: dict[str, Any], rows: int,
+                                                              tmp_path: Path) -> None:
+    """[Note: short batch]: as many microbatches as the schedule allows with the rows there are."""
+    compile_example("examples/gpt.py", tmp_path / "pkg", **options)
+    _check_short_batch("examples/gpt.py", tmp_path / "pkg", rows)
+
+
+def test_a_schedule_that_cannot_shrink_is_named(tmp_path: Path) -> None:
+    from runtime.schedule import make_schedule
+
+    compile_example("examples/gpt.py", tmp_path / "pkg", stages=2, microbatches=4)
+    pipe = runtime.LocalPipeline(str(tmp_path / "pkg"), schedule=make_schedule("1f1b", 2, 4))
+    mf = model_file.load("examples/gpt.py")
+    (idx,), _ = mf.example_inputs()
+    with pytest.raises(BatchError, match=r"3 rows per replica, fewer than the package's 4 microbatches, and the "
+                                         r"schedule was given as a fixed list of actions: give at least 4 rows"):
+        pipe.train_step((idx[:3],), mf.example_target()[:3])
+    # interleaved on 4 ranks runs a multiple of 4 microbatches: none fits 3 rows
+    compile_example("examples/gpt.py", tmp_path / "v", stages=4, virtual_stages=2, schedule="interleaved",
+                    microbatches=4)
+    pipe = runtime.LocalPipeline(str(tmp_path / "v"))
+    with pytest.raises(BatchError, match=r"3 rows per replica, fewer than the package's 4 microbatches, and the "
+                                         r"package's schedule runs with no count that small \(the interleaved "
+                                         r"schedule needs microbatches \(3\) to be a multiple of .* \(4\)"):
+        pipe.evaluate((idx[:3],), mf.example_target()[:3])
+
+
 def test_bad_batches_are_refused(tmp_path: Path) -> None:
     compile_example("examples/gpt.py", tmp_path / "pkg", stages=2, dp=2, microbatches=2)
     mf = model_file.load("examples/gpt.py")
@@ -95,8 +132,6 @@ def test_bad_batches_are_refused(tmp_path: Path) -> None:
     target = mf.example_target()
     with pytest.raises(BatchError, match=r"5 rows .* do not split evenly across 2 data-parallel replicas"):
         pipe.train_step((idx[:5],), target[:5])
-    with pytest.raises(BatchError, match=r"1 per replica cannot fill 2 microbatches: give at least 4 rows"):
-        pipe.train_step((idx[:2],), target[:2])
     with pytest.raises(BatchError, match=r"only its batch dimension is free"):
         pipe.train_step((idx[:, :4],), target[:, :4])
 
@@ -176,9 +211,12 @@ def test_an_input_named_batch_keeps_its_name(tmp_path: Path) -> None:
     ("gpt", {"stages": 2}, 5),
     pytest.param("hf_gpt2", {"stages": 2}, 5, marks=pytest.mark.slow),  # ~25 s
     ("gpt", {"stages": 1, "dp": 2}, 6),
+    ("gpt", {"stages": 2, "microbatches": 4}, 3),  # fewer rows than microbatches: 3 microbatches
+    ("gpt", {"stages": 1, "dp": 2, "microbatches": 4}, 2),  # 1 row a replica: 1 microbatch
 ])
 def test_short_batch_on_two_ranks(example: str, options: dict[str, Any], rows: int, tmp_path: Path) -> None:
-    compile_example(f"examples/{example}.py", tmp_path / "pkg", microbatches=2, **options)
+    options.setdefault("microbatches", 2)
+    compile_example(f"examples/{example}.py", tmp_path / "pkg", **options)
     copy = tmp_path / f"{example}.py"
     shutil.copy(ROOT / "examples" / f"{example}.py", copy)
     _ok(launch(2, "short", [tmp_path / "pkg"], copy, deadline_s=90, env={"SHORT_ROWS": str(rows)}))

@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from ..errors import CheckpointError
+from ..errors import CheckpointError, CheckpointNotFoundError
 
 __all__ = ["MARKER", "partial_dir", "begin", "commit", "verify", "latest_checkpoint", "prune"]
 
@@ -118,8 +118,15 @@ def _complete(root: Path) -> list[tuple[float, Path]]:
 
 def latest_checkpoint(root: str | os.PathLike[str]) -> Path | None:
     """The newest complete checkpoint directly under `root` (by the time its save
-    finished), or None; incomplete and corrupt ones are skipped."""
-    found = _complete(Path(root))
+    finished), or None when the folder holds none; incomplete and corrupt ones are skipped.
+    Raises CheckpointNotFoundError when `root` is not a folder (a typo is not "no checkpoint")."""
+    path = Path(root)
+    if not path.is_dir():
+        what = "is a file, not a folder" if path.exists() else "does not exist"
+        raise CheckpointNotFoundError(f"checkpoint folder {str(root)!r} {what} (from {os.getcwd()}): give the "
+                                      f"folder the checkpoints were saved under (the --checkpoint of the run that "
+                                      f"saved them; step-NNNNNN folders are inside it).")
+    found = _complete(path)
     return found[-1][1] if found else None
 
 

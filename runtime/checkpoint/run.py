@@ -12,7 +12,8 @@ import torch
 from ..errors import CheckpointError
 from .commit import latest_checkpoint
 
-__all__ = ["add_arguments", "check_arguments", "worker_arguments", "initial_weights", "resume", "maybe_save"]
+__all__ = ["add_arguments", "check_arguments", "worker_arguments", "initial_weights", "resume", "resume_from",
+           "maybe_save"]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -20,7 +21,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--checkpoint", help="save checkpoints under this folder (step-000010, ...)")
     parser.add_argument("--save-every", type=int, default=0, help="save every K steps (and after the last)")
     parser.add_argument("--keep", type=int, help="keep only the newest N checkpoints")
-    parser.add_argument("--resume", action="store_true", help="continue from the newest complete checkpoint")
+    again = parser.add_mutually_exclusive_group()
+    again.add_argument("--resume", action="store_true",
+                       help="continue from the newest complete checkpoint under --checkpoint (an error if none)")
+    again.add_argument("--resume-if-any", action="store_true",
+                       help="continue from it if there is one, else start afresh (a job restarted in a loop)")
     start = parser.add_mutually_exclusive_group()
     start.add_argument("--init", action="store_true", help="initial weights by pipe.init_weights (no whole model)")
     start.add_argument("--load", help="initial weights from a checkpoint, .safetensors file or Hugging Face folder")
@@ -28,7 +33,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def check_arguments(ns: argparse.Namespace) -> None:
     """A clear error for options that do not fit together."""
-    if (ns.save_every or ns.resume or ns.keep is not None) and not ns.checkpoint:
+    if (ns.save_every or ns.resume or ns.resume_if_any or ns.keep is not None) and not ns.checkpoint:
         raise CheckpointError("--save-every, --keep and --resume need --checkpoint DIR: the folder the checkpoints "
                               "are saved in and resumed from.")
     if ns.save_every < 0 or (ns.keep is not None and ns.keep < 1):
@@ -36,6 +41,7 @@ def check_arguments(ns: argparse.Namespace) -> None:
     if ns.load and not Path(ns.load).exists():
         raise CheckpointError(f"--load {ns.load} does not exist: give a checkpoint folder, a .safetensors file or a "
                               f"Hugging Face model folder.")
+    resume_from(ns)  # --resume with nothing to resume from: refused before any rank starts
 
 
 def worker_arguments(ns: argparse.Namespace) -> list[str]:
@@ -45,8 +51,8 @@ def worker_arguments(ns: argparse.Namespace) -> list[str]:
         out += ["--checkpoint", str(Path(ns.checkpoint).resolve()), "--save-every", str(ns.save_every)]
     if ns.keep is not None:
         out += ["--keep", str(ns.keep)]
-    if ns.resume:
-        out.append("--resume")
+    if ns.resume or ns.resume_if_any:
+        out.append("--resume" if ns.resume else "--resume-if-any")
     if ns.init:
         out.append("--init")
     if ns.load:
@@ -63,12 +69,31 @@ def initial_weights(pipe: Any, ns: argparse.Namespace, seed: int) -> bool:
     return bool(ns.init or ns.load)
 
 
+def resume_from(ns: argparse.Namespace) -> Path | None:
+    """The checkpoint --resume / --resume-if-any continue from: None when neither was asked
+    for, or under --resume-if-any when --checkpoint holds no complete checkpoint (or does not
+    exist yet); under --resume that is an error naming the folder and the fix."""
+    if not (ns.resume or ns.resume_if_any):
+        return None
+    root = Path(ns.checkpoint)
+    if ns.resume_if_any and not root.exists():
+        return None
+    try:
+        path = latest_checkpoint(root)
+    except CheckpointError as exc:
+        raise CheckpointError(f"--resume: {exc} Or pass --resume-if-any to start afresh when there is "
+                              f"nothing to resume.") from None
+    if path is None and ns.resume:
+        raise CheckpointError(f"--resume: checkpoint folder {ns.checkpoint!r} holds no complete checkpoint (no "
+                              f"step-NNNNNN folder with COMPLETE.json), so there is nothing to resume: check the "
+                              f"--checkpoint path, or pass --resume-if-any to start afresh when there is none.")
+    return path
+
+
 def resume(pipe: Any, optimizer: torch.optim.Optimizer | None, ns: argparse.Namespace) -> int:
-    """--resume: load the newest complete checkpoint under --checkpoint; the step it was saved
-    after (0 when there is none yet)."""
-    if not ns.resume:
-        return 0
-    path = latest_checkpoint(ns.checkpoint)
+    """--resume / --resume-if-any: load the newest complete checkpoint under --checkpoint
+    (`resume_from`); the step it was saved after (0 when starting afresh)."""
+    path = resume_from(ns)
     if path is None:
         return 0
     extra = pipe.load_checkpoint(path, optimizer=optimizer)

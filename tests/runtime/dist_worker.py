@@ -176,6 +176,8 @@ def _check(pkg: str, model_path: str, rows: int | None = None) -> None:
     with torch.no_grad():
         got_out, want_out = torch.utils._pytree.tree_leaves(pipe(inputs)), torch.utils._pytree.tree_leaves(_call(model, inputs))
         torch.testing.assert_close(got_out, want_out, rtol=RTOL, atol=ATOL)
+        torch.testing.assert_close(pipe.evaluate(inputs, target), mf.loss_fn(_call(model, inputs), target),
+                                   rtol=RTOL, atol=ATOL)
     # three SGD steps, then the collective state_dict
     opt_ref = torch.optim.SGD(model.parameters(), lr=0.1)
     params = list(pipe.parameters())  # a stage may hold no parameters (only parameter-free ops)

@@ -179,3 +179,17 @@ def test_a_checkpoint_of_another_model_is_refused(make_tiny: Callable[..., Tiny]
     with pytest.raises(CheckpointError, match=r"does not match the package's model \(missing \d+: .*; unexpected "
                                               r"\d+: .*embed.weight"):
         other.load_checkpoint(tmp_path / "ckpt")
+
+
+def test_latest_checkpoint_of_a_missing_folder_is_an_error(tmp_path: Path) -> None:
+    """A folder that does not exist (a typo) is not "no checkpoint yet": an empty one is."""
+    from runtime.errors import CheckpointNotFoundError
+
+    assert runtime.latest_checkpoint(tmp_path) is None
+    with pytest.raises(CheckpointNotFoundError, match=r"checkpoint folder '.*/nowhere' does not exist .*: give the "
+                                                      r"folder the checkpoints were saved under"):
+        runtime.latest_checkpoint(tmp_path / "nowhere")
+    (tmp_path / "file").write_text("")
+    with pytest.raises(FileNotFoundError, match=r"'.*/file' is a file, not a folder"):
+        runtime.latest_checkpoint(tmp_path / "file")
+    assert issubclass(CheckpointNotFoundError, CheckpointError)

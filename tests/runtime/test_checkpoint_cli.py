@@ -79,3 +79,56 @@ def test_run_saves_resumes_and_exports(make_tiny: Callable[..., Tiny], tmp_path:
     assert set(exported) == set(final)
     for name, value in final.items():
         torch.testing.assert_close(exported[name], value, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+
+
+def test_resume_with_nothing_to_resume_is_refused(make_tiny: Callable[..., Tiny], tmp_path: Path,
+                                                 capsys: pytest.CaptureFixture[str],
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """--resume on a folder that does not exist or holds no complete checkpoint: exit 2 before
+    any rank starts; --resume-if-any starts afresh there and hands the workers the same choice."""
+    pkg = str(make_tiny(stages=2).dir)
+    started: list[list[str]] = []
+    monkeypatch.setattr(launch.subprocess, "call", lambda cmd, env: started.append(cmd) or 0)
+    typo = str(tmp_path / "chekpoints")
+    assert cli(["run", pkg, "--nproc", "2", "--checkpoint", typo, "--resume"]) == 2
+    err = capsys.readouterr().err
+    assert "chekpoints' does not exist" in err and "--resume-if-any" in err and "Traceback" not in err, err
+    (tmp_path / "empty" / ".step-000002.partial").mkdir(parents=True)  # a save that never finished
+    assert cli(["run", pkg, "--nproc", "2", "--checkpoint", str(tmp_path / "empty"), "--resume"]) == 2
+    assert "holds no complete checkpoint" in capsys.readouterr().err
+    assert not started
+    for root in (typo, str(tmp_path / "empty")):
+        assert cli(["run", pkg, "--nproc", "2", "--checkpoint", root, "--resume-if-any"]) == 0
+        assert started.pop()[-1] == "--resume-if-any"  # the workers make the same choice
+    with pytest.raises(SystemExit):
+        launch.main([pkg, "--nproc", "2", "--checkpoint", typo, "--resume", "--resume-if-any"])
+
+
+@pytest.mark.parametrize("flag", ["--resume", "--resume-if-any"])
+def test_the_worker_resumes_or_starts_afresh(flag: str, tmp_path: Path) -> None:
+    """runtime._worker's side: the step to go on after, or the same refusal."""
+    from runtime.checkpoint import run as checkpointing
+
+    class Pipe:
+        rank = 0
+
+        def load_checkpoint(self, path: Path, optimizer: object = None) -> dict[str, int]:
+            return {"step": int(path.name.split("-")[1])}
+
+    parser = __import__("argparse").ArgumentParser()
+    checkpointing.add_arguments(parser)
+    ns = parser.parse_args(["--checkpoint", str(tmp_path / "ck"), flag])
+    ns.steps = 5
+    if flag == "--resume":
+        with pytest.raises(CheckpointError, match=r"checkpoint folder .*ck' does not exist .* pass --resume-if-any"):
+            checkpointing.resume(Pipe(), None, ns)
+    else:
+        assert checkpointing.resume(Pipe(), None, ns) == 0
+    (tmp_path / "ck").mkdir()
+    (tmp_path / "ck" / "step-000003").mkdir()
+    (tmp_path / "ck" / "step-000003" / "COMPLETE.json").write_text("{}")  # not a valid marker: skipped
+    if flag == "--resume":
+        with pytest.raises(CheckpointError, match=r"holds no complete checkpoint .* check the --checkpoint path"):
+            checkpointing.resume(Pipe(), None, ns)
+    else:
+        assert checkpointing.resume(Pipe(), None, ns) == 0

@@ -181,7 +181,8 @@ def test_batch_errors(tiny: Tiny) -> None:
         pipe.train_step((inputs[0][:15],), target[:15])
     with pytest.raises(BatchError, match=r"microbatches of shape \[2, 16\] but the package was compiled for \[4, 16\]"):
         pipe.train_step((inputs[0][:8],), target[:8])
-    with pytest.raises(BatchError, match=r"input 0 has 2 rows .* 2 per replica cannot fill 4 microbatches"):
+    # fewer rows than microbatches run fewer microbatches ([Note: short batch]), still of the fixed shape
+    with pytest.raises(BatchError, match=r"microbatches of shape \[1, 16\] but the package was compiled for \[4, 16\]"):
         pipe.train_step((inputs[0][:2],), target[:2])
     with pytest.raises(BatchError, match=r"the target has 12 rows along dim 0 but the inputs have 16"):
         pipe.train_step(inputs, target[:12])
