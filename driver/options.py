@@ -18,8 +18,8 @@ from partitioner.solve.problem import Mesh
 from partitioner.trace import model_file
 from runtime.precision import PRECISIONS
 
-__all__ = ["AUTO", "CompileOptions", "batch_size", "check", "fixed_tp", "default_microbatches", "mesh_of", "rows_per_microbatch",
-           "split_batch", "stages_per_rank"]
+__all__ = ["AUTO", "CompileOptions", "batch_size", "check", "fixed_tp", "default_microbatches", "mesh_of",
+           "rows_per_microbatch", "split_batch", "stages_per_rank"]
 
 #: `--schedule auto`: the search chooses among the registry's `AUTO_SCHEDULES`
 AUTO = "auto"
