@@ -19,12 +19,13 @@ from runtime import launch
 from runtime.checkpoint import run as checkpointing
 from runtime.errors import PipelineError
 from runtime.manifest import Manifest
+from runtime.schedule.registry import DEFAULT_SCHEDULE, SCHEDULES
 
 from codegen import format_kept, format_plan
 from partitioner.errors import PackageError, PartitionerError, PlanError
 
 from .compile import compile_model
-from .options import CompileOptions
+from .options import AUTO, CompileOptions
 
 __all__ = ["main", "parse_size"]
 
@@ -56,8 +57,8 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--devices", type=int, help="total devices: stages x tp x dp")
     c.add_argument("--microbatches", type=int, help="default: 2 x stages")
     c.add_argument("--schedule", default="",
-                   help="gpipe | 1f1b | interleaved | zb-h1 | zb-h2 | zb-v | auto (the fastest that fits, searched "
-                        "with the mesh; needs --devices) (default: auto with --devices, else 1f1b)")
+                   help=f"{' | '.join(SCHEDULES)} | {AUTO} (the fastest that fits, searched with the mesh; needs "
+                        f"--devices) (default: {AUTO} with --devices, else {DEFAULT_SCHEDULE})")
     c.add_argument("--virtual-stages", type=int, default=2, help="stages per rank for interleaved (default 2)")
     c.add_argument("--memory", help="memory per device, e.g. 16GiB (default: the device's own)")
     c.add_argument("--hardware", help="cpu | a100 | h100 | h200 | a JSON profile (default: this machine)")

@@ -10,7 +10,7 @@ from __future__ import annotations
 import sys
 from typing import Callable
 
-from .options import CompileOptions, fixed_tp
+from .options import AUTO, CompileOptions, fixed_tp
 from .phases import finish, prepare, solve_problem
 from .prepared import Compiled
 from .search import search
@@ -35,7 +35,7 @@ def compile_model(opts: CompileOptions, log: Callable[[str], None] | None = None
     """
     say = log or (lambda msg: None if opts.quiet else print(msg, file=sys.stderr))
     if opts.devices is not None and (opts.stages is None or opts.tp is None or opts.microbatches is None
-                                     or opts.schedule == "auto" or opts.zero is None):
+                                     or opts.schedule == AUTO or opts.zero is None):
         return search(opts, say)
     opts = fixed_tp(opts)
     prepared = prepare(opts, say)  # 1. load, 2. trace, 3. cost, 4. tp, and the problem of 5 posed

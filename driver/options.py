@@ -14,14 +14,17 @@ import torch
 import torch.utils._pytree as pytree
 
 from partitioner.errors import PlanError
-from partitioner.ir import SCHEDULES
+from partitioner.ir import DEFAULT_SCHEDULE, SCHEDULES, schedule_spec
 from partitioner.solve.problem import Mesh
 from partitioner.trace import model_file
 from partitioner.trace.inputs import InputKey, flat_inputs, key_text, leaves_of
 from runtime.precision import PRECISIONS
 
-__all__ = ["CompileOptions", "batch_size", "check", "fixed_tp", "default_microbatches", "mesh_of", "rows_per_microbatch",
-           "split_batch", "stages_per_rank"]
+__all__ = ["AUTO", "CompileOptions", "batch_size", "check", "fixed_tp", "default_microbatches", "mesh_of",
+           "rows_per_microbatch", "split_batch", "stages_per_rank"]
+
+#: `--schedule auto`: the search chooses among the registry's `AUTO_SCHEDULES`
+AUTO = "auto"
 
 
 @dataclass
@@ -59,14 +62,14 @@ class CompileOptions:
         """The default schedule: auto (the fastest that fits) where --devices opens a search,
         else 1f1b (docs/command-line.md)."""
         if not self.schedule:
-            self.schedule = "auto" if self.devices is not None else "1f1b"
+            self.schedule = AUTO if self.devices is not None else DEFAULT_SCHEDULE
 
 
 def check(opts: CompileOptions) -> tuple[int, int, int]:
     """(stages per rank, virtual stages, microbatches; 0: chosen from the batch) for
     options whose `tp` is set (see `fixed_tp`)."""
     assert opts.tp is not None, "compile_model fixes --tp before checking"
-    if opts.schedule == "auto":
+    if opts.schedule == AUTO:
         raise PlanError("--schedule auto chooses the schedule while searching the meshes of --devices N: give "
                         f"--devices, or name a schedule ({', '.join(SCHEDULES)}).")
     if opts.schedule not in SCHEDULES:
@@ -90,9 +93,10 @@ def check(opts: CompileOptions) -> tuple[int, int, int]:
     microbatches = opts.microbatches if opts.microbatches is not None else 0  # 0: chosen from the batch
     if opts.microbatches is not None and microbatches < 1:
         raise PlanError(f"--microbatches {microbatches}: needs at least 1.")
-    if opts.schedule == "interleaved" and microbatches and microbatches % pp:
+    multiple = schedule_spec(opts.schedule).microbatch_multiple(pp)
+    if microbatches and microbatches % multiple:
         raise PlanError(
-            f"the interleaved schedule needs --microbatches to be a multiple of --stages "
+            f"the {opts.schedule} schedule needs --microbatches to be a multiple of --stages "
             f"({microbatches} is not a multiple of {pp}): use --microbatches {2 * pp}."
         )
     if opts.zero not in (None, 0, 1):
@@ -108,11 +112,10 @@ def check(opts: CompileOptions) -> tuple[int, int, int]:
 
 
 def stages_per_rank(opts: CompileOptions) -> int:
-    """The stages each pipeline rank runs: --virtual-stages under interleaved, 2 under zb-v
-    (its V: [Note: V placement] in runtime/schedule.py), else 1."""
-    if opts.schedule == "interleaved":
-        return opts.virtual_stages
-    return 2 if opts.schedule == "zb-v" else 1
+    """The stages each pipeline rank runs: the schedule's own count (2 under zb-v, its V:
+    [Note: V placement] in runtime/schedule/registry.py; 1 mostly), else --virtual-stages
+    (interleaved)."""
+    return schedule_spec(opts.schedule).stages_on_each_rank(opts.virtual_stages)
 
 
 def fixed_tp(opts: CompileOptions) -> CompileOptions:
@@ -153,7 +156,7 @@ def batch_size(mf: model_file.ModelFile, args: tuple[Any, ...], kwargs: dict[str
 
 def default_microbatches(batch: int, pp: int, opts: CompileOptions) -> int:
     """2 x stages, or the largest count below it that splits the batch evenly."""
-    step = pp if opts.schedule == "interleaved" else 1
+    step = schedule_spec(opts.schedule).microbatch_multiple(pp)
     for m in range(2 * pp, 0, -1):
         if m % step == 0 and batch % (m * opts.dp) == 0:
             return m

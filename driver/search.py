@@ -27,8 +27,11 @@ fastest predicted schedule that fits wins.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import Callable
+
+from runtime.schedule import registry
 
 from partitioner.cost.hardware import Hardware, load_hardware
 from partitioner.cost.roofline import BACKWARD_FLOP_FACTOR, mfu
@@ -39,7 +42,7 @@ from partitioner.solve.problem import coarse_graph, make_plan, pose
 from partitioner.solve.solve import rank_costs, solve
 from partitioner.trace.checkpointing import describe
 
-from .options import CompileOptions, mesh_of, stages_per_rank
+from .options import AUTO, CompileOptions, mesh_of, stages_per_rank
 from .package_info import model_flops
 from .phases import apply_tp, finish, load_source, prepare
 from .prepared import Compiled, Prepared, Source
@@ -47,9 +50,10 @@ from .prepared import Compiled, Prepared, Source
 __all__ = ["Candidate", "search"]
 
 SHOWN = 5
-#: what `--schedule auto` tries (interleaved is left out: its stage count is its own choice);
-#: zb-v splits the model in 2 stages per rank, each rank's two held to its memory together
-AUTO_SCHEDULES = ("gpipe", "1f1b", "zb-h1", "zb-h2", "zb-v")
+#: what `--schedule auto` tries: the registry's schedules marked `auto` (interleaved is left
+#: out: its stage count is its own choice); zb-v splits the model in 2 stages per rank, each
+#: rank's two held to its memory together
+AUTO_SCHEDULES = registry.AUTO_SCHEDULES
 #: a bound this close to a step time still gets simulated (float sums in another order)
 _BOUND_SLACK = 1e-9
 
@@ -151,7 +155,7 @@ def _meshes(devices: int, batch: int, opts: CompileOptions, tp_limit: int | None
                 continue
             counts = [opts.microbatches] if opts.microbatches else sorted({pp, 2 * pp, 4 * pp, batch // dp})
             for m in counts:
-                if m > 0 and batch % (m * dp) == 0 and (opts.schedule != "interleaved" or m % pp == 0):
+                if m > 0 and batch % (m * dp) == 0 and m % _microbatch_multiple(opts.schedule, pp) == 0:
                     out.append((pp, tp, dp, m))
     return out
 
@@ -168,9 +172,15 @@ def _nothing_fits(opts: CompileOptions, failed: list[Candidate]) -> str:
 def _schedules(schedule: str, pp: int) -> tuple[str, ...]:
     """The schedules a mesh of `pp` stages is tried with: the one asked for, or under
     auto each of AUTO_SCHEDULES (the zero-bubble ones only where there is a pipeline)."""
-    if schedule != "auto":
+    if schedule != AUTO:
         return (schedule,)
-    return tuple(s for s in AUTO_SCHEDULES if pp > 1 or not s.startswith("zb"))
+    return tuple(s for s in AUTO_SCHEDULES if pp > 1 or not registry.schedule_spec(s).splits_backward)
+
+
+def _microbatch_multiple(schedule: str, pp: int) -> int:
+    """What a microbatch count must be a multiple of under `schedule` (under auto, under
+    every schedule it tries) on `pp` ranks."""
+    return math.lcm(*(registry.schedule_spec(s).microbatch_multiple(pp) for s in _schedules(schedule, pp)))
 
 
 def _zeros(opts: CompileOptions, dp: int) -> tuple[int, ...]:
@@ -300,7 +310,7 @@ def _bound(prepared: Prepared, assignment: tuple[int, ...], plan: Plan) -> float
     work = [0.0] * plan.pp
     for s in plan.stages:
         work[plan.rank_of(s.index)] += s.compute_s
-    if plan.schedule.startswith("zb"):
+    if plan.spec.splits_backward:
         out = [0.0] * plan.num_stages
     return max(into[r] + plan.microbatches * work[r] + out[r] for r in range(plan.pp)) * (1 - _BOUND_SLACK)
 

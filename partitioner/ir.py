@@ -1,8 +1,9 @@
 """The plain-data IR that every package shares.
 
-This module imports nothing of ours but the runtime's schedule names and stage placement
-(`runtime.manifest`, `runtime.schedule`, themselves standard library only), so the runtime can read a plan on a rank that has neither
-OR-Tools nor the solver installed.  A `Plan` names graph nodes by their fx names and holds
+This module imports nothing of ours but the runtime's schedule registry
+(runtime/schedule/registry.py, which loads the schedule IR alone: [Note: lazy runtime] in
+runtime/__init__.py), so the runtime can read a plan on a rank that has neither OR-Tools
+nor the solver installed.  A `Plan` names graph nodes by their fx names and holds
 no `fx.Node`: plain data that codegen writes into the package (manifest.json, plan.txt).
 
 [Note: stage boundaries]
@@ -19,8 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from runtime.manifest import SCHEDULES
-from runtime.schedule import placement
+from runtime.schedule.registry import DEFAULT_SCHEDULE, SCHEDULES, ScheduleSpec, schedule_spec
 
 __all__ = [
     "PARTIAL",
@@ -35,6 +35,9 @@ __all__ = [
     "SolverReport",
     "StagePlan",
     "SCHEDULES",
+    "DEFAULT_SCHEDULE",
+    "ScheduleSpec",
+    "schedule_spec",
     "optimizer_state_factor",
 ]
 
@@ -207,8 +210,9 @@ class PartitionProblem:
     Stage memory:
         param_bytes * (1 + 1 + optimizer_factor)   weights, gradients, optimizer state
         + activation_bytes * inflight(stage)       microbatches whose activations are kept
-    with inflight(k) = microbatches for GPipe and min(stages - k, microbatches) for 1F1B
-    (and for ZB-V, on its 2p stages: [Note: zero-bubble orders] in runtime/zero_bubble.py).
+    with inflight(k) = microbatches for GPipe and min(stages - k, microbatches) for 1F1B,
+    each schedule's own in its spec ([Note: activations in flight] in
+    runtime/schedule/registry.py).
     With `recompute` (activation recomputation: a stage keeps only its inputs per
     microbatch in flight and runs its forward again in the backward), the activations
     term is instead
@@ -233,7 +237,7 @@ class PartitionProblem:
     edges: tuple[Edge, ...]
     stages: int
     microbatches: int
-    schedule: str = "1f1b"
+    schedule: str = DEFAULT_SCHEDULE
     memory_limit_bytes: int | None = None
     optimizer_factor: float = 2  # per byte of parameter; 1/dp of it with ZeRO-1 (problem.pose)
     comm_alpha_s: float = 0.0
@@ -260,18 +264,20 @@ class PartitionProblem:
         return max(1, self.stages // self.virtual_stages)
 
     @property
+    def spec(self) -> ScheduleSpec:
+        """The schedule's spec in the registry (runtime/schedule/registry.py)."""
+        return schedule_spec(self.schedule)
+
+    @property
     def placement(self) -> tuple[int, ...]:
         """The rank of each stage: s % ranks, or a V under zb-v ([Note: V placement] in
-        runtime/schedule.py)."""
-        return placement(self.schedule, self.stages, self.ranks)
+        runtime/schedule/registry.py)."""
+        return self.spec.placement(self.stages, self.ranks)
 
     def inflight(self, stage: int) -> int:
-        """Microbatches whose activations stage `stage` holds at its peak."""
-        if self.schedule == "gpipe":
-            return self.microbatches
-        if self.schedule in ("zb-h1", "zb-h2"):  # every rank holds 1F1B's first-rank peak, or twice it
-            return min(self.stages * (1 if self.schedule == "zb-h1" else 2), self.microbatches)
-        return min(self.stages - stage, self.microbatches)
+        """Microbatches whose activations stage `stage` holds at its peak ([Note: activations
+        in flight] in runtime/schedule/registry.py)."""
+        return self.spec.inflight(self.stages, stage, self.microbatches)
 
 
 @dataclass(frozen=True)
@@ -332,7 +338,12 @@ class Plan:
         """fx node name -> stage index."""
         return {n: s.index for s in self.stages for n in s.nodes}
 
+    @property
+    def spec(self) -> ScheduleSpec:
+        """The schedule's spec in the registry (runtime/schedule/registry.py)."""
+        return schedule_spec(self.schedule)
+
     def rank_of(self, stage: int) -> int:
         """The pipeline position that runs `stage`: s % pp, or a V under zb-v ([Note: V
-        placement] in runtime/schedule.py)."""
-        return placement(self.schedule, self.num_stages, self.pp)[stage]
+        placement] in runtime/schedule/registry.py)."""
+        return self.spec.placement(self.num_stages, self.pp)[stage]

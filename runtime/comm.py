@@ -7,7 +7,7 @@ with timeouts, data-parallel gradient buckets, tied-parameter gradient sums.
       1. one group per stage edge (p, c) across positions, per replica and tp index t:
          activations of p go to c and gradients come back on it, in microbatch order, so
          it is first-in first-out as NCCL needs (see [Note: schedule semantics] in
-         schedule.py); tp rank t of p talks to tp rank t of c only;
+         schedule/validation.py); tp rank t of p talks to tp rank t of c only;
       2. one data-parallel group per pipeline position and t (the dp replicas of its
          shards);
       3. one group per tied parameter whose copies sit on several positions, and t (every

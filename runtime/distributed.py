@@ -1,7 +1,7 @@
 """`DistributedPipeline`: one process per rank under torchrun (the user-facing contract: README.md, "Use").
 
 Global rank = (replica * pp + position) * tp + t (groups.Mesh); stage s sits at position
-s % pp, or in a V under zb-v ([Note: V placement] in schedule.py), so with the interleaved
+s % pp, or in a V under zb-v ([Note: V placement] in schedule/registry.py), so with the interleaved
 and zb-v schedules a rank holds several (virtual) stages, and the
 tp ranks t = 0..tp-1 of a position are neighbours that each hold their own shards of the
 same stages (the same stage files; [Note: shards] in package.py).  Each rank imports only
@@ -21,7 +21,7 @@ its own stage files and interprets its own row of the lowered schedule:
                             devices.py)
            RECV_F / RECV_B  irecv into a fresh buffer and wait, with the timeout; on
                             gloo the irecv is posted before the previous compute
-                            ([Note: receives posted ahead] in schedule.py); on
+                            ([Note: receives posted ahead] in schedule/lowering.py); on
                             CUDA on the communication stream, which compute then waits for
            I / W            B split in two ([Note: split backward] in stage.py)
            before the last B (or W) of each stage: arm its dp gradient buckets (comm.py)
@@ -372,7 +372,7 @@ class DistributedPipeline:
              mb_inputs: list[dict[str, Any]], targets: list[Any] | None, loss_fn: LossFn | None,
              arm_at: dict[int, list[torch.nn.Parameter]] | None = None) -> None:
         """Run this rank's row of actions; before each compute, post the receives of the
-        next (`ahead`: [Note: receives posted ahead] in schedule.py); before the last B (or
+        next (`ahead`: [Note: receives posted ahead] in schedule/lowering.py); before the last B (or
         W) of each stage, arm its gradient buckets (`arm_at`)."""
         for t, a in enumerate(actions):
             if arm_at and t in arm_at and self._buckets is not None:
@@ -651,7 +651,7 @@ def _rows_builder(schedule: str | Schedule | None, m: Manifest, g: StageGraph, p
         train, forward = _row(lower(compute, g), g, count, position), _row(lower(fwd, g), g, count, position)
         # gloo takes receives early; NCCL matches point-to-point messages in the order they
         # are posted on one stream, so there each is posted where it is waited for
-        # ([Note: receives posted ahead] in schedule.py)
+        # ([Note: receives posted ahead] in schedule/lowering.py)
         ahead = (receives_ahead(train), receives_ahead(forward)) if early else ({}, {})
         return _Rows(train, forward, *ahead, _arm_points(train, runners, plain))
 

@@ -23,6 +23,7 @@ from ._fields import (_array, _Bad, _bool, _count, _from, _index, _int, _ints, _
                       _Obj, _opt_int, _opt_ints_list, _opt_str, _shape, _str, _strs, _to)
 from .errors import ManifestError
 from .precision import PRECISIONS
+from .schedule.registry import SCHEDULES
 
 __all__ = [
     "FORMAT_VERSION",
@@ -46,7 +47,6 @@ __all__ = [
 ]
 
 FORMAT_VERSION = 1
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-h2", "zb-v")  # the schedules a package may name (runtime.schedule.make_schedule)
 _RECOMPILE = "compile the model again"
 MODEL_COPY = "model_file.py"  # the package's copy of the model file ([Note: the model file's copy])
 

@@ -30,7 +30,7 @@ per stage, a rank's whole work 6 per microbatch, as ZB-H1's 3 on stages twice as
     microbatches, the 2r + 1 last W's closing the row: each rank is busy from its first
     action to its last (a parallelogram; the ramp S - 1 is the step's only idle time).
     zb_v, rank r holding chunk 0 (stage r) and chunk 1 (stage 2p-1-r, [Note: V placement]
-    in schedule.py): the forward goes down the ranks in chunk 0 and back up in chunk 1, so
+    in schedule/registry.py): the forward goes down the ranks in chunk 0 and back up in chunk 1, so
     microbatch 0 reaches rank r's chunk 1 at step 2p-1-r and its gradient comes back there
     at 2p+r.  The row fills exactly those gaps:
       1. 2(p-r)-1 forwards of chunk 0, until chunk 1's first input arrives;
@@ -43,7 +43,7 @@ per stage, a rank's whole work 6 per microbatch, as ZB-H1's 3 on stages twice as
     With fewer than 2p - 1 microbatches the same row skips what does not exist.  Every
     stage k then holds at most min(2p - k, M) microbatches, 1F1B's count on 2p stages.
     (The orders are plain (kind, microbatch) pairs, or (kind, chunk, microbatch) for
-    zb_v: schedule.py turns them into its Actions, so this module imports nothing.)
+    zb_v: schedule/builders.py turns them into its Actions, so this module imports nothing.)
     The orders are simulated in tests/partitioner/test_simulate.py against these
     closed forms.
 """
@@ -52,7 +52,7 @@ from __future__ import annotations
 
 __all__ = ["Order", "VOrder", "zb_h1_order", "zb_h2_order", "zb_v_order"]
 
-Order = list[list[tuple[str, int]]]  # per rank: (kind "F" | "I" | "W", microbatch); schedule.py makes Actions
+Order = list[list[tuple[str, int]]]  # per rank: (kind "F" | "I" | "W", microbatch); schedule/builders.py makes Actions
 VOrder = list[list[tuple[str, int, int]]]  # per rank: (kind, chunk 0 | 1, microbatch)
 
 

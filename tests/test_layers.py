@@ -1,11 +1,15 @@
 """The floors of the house, read from the source: runtime < partitioner < codegen < driver <
 benchmarks.  No module imports from a higher floor, and no two of our modules import each
 other, directly or round a circle (function-level imports included: a lazy import is still
-an arrow).  `tests/runtime/test_package.py` keeps OR-Tools out of the runtime."""
+an arrow).  `tests/runtime/test_package.py` keeps OR-Tools out of the runtime.  And what a
+module loads when it runs: the planner's IR only the runtime's schedule IR ([Note: lazy
+runtime] in runtime/__init__.py)."""
 
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 from .conftest import ROOT
@@ -91,6 +95,30 @@ def test_the_checker_sees_relative_and_lazy_imports() -> None:
     assert "partitioner.trace.model_file" in graph["driver.options"]  # from partitioner.trace import model_file
     assert "runtime.launch" in graph["driver.cli"]  # inside _run
     assert graph["partitioner.__main__"] == {"driver.cli"}
+
+
+def _loaded_by(statement: str) -> set[str]:
+    """The modules a fresh interpreter holds after running `statement` in the repository."""
+    code = f"import sys; {statement}; print('\\n'.join(sorted(sys.modules)))"
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return set(proc.stdout.split())
+
+
+def test_the_ir_loads_the_schedule_registry_and_nothing_heavy() -> None:
+    """partitioner.ir reads the schedule registry through the runtime package, which loads
+    none of the distributed runtime, checkpoints or the solver on the way."""
+    loaded = _loaded_by("import partitioner.ir")
+    ours = {m for m in loaded if m.split(".")[0] in FLOORS}
+    light = {"runtime", "runtime.errors", "runtime.zero_bubble", "partitioner", "partitioner.ir"}
+    assert {m for m in ours if m not in light and not m.startswith("runtime.schedule")} == set()
+    assert "runtime.schedule.registry" in loaded
+    assert not {"ortools", "torch.distributed", "networkx"} & loaded
+
+
+def test_importing_the_runtime_loads_none_of_its_modules() -> None:
+    loaded = _loaded_by("import runtime")
+    assert {m for m in loaded if m.startswith("runtime.")} == set()
 
 
 def _strongly_connected(edges: dict[str, list[str]]) -> list[list[str]]:

@@ -20,10 +20,10 @@ so that none needs another and `solve` imports them all without a cycle.
     what a message costs each END's own time (`predict.stage_message_s`): the link's
     latency where a receive is posted just before it is waited for (NCCL), but on gloo,
     where receives are posted a compute ahead ([Note: receives posted ahead] in
-    runtime/schedule.py), only posting the send and the receive, since the message moves
+    runtime/schedule/lowering.py), only posting the send and the receive, since the message moves
     during that compute; the simulator plays the latency out where it falls.  A pair of
     stages on the same pipeline rank (interleaved, the turn of zb-v's V: [Note: V
-    placement] in runtime/schedule.py) sends nothing: the runtime hands the values over in
+    placement] in runtime/schedule/registry.py) sends nothing: the runtime hands the values over in
     memory and `lower` emits no message, so such a pair costs nothing (`remote`).  `model.stage_costs` (the model the
     solver minimises, the brute-force tests evaluate every plan with) and the step
     simulator's links (`predict.simulate_plan`) call these functions; the CP-SAT model

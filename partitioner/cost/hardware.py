@@ -83,7 +83,7 @@ class Hardware:
     def receives_ahead(self) -> bool:
         """Whether the runtime posts pipeline receives a compute ahead here: on the CPU
         (gloo) yes; on GPUs no, NCCL matching messages in the order they are posted
-        ([Note: receives posted ahead] in runtime/schedule.py)."""
+        ([Note: receives posted ahead] in runtime/schedule/lowering.py)."""
         return self.name == "cpu"
 
     @property

@@ -141,7 +141,7 @@ def pipeline_link(hardware: Hardware, pp: int, tp: int) -> tuple[float, float]:
 def stage_message_s(hardware: Hardware, pp: int, tp: int) -> float:
     """What one pipeline message costs each of its two ends' own time, as the solver
     charges it (`PartitionProblem.comm_alpha_s`; the bytes apart).  Where receives are
-    posted a compute ahead (gloo: [Note: receives posted ahead] in runtime/schedule.py) the
+    posted a compute ahead (gloo: [Note: receives posted ahead] in runtime/schedule/lowering.py) the
     message moves during that compute, and a stage pays posting it: at each end of a
     boundary one send and one receive a microbatch, so their mean per message.  Elsewhere
     (NCCL) a receive is posted where it is waited for, and its end pays the latency."""

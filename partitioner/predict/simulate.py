@@ -18,7 +18,7 @@ right after the compute that made them, so it alone says which messages exist.  
   link's alpha), after the compute and before its next action;
 - receive: posting one costs the receiver `recv_s` before it waits (each receive in turn,
   as the runtime posts one and waits in it before the next); with `ahead` (gloo: [Note:
-  receives posted ahead] in runtime/schedule.py) the receives of a rank's next compute
+  receives posted ahead] in runtime/schedule/lowering.py) the receives of a rank's next compute
   are posted, and cost `recv_s`, before its current compute, so their message moves
   during it: such a receive ends at max(its post, the send's post) + the message;
 - end of step: after the last action of every rank, the loss all-reduce (`final_s`,
@@ -29,7 +29,7 @@ On the CPU the three message costs are means measured under a loaded 1F1B exchan
 (`partitioner.cost.measure._loaded_exchange`), stalls included: see [Note: messages on a busy CPU] there.
 
 Stages on the same rank (interleaved, and zb-v's V: [Note: V placement] in
-runtime/schedule.py) hand values over for free.  The result is the step's
+runtime/schedule/registry.py) hand values over for free.  The result is the step's
 makespan, each rank's compute, and each stage's peak number of microbatches in flight
 (forwards done whose backward has not run), which sets its activation memory.
 
@@ -109,7 +109,7 @@ def simulate(
 
 class _Clock:
     """Each rank's time as it runs its lowered actions ([Note: schedule semantics] in
-    runtime/schedule.py): a compute takes its stage's time, a SEND posts the message at
+    runtime/schedule/validation.py): a compute takes its stage's time, a SEND posts the message at
     the sender's time (and costs it `send_s`), a RECV costs `recv_s`, waits for its
     SEND to be posted, then takes the message.  Values handed over on one rank are ready,
     as the rank's own order put their compute first."""

@@ -25,7 +25,7 @@ import itertools
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
-from ..ir import BlockCost, Edge, GraphNode, PartitionProblem
+from ..ir import DEFAULT_SCHEDULE, BlockCost, Edge, GraphNode, PartitionProblem
 
 __all__ = ["build_problem", "coarsen", "param_sizes"]
 
@@ -57,7 +57,7 @@ def coarsen(nodes: Sequence[GraphNode], max_blocks: int, *, param_bytes: Mapping
 
 
 def build_problem(blocks: Sequence[BlockCost], edges: Sequence[Edge], stages: int, microbatches: int, *,
-                  schedule: str = "1f1b", memory_limit_bytes: int | None = None, optimizer_factor: float = 2,
+                  schedule: str = DEFAULT_SCHEDULE, memory_limit_bytes: int | None = None, optimizer_factor: float = 2,
                   comm_alpha_s: float = 0.0, comm_beta_s_per_byte: float = 0.0,
                   param_bytes: Mapping[str, int] | None = None, virtual_stages: int = 1,
                   recompute: bool = False) -> PartitionProblem:

@@ -112,7 +112,7 @@ def pose(coarse: Coarse, mesh: Mesh, hardware: Hardware) -> PartitionProblem:
     _, beta = pipeline_link(hardware, mesh.pp, mesh.tp)
     return replace(
         _template(coarse, mesh.recompute), stages=mesh.stages, microbatches=mesh.microbatches,
-        schedule="1f1b" if mesh.schedule == "interleaved" else mesh.schedule,
+        schedule=mesh.schedule,
         memory_limit_bytes=mesh.memory if mesh.memory is not None else device_memory(hardware, mesh.pp * mesh.tp * mesh.dp),
         optimizer_factor=optimizer_state_factor(mesh.optimizer, coarse.mixed_precision) / (mesh.dp if mesh.zero else 1),
         comm_alpha_s=stage_message_s(hardware, mesh.pp, mesh.tp),

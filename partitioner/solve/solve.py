@@ -76,7 +76,7 @@ def _contiguous(problem: PartitionProblem) -> tuple[tuple[int, ...] | None, floa
     if problem.virtual_stages == 1:
         dp, bound = dp_time(problem, upper)
         balanced = dp_balanced(problem, bound) if dp is not None else None
-    elif problem.schedule == "zb-v":
+    elif problem.spec.vee:
         start = _per_stage_plan(problem)
         dp, balanced, bound = vee_plans(problem, min(upper, objective(problem, start)) if start is not None else upper)
     else:
@@ -215,14 +215,14 @@ def _infeasible(problem: PartitionProblem, search: str) -> InfeasiblePlanError:
 
 def _summed(problem: PartitionProblem) -> bool:
     """Whether a DP sums what each rank runs (`_contiguous`)."""
-    return problem.virtual_stages == 1 or problem.schedule == "zb-v"
+    return problem.virtual_stages == 1 or problem.spec.vee
 
 
 def _leanest(problem: PartitionProblem, limit: int | None = None) -> tuple[int, ...] | None:
     """The contiguous plan with the least memory on its fullest rank (within `limit`, if
     given; None if none is): for interleaved, whose ranks no DP follows, on its fullest stage."""
     lean = dp_memory(problem)
-    if lean is not None and problem.virtual_stages > 1 and problem.schedule == "zb-v":
+    if lean is not None and problem.virtual_stages > 1 and problem.spec.vee:
         # the V's leanest is no fuller than `lean`'s fullest rank (to a byte of rounding per stage)
         return vee_memory(problem, limit if limit is not None else max(evaluate(problem, lean)[1]) + problem.stages)
     return lean if limit is None or lean is not None and max(evaluate(problem, lean)[1]) <= limit else None

@@ -1,6 +1,6 @@
 """The V DP: the best contiguous plan of zb-v's 2p stages, where each rank runs two of them.
 
-[Note: V placement] (runtime/schedule.py) puts stages r and 2p-1-r on rank r.  A
+[Note: V placement] (runtime/schedule/registry.py) puts stages r and 2p-1-r on rank r.  A
 contiguous plan cuts the block order at 0 = x_0 < x_1 < ... < x_2p = n, so rank r runs
 [x_r, x_r+1) and [x_2p-1-r, x_2p-r): its cost depends on the pair of cuts (x_r, x_2p-r)
 and the next pair inward.  The DP walks the pairs from the outside in:

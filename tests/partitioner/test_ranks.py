@@ -18,7 +18,8 @@ from partitioner.solve.vee import vee_memory, vee_plans
 
 from .test_solve import CHAIN, MiB, _lex_brute_force, _rounded_key, brute_force, problem, solve_or_refuse
 
-#: (schedule, virtual stages per rank): zb-v's V, and interleaved (posed as 1f1b, `problem.pose`)
+#: (schedule, virtual stages per rank): zb-v's V, and stages round the ranks (1f1b's placement and memory
+#: model, which the registry gives interleaved too)
 PLACEMENTS = [("zb-v", 2), ("1f1b", 2), ("1f1b", 3)]
 
 

@@ -25,7 +25,7 @@ RUNTIME = Path(runtime.__file__).parent
 def test_runtime_never_imports_the_compiler() -> None:
     """A rank needs torch alone: no partitioner, codegen or OR-Tools anywhere in runtime/."""
     banned = {"partitioner", "codegen", "ortools", "networkx"}
-    for file in sorted(RUNTIME.glob("*.py")):
+    for file in sorted(RUNTIME.rglob("*.py")):
         tree = ast.parse(file.read_text(), str(file))
         for node in ast.walk(tree):
             names = []
@@ -37,7 +37,20 @@ def test_runtime_never_imports_the_compiler() -> None:
                     "import_module", "__import__") and node.args and isinstance(node.args[0], ast.Constant):
                 names = [str(node.args[0].value)]
             for name in names:
-                assert name.split(".")[0] not in banned, f"{file.name}:{node.lineno} imports {name}"
+                assert name.split(".")[0] not in banned, f"{file.relative_to(RUNTIME)}:{node.lineno} imports {name}"
+    assert (RUNTIME / "schedule" / "registry.py") in set(RUNTIME.rglob("*.py"))  # subpackages are read too
+
+
+def test_every_public_name_of_the_runtime_resolves() -> None:
+    """[Note: lazy runtime]: each name of `__all__` is read from its module on first use."""
+    for name in runtime.__all__:
+        assert getattr(runtime, name) is not None, name
+    assert runtime.LocalPipeline.__module__ == "runtime.local"
+    assert runtime.SCHEDULES == ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-h2", "zb-v")
+    assert set(runtime.__all__) <= set(dir(runtime))
+    assert runtime.tp.__name__ == "runtime.tp"  # a submodule, as an attribute
+    with pytest.raises(AttributeError, match="has no attribute 'nothing'"):
+        runtime.nothing  # noqa: B018
 
 
 def test_manifest_errors(tmp_path: Path, tiny: Tiny) -> None:

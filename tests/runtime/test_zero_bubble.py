@@ -61,7 +61,7 @@ def test_split_backward_gives_the_fused_gradients(example: str, options: dict[st
 
 @pytest.mark.parametrize("example", ["examples/mlp.py", "examples/gpt.py"])
 def test_zb_v_gives_the_fused_gradients(example: str, tmp_path: Path) -> None:
-    """A zb-v package: 4 stages on 2 ranks in a V ([Note: V placement] in runtime/schedule.py),
+    """A zb-v package: 4 stages on 2 ranks in a V ([Note: V placement] in runtime/schedule/registry.py),
     so stages 0 and 3 (gpt's tied embedding's two copies) share rank 0.  Its split order
     against the same order with each I made a fused B and the W's dropped, and against
     1F1B on a package of 2 stages (gradients by original name)."""
