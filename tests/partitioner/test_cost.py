@@ -288,3 +288,26 @@ def test_each_rank_is_calibrated_on_the_cores_it_is_bound_to(monkeypatch: pytest
         assert got == [(w, set(range(r * per, (r + 1) * per))) for r, w in enumerate(want)]
     monkeypatch.setenv("PIPELINE_CPU_BIND", "0")
     assert costs._rank_cores(plan) == []  # type: ignore[arg-type]
+
+
+def test_calibrations_in_turn_say_which_of_how_many_each_is(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Timing two plans in turn says one progress line per calibration with its count, not
+    the same "calibrating 2 stages" line six times; a single calibration says it once."""
+    from driver import costs
+
+    compiled = compile_example("examples/mlp.py", tmp_path / "pkg", stages=2, hardware="a100")
+    said: list[str] = []
+    p = dataclasses.replace(_prepared(tmp_path, "examples/mlp.py"), say=said.append)
+    monkeypatch.setattr(costs, "_calibrates", lambda *_a: True)
+    monkeypatch.setattr(costs, "_side_by_side", lambda *_a: [])
+    monkeypatch.setattr(costs, "calibrate_stages", lambda _gm, _v, node_costs, *_a: node_costs)
+    monkeypatch.setattr(costs.cache, "get", lambda _key: None)
+    monkeypatch.setattr(costs.cache, "put", lambda _key, _value: None)
+    costs.stage_costs_in_turn(p, [compiled.plan, compiled.plan], CHOOSE_ROUNDS)
+    total = 2 * CHOOSE_ROUNDS
+    assert len(said) == len(set(said)) == total, said
+    assert [line.split("(")[-1].split(":")[0] for line in said] == [f"{k} of {total}" for k in range(1, total + 1)]
+    assert said[1].endswith(f"plan 2 of 2, round 1 of {CHOOSE_ROUNDS})") and said[2].endswith("plan 2 of 2, round 2 of 3)")
+    said.clear()
+    costs.stage_costs(p, compiled.plan)
+    assert said == ["calibrating 2 stages as the ranks run them"]
