@@ -38,40 +38,30 @@ def _ranks(ranks: list[int], width: int = 24) -> str:
 
 
 def format_plan(manifest: Manifest) -> str:
-    """Header lines, then one row per stage."""
+    """Header lines, then one row per stage: the stage's compute and its messages per
+    microbatch add up to its time (the solver's figures, with which the step is predicted),
+    and where the compile timed the stages, their measured compute beside them."""
     mesh, predicted = manifest.mesh, manifest.predicted
     per_stage = predicted.stages if predicted is not None else ()
     calibration = predicted.extra.get("calibration", {}) if predicted is not None else {}
     measured = list(calibration.get("measured_compute_s", []))
     modelled = list(calibration.get("model_compute_s", []))
     peaks = list(calibration.get("measured_peak_bytes", []))  # on a GPU: one microbatch's, by the allocator
-    rows: list[tuple[str, ...]] = [("stage", "ranks", "nodes", "modules", "time/mb", "memory", "params", "send/mb",
-                                    "recv/mb")]
-    if peaks:
-        rows[0] = rows[0][:6] + ("peak/mb",) + rows[0][6:]
-    if measured:
-        rows[0] = rows[0][:5] + ("compute", "measured") + rows[0][5:]
+    rows: list[tuple[str, ...]] = [("stage", "ranks", "nodes", "modules", "compute", "messages", "time/mb")
+                                   + (("measured",) if measured else ()) + ("memory",)
+                                   + (("peak/mb",) if peaks else ()) + ("params", "send/mb", "recv/mb")]
     for s in manifest.stages:
         p = per_stage[s.index] if s.index < len(per_stage) else StagePrediction(0.0, 0)
         mods = s.modules
         shown = ",".join(mods[:3]) + ("..." if len(mods) > 3 else "")
-        rows.append((
-            str(s.index),
-            _ranks(list(s.ranks)),
-            str(s.nodes),
-            shown or "-",
-            f"{p.time_s * 1e3:.3f} ms",
-            format_bytes(p.memory_bytes),
-            format_bytes(p.param_bytes),
-            format_bytes(p.send_bytes),
-            format_bytes(p.recv_bytes),
-        ))
-        if peaks:
-            row = rows[-1]
-            rows[-1] = row[:6] + (format_bytes(peaks[s.index]) if s.index < len(peaks) else "-",) + row[6:]
-        if measured and s.index < len(measured) and s.index < len(modelled):
-            row = rows[-1]
-            rows[-1] = row[:5] + (f"{modelled[s.index] * 1e3:.3f} ms", f"{measured[s.index] * 1e3:.3f} ms") + row[5:]
+        rows.append(
+            (str(s.index), _ranks(list(s.ranks)), str(s.nodes), shown or "-", _ms(p.compute_s),
+             _ms(p.time_s - p.compute_s), _ms(p.time_s))
+            + ((_ms(measured[s.index]) if s.index < len(measured) else "-",) if measured else ())
+            + (format_bytes(p.memory_bytes),)
+            + ((format_bytes(peaks[s.index]) if s.index < len(peaks) else "-",) if peaks else ())
+            + (format_bytes(p.param_bytes), format_bytes(p.send_bytes), format_bytes(p.recv_bytes))
+        )
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     table = ["  ".join(c.ljust(w) if i == 3 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))) for r in rows]
     table.insert(1, "  ".join("-" * w for w in widths))
@@ -138,6 +128,10 @@ def _checkpointing_line(manifest: Manifest) -> str:
             if any(s.recompute for s in manifest.stages) else
             "replaced by the planner's recompute choice: activations kept (--recompute to recompute them)")
     return f"checkpoint the model's gradient checkpointing ({shown}) is traced as the ops it runs and {kept}"
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.3f} ms"
 
 
 def _predicted_line(predicted: Predicted | None) -> str:

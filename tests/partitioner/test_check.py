@@ -86,8 +86,12 @@ def test_show_prints_the_model_and_the_measured_stage_times(tmp_path: Path, monk
     assert measured[0] == pytest.approx(3 * model[0], rel=1e-4) and measured[1] == pytest.approx(model[1], rel=1e-4)
     text = (tmp_path / "out" / "plan.txt").read_text()
     assert "against the cost model" in text and "solved again with the measured times" in text
-    header = next(line for line in text.splitlines() if line.startswith("stage"))
-    assert header.split()[4:7] == ["time/mb", "compute", "measured"]
+    lines = text.splitlines()
+    header = next(i for i, line in enumerate(lines) if line.startswith("stage"))
+    assert lines[header].split()[4:8] == ["compute", "messages", "time/mb", "measured"]
+    for row in lines[header + 2:header + 4]:  # compute and messages add up to the time shown
+        compute, messages, time_mb = (float(v) for v in row.split()[4:10:2])
+        assert compute + messages == pytest.approx(time_mb, abs=1.5e-3)
 
 
 def test_the_plan_solved_again_is_kept_only_if_it_measures_faster_in_turn(tmp_path: Path,
