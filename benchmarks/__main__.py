@@ -14,7 +14,7 @@ import time
 import traceback
 
 ALL = ["partition_quality", "split_quality", "solver_scaling", "runtime_vs_peer", "cpu_binding", "simulator_error",
-       "mesh_search", "scale", "checkpoint_io", "zero_memory"]
+       "mesh_search", "scale", "checkpoint_io", "zero_memory", "cpu_profile"]
 
 
 def main(argv: list[str] | None = None) -> int:

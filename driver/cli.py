@@ -145,9 +145,10 @@ def _show(ns: argparse.Namespace) -> int:
     if ns.timeline:
         from partitioner.predict import timeline
 
-        sim = timeline.simulate_manifest(typed)
-        timeline.draw(sim.events, typed.mesh.pp, ns.timeline, f"{typed.schedule}, {typed.mesh.pp} ranks, "
-                      f"{typed.microbatches} microbatches (predicted compute)")
+        events = timeline.predicted_events(typed)  # [Note: one predicted step]
+        assert typed.predicted is not None  # else predicted_events raised
+        timeline.draw(events, typed.mesh.pp, ns.timeline, timeline.predicted_title(typed),
+                      step_s=typed.predicted.step_time_s, labels=timeline.rank_labels(typed))
         print(f"wrote {ns.timeline}")
     return 0
 

@@ -128,8 +128,8 @@ def stage_costs_in_turn(p: Prepared, plans: Sequence[Plan], rounds: int) -> list
     timed: list[list[dict[str, NodeCost]]] = [[] for _ in plans]
     failed = False
     for r in range(rounds):
-        for i in [(r + k) % len(plans) for k in range(len(plans))]:
-            costs, fell_back = _calibrate(p, plans[i])
+        for k, i in enumerate((r + k) % len(plans) for k in range(len(plans))):
+            costs, fell_back = _calibrate(p, plans[i], _count(r * len(plans) + k, i, r, len(plans), rounds))
             timed[i].append(costs)
             failed = failed or fell_back
     if not failed:
@@ -158,15 +158,24 @@ def _side_by_side(p: Prepared, plan: Plan) -> list[tuple[list[int], set[int]]]:
     return [] if p.timer.is_cuda else _rank_cores(plan)  # forked ranks: CPU only
 
 
-def _calibrate(p: Prepared, plan: Plan) -> tuple[dict[str, NodeCost], bool]:
+def _count(done: int, plan: int, round_: int, plans: int, rounds: int) -> str:
+    """Where one calibration stands among `plans` x `rounds` of them, for its progress line
+    ('' for a single one): "3 of 6: plan 2 of 2, round 2 of 3"."""
+    if plans * rounds == 1:
+        return ""
+    return f" ({done + 1} of {plans * rounds}: plan {plan + 1} of {plans}, round {round_ + 1} of {rounds})"
+
+
+def _calibrate(p: Prepared, plan: Plan, count: str = "") -> tuple[dict[str, NodeCost], bool]:
     """`plan`'s stages calibrated now, side by side where every rank has cores of its own;
-    True where that failed and they were timed one at a time instead."""
+    True where that failed and they were timed one at a time instead.  `count`: where this
+    calibration stands among the phase's (`_count`), said on its progress line."""
     assert p.values is not None  # _calibrates
     values, stage_of = p.values, plan.stage_of()
     side_by_side = _side_by_side(p, plan)
     wait = p.hardware.idle_before_compute_s
     p.say(f"calibrating {plan.num_stages} stages as the ranks run them"
-          + (f", {len(side_by_side)} ranks side by side" if side_by_side else ""))
+          + (f", {len(side_by_side)} ranks side by side" if side_by_side else "") + count)
     with rank_threads():  # on a rank's threads and cores (runtime/affinity.py)
         if side_by_side:
             try:

@@ -164,14 +164,30 @@ def default_microbatches(batch: int, pp: int, opts: CompileOptions) -> int:
 
 
 def rows_per_microbatch(batch: int, microbatches: int, dp: int) -> int:
+    """Rows in one microbatch of one replica; a PlanError naming a fix where they do not divide."""
     if batch % (microbatches * dp):
-        fits = [m for m in range(1, batch + 1) if batch % (m * dp) == 0]
-        raise PlanError(
-            f"the example batch of {batch} rows does not split into {microbatches} microbatches x "
-            f"{dp} replicas: use --microbatches {max(m for m in fits if m <= max(microbatches, 1)) if fits else 1} "
-            f"(any of {fits}) or change the batch size."
-        )
+        raise PlanError(f"the example batch of {batch} rows does not split into {microbatches} microbatches x "
+                        f"{dp} replicas: {_batch_fix(batch, microbatches, dp)}")
     return batch // (microbatches * dp)
+
+
+def _batch_fix(batch: int, microbatches: int, dp: int) -> str:
+    """What makes `batch` split into microbatches x dp: a microbatch count where dp divides
+    the batch, else a dp that keeps the microbatches, and always a batch size that fits."""
+    fits = _divisors(batch // dp) if batch % dp == 0 else []
+    whole = microbatches * dp
+    resize = f"an example batch of a multiple of {microbatches} x {dp} = {whole} rows (e.g. {-(-batch // whole) * whole})"
+    if fits:
+        best = max(m for m in fits if m <= microbatches)
+        return f"use --microbatches {best} (any of {fits}) or {resize}."
+    dps = [d for d in _divisors(batch) if batch % (d * microbatches) == 0]
+    if dps:
+        return f"--dp {dp} does not divide {batch} rows: use --dp {' or '.join(map(str, dps))}, or {resize}."
+    return f"no --dp divides {batch} rows into {microbatches} microbatches: use {resize}."
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
 
 
 def split_batch(

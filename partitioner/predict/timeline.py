@@ -1,11 +1,11 @@
 """The predicted step drawn: ranks x time, one bar per F, B, I or W, idle left blank.
 
-`show DIR --timeline FILE.png` simulates the package's step again from its manifest
-(`simulate` on each stage's predicted compute per microbatch, split forward 1 : backward
-2 as the cost model counts FLOPs; messages free: the manifest keeps no link times, so the
-chart shows the schedule's own bubble, not the links') and draws what each rank runs
-when, so the bubble, and where a zero-bubble schedule moved it, can be seen.  matplotlib
-draws it (the `plot` extra).  `partitioner run DIR --trace FILE --timeline FILE.png`
+`show DIR --timeline FILE.png` runs the package's predicted step again on the inputs the
+manifest keeps (`simulate_step` on `predicted.simulation`: [Note: one predicted step], so
+its title is the step `show` prints) and draws what each pipeline rank of replica 0 runs
+when, the collectives that close the step as one bar (R) on every rank, so the bubble,
+and where a zero-bubble schedule moved it, can be seen.  matplotlib draws it (the `plot`
+extra).  `partitioner run DIR --trace FILE --timeline FILE.png`
 draws the measured last step the same way (`measured_events`).
 """
 
@@ -17,23 +17,60 @@ from pathlib import Path
 from typing import Sequence
 
 from runtime.manifest import Manifest
+from runtime.schedule import placement
 
 from ..errors import PackageError
-from .simulate import Simulation, simulate
+from .simulate import Simulation
+from .step import StepInputs, simulate_step
 
-__all__ = ["simulate_manifest", "measured_events", "draw", "COLORS"]
+__all__ = ["simulate_manifest", "predicted_events", "predicted_title", "rank_labels", "measured_events", "draw",
+           "COLORS"]
 
-COLORS = {"F": "#4c72b0", "B": "#dd8452", "I": "#c44e52", "W": "#55a868"}
+COLORS = {"F": "#4c72b0", "B": "#dd8452", "I": "#c44e52", "W": "#55a868", "R": "#8172b3"}
 
 
 def simulate_manifest(m: Manifest) -> Simulation:
-    """The package's step simulated from its manifest (see the module's docstring)."""
-    if m.predicted is None:
-        raise PackageError("the package has no prediction to draw: compile it again.")
-    compute = [s.compute_s for s in m.predicted.stages]
-    forward, backward = [c / 3 for c in compute], [2 * c / 3 for c in compute]
-    links = {(e.source, s.index): 0.0 for s in m.stages for e in s.inputs if e.source != "input"}
-    return simulate(forward, backward, links, m.schedule, m.mesh.pp, m.microbatches, m.virtual_stages)
+    """The package's predicted step run again on the manifest's inputs ([Note: one predicted step])."""
+    kept = m.predicted.extra.get("simulation") if m.predicted is not None else None
+    if not isinstance(kept, dict):
+        raise PackageError("the package keeps no simulation of its step to draw (compiled by an older version, "
+                           "or not by the planner): compile it again.")
+    try:
+        return simulate_step(StepInputs.from_dict(kept))
+    except (TypeError, ValueError) as exc:
+        raise PackageError(f"the package's predicted.simulation is malformed ({exc}): compile it again.") from None
+
+
+def predicted_events(m: Manifest) -> list[tuple[int, float, float, str]]:
+    """What `draw` takes for the predicted step: each pipeline rank's computes, and the
+    collectives that close the step (the loss, tied and data-parallel all-reduces, ZeRO-1's
+    broadcast) as one R bar on every rank, to the step's end."""
+    sim = simulate_manifest(m)
+    events = list(sim.events)
+    walked = max((end for _, _, end, _ in events), default=0.0)
+    if sim.step_time_s > walked:
+        events += [(rank, walked, sim.step_time_s, "R") for rank in range(m.mesh.pp)]
+    return events
+
+
+def predicted_title(m: Manifest) -> str:
+    """Which ranks the predicted timeline draws, and why those stand for all."""
+    mesh, shown = m.mesh, f"{m.schedule}, {m.microbatches} microbatches, predicted"
+    if mesh.dp == 1 and mesh.tp == 1:
+        return f"{shown}, all {mesh.pp} ranks"
+    each = f", each row a stage's {mesh.tp} tensor-parallel ranks" if mesh.tp > 1 else ""
+    replicas = f"replica 0 of {mesh.dp} (every replica runs the same steps), " if mesh.dp > 1 else ""
+    return f"{shown}, {replicas}{mesh.pp} pipeline ranks{each}"
+
+
+def rank_labels(m: Manifest) -> list[str]:
+    """Each pipeline rank's row: the global ranks of replica 0 that run it."""
+    where = placement(m.schedule, len(m.stages), m.mesh.pp)
+    labels = []
+    for row in range(m.mesh.pp):
+        ranks = sorted({r for s in m.stages if where[s.index] == row for r in s.ranks})[:m.mesh.tp]
+        labels.append(f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {ranks[0]}-{ranks[-1]}" if ranks else f"rank {row}")
+    return labels
 
 
 def measured_events(trace: str | Path) -> tuple[list[tuple[int, float, float, str]], int]:
@@ -53,8 +90,11 @@ def measured_events(trace: str | Path) -> tuple[list[tuple[int, float, float, st
     return events, max(r for r, *_ in events) + 1
 
 
-def draw(events: Sequence[tuple[int, float, float, str]], ranks: int, path: str | Path, title: str) -> None:
-    """A PNG of `events` ((rank, start s, end s, action) per compute) on `ranks` rows."""
+def draw(events: Sequence[tuple[int, float, float, str]], ranks: int, path: str | Path, title: str,
+         step_s: float | None = None, labels: Sequence[str] | None = None) -> None:
+    """A PNG of `events` ((rank, start s, end s, action) per compute) on `ranks` rows
+    (named `labels`, else "rank r"); the title's step is `step_s` where given (the
+    manifest's predicted step), else where the last event ends."""
     try:
         import matplotlib
 
@@ -64,7 +104,7 @@ def draw(events: Sequence[tuple[int, float, float, str]], ranks: int, path: str 
     except ImportError:
         raise PackageError("drawing the timeline needs matplotlib: pip install matplotlib "
                            "(or the project's [plot] extra).") from None
-    end = max((e for _, _, e, _ in events), default=0.0)
+    end = step_s if step_s is not None else max((e for _, _, e, _ in events), default=0.0)
     fig, ax = plt.subplots(figsize=(12, 1.2 + 0.6 * ranks))
     for rank, start, stop, label in events:
         kind = re.sub(r"\d", "", label)
@@ -72,13 +112,13 @@ def draw(events: Sequence[tuple[int, float, float, str]], ranks: int, path: str 
                        edgecolor="white", linewidth=0.5)
         if (stop - start) > end / 60:
             ax.text((start + stop) / 2 * 1e3, rank, label, ha="center", va="center", fontsize=7, color="white")
-    busy = sum(stop - start for _, start, stop, _ in events)
+    busy = sum(stop - start for _, start, stop, label in events if label != "R")  # collectives are not compute
     idle = 1 - busy / (ranks * end) if end > 0 else 0.0
-    ax.set_yticks(range(ranks), [f"rank {r}" for r in range(ranks)])
+    ax.set_yticks(range(ranks), list(labels) if labels is not None else [f"rank {r}" for r in range(ranks)])
     ax.set_ylim(ranks - 0.5, -0.5)
     ax.set_xlim(0, end * 1e3)
     ax.set_xlabel("ms")
-    ax.set_title(f"{title}: {end * 1e3:.3f} ms, idle {idle * 100:.1f}% (blank)")
+    ax.set_title(f"{title}: {end * 1e3:.3f} ms, idle {idle * 100:.1f}% (no compute)")
     kinds = sorted({re.sub(r"\d", "", label) for *_, label in events})
     ax.legend(handles=[Patch(color=COLORS.get(k, "grey"), label=k) for k in kinds], loc="upper left",
               bbox_to_anchor=(1.0, 1.0), fontsize=8)

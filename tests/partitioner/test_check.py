@@ -112,7 +112,7 @@ def test_plans_are_timed_in_turn_a_different_one_first_each_round_and_cached(tmp
     b = make_plan(p.problem, p.blocks, tuple(1 - s for s in assignment), report, p.mesh)
     order: list[Plan] = []
 
-    def calibrate(p: Prepared, plan: Plan) -> tuple[dict[str, NodeCost], bool]:
+    def calibrate(p: Prepared, plan: Plan, count: str = "") -> tuple[dict[str, NodeCost], bool]:
         order.append(plan)
         factor = 1.0 + len(order) / 10  # each calibration its own, to see which is filed where
         return {n: dataclasses.replace(c, forward_s=c.forward_s * factor) for n, c in p.costs.items()}, False

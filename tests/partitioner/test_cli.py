@@ -55,6 +55,8 @@ def test_bad_model_files(model: str, pattern: str, tmp_path: Path, capsys: pytes
         (["--memory", "1KiB"], r"needs at least .* on one stage.*but --memory is 1.0 KiB per stage: raise --memory to"),
         (["--memory", "lots"], r"is not a size"),
         (["--microbatches", "3"], r"does not split into 3 microbatches"),
+        (["--dp", "3", "--microbatches", "2"], r"--dp 3 does not divide 8 rows: use --dp 1 or 2 or 4, or an example "
+                                               r"batch of a multiple of 2 x 3 = 6 rows \(e.g. 12\)"),
         (["--tracer", "magic"], r"unknown --tracer 'magic'"),
         (["--hardware", "tpu9"], r"unknown --hardware 'tpu9'"),
         (["--tp", "0"], r"--tp 0: the tensor-parallel degree is at least 1"),
@@ -72,6 +74,33 @@ def test_bad_options(options: list[str], pattern: str, tmp_path: Path, capsys: p
     assert code == 2, err
     assert "Traceback" not in err
     assert re.search(pattern, " ".join(err.split())), err
+
+
+@pytest.mark.parametrize("batch, microbatches, dp, fix", [
+    (16, 4, 3, r"--dp 3 does not divide 16 rows: use --dp 1 or 2 or 4, or an example batch of a multiple of "
+               r"4 x 3 = 12 rows \(e.g. 24\)\.$"),
+    (16, 3, 2, r"use --microbatches 2 \(any of \[1, 2, 4, 8\]\) or an example batch of a multiple of 3 x 2 = 6 rows"),
+    (5, 2, 3, r"no --dp divides 5 rows into 2 microbatches: use an example batch of a multiple of 2 x 3 = 6 rows"),
+])
+def test_a_batch_that_does_not_split_names_a_fix_that_works(batch: int, microbatches: int, dp: int, fix: str) -> None:
+    """Every count the message suggests splits the batch (the --dp 3 on 16 rows once said
+    "use --microbatches 1 (any of [])")."""
+    import re
+
+    from driver.options import rows_per_microbatch
+    from partitioner.errors import PlanError
+
+    with pytest.raises(PlanError) as raised:
+        rows_per_microbatch(batch, microbatches, dp)
+    said = str(raised.value)
+    assert re.search(fix, said), said
+    dps = re.search(r"use --dp ([\d or]+)", said)
+    for d in map(int, dps.group(1).split(" or ") if dps else []):
+        assert rows_per_microbatch(batch, microbatches, d) > 0
+    for m in map(int, re.findall(r"--microbatches (\d+)", said)):
+        assert rows_per_microbatch(batch, m, dp) > 0
+    resized = int(re.search(r"e\.g\. (\d+)", said).group(1))
+    assert rows_per_microbatch(resized, microbatches, dp) > 0
 
 
 def test_out_is_a_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

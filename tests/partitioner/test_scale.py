@@ -8,7 +8,6 @@ import dataclasses
 import json
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -86,14 +85,13 @@ def test_attention_on_the_meta_device_saves_what_a_fused_kernel_saves() -> None:
 
 
 @pytest.mark.slow
-def test_gpt3_175b_on_1024_h100s_compiles_in_under_a_minute(tmp_path: Path) -> None:
+def test_gpt3_175b_on_1024_h100s_compiles(tmp_path: Path) -> None:
     """The command of docs/planning-at-scale.md, as a process: every device used, every
-    device's memory within 80 GiB, and an MFU in the range large-scale training reaches."""
+    device's memory within 80 GiB, and an MFU in the range large-scale training reaches.
+    How long the compile takes is benchmarks/scale.py's figure, not a bound here."""
     argv = [sys.executable, "-m", "partitioner", "compile", "examples/gpt3_175b.py", "--out", str(tmp_path / "gpt3"),
             "--analytic", "--devices", "1024", "--hardware", "h100", "--memory", "80GiB", "--quiet"]
-    start = time.perf_counter()
     done = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=300)
-    wall = time.perf_counter() - start
     assert done.returncode == 0, done.stderr
     m = json.loads((tmp_path / "gpt3" / "manifest.json").read_text())
     mesh = m["mesh"]
@@ -103,4 +101,3 @@ def test_gpt3_175b_on_1024_h100s_compiles_in_under_a_minute(tmp_path: Path) -> N
     peak = max(s["memory_bytes"] for s in m["predicted"]["stages"])
     assert peak <= 80 * 2**30
     assert 0.25 < m["predicted"]["mfu"] < 0.6
-    assert wall < 60, f"{wall:.1f} s"

@@ -6,7 +6,6 @@ import dataclasses
 import itertools
 import math
 import random
-import time
 from typing import Any, Sequence
 
 import pytest
@@ -226,14 +225,13 @@ def test_solve_is_deterministic() -> None:
     assert a1 == a2 and dataclasses.replace(r1, wall_s=0) == dataclasses.replace(r2, wall_s=0)
 
 
-def test_long_chain_is_fast() -> None:
+def test_long_chain_is_solved_by_the_dp() -> None:
+    """A 2,000-node chain goes to the exact DP (how long it takes: benchmarks/solver_scaling.py)."""
     rng = random.Random(0)
     n = 2000
     p = problem([rng.uniform(0.5, 2) for _ in range(n)], [(i, i + 1) for i in range(n - 1)], 8,
                 comm_alpha_s=0.01, acts=tuple(rng.randint(0, 9) for _ in range(n)), memory_limit_bytes=10**9)
-    start = time.perf_counter()
     assignment, report = solve(p)
-    assert time.perf_counter() - start < 5.0
     assert report.method == "dp" and len(set(assignment)) == 8
 
 

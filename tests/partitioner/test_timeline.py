@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import re
+from typing import Any
 from pathlib import Path
 
 import pytest
@@ -59,3 +61,48 @@ def test_run_timeline_needs_a_trace(tmp_path: Path, capsys: pytest.CaptureFixtur
     compile_example("examples/mlp.py", tmp_path / "pkg", stages=2)
     assert main(["run", str(tmp_path / "pkg"), "--nproc", "2", "--timeline", str(tmp_path / "m.png")]) == 2
     assert "--timeline draws the measured steps from the trace: add --trace" in capsys.readouterr().err
+
+
+def test_the_timeline_draws_the_step_show_prints(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """[Note: one predicted step] A bf16 GPT on 2 stages x 2 replicas: the timeline's title is
+    the step `show` prints (they once said 64 ms and 30 ms), its bars end there, and it
+    says which ranks it draws (replica 0's) and why."""
+    from runtime.manifest import Manifest
+
+    compile_example("examples/gpt.py", tmp_path / "pkg", stages=2, dp=2, microbatches=4, precision="bf16-mixed",
+                    hardware="a100")
+    drawn: dict[str, Any] = {}
+
+    def draw(events: Any, ranks: int, path: Any, title: str, step_s: float | None = None, labels: Any = None) -> None:
+        drawn.update(events=events, ranks=ranks, title=title, step_s=step_s, labels=labels)
+
+    monkeypatch.setattr(timeline, "draw", draw)
+    assert main(["show", str(tmp_path / "pkg"), "--timeline", str(tmp_path / "step.png")]) == 0
+    shown = float(re.search(r"predicted  step (\S+) ms", capsys.readouterr().out).group(1))
+    m = Manifest.from_json(json.loads((tmp_path / "pkg" / "manifest.json").read_text()), "manifest.json")
+    assert drawn["step_s"] is not None and f"{drawn['step_s'] * 1e3:.3f}" == f"{shown:.3f}"
+    assert max(end for _, _, end, _ in drawn["events"]) == pytest.approx(m.predicted.step_time_s, rel=1e-5)
+    assert drawn["ranks"] == 2 and drawn["labels"] == ["rank 0", "rank 1"]
+    assert "replica 0 of 2" in drawn["title"], drawn["title"]
+    assert {label for *_, label in drawn["events"]} >= {"0F0", "1B3"}
+
+
+def test_the_step_kept_in_the_manifest_is_the_step_predicted(tmp_path: Path) -> None:
+    """`simulate_step` on the manifest's inputs gives its step: one function for both."""
+    from partitioner.predict.step import StepInputs, simulate_step
+
+    m = compile_example("examples/gpt.py", tmp_path / "pkg", stages=2, dp=2, microbatches=4, hardware="a100").manifest
+    again = simulate_step(StepInputs.from_dict(m["predicted"]["simulation"]))
+    assert again.step_time_s == pytest.approx(m["predicted"]["step_time_s"], rel=1e-5)
+    assert m["predicted"]["simulation"]["after_s"] > 0  # the gradient all-reduce of 2 replicas
+
+
+def test_a_package_without_a_kept_simulation_is_refused_with_the_fix(tmp_path: Path) -> None:
+    from partitioner.errors import PackageError
+    from runtime.manifest import Manifest
+
+    manifest = compile_example("examples/mlp.py", tmp_path / "pkg", stages=2, hardware="a100").manifest
+    del manifest["predicted"]["simulation"]
+    with pytest.raises(PackageError, match=r"keeps no simulation of its step to draw .*: compile it again"):
+        timeline.simulate_manifest(Manifest.from_json(manifest, "manifest.json"))

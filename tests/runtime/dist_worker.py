@@ -15,8 +15,9 @@ MODE short: as check, on the example batch's first SHORT_ROWS rows (a short last
 MODE scaler: an fp16-mixed package with runtime.GradScaler: a step with an inf gradient on the
 last stage's rank is skipped on every rank, and every rank's scale halves (also when the
 gradients are unscaled and clipped before the step).
-MODE amp: a bf16-mixed or bf16 package, 3 SGD steps: losses and weights no further from the
-original trained in that precision (tests/precision_reference.py) than that is from fp32.
+MODE amp: a bf16-mixed or bf16 package, 3 SGD steps: losses and weights within the noise of the
+original trained in that precision: twice its distance from fp32 ([Note: precision bounds] in
+tests/precision_reference.py).
 MODE dropout: tp = 2 (tests/model_files/tp_dropout.py), train mode: the dropout of the
 replicated value draws the same mask on both tp ranks, that of the sharded value its own.
 Once a rank fails, the others are killed after GRACE_S (as torchrun does).
@@ -61,7 +62,7 @@ def _model_file(path: str):  # type: ignore[no-untyped-def]
 
 
 def _amp(pkg: str, model_path: str) -> None:
-    from tests.precision_reference import Original
+    from tests.precision_reference import Original, within_noise
 
     mf = _model_file(model_path)
     inputs, target = mf.example_inputs(), mf.example_target()
@@ -97,7 +98,7 @@ def _amp(pkg: str, model_path: str) -> None:
                 max(float((a[1][k].float() - b[1][k].float()).abs().max()) for k in b[1]))
 
     floor, off = far(runs[1], runs[0]), far(got, runs[1])
-    assert floor[0] > 0 and off[0] <= floor[0] and off[1] <= floor[1], (off, floor)
+    assert floor[0] > 0 and within_noise(off[0], floor[0]) and within_noise(off[1], floor[1]), (off, floor)
     print(f"{pipe.rank} ok", flush=True)
 
 
