@@ -19,7 +19,7 @@ __all__ = ["NOISE_FACTOR", "UNIT_ROUNDOFF", "Original", "within_noise"]
 #     differently, and a microbatch is another shape than the whole batch), so two runs of
 #     the same model under the same autocast agree on the first forward to a few roundings
 #     and, a few SGD steps later, differ as much as any two such runs do: each is one draw of
-#     the precision's noise around fp32.  The contract (CONTRACT.md section 4) bounds the
+#     the precision's noise around fp32.  The runtime's rule (docs/precision.md) bounds the
 #     pipeline by the original's own distance from fp32, the noise floor F (the largest over
 #     the original's runs: whole batch, microbatches accumulated).  Two runs each within F of
 #     fp32 are within 2 F of each other (triangle inequality): NOISE_FACTOR = 2 bounds the

@@ -144,7 +144,7 @@ REGISTRY: dict[str, ScheduleSpec] = {s.name: s for s in _SPECS}
 SCHEDULES: tuple[str, ...] = tuple(REGISTRY)
 #: what `--schedule auto` tries
 AUTO_SCHEDULES: tuple[str, ...] = tuple(s.name for s in _SPECS if s.auto)
-#: the schedule of a package compiled without --schedule or --devices (CONTRACT.md, section 2)
+#: the schedule of a package compiled without --schedule or --devices (docs/command-line.md)
 DEFAULT_SCHEDULE = "1f1b"
 
 
