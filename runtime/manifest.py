@@ -17,9 +17,8 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
-from typing import Any, Literal, Mapping
-
 from pathlib import Path
+from typing import Any, Mapping
 
 from ._fields import _array, _Bad, _count, _int, _ints, _is_int, _key, _mapping, _Obj, _opt_int, _opt_ints_list, _opt_str, _shape, _str, _strs
 from .errors import ManifestError
