@@ -11,7 +11,7 @@
     analytic costs do not depend on the device, and the measured `cpu` profile describes the
     CPU. The device is part of every measured cost's cache key (`DeviceTimer.key`), and
     nothing of it reaches the package: stage code names no device ([Note: devices in stage
-    code] in codegen/package.py) and constants are saved from the CPU.
+    code] in codegen/stage.py) and constants are saved from the CPU.
 """
 
 from __future__ import annotations
