@@ -51,7 +51,7 @@ from driver.compile import compile_model  # noqa: E402
 from driver.options import CompileOptions  # noqa: E402
 from partitioner.cost.timer import DeviceTimer, device_timer  # noqa: E402
 from partitioner.trace import model_file  # noqa: E402
-from runtime import package  # noqa: E402
+from runtime.manifest import read_manifest  # noqa: E402
 from runtime.stage import as_leaf  # noqa: E402
 
 from .common import save, table  # noqa: E402
@@ -112,7 +112,7 @@ def _compile_rows(work: Path, timer: DeviceTimer, quick: bool) -> list[Row]:
         start = time.perf_counter()
         out = _compile(work, timer, example, 2, measured=True)
         seconds = time.perf_counter() - start
-        step = package.load_manifest(out).predicted
+        step = read_manifest(out).predicted
         calibration = step.extra.get("calibration", {}) if step else {}
         peaks = list(calibration.get("measured_peak_bytes") or [])
         counted = (bool(peaks) and all(b > 0 for b in peaks)) if timer.is_cuda else not peaks

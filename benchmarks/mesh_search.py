@@ -42,9 +42,10 @@ def _compile(out: Path, devices: int, mesh: tuple[int, int, int] | None) -> dict
     compiled = compile_model(CompileOptions(model=MODEL, out=str(out), devices=devices, stages=stages, tp=tp, dp=dp,
                                             schedule="1f1b", hardware="cpu", quiet=True, time_limit=5.0))
     m = compiled.manifest
-    return {"dir": str(out), "pp": m["mesh"]["pp"], "tp": m["mesh"]["tp"], "dp": m["mesh"]["dp"],
-            "microbatches": m["microbatches"], "predicted_ms": 1e3 * m["predicted"]["step_time_s"],
-            "split": len((m.get("tensor_parallel") or {}).get("rules", {})), "compile_s": time.perf_counter() - start}
+    assert m.predicted is not None
+    return {"dir": str(out), "pp": m.mesh.pp, "tp": m.mesh.tp, "dp": m.mesh.dp,
+            "microbatches": m.microbatches, "predicted_ms": 1e3 * m.predicted.step_time_s,
+            "split": len(m.tensor_parallel.get("rules", {})), "compile_s": time.perf_counter() - start}
 
 
 def _meshes(devices: int) -> list[tuple[int, int, int]]:

@@ -36,6 +36,7 @@ from partitioner.cost.nodes import compute_nodes
 from partitioner.cost.measure import rank_threads
 from partitioner.trace.passes import node_module
 from runtime.malloc import keep_freed_memory
+from runtime.manifest import read_manifest
 
 from .common import load_package, save, table, update_docs
 
@@ -108,24 +109,24 @@ def measure_stages(directory: Path, prepared: Prepared, repeats: int) -> list[fl
     again or not depending on what ran before it in this process."""
     keep_freed_memory()
     pkg = load_package(directory)
-    manifest = pkg.MANIFEST
+    manifest = read_manifest(directory)
     state = prepared.model.state_dict()
-    aliases = {v: k for k, v in manifest["state_dict_aliases"].items()}
+    aliases = {v: k for k, v in manifest.state_dict_aliases.items()}
     from driver.options import split_batch
 
     args, kwargs = split_batch(prepared.args, prepared.kwargs, prepared.mf.leaf_batch_dims(prepared.model, prepared.args, prepared.kwargs), prepared.rows)
     given = {**dict(enumerate(args)), **kwargs}
-    batch = {i["name"]: given[i["key"]] for i in manifest["inputs"]}
+    batch = {i.name: given[i.key] for i in manifest.inputs}
     values: dict[str, torch.Tensor] = {}
     times = []
-    for entry in manifest["stages"]:
-        stage = pkg.load_stage(entry["index"])
+    for entry in manifest.stages:
+        stage = pkg.load_stage(entry.index)
         with torch.no_grad():
-            for p in entry["parameters"]:
-                src = p["source_name"]
-                getattr(stage, p["name"]).copy_(state[src] if src in state else state[aliases[src]])
-        inputs = [batch[i["name"]] if i["from"] == "input" else values[i["name"]].detach().requires_grad_(i["requires_grad"])
-                  for i in entry["inputs"]]
+            for p in entry.parameters:
+                src = p.source_name
+                getattr(stage, p.name).copy_(state[src] if src in state else state[aliases[src]])
+        inputs = [batch[i.name] if i.from_batch else values[i.name].detach().requires_grad_(i.requires_grad)
+                  for i in entry.inputs]
 
         def step() -> Any:
             out = stage(*inputs)

@@ -41,6 +41,7 @@ def _worker(rank: int, world: int, port: int, directory: str, schedule: str, ste
     dist.init_process_group("gloo", rank=rank, world_size=world)
     import runtime
     from partitioner.trace import model_file
+    from runtime.manifest import read_manifest
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
     mf = model_file.load(MODEL)
@@ -50,11 +51,12 @@ def _worker(rank: int, world: int, port: int, directory: str, schedule: str, ste
     ours.load_state_dict(original)
     pkg = load_package(directory)
     module = pkg.load_stage(rank)
-    entry = pkg.MANIFEST["stages"][rank]
+    manifest = read_manifest(directory)
+    entry = manifest.stages[rank]
     with torch.no_grad():
-        for p in entry["parameters"]:
-            getattr(module, p["name"]).copy_(original[p["source_name"]])
-    microbatches = pkg.MANIFEST["microbatches"]
+        for p in entry.parameters:
+            getattr(module, p.name).copy_(original[p.source_name])
+    microbatches = manifest.microbatches
     stage = PipelineStage(module, rank, world, torch.device("cpu"))
     peer = (ScheduleGPipe if schedule == "gpipe" else Schedule1F1B)(stage, microbatches, loss_fn=loss_fn)
     times: dict[str, list[float]] = {"ours": [], "peer": []}
@@ -107,9 +109,9 @@ def run(schedule: str, stages: int, steps: int, work: Path) -> dict[str, Any]:
     mp.spawn(_worker, args=(stages, port, str(directory), schedule, steps, str(out)), nprocs=stages, join=True)
     result = torch.load(out)
     ours, peer = statistics.median(result["times"]["ours"]), statistics.median(result["times"]["peer"])
-    import json
+    from runtime.manifest import read_manifest
 
-    m = json.loads((directory / "manifest.json").read_text())["microbatches"]
+    m = read_manifest(directory).microbatches
     ideal = max(result["stage_times"]) * (m + stages - 1)
     return {"schedule": schedule, "stages": stages, "microbatches": m, "ours_ms": ours * 1e3, "peer_ms": peer * 1e3,
             "ours_vs_peer": ours / peer, "ideal_ms": ideal * 1e3, "ours_vs_ideal": ours / ideal}

@@ -18,7 +18,6 @@ Python's start-up and imports included):
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import subprocess
 import sys
@@ -27,6 +26,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from runtime.manifest import read_manifest
 from runtime.schedule import placement
 
 from .common import ROOT, save, table, update_docs
@@ -54,24 +54,25 @@ def _compile(out: Path, options: list[str]) -> dict[str, Any]:
     wall = time.perf_counter() - start
     if done.returncode != 0:
         raise RuntimeError(f"{' '.join(argv[1:])} failed ({done.returncode}): {done.stderr.strip()[-600:]}")
-    m = json.loads((out / "manifest.json").read_text())
-    p, pp = m["predicted"], m["mesh"]["pp"]
+    m = read_manifest(out)
+    assert m.predicted is not None
+    p, pp = m.predicted, m.mesh.pp
     # a device holds every stage of its pipeline rank (interleaved, zb-v: virtual_stages of them)
-    ranks = placement(m["schedule"], len(m["stages"]), pp)
-    peak = max(sum(s["memory_bytes"] for k, s in enumerate(p["stages"]) if ranks[k] == r) for r in range(pp))
+    ranks = placement(m.schedule, len(m.stages), pp)
+    peak = max(sum(s.memory_bytes for k, s in enumerate(p.stages) if ranks[k] == r) for r in range(pp))
     return {
         "command": "python " + " ".join(argv[1:-1]).replace(str(out), "build/gpt3"),
-        "mesh": f"{m['mesh']['pp']} x {m['mesh']['tp']} x {m['mesh']['dp']}",
-        "schedule": m["schedule"] + (f" x{m['virtual_stages']}" if m["virtual_stages"] > 1 else ""),
-        "microbatches": m["microbatches"],
-        "recompute": "yes" if any(s.get("recompute") for s in m["stages"]) else "no",
-        "devices": m["mesh"]["pp"] * m["mesh"]["tp"] * m["mesh"]["dp"],
+        "mesh": f"{m.mesh.pp} x {m.mesh.tp} x {m.mesh.dp}",
+        "schedule": m.schedule + (f" x{m.virtual_stages}" if m.virtual_stages > 1 else ""),
+        "microbatches": m.microbatches,
+        "recompute": "yes" if any(s.recompute for s in m.stages) else "no",
+        "devices": m.mesh.world,
         "compile_s": wall,
-        "step_s": p["step_time_s"],
-        "mfu_pct": 100 * p["mfu"],
+        "step_s": p.step_time_s,
+        "mfu_pct": 100 * p.mfu,
         "peak_gib": peak / GIB,
         "fits_80gib": "yes" if peak <= 80 * GIB else "no",
-        "tokens_per_s": m["batch_size"] * 2048 / p["step_time_s"],
+        "tokens_per_s": (m.batch_size or 0) * 2048 / p.step_time_s,
     }
 
 

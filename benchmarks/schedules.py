@@ -60,6 +60,15 @@ def _worker(rank: int, port: int, model: str, dirs: dict[str, str], rounds: int,
     dist.destroy_process_group()
 
 
+def _predicted_step(directory: Path) -> float:
+    """The package's predicted step time, as its manifest records it."""
+    from runtime.manifest import read_manifest
+
+    step = read_manifest(directory).predicted
+    assert step is not None
+    return step.step_time_s
+
+
 def run(model: str, work: Path, rounds: int, steps: int) -> list[dict[str, Any]]:
     from driver.compile import compile_model
     from driver.options import CompileOptions
@@ -70,7 +79,7 @@ def run(model: str, work: Path, rounds: int, steps: int) -> list[dict[str, Any]]
         compile_model(CompileOptions(model=model, out=str(d), stages=STAGES, microbatches=MICROBATCHES,
                                      schedule=s, quiet=True))
         dirs[s] = str(d)
-        predicted[s] = json.loads((d / "manifest.json").read_text())["predicted"]["step_time_s"]
+        predicted[s] = _predicted_step(d)
     out = work / f"{Path(model).stem}.json"
     spawn_ranks(_worker, STAGES, (free_port(), model, dirs, rounds, steps, str(out)), deadline_s=1200)
     times = json.loads(out.read_text())

@@ -110,19 +110,20 @@ def compile_case(example: str, schedule: str, work: Path, batch: int | None = No
     seconds = time.perf_counter() - start
     m = compiled.manifest
     costs = compiled.costs
-    sent = {(int(i["from"]), int(st["index"])): 0 for st in m["stages"] for i in st["inputs"] if i["from"] != "input"}
-    for st in m["stages"]:
-        for i in st["inputs"]:
-            if i["from"] != "input":
-                nbytes = torch.empty(0, dtype=getattr(torch, i["dtype"])).element_size()
-                for d in i["shape"]:
+    assert m.predicted is not None
+    sent = {(int(i.source), st.index): 0 for st in m.stages for i in st.inputs if not i.from_batch}
+    for st in m.stages:
+        for i in st.inputs:
+            if not i.from_batch:
+                nbytes = torch.empty(0, dtype=getattr(torch, str(i.dtype))).element_size()
+                for d in i.shape or ():
                     nbytes *= int(d)
-                sent[(int(i["from"]), int(st["index"]))] += nbytes
+                sent[(int(i.source), st.index)] += nbytes
     stages = [{"forward_ms": 1e3 * sum(costs[n].forward_s for n in s.nodes),
                "backward_ms": 1e3 * sum(costs[n].backward_s for n in s.nodes),
                "nodes": len(s.nodes)} for s in compiled.plan.stages]
-    return {"example": example, "schedule": schedule, "dir": str(directory), "microbatches": m["microbatches"],
-            "predicted_ms": 1e3 * m["predicted"]["step_time_s"], "compile_s": seconds, "batch": m["batch_size"], "stages": stages,
+    return {"example": example, "schedule": schedule, "dir": str(directory), "microbatches": m.microbatches,
+            "predicted_ms": 1e3 * m.predicted.step_time_s, "compile_s": seconds, "batch": m.batch_size, "stages": stages,
             "tied_ms": 1e3 * tied_allreduce_s(compiled.traced.gm, compiled.plan, load_hardware("cpu")),
             "edges": [[a, b, n] for (a, b), n in sorted(sent.items())]}
 

@@ -20,8 +20,9 @@ from typing import Any
 from driver.compile import compile_model
 from driver.options import CompileOptions
 from driver.phases import prepare
+from runtime.manifest import read_manifest
 
-from .common import load_package, publish, stage_sweep
+from .common import publish, stage_sweep
 from .partition_quality import measure_stages
 
 MODELS = ["benchmarks/models/hf_qwen2_small.py", "benchmarks/models/hf_llama_tied_small.py",
@@ -40,9 +41,9 @@ def run_model(path: str, stages: int, rounds: int, repeats: int, work: Path) -> 
         samples.append(times)
     per_stage = [statistics.median(s) for s in zip(*samples)]
     ratios = [max(t) / statistics.fmean(t) for t in samples]
-    manifest = load_package(work).MANIFEST
+    manifest = read_manifest(work)
     row: dict[str, Any] = {"model": Path(path).stem.removesuffix("_small"), "stages": stages,
-                           "nodes": "/".join(str(s["nodes"]) for s in manifest["stages"]),
+                           "nodes": "/".join(str(s.nodes) for s in manifest.stages),
                            "stage_ms": "/".join(f"{t * 1e3:.2f}" for t in per_stage),
                            "slowest_over_mean": statistics.median(ratios)}
     row["within_goal"] = row["slowest_over_mean"] <= GOAL

@@ -63,13 +63,16 @@ def run(dp: int, zero: int, work: Path) -> dict[str, Any]:
     out = work / f"dp{dp}-zero{zero}.json"
     spawn_ranks(_worker, dp, (dp, free_port(), str(directory), str(out)), deadline_s=300)
     measured = json.loads(out.read_text())
-    manifest = json.loads((directory / "manifest.json").read_text())
-    param_bytes = manifest["predicted"]["stages"][0]["param_bytes"]
+    from runtime.manifest import read_manifest
+
+    step = read_manifest(directory).predicted
+    assert step is not None
+    param_bytes = step.stages[0].param_bytes
     predicted = param_bytes * optimizer_state_factor("adam") / (dp if zero else 1)
     return {"dp": dp, "zero": zero, "param_bytes": param_bytes, "measured_min": min(measured),
             "measured_max": max(measured), "predicted": round(predicted), "measured_vs_predicted": max(measured) / predicted,
             "measured_minus_predicted": max(measured) - round(predicted),
-            "memory_bytes_predicted": manifest["predicted"]["stages"][0]["memory_bytes"]}
+            "memory_bytes_predicted": step.stages[0].memory_bytes}
 
 
 def main(argv: list[str] | None = None) -> int:

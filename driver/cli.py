@@ -7,18 +7,17 @@ and the fix, no traceback); 1 an internal error (with its traceback, for a bug r
 from __future__ import annotations
 
 import argparse
-import json
 import re
 import sys
 import textwrap
 import traceback
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Sequence
 
 from runtime import launch
 from runtime.checkpoint import run as checkpointing
 from runtime.errors import PipelineError
-from runtime.manifest import Manifest
+from runtime.manifest import read_manifest
 from runtime.schedule.registry import DEFAULT_SCHEDULE, SCHEDULES
 
 from codegen import format_kept, format_plan
@@ -118,30 +117,10 @@ def _compile(ns: argparse.Namespace) -> int:
     return 0
 
 
-def read_manifest(directory: str) -> dict[str, Any]:
-    """The manifest of package `directory`, with a clear error when it is not one."""
-    path = Path(directory)
-    if not path.is_dir():
-        raise PackageError(f"{directory} is not a package directory: compile one with "
-                           f"`python -m partitioner compile MODEL.py --out {directory}`.")
-    try:
-        manifest = json.loads((path / "manifest.json").read_text())
-        _ = manifest["stages"], manifest["mesh"], manifest["source"]
-        return manifest  # type: ignore[no-any-return]
-    except FileNotFoundError:
-        raise PackageError(f"{directory} has no manifest.json, so it is not a compiled package: compile it again.") from None
-    except (ValueError, KeyError, TypeError) as exc:
-        raise PackageError(f"{directory}/manifest.json is corrupt ({type(exc).__name__}: {exc}): compile the model again.") from None
-
-
 def _show(ns: argparse.Namespace) -> int:
-    manifest = read_manifest(ns.dir)
-    try:
-        typed = Manifest.from_json(manifest, f"{ns.dir}/manifest.json")
-        sources = [p.read_text() for p in (Path(ns.dir) / f"{s.module}.py" for s in typed.stages) if p.is_file()]
-        print(format_plan(typed) + format_kept(sources), end="")
-    except (KeyError, TypeError, IndexError) as exc:
-        raise PackageError(f"{ns.dir}/manifest.json is missing fields ({exc}): compile the model again.") from None
+    typed = read_manifest(ns.dir)
+    sources = [p.read_text() for p in (Path(ns.dir) / f"{s.module}.py" for s in typed.stages) if p.is_file()]
+    print(format_plan(typed) + format_kept(sources), end="")
     if ns.timeline:
         from partitioner.predict import timeline
 

@@ -17,6 +17,7 @@ from partitioner.trace.inputs import output_batch_dims
 from partitioner.trace.passes import get_attr
 from partitioner.trace.siblings import sibling_modules
 from partitioner.trace.trace import by_input_key
+from runtime.manifest import ModelInput, Predicted
 
 from .prepared import Prepared
 
@@ -41,11 +42,11 @@ def package_info(p: Prepared, plan: Plan, predicted: dict[str, Any]) -> PackageI
         key = dict(traced.input_keys)[node.name]
         value = by_key[key]
         meta = node.meta.get("tensor_meta")
-        inputs.append({
-            "name": node.name, "key": list(key) if isinstance(key, tuple) else key, "batch_dim": dims.get(key, 0),
-            "shape": [int(d) for d in meta.shape] if meta is not None else None,
-            "dtype": str(value.dtype).replace("torch.", "") if isinstance(value, torch.Tensor) else None,
-        })
+        inputs.append(ModelInput(
+            name=node.name, key=key, batch_dim=dims.get(key, 0),
+            shape=tuple(int(d) for d in meta.shape) if meta is not None else None,
+            dtype=str(value.dtype).replace("torch.", "") if isinstance(value, torch.Tensor) else None,
+        ))
     graph_tensors = {str(n.target): get_attr(gm, str(n.target)) for n in gm.graph.nodes if n.op == "get_attr"}
     canonical = {storage_key(t): name for name, t in graph_tensors.items() if isinstance(t, torch.Tensor)}
     original = model.state_dict(keep_vars=True)
@@ -60,10 +61,10 @@ def package_info(p: Prepared, plan: Plan, predicted: dict[str, Any]) -> PackageI
     return PackageInfo(
         source_path=Path(opts.model).name, source_sha256=mf.sha256, source_text=mf.text,
         source_modules=sibling_modules(opts.model), entry=opts.entry, seed=opts.seed, tracer=traced.tracer,
-        batch_size=batch, inputs=inputs, out_spec=traced.out_spec, output_leaves=traced.output_leaves,
+        batch_size=batch, inputs=tuple(inputs), out_spec=traced.out_spec, output_leaves=traced.output_leaves,
         persistent=set(original), aliases=aliases, unused={k: t.detach() for k, t in unused.items()},
         unused_params={k for k, t in unused.items() if isinstance(t, torch.nn.Parameter)},
-        predicted=predicted, options=options, tp=plan.tp,
+        predicted=Predicted.from_dict(predicted) if predicted else None, options=options, tp=plan.tp,
         shards=dict(sharded.params) if sharded is not None else {},
         tensor_parallel=_tp_summary(sharded), recompute=plan.recompute, free_batch=p.free_batch,
         precision=opts.precision,
@@ -71,9 +72,9 @@ def package_info(p: Prepared, plan: Plan, predicted: dict[str, Any]) -> PackageI
     )
 
 
-def _input_dims_by_shape(inputs: list[dict[str, Any]]) -> dict[tuple[int, ...], int]:
+def _input_dims_by_shape(inputs: list[ModelInput]) -> dict[tuple[int, ...], int]:
     """The batch dim of each input tensor's microbatch shape (the last input of a shape wins)."""
-    return {tuple(i["shape"]): i["batch_dim"] for i in inputs if i["shape"] is not None}
+    return {i.shape: i.batch_dim for i in inputs if i.shape is not None}
 
 
 def _tp_summary(sharded: Sharded | None) -> dict[str, Any]:

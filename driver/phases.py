@@ -11,7 +11,7 @@
     analytic costs do not depend on the device, and the measured `cpu` profile describes the
     CPU. The device is part of every measured cost's cache key (`DeviceTimer.key`), and
     nothing of it reaches the package: stage code names no device ([Note: devices in stage
-    code] in codegen/package.py) and constants are saved from the CPU.
+    code] in codegen/stage.py) and constants are saved from the CPU.
 """
 
 from __future__ import annotations
@@ -143,9 +143,10 @@ def prepare(opts: CompileOptions, say: Callable[[str], None] = lambda _m: None, 
     mesh = mesh_of(opts, pp, virtual, microbatches)
     problem = pose(coarse, mesh, hardware)
     phase("coarsen")
-    return Prepared(opts, mf, model, traced, costs, hardware, problem, coarse.blocks, batch, rows, args, kwargs,
-                    mesh, timings, whole, sharded, coarse, values if sharded is None else None, say, free_batch, loss,
-                    timer)
+    return Prepared(opts=opts, mf=mf, model=model, traced=traced, costs=costs, hardware=hardware, problem=problem,
+                    blocks=coarse.blocks, batch=batch, rows=rows, args=args, kwargs=kwargs, mesh=mesh, timings=timings,
+                    whole=whole, sharded=sharded, coarse=coarse, values=values if sharded is None else None, say=say,
+                    free_batch=free_batch, loss=loss, timer=timer)
 
 
 def _trace(src: Source, margs: tuple[Any, ...], mkwargs: dict[str, Any], opts: CompileOptions, rows: int,
@@ -245,7 +246,7 @@ def emit_plan(p: Prepared, plan: Plan, extra: dict[str, Any] | None = None, *, r
     # 7. emit the package's files (codegen).
     manifest = emit(p.opts.out, p.traced.gm, plan, package_info(p, plan, predicted))
     p.timings["emit"] = time.perf_counter() - start
-    return Compiled(manifest, plan, p.traced, costs, dict(p.timings))
+    return Compiled(manifest=manifest, plan=plan, traced=p.traced, costs=costs, timings=dict(p.timings))
 
 
 def assign_nodes(prepared: Prepared, stage_of: dict[str, int]) -> Compiled:

@@ -16,6 +16,7 @@ from partitioner.solve.problem import Coarse, Mesh
 from partitioner.tp import Sharded
 from partitioner.trace import model_file
 from partitioner.trace.trace import Traced
+from runtime.manifest import Manifest
 
 from .options import CompileOptions
 
@@ -26,16 +27,17 @@ __all__ = ["Compiled", "Prepared", "Source"]
 class Compiled:
     """What a compile produced, for the CLI and for tests."""
 
-    manifest: dict[str, Any]
+    manifest: Manifest  # as the package's manifest.json has it
     plan: Plan
     traced: Traced
     costs: dict[str, NodeCost]
     timings: dict[str, float] = field(default_factory=dict)
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Prepared:
-    """A model traced, costed and posed as a partition problem: everything before solving."""
+    """A model traced, costed and posed as a partition problem: everything before solving
+    (built by keyword: its fields are many, and several share a type)."""
 
     opts: CompileOptions
     mf: model_file.ModelFile

@@ -2,7 +2,7 @@
 with timeouts, data-parallel gradient buckets, tied-parameter gradient sums.
 
 [Note: process groups]
-    Global rank = (replica * pp + position) * tp + t (groups.Mesh).  Every rank creates
+    Global rank = (replica * pp + position) * tp + t ([Note: rank layout]).  Every rank creates
     every group, in the same order (dist.new_group is collective):
       1. one group per stage edge (p, c) across positions, per replica and tp index t:
          activations of p go to c and gradients come back on it, in microbatch order, so

@@ -1,4 +1,5 @@
-"""The rank layout and process groups of a pipeline run: see [Note: process groups] in comm.py."""
+"""The process groups of a pipeline run: see [Note: process groups] in comm.py; the rank
+layout is `manifest.Mesh` ([Note: rank layout]), re-exported here."""
 
 from __future__ import annotations
 
@@ -7,35 +8,10 @@ from typing import Any
 
 import torch.distributed as dist
 
-from .manifest import Manifest
+from .manifest import Manifest, Mesh
 from .schedule import StageGraph
 
 __all__ = ["Mesh", "Groups", "make_groups"]
-
-
-@dataclass(frozen=True)
-class Mesh:
-    """pp x tp x dp ranks: global rank = (replica * pp + position) * tp + t, so the ranks of
-    a tensor-parallel group are neighbours (as Megatron places them on one NVLink island)."""
-
-    pp: int
-    tp: int
-    dp: int
-
-    @classmethod
-    def from_manifest(cls, manifest: Manifest) -> Mesh:
-        return cls(manifest.mesh.pp, manifest.mesh.tp, manifest.mesh.dp)
-
-    @property
-    def world(self) -> int:
-        return self.pp * self.tp * self.dp
-
-    def rank(self, replica: int, position: int, t: int) -> int:
-        return (replica * self.pp + position) * self.tp + t
-
-    def coords(self, rank: int) -> tuple[int, int, int]:
-        """(replica, position, t) of a global rank."""
-        return rank // (self.tp * self.pp), rank // self.tp % self.pp, rank % self.tp
 
 
 @dataclass
@@ -54,7 +30,7 @@ class Groups:
 def make_groups(manifest: Manifest, graph: StageGraph, rank: int) -> Groups:
     """Create every group on every rank, in the same order (dist.new_group is collective),
     and keep the ones `rank` is in."""
-    mesh = Mesh.from_manifest(manifest)
+    mesh = manifest.mesh
     replica, position, t = mesh.coords(rank)
     out = Groups(dp_ranks=[mesh.rank(r, position, t) for r in range(mesh.dp)],
                  tp_ranks=[mesh.rank(replica, position, u) for u in range(mesh.tp)])

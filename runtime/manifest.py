@@ -1,8 +1,8 @@
 """The package's manifest.json as types: the one contract between codegen and the runtime.
 
 The runtime owns the format it reads: codegen builds these dataclasses and calls
-`Manifest.to_json`; every reader calls `Manifest.from_json` (through
-`package.load_manifest`), which checks the whole file once and raises a `ManifestError`
+`Manifest.to_json`; every reader calls `Manifest.from_json` (a package folder's through
+`read_manifest`), which checks the whole file once and raises a `ManifestError`
 that names the field, then uses fields.  `to_json` writes the bytes codegen has always
 written (key order, `indent=1`, fields that are written only when set: a stage's
 `recompute`, a buffer's `meta`, a shard's `blocks`, the `tensor_parallel` block, `hash`).
@@ -17,18 +17,22 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
-from typing import Any, Literal, Mapping
+from pathlib import Path
+from typing import Any, Mapping
 
-from ._fields import (_array, _Bad, _bool, _count, _from, _index, _int, _ints, _is_int, _key, _mapping, _number,
-                      _Obj, _opt_int, _opt_ints_list, _opt_str, _shape, _str, _strs, _to)
+from ._fields import _array, _Bad, _count, _int, _ints, _is_int, _key, _mapping, _Obj, _opt_int, _opt_ints_list, _opt_str, _shape, _str, _strs
 from .errors import ManifestError
 from .precision import PRECISIONS
+from .predicted import Predicted, StagePrediction, _predicted
 from .schedule.registry import SCHEDULES
+from .stage_spec import (REPLICATED_SHARD, BufferSpec, ParamSpec, Shard, StageInput, StageOutput, StageSpec, TensorSpec,
+                         _list, _stage)
 
 __all__ = [
     "FORMAT_VERSION",
     "SCHEDULES",
     "Manifest",
+    "read_manifest",
     "Source",
     "MODEL_COPY",
     "Mesh",
@@ -48,6 +52,7 @@ __all__ = [
 
 FORMAT_VERSION = 1
 _RECOMPILE = "compile the model again"
+_RECOMPILE_WITH = "compile the model again with `python -m partitioner compile MODEL.py --out DIR`"
 MODEL_COPY = "model_file.py"  # the package's copy of the model file ([Note: the model file's copy])
 
 
@@ -89,11 +94,35 @@ class Source:
 
 @dataclass(frozen=True)
 class Mesh:
-    """pp pipeline positions x tp tensor-parallel ranks x dp replicas."""
+    """pp pipeline positions x tp tensor-parallel ranks x dp replicas, and where each rank sits.
+
+    [Note: rank layout]
+        Global rank = (replica * pp + position) * tp + t, so the ranks of a tensor-parallel
+        group are neighbours (as Megatron places them on one NVLink island); stage s sits
+        at position `StageGraph.rank_of(s)` (s % pp, or a V under zb-v).  Codegen writes each
+        stage's `ranks` by this rule and the runtime creates its groups by it.
+    """
 
     pp: int
     tp: int = 1
     dp: int = 1
+
+    @classmethod
+    def from_manifest(cls, manifest: Manifest) -> Mesh:
+        """The manifest's own mesh (kept for callers that build it from the manifest)."""
+        return manifest.mesh
+
+    @property
+    def world(self) -> int:
+        return self.pp * self.tp * self.dp
+
+    def rank(self, replica: int, position: int, t: int) -> int:
+        """The global rank of (replica, position, t): [Note: rank layout]."""
+        return (replica * self.pp + position) * self.tp + t
+
+    def coords(self, rank: int) -> tuple[int, int, int]:
+        """(replica, position, t) of a global rank: [Note: rank layout]."""
+        return rank // (self.tp * self.pp), rank // self.tp % self.pp, rank % self.tp
 
     def to_dict(self) -> dict[str, Any]:
         return {"pp": self.pp, "tp": self.tp, "dp": self.dp}
@@ -118,128 +147,6 @@ class ModelInput:
 
 
 @dataclass(frozen=True)
-class TensorSpec:
-    """A value crossing a stage boundary: name, shape per microbatch, dtype."""
-
-    name: str
-    shape: tuple[int, ...] | None
-    dtype: str | None
-
-
-@dataclass(frozen=True)
-class StageInput(TensorSpec):
-    """A stage input; `source` (JSON "from") is the producing stage, or "input" (the batch)."""
-
-    source: int | Literal["input"] = "input"
-    requires_grad: bool = False
-    batch_dim: int | None = None  # written only when set: see Manifest.free_dims
-
-    @property
-    def from_batch(self) -> bool:
-        return self.source == "input"
-
-    def to_dict(self) -> dict[str, Any]:
-        out = {"name": self.name, "shape": _list(self.shape), "dtype": self.dtype, "from": self.source,
-               "requires_grad": self.requires_grad}
-        return out if self.batch_dim is None else {**out, "batch_dim": self.batch_dim}
-
-
-@dataclass(frozen=True)
-class StageOutput(TensorSpec):
-    """A stage output; `to` lists the reading stages, or is "output" (the model's output)."""
-
-    to: tuple[int, ...] | Literal["output"] = "output"
-    requires_grad: bool = True
-    batch_dim: int | None = None  # written only when set: see Manifest.free_dims
-
-    def to_dict(self) -> dict[str, Any]:
-        to = self.to if self.to == "output" else list(self.to)
-        out = {"name": self.name, "shape": _list(self.shape), "dtype": self.dtype, "to": to,
-               "requires_grad": self.requires_grad}
-        return out if self.batch_dim is None else {**out, "batch_dim": self.batch_dim}
-
-
-@dataclass(frozen=True)
-class Shard:
-    """Which piece of the whole tensor a parameter holds: see [Note: shards] in package.py."""
-
-    dim: int | None = None
-    index: int | Literal["tp"] = 0
-    count: int = 1
-    blocks: int | None = None  # written only when set (codegen sets it on sharded parameters)
-
-    def to_dict(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"dim": self.dim, "index": self.index, "count": self.count}
-        return out if self.blocks is None else {**out, "blocks": self.blocks}
-
-
-REPLICATED_SHARD = Shard()
-
-
-@dataclass(frozen=True)
-class ParamSpec:
-    """A stage parameter: its attribute `name`, its `source_name` in the original model and
-    its LOCAL shape (a shard's, when `shard.count` > 1)."""
-
-    name: str
-    source_name: str
-    shape: tuple[int, ...]
-    dtype: str = "float32"
-    requires_grad: bool = True
-    shard: Shard = REPLICATED_SHARD
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"name": self.name, "source_name": self.source_name, "shape": list(self.shape), "dtype": self.dtype,
-                "requires_grad": self.requires_grad, "shard": self.shard.to_dict()}
-
-
-@dataclass(frozen=True)
-class BufferSpec:
-    """A stage buffer; persistent ones are in the state_dict, `meta` ones have no values."""
-
-    name: str
-    source_name: str
-    shape: tuple[int, ...]
-    dtype: str = "float32"
-    persistent: bool = True
-    meta: bool = False  # written only when True
-
-    def to_dict(self) -> dict[str, Any]:
-        out = {"name": self.name, "source_name": self.source_name, "shape": list(self.shape), "dtype": self.dtype,
-               "persistent": self.persistent}
-        return {**out, "meta": True} if self.meta else out
-
-
-@dataclass(frozen=True)
-class StageSpec:
-    """One stage: its file `module`.py defines `class_name` (JSON "class"); `ranks` are the
-    global ranks that run it."""
-
-    index: int
-    module: str
-    class_name: str
-    ranks: tuple[int, ...]
-    inputs: tuple[StageInput, ...]
-    outputs: tuple[StageOutput, ...]
-    parameters: tuple[ParamSpec, ...]
-    buffers: tuple[BufferSpec, ...] = ()
-    nodes: int = 0
-    modules: tuple[str, ...] = ()
-    recompute: bool = False  # written only when True
-
-    @property
-    def is_last(self) -> bool:
-        return bool(self.outputs) and self.outputs[0].to == "output"
-
-    def to_dict(self) -> dict[str, Any]:
-        out = {"index": self.index, "module": self.module, "class": self.class_name, "ranks": list(self.ranks),
-               "inputs": [e.to_dict() for e in self.inputs], "outputs": [e.to_dict() for e in self.outputs],
-               "parameters": [p.to_dict() for p in self.parameters], "buffers": [b.to_dict() for b in self.buffers],
-               "nodes": self.nodes, "modules": list(self.modules)}
-        return {**out, "recompute": True} if self.recompute else out
-
-
-@dataclass(frozen=True)
 class TiedParameter:
     """A parameter of the original model held by several stages (tied embeddings)."""
 
@@ -248,51 +155,6 @@ class TiedParameter:
 
     def to_dict(self) -> dict[str, Any]:
         return {"source_name": self.source_name, "stages": list(self.stages)}
-
-
-@dataclass(frozen=True)
-class StagePrediction:
-    """What the compiler predicts for one stage, per microbatch (time) and at peak (memory)."""
-
-    time_s: float
-    memory_bytes: int
-    compute_s: float = 0.0
-    param_bytes: int = 0
-    send_bytes: int = 0
-    recv_bytes: int = 0
-    peak_inflight: int = 0
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"time_s": self.time_s, "compute_s": self.compute_s, "memory_bytes": self.memory_bytes,
-                "param_bytes": self.param_bytes, "send_bytes": self.send_bytes, "recv_bytes": self.recv_bytes,
-                "peak_inflight": self.peak_inflight}
-
-
-@dataclass(frozen=True)
-class Predicted:
-    """The compiler's prediction of a training step; `solver` (the solver's report) and
-    `extra` (further entries, e.g. the mesh search's `candidates`) are free-form."""
-
-    step_time_s: float
-    mfu: float
-    stages: tuple[StagePrediction, ...]
-    cost_source: str = ""
-    hardware: str = ""
-    solver: Mapping[str, Any] = field(default_factory=dict)
-    extra: Mapping[str, Any] = field(default_factory=dict)
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"step_time_s": self.step_time_s, "mfu": self.mfu, "cost_source": self.cost_source,
-                "hardware": self.hardware, "stages": [s.to_dict() for s in self.stages], "solver": dict(self.solver),
-                **self.extra}
-
-    @staticmethod
-    def from_dict(data: Mapping[str, Any]) -> Predicted:
-        """The block as the planner builds it (a dict), checked as `Manifest.from_json` checks it."""
-        try:
-            return _predicted(_Obj(data, "predicted"))
-        except _Bad as bad:
-            raise ManifestError(f"the predicted block is malformed: {bad}.") from None
 
 
 @dataclass(frozen=True)
@@ -362,15 +224,30 @@ class Manifest:
             raise ManifestError(f"{origin} is corrupt: {bad}; {_RECOMPILE}.") from None
 
 
-def _list(shape: tuple[int, ...] | None) -> list[int] | None:
-    return None if shape is None else list(shape)
+def read_manifest(directory: str | Path) -> Manifest:
+    """The parsed and checked manifest.json of package `directory`: the one reader of a
+    package folder's manifest (the CLI's, the driver's, the benchmarks')."""
+    path = Path(directory)
+    if not path.is_dir():
+        raise ManifestError(f"{directory} is not a package directory: package directory {str(directory)!r} does not "
+                            f"exist (or is a file); compile one with `python -m partitioner compile MODEL.py --out "
+                            f"{directory}`.")
+    file = path / "manifest.json"
+    if not file.is_file():
+        raise ManifestError(f"{directory} has no manifest.json: {file} is missing, so {directory} is not a compiled "
+                            f"package; {_RECOMPILE_WITH}.")
+    try:
+        text = file.read_text()
+    except UnicodeDecodeError as exc:
+        raise ManifestError(f"{file} is corrupt (not JSON: {exc}): {_RECOMPILE_WITH}.") from None
+    return Manifest.from_json(text, origin=str(file))
 
 
 # -- reading: every field checked once, errors that name it -------------------------------
 
 
 def _parse(data: str | Mapping[str, Any], origin: str) -> Mapping[str, Any]:
-    recompile = "compile the model again with `python -m partitioner compile MODEL.py --out DIR`"
+    recompile = _RECOMPILE_WITH
     if isinstance(data, str):
         try:
             data = json.loads(data)
@@ -378,6 +255,8 @@ def _parse(data: str | Mapping[str, Any], origin: str) -> Mapping[str, Any]:
             raise ManifestError(f"{origin} is corrupt (not JSON: {exc}): {recompile}.") from None
     if not isinstance(data, Mapping):
         raise ManifestError(f"{origin} is corrupt (a JSON {type(data).__name__}, not an object): {recompile}.")
+    if "format_version" not in data:
+        raise ManifestError(f"{origin} is corrupt: it has no 'format_version' field; {_RECOMPILE}.")
     version = data.get("format_version")
     if version != FORMAT_VERSION:
         raise ManifestError(f"{origin} has format_version {version!r} but this runtime reads format_version "
@@ -402,59 +281,8 @@ def _model_input(o: _Obj) -> ModelInput:
                       o.get("shape", _shape, None), o.get("dtype", _opt_str, None))
 
 
-def _stage_input(o: _Obj) -> StageInput:
-    return StageInput(o.get("name", _str), o.get("shape", _shape), o.get("dtype", _opt_str), o.get("from", _from),
-                      o.get("requires_grad", _bool, False), o.get("batch_dim", _opt_int, None))
-
-
-def _stage_output(o: _Obj) -> StageOutput:
-    to = o.get("to", _to)
-    return StageOutput(o.get("name", _str), o.get("shape", _shape), o.get("dtype", _opt_str),
-                       to if to == "output" else tuple(to), o.get("requires_grad", _bool, False),
-                       o.get("batch_dim", _opt_int, None))
-
-
-def _shard(o: _Obj) -> Shard:
-    shard = Shard(o.get("dim", _opt_int, None), o.get("index", _index, 0), o.get("count", _count, 1),
-                  o.get("blocks", _count, None))
-    if shard.count > 1 and shard.dim is None:
-        raise _Bad(f"{o.path}.dim: expected an int (the shard has count {shard.count}), got None")
-    return shard
-
-
-def _param(o: _Obj) -> ParamSpec:
-    shard = o.obj("shard", _shard) if o.data.get("shard") is not None else REPLICATED_SHARD
-    return ParamSpec(o.get("name", _str), o.get("source_name", _str), tuple(o.get("shape", _ints)),
-                     o.get("dtype", _str, "float32"), o.get("requires_grad", _bool, True), shard)
-
-
-def _buffer(o: _Obj) -> BufferSpec:
-    return BufferSpec(o.get("name", _str), o.get("source_name", _str), tuple(o.get("shape", _ints)),
-                      o.get("dtype", _str, "float32"), o.get("persistent", _bool, True), o.get("meta", _bool, False))
-
-
-def _stage(o: _Obj) -> StageSpec:
-    return StageSpec(o.get("index", _int), o.get("module", _str), o.get("class", _str), tuple(o.get("ranks", _ints)),
-                     o.each("inputs", _stage_input), o.each("outputs", _stage_output),
-                     o.each("parameters", _param), o.each("buffers", _buffer, optional=True),
-                     o.get("nodes", _int, 0), tuple(o.get("modules", _strs, [])), o.get("recompute", _bool, False))
-
-
 def _tied(o: _Obj) -> TiedParameter:
     return TiedParameter(o.get("source_name", _str), tuple(o.get("stages", _ints)))
-
-
-def _stage_prediction(o: _Obj) -> StagePrediction:
-    return StagePrediction(o.get("time_s", _number), o.get("memory_bytes", _int), o.get("compute_s", _number, 0.0),
-                           o.get("param_bytes", _int, 0), o.get("send_bytes", _int, 0), o.get("recv_bytes", _int, 0),
-                           o.get("peak_inflight", _int, 0))
-
-
-def _predicted(o: _Obj) -> Predicted:
-    known = ("step_time_s", "mfu", "cost_source", "hardware", "stages", "solver")
-    return Predicted(o.get("step_time_s", _number), o.get("mfu", _number), o.each("stages", _stage_prediction),
-                     o.get("cost_source", _str, ""), o.get("hardware", _str, ""), o.get("solver", _mapping, {}),
-                     {k: v for k, v in o.data.items() if k not in known})
 
 
 def _read_manifest(data: Mapping[str, Any]) -> Manifest:

@@ -4,7 +4,7 @@ buffer and input on a fake `cuda` device, on a CPU-only build.
 Under `FakeTensorMode` no kernel runs (shapes and devices only), so this works without a
 GPU; a tensor left on the CPU in the stage's code (a device written as a constant, a
 factory call without a device) meets a `cuda` one and raises
-`FakeTensorDeviceMismatchError` ([Note: devices in stage code] in codegen/package.py).
+`FakeTensorDeviceMismatchError` ([Note: devices in stage code] in codegen/stage.py).
 Forward only, under `no_grad`: autograd on fake CUDA tensors is not available in a CPU
 build.  With tp > 1 the collectives of `runtime.tp` keep only their shapes (`_shapes_only`):
 this checks devices, not values.

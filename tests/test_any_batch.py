@@ -66,9 +66,9 @@ def _check_short_batch(path: str, pkg: Path, rows: int) -> None:
 def test_short_last_batch_trains_like_the_original(example: str, tmp_path: Path) -> None:
     path = f"examples/{example}.py"
     compiled = compile_example(path, tmp_path / "pkg", stages=2, microbatches=4)
-    assert compiled.manifest["free_dims"] == ["batch"]
+    assert list(compiled.manifest.free_dims) == ["batch"]
     source = (tmp_path / "pkg" / "stage_0.py").read_text()
-    rows = compiled.manifest["inputs"][0]["shape"][0]  # the compiled microbatch's rows
+    rows = compiled.manifest.inputs[0].shape[0]  # the compiled microbatch's rows
     assert "batch = " in source or example == "mlp", source  # sizes read from the inputs
     if example == "gpt":
         assert f".view({rows}, " not in source and ".view(batch, " in source
@@ -80,7 +80,7 @@ def test_short_batch_with_tensor_parallelism(example: str, tmp_path: Path) -> No
     """Sizes the tensor-parallel split rewrites (a view's heads) keep following the batch."""
     compiled = compile_example(f"examples/{example}.py", tmp_path / "pkg", stages=2, tp=2, microbatches=2,
                                hardware=FREE_LINKS)
-    assert compiled.manifest["tensor_parallel"]["rules"] and compiled.manifest["free_dims"] == ["batch"]
+    assert compiled.manifest.tensor_parallel["rules"] and list(compiled.manifest.free_dims) == ["batch"]
     _check_short_batch(f"examples/{example}.py", tmp_path / "pkg", 5)
 
 
@@ -165,7 +165,7 @@ def loss_fn(out, target):
 def test_a_model_with_a_literal_batch_keeps_it_fixed(tmp_path: Path) -> None:
     (tmp_path / "fixed.py").write_text(FIXED)
     compiled = compile_example(str(tmp_path / "fixed.py"), tmp_path / "pkg", stages=2, microbatches=2)
-    assert "free_dims" not in compiled.manifest
+    assert "free_dims" not in compiled.manifest.to_dict()
     pipe = runtime.LocalPipeline(str(tmp_path / "pkg"))
     with pytest.raises(BatchError, match=r"its batch is fixed at 6 rows"):
         pipe.train_step((torch.randn(4, 8),), torch.randint(0, 2, (4,)))

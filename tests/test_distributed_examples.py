@@ -38,7 +38,7 @@ def test_compiled_example_trains_like_the_original(name: str, model: str, option
                                                    tmp_path: Path) -> None:
     compiled = compile_example(f"examples/{model}.py", tmp_path / name, **options)
     if options.get("tp", 1) != 1:
-        assert compiled.manifest["tensor_parallel"]["rules"], "the tp tests need something split"
+        assert compiled.manifest.tensor_parallel["rules"], "the tp tests need something split"
     copy = tmp_path / f"{model}.py"  # the launcher writes its rank logs beside the model file
     shutil.copy(ROOT / "examples" / f"{model}.py", copy)
     _ok(launch(ranks, "check", [tmp_path / name], copy, deadline_s=90))

@@ -141,7 +141,7 @@ def test_bf16_mixed_trains_like_the_original_under_autocast(example: str, tmp_pa
     fp32's (a pipeline that ignored autocast passes the noise bound alone)."""
     path = f"examples/{example}.py"
     compiled = compile_example(path, tmp_path / "pkg", stages=2, microbatches=4, precision="bf16-mixed")
-    assert compiled.manifest["precision"] == "bf16-mixed"
+    assert compiled.manifest.precision == "bf16-mixed"
     fp32, amp = _train_original(path, "fp32"), _train_original(path, "bf16-mixed")
     amp_accumulated = _train_original(path, "bf16-mixed", microbatches=4)
     got = _train_pipeline(path, tmp_path / "pkg")
@@ -179,7 +179,7 @@ def test_bf16_with_master_weights_trains_like_the_original_in_bf16(example: str,
     bound on it)."""
     path = f"examples/{example}.py"
     manifest = compile_example(path, tmp_path / "pkg", stages=2, microbatches=4, precision="bf16").manifest
-    assert {p["dtype"] for s in manifest["stages"] for p in s["parameters"]} == {"bfloat16"}
+    assert {p.dtype for s in manifest.stages for p in s.parameters} == {"bfloat16"}
     fp32, whole = _train_original(path, "fp32"), _train_original(path, "bf16")
     accumulated = _train_original(path, "bf16", microbatches=4)
     got = _train_pipeline(path, tmp_path / "pkg")
@@ -267,9 +267,9 @@ def test_bf16_mixed_boundaries_carry_the_autocast_dtype(tmp_path: Path) -> None:
     """The MLP's hand-over is a Linear's output: bfloat16 under autocast, so its message is half the bytes."""
     fp32 = compile_example("examples/mlp.py", tmp_path / "fp32", stages=2).manifest
     bf16 = compile_example("examples/mlp.py", tmp_path / "bf16", stages=2, precision="bf16-mixed").manifest
-    assert "precision" not in fp32
-    assert [o["dtype"] for o in bf16["stages"][0]["outputs"]] == ["bfloat16"]
-    send = [s["send_bytes"] for s in bf16["predicted"]["stages"]], [s["send_bytes"] for s in fp32["predicted"]["stages"]]
+    assert "precision" not in fp32.to_dict()
+    assert [o.dtype for o in bf16.stages[0].outputs] == ["bfloat16"]
+    send = [s.send_bytes for s in bf16.predicted.stages], [s.send_bytes for s in fp32.predicted.stages]
     assert send[0][0] * 2 == send[1][0], send
 
 

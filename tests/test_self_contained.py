@@ -17,7 +17,7 @@ import pytest
 
 from runtime import package
 from runtime.errors import ManifestError
-from runtime.manifest import MODEL_COPY, Manifest, Source
+from runtime.manifest import MODEL_COPY, Manifest, Source, read_manifest
 
 from .conftest import ROOT, compile_example
 
@@ -96,7 +96,7 @@ def test_two_folders_compile_the_same_bytes(tmp_path: Path) -> None:
         assert (first / name).read_bytes() == (second / name).read_bytes(), f"{name} differs"
         assert str(tmp_path) not in (first / name).read_text(), f"{name} names a folder of this machine"
     assert (first / MODEL_COPY).read_bytes() == MODEL.read_bytes()
-    assert json.loads((first / "manifest.json").read_text())["source"]["path"] == "net.py"
+    assert read_manifest(first).source.path == "net.py"
 
 
 def _manifest(source: Source) -> Manifest:

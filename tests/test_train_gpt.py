@@ -26,7 +26,7 @@ def _env() -> dict[str, str]:
 def test_train_gpt_learns_on_two_ranks(tmp_path: Path) -> None:
     """Compiled with --precision bf16-mixed: bf16 autocast trained end to end."""
     compiled = compile_example(str(SCRIPT), tmp_path / "pkg", stages=2, precision="bf16-mixed")
-    assert compiled.manifest["precision"] == "bf16-mixed"
+    assert compiled.manifest.precision == "bf16-mixed"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(SCRIPT),
            str(tmp_path / "pkg"), "--steps", "50", "--eval-every", "25"]
     proc = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=240, cwd=ROOT)

@@ -37,7 +37,7 @@ from torch.fx._symbolic_trace import PH
 from ..errors import ModelFileError
 
 if TYPE_CHECKING:
-    from .trace import Traced
+    from .traced import Traced
 
 __all__ = ["InputKey", "expand_outputs", "fix_placeholder", "flat_codegen", "flat_inputs", "forward_names", "key_text", "leaf_batch_dims", "leaves_of", "nested_placeholders",
            "output_batch_dims", "path_entry", "tops"]

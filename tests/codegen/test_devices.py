@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from torch._subclasses.fake_tensor import FakeTensorDeviceMismatchError
 
-import codegen.package
+import codegen.stage
 
 from ..conftest import ROOT, compile_example
 from ..fake_gpu import check_stages_on_fake_gpu
@@ -69,7 +69,7 @@ def test_the_check_catches_a_device_constant(tmp_path: Path, monkeypatch: pytest
     the check fails on it, as it would have before the rewrite."""
     model = tmp_path / "positions.py"
     model.write_text(DEVICE_MODEL)
-    monkeypatch.setattr(codegen.package, "_device_expr", lambda layout, names: None)
+    monkeypatch.setattr(codegen.stage, "_device_expr", lambda layout, names: None)
     compile_example(str(model), tmp_path / "pkg", stages=1, tracer="export")
     assert "torch.device('cpu')" in (tmp_path / "pkg" / "stage_0.py").read_text()
     with pytest.raises(FakeTensorDeviceMismatchError, match="cuda:0 and cpu"):

@@ -80,7 +80,7 @@ def test_show_prints_the_model_and_the_measured_stage_times(tmp_path: Path, monk
     _stand_in(monkeypatch, _slower(0, 3.0), _slower(0, 3.0))
     monkeypatch.setattr(driver.phases, "stage_costs", _slower(0, 3.0))
     compiled = finish(p, assignment, report)
-    calibration = compiled.manifest["predicted"]["calibration"]
+    calibration = compiled.manifest.predicted.extra["calibration"]
     assert calibration["resolved"] is True
     model, measured = calibration["model_compute_s"], calibration["measured_compute_s"]
     assert measured[0] == pytest.approx(3 * model[0], rel=1e-4) and measured[1] == pytest.approx(model[1], rel=1e-4)

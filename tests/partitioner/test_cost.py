@@ -82,7 +82,7 @@ def test_a_tied_parameter_on_two_stages_costs_one_all_reduce(tmp_path: Path) -> 
     the 2 copies at the end of the step; a 1-stage plan, or a model without ties, pays nothing."""
     hw = load_hardware("a100")
     compiled = compile_example("examples/gpt.py", tmp_path / "two", stages=2, hardware="a100")
-    tied = [t["source_name"] for t in compiled.manifest["tied_parameters"]]
+    tied = [t.source_name for t in compiled.manifest.tied_parameters]
     assert tied == ["wte.weight"]
     wte = dict(compiled.traced.gm.named_parameters())
     nbytes = next(t.numel() * t.element_size() for name, t in wte.items() if "wte" in name)

@@ -118,15 +118,15 @@ def test_a_bfloat16_model_is_planned_with_mixed_precision_state(tmp_path: Path) 
 def test_the_simulator_runs_the_forward_again_in_each_backward(tmp_path: Path) -> None:
     plain = compile_example("examples/gpt.py", tmp_path / "plain", stages=2, microbatches=4)
     again = compile_example("examples/gpt.py", tmp_path / "again", stages=2, microbatches=4, recompute=True)
-    assert again.manifest["options"]["recompute"] is True and "recompute" not in plain.manifest["options"]
-    assert all(s["recompute"] for s in again.manifest["stages"])
-    assert not any("recompute" in s for s in plain.manifest["stages"])
+    assert again.manifest.options["recompute"] is True and "recompute" not in plain.manifest.options
+    assert all(s.recompute for s in again.manifest.stages)
+    assert not any("recompute" in s.to_dict() for s in plain.manifest.stages)
     assert again.plan.recompute and not plain.plan.recompute
-    slower = again.manifest["predicted"]["step_time_s"] - plain.manifest["predicted"]["step_time_s"]
+    slower = again.manifest.predicted.step_time_s - plain.manifest.predicted.step_time_s
     forward = sum(c.forward_s for c in plain.costs.values())
     assert slower > 0.5 * forward * 4 / 2  # M forwards of each stage more, on the two ranks
-    mem_plain = [s["memory_bytes"] for s in plain.manifest["predicted"]["stages"]]
-    mem_again = [s["memory_bytes"] for s in again.manifest["predicted"]["stages"]]
+    mem_plain = [s.memory_bytes for s in plain.manifest.predicted.stages]
+    mem_again = [s.memory_bytes for s in again.manifest.predicted.stages]
     assert mem_again[0] < mem_plain[0]  # stage 0 held 2 microbatches' activations
 
 

@@ -5,7 +5,6 @@ and (slow) the 1024-device compile of examples/gpt3_175b.py."""
 from __future__ import annotations
 
 import dataclasses
-import json
 import subprocess
 import sys
 from pathlib import Path
@@ -18,6 +17,7 @@ import torch.nn.functional as F
 
 from partitioner.cost import profile
 from partitioner.trace import model_file
+from runtime.manifest import read_manifest
 from driver.options import CompileOptions
 from driver.phases import load_source, prepare
 from partitioner.trace.trace import _ThroughTracer
@@ -93,11 +93,11 @@ def test_gpt3_175b_on_1024_h100s_compiles(tmp_path: Path) -> None:
             "--analytic", "--devices", "1024", "--hardware", "h100", "--memory", "80GiB", "--quiet"]
     done = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
-    m = json.loads((tmp_path / "gpt3" / "manifest.json").read_text())
-    mesh = m["mesh"]
-    assert mesh["pp"] * mesh["tp"] * mesh["dp"] == 1024
-    assert mesh["tp"] <= 8, "tensor parallelism inside an 8-GPU node"
-    assert len({r for s in m["stages"] for r in s["ranks"]}) == 1024
-    peak = max(s["memory_bytes"] for s in m["predicted"]["stages"])
+    m = read_manifest(tmp_path / "gpt3")
+    mesh = m.mesh
+    assert mesh.pp * mesh.tp * mesh.dp == 1024
+    assert mesh.tp <= 8, "tensor parallelism inside an 8-GPU node"
+    assert len({r for s in m.stages for r in s.ranks}) == 1024
+    peak = max(s.memory_bytes for s in m.predicted.stages)
     assert peak <= 80 * 2**30
-    assert 0.25 < m["predicted"]["mfu"] < 0.6
+    assert 0.25 < m.predicted.mfu < 0.6

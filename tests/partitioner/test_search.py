@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -13,6 +12,7 @@ import runtime
 from driver import search
 from driver.cli import main
 from partitioner.trace import model_file
+from runtime.manifest import read_manifest
 from driver.options import CompileOptions
 from partitioner.cost.hardware import load_hardware
 from partitioner.errors import PlanError
@@ -40,10 +40,10 @@ def test_a_given_tp_or_stage_count_narrows_the_search() -> None:
 def test_search_over_tp_keeps_the_fastest_predicted_mesh(tmp_path: Path) -> None:
     compiled = compile_example("tests/model_files/gpt_wide.py", tmp_path / "pkg", devices=4, stages=None)
     manifest = compiled.manifest
-    candidates = manifest["predicted"]["candidates"]
+    candidates = manifest.predicted.extra["candidates"]
     assert any(c["tp"] > 1 for c in candidates), "a wide model on an A100 profile splits"
     best = candidates[0]
-    assert (manifest["mesh"]["pp"], manifest["mesh"]["tp"], manifest["mesh"]["dp"]) == (best["pp"], best["tp"], best["dp"])
+    assert (manifest.mesh.pp, manifest.mesh.tp, manifest.mesh.dp) == (best["pp"], best["tp"], best["dp"])
     assert [c["step_time_s"] for c in candidates] == sorted(c["step_time_s"] for c in candidates)
     assert all(c["pp"] * c["dp"] * c["tp"] == 4 for c in candidates)
 
@@ -51,15 +51,15 @@ def test_search_over_tp_keeps_the_fastest_predicted_mesh(tmp_path: Path) -> None
 def test_search_picks_the_fastest_mesh_and_trains_like_the_original(tmp_path: Path) -> None:
     compiled = compile_example("examples/mlp.py", tmp_path / "pkg", devices=4, stages=None, tp=1)
     manifest = compiled.manifest
-    candidates = manifest["predicted"]["candidates"]
+    candidates = manifest.predicted.extra["candidates"]
     assert candidates, "the searched meshes are recorded"
     times = [c["step_time_s"] for c in candidates]
     assert times == sorted(times)
     best = candidates[0]
-    assert (manifest["mesh"]["pp"], manifest["mesh"]["dp"], manifest["microbatches"]) == (
+    assert (manifest.mesh.pp, manifest.mesh.dp, manifest.microbatches) == (
         best["pp"], best["dp"], best["microbatches"])
     assert all(c["pp"] * c["dp"] * c["tp"] == 4 for c in candidates)
-    assert manifest["predicted"]["step_time_s"] == pytest.approx(best["step_time_s"])
+    assert manifest.predicted.step_time_s == pytest.approx(best["step_time_s"])
     mf = model_file.load("examples/mlp.py")
     model = mf.build(0)
     pipe = runtime.LocalPipeline(str(tmp_path / "pkg"))
@@ -99,12 +99,12 @@ def test_the_search_recomputes_activations_when_nothing_else_fits(tmp_path: Path
     # its V puts the tied embedding's two readers on rank 0, which holds the parameter once
     compiled = compile_example("examples/gpt.py", tmp_path / "pkg", devices=2, stages=None, tp=1, memory=490_000)
     manifest = compiled.manifest
-    assert (manifest["mesh"]["pp"], manifest["microbatches"]) == (2, 24)
-    assert all(s["recompute"] for s in manifest["stages"])
-    candidates = manifest["predicted"]["candidates"]
+    assert (manifest.mesh.pp, manifest.microbatches) == (2, 24)
+    assert all(s.recompute for s in manifest.stages)
+    candidates = manifest.predicted.extra["candidates"]
     assert all(c["recompute"] or c["schedule"] == "zb-v" for c in candidates)
     assert all(c["memory_bytes"] <= 490_000 for c in candidates)
-    assert max(s["memory_bytes"] for s in manifest["predicted"]["stages"]) <= 490_000
+    assert max(s.memory_bytes for s in manifest.predicted.stages) <= 490_000
 
 
 def test_pruned_simulation_keeps_the_exhaustive_ranking(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -116,7 +116,7 @@ def test_pruned_simulation_keeps_the_exhaustive_ranking(tmp_path: Path, monkeypa
     pruned = compile_example("tests/model_files/gpt_wide.py", tmp_path / "a", devices=8, stages=None, hardware="h100")
     monkeypatch.setattr(search, "_bound", lambda *_a: 0.0)  # nothing skipped
     full = compile_example("tests/model_files/gpt_wide.py", tmp_path / "b", devices=8, stages=None, hardware="h100")
-    assert pruned.manifest["predicted"]["candidates"] == full.manifest["predicted"]["candidates"]
+    assert pruned.manifest.predicted.extra["candidates"] == full.manifest.predicted.extra["candidates"]
 
 
 def test_the_bound_is_below_every_simulated_step(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -145,9 +145,9 @@ def test_auto_schedule_keeps_the_fastest_predicted_schedule(tmp_path: Path) -> N
     compiled = compile_example("examples/gpt.py", tmp_path / "pkg", devices=2, stages=2, microbatches=4,
                                hardware="h100", schedule="auto")
     manifest = compiled.manifest
-    candidates = manifest["predicted"]["candidates"]
+    candidates = manifest.predicted.extra["candidates"]
     assert {c["schedule"] for c in candidates} == set(search.AUTO_SCHEDULES)
-    assert manifest["schedule"] == candidates[0]["schedule"]
+    assert manifest.schedule == candidates[0]["schedule"]
     assert candidates[0]["step_time_s"] == min(c["step_time_s"] for c in candidates)
     by = {c["schedule"]: c for c in candidates}
     assert by["zb-h1"]["step_time_s"] < by["1f1b"]["step_time_s"]  # the bubble a third, the rest equal
@@ -163,8 +163,7 @@ def test_auto_is_the_default_schedule_with_devices_and_1f1b_without(tmp_path: Pa
     mesh = ["--devices", "2", "--stages", "2", "--tp", "1", "--microbatches", "4", "--analytic", "--quiet"]
     for name, given in (("default", []), ("given", ["--schedule", "1f1b"])):
         assert main(["compile", "examples/mlp.py", "--out", str(tmp_path / name), *mesh, *given]) == 0
-    tried = {name: {c["schedule"] for c in json.loads((tmp_path / name / "manifest.json").read_text())["predicted"]
-                    ["candidates"]} for name in ("default", "given")}
+    tried = {name: {c["schedule"] for c in read_manifest(tmp_path / name).predicted.extra["candidates"]} for name in ("default", "given")}
     assert tried == {"default": set(search.AUTO_SCHEDULES), "given": {"1f1b"}}
 
 

@@ -4,7 +4,6 @@ it (nodes, the whole graph, stages, the loss), and where the compile runs the mo
 from __future__ import annotations
 
 import dataclasses
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, ClassVar, TypeVar
@@ -15,6 +14,7 @@ import torch
 from driver import phases
 from driver.options import CompileOptions
 from partitioner.cost import calibrate
+from runtime.manifest import read_manifest
 from partitioner.cost.timer import CpuTimer, CudaTimer, DeviceTimer, device_timer
 
 from ..conftest import compile_example
@@ -63,8 +63,8 @@ def test_the_compile_times_nodes_stages_and_the_loss_with_the_devices_timer(tmp_
     monkeypatch.setattr(phases, "device_timer", lambda device: FakeTimer(torch.device(device)))
     compiled = compile_example("examples/mlp.py", tmp_path / "pkg", stages=2, hardware="cpu", analytic=False,
                                reprofile=True, repeats=1)
-    manifest = json.loads((tmp_path / "pkg" / "manifest.json").read_text())
-    calibration = manifest["predicted"]["calibration"]
+    manifest = read_manifest(tmp_path / "pkg")
+    calibration = manifest.predicted.extra["calibration"]
     loss = 2 * SECONDS  # on the last stage
     assert calibration["measured_compute_s"] == pytest.approx([2 * SECONDS, 2 * SECONDS + loss])  # stages
     assert sum(calibration["model_compute_s"]) == pytest.approx(2 * SECONDS + loss)  # nodes: the whole graph

@@ -137,7 +137,7 @@ def test_expensive_links_keep_everything_whole_and_free_links_split() -> None:
 
 def test_a_transformer_block_is_split_as_megatron_splits_it(tmp_path: Path) -> None:
     manifest = compile_example("tests/model_files/gpt_wide.py", tmp_path / "pkg", stages=1, tp=2).manifest
-    tensor = manifest["tensor_parallel"]
+    tensor = manifest.tensor_parallel
     rules = tensor["rules"]
     for layer, (qkv, proj, fc, out) in enumerate([("linear", "linear_1", "linear_2", "linear_3"),
                                                   ("linear_4", "linear_5", "linear_6", "linear_7")]):
@@ -156,16 +156,16 @@ def test_a_transformer_block_is_split_as_megatron_splits_it(tmp_path: Path) -> N
     assert "h_0_mlp_c_proj_linear_sum = tp.all_reduce(h_0_mlp_c_proj_linear_partial)" in source
     assert "h_0_mlp_c_proj = h_0_mlp_c_proj_linear_sum + self.h_0_mlp_c_proj_bias" in source
     assert "h_0_mlp_c_fc_layer_norm_copy = tp.copy(h_0_ln_2)" in source
-    params = {p["source_name"]: p for p in manifest["stages"][0]["parameters"]}
-    assert params["h.0.attn.c_attn.weight"]["shape"] == [1536, 1024]
-    assert params["h.0.attn.c_attn.weight"]["shard"] == {"dim": 0, "index": "tp", "count": 2, "blocks": 3}
-    assert manifest["stages"][0]["ranks"] == [0, 1]
+    params = {p.source_name: p for p in manifest.stages[0].parameters}
+    assert list(params["h.0.attn.c_attn.weight"].shape) == [1536, 1024]
+    assert params["h.0.attn.c_attn.weight"].shard.to_dict() == {"dim": 0, "index": "tp", "count": 2, "blocks": 3}
+    assert list(manifest.stages[0].ranks) == [0, 1]
 
 
 def test_a_tiny_model_on_real_links_is_left_whole(tmp_path: Path) -> None:
     """At d=32, an A100's 3 us link latency costs more than the split saves."""
     manifest = compile_example("examples/gpt.py", tmp_path / "pkg", stages=1, tp=2).manifest
-    assert manifest["tensor_parallel"]["rules"] == {}
+    assert manifest.tensor_parallel["rules"] == {}
     assert "tp." not in (tmp_path / "pkg" / "stage_0.py").read_text()
 
 
@@ -185,10 +185,10 @@ def test_the_rewrite_gives_local_shapes_and_costs() -> None:
 
 def test_every_rank_stage_file_shares_one_source_for_every_tp_rank(tmp_path: Path) -> None:
     manifest = compile_example("examples/gpt.py", tmp_path / "pkg", stages=2, tp=2, dp=2, hardware=FREE).manifest
-    assert manifest["mesh"] == {"pp": 2, "tp": 2, "dp": 2}
-    assert [s["ranks"] for s in manifest["stages"]] == [[0, 1, 4, 5], [2, 3, 6, 7]]
-    tied = {p["source_name"]: p["shard"] for s in manifest["stages"] for p in s["parameters"]}
-    assert tied["wte.weight"]["count"] == 2  # the tied embedding / LM head, split the same way in both stages
+    assert manifest.mesh.to_dict() == {"pp": 2, "tp": 2, "dp": 2}
+    assert [list(s.ranks) for s in manifest.stages] == [[0, 1, 4, 5], [2, 3, 6, 7]]
+    tied = {p.source_name: p.shard for s in manifest.stages for p in s.parameters}
+    assert tied["wte.weight"].count == 2  # the tied embedding / LM head, split the same way in both stages
 
 
 # -- the registry ------------------------------------------------------------------------------

@@ -43,7 +43,7 @@ def test_zero_1_charges_one_replica_share_of_the_optimizer_state(dp: int, tmp_pa
 
 
 def _peak(compiled: Any) -> int:
-    return max(s["memory_bytes"] for s in compiled.manifest["predicted"]["stages"])
+    return max(s.memory_bytes for s in compiled.manifest.predicted.stages)
 
 
 def _limits(tmp_path: Path) -> tuple[int, int]:
@@ -61,28 +61,28 @@ def test_the_search_shards_the_optimizer_state_where_a_mesh_fits_only_so(tmp_pat
     assert need < plain, "the test needs a mesh that fits with ZeRO-1 and not without"
     compiled = compile_example(MLP, tmp_path / "pkg", devices=2, stages=1, tp=1, memory=need)
     manifest = compiled.manifest
-    assert manifest["mesh"]["dp"] == 2 and manifest["options"]["zero"] == 1
-    assert all(c["zero"] == 1 for c in manifest["predicted"]["candidates"])
+    assert manifest.mesh.dp == 2 and manifest.options["zero"] == 1
+    assert all(c["zero"] == 1 for c in manifest.predicted.extra["candidates"])
     assert _peak(compiled) <= need
     assert "optimizer state sharded across the replicas (ZeRO-1)" in (tmp_path / "pkg" / "plan.txt").read_text()
     # ZeRO-1 costs its broadcast of the updated parameters: the same mesh without it is faster
-    mesh = dict(stages=1, dp=2, microbatches=manifest["microbatches"], recompute=compiled.plan.recompute)
-    unsharded = compile_example(MLP, tmp_path / "z0same", zero=0, **mesh).manifest["predicted"]["step_time_s"]
+    mesh = dict(stages=1, dp=2, microbatches=manifest.microbatches, recompute=compiled.plan.recompute)
+    unsharded = compile_example(MLP, tmp_path / "z0same", zero=0, **mesh).manifest.predicted.step_time_s
     broadcast = zero_broadcast_s(compiled.plan, *load_hardware("a100").ring_link(across_nodes=False))
     assert broadcast > 0
-    assert manifest["predicted"]["step_time_s"] == pytest.approx(unsharded + broadcast, rel=1e-4)
+    assert manifest.predicted.step_time_s == pytest.approx(unsharded + broadcast, rel=1e-4)
 
 
 def test_the_search_keeps_zero_0_where_it_fits(tmp_path: Path) -> None:
     compiled = compile_example(MLP, tmp_path / "pkg", devices=2, stages=1, tp=1)
-    assert "zero" not in compiled.manifest["options"]
-    assert all(c["zero"] == 0 for c in compiled.manifest["predicted"]["candidates"])
+    assert "zero" not in compiled.manifest.options
+    assert all(c["zero"] == 0 for c in compiled.manifest.predicted.extra["candidates"])
 
 
 def test_an_explicit_zero_0_is_respected(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     need, _ = _limits(tmp_path)
     other = compile_example(MLP, tmp_path / "other", devices=2, tp=1, memory=need, zero=0)
-    assert other.manifest["mesh"]["dp"] == 1 and "zero" not in other.manifest["options"]  # two stages fit
+    assert other.manifest.mesh.dp == 1 and "zero" not in other.manifest.options  # two stages fit
     code = main(["compile", MLP, "--out", str(tmp_path / "pkg"), "--devices", "2", "--stages", "1", "--tp", "1",
                  "--zero", "0", "--memory", str(need), "--analytic", "--hardware", "a100", "--quiet"])
     err = " ".join(capsys.readouterr().err.split())
@@ -108,6 +108,6 @@ def test_zero_1_and_recomputation_are_each_tried_where_the_plain_plan_does_not_f
     monkeypatch.setattr(search, "solve", plain_too_big)
     compiled = compile_example(MLP, tmp_path / "pkg", devices=2, stages=1, tp=1, microbatches=4, schedule="1f1b")
     assert sorted(set(tried)) == [(False, False), (False, True), (True, False)]
-    candidates = compiled.manifest["predicted"]["candidates"]
+    candidates = compiled.manifest.predicted.extra["candidates"]
     assert sorted((c["zero"], c["recompute"]) for c in candidates) == [(0, True), (1, False)]
-    assert compiled.manifest["predicted"]["step_time_s"] == min(c["step_time_s"] for c in candidates)
+    assert compiled.manifest.predicted.step_time_s == min(c["step_time_s"] for c in candidates)

@@ -202,7 +202,7 @@ CASES = [
 def test_compiled_example_with_tp2_matches_the_model(example: str, options: dict[str, Any], tmp_path: Path) -> None:
     path = f"examples/{example}.py"
     compiled = compile_example(path, tmp_path / "pkg", tp=2, hardware=FREE, **options)
-    assert compiled.manifest["tensor_parallel"]["rules"], "the test needs something split"
+    assert compiled.manifest.tensor_parallel["rules"], "the test needs something split"
     check_stages_on_fake_gpu(tmp_path / "pkg")  # every device in the stage code follows the stage's
     mf = model_file.load(path)
     args, kwargs = mf.example_inputs()

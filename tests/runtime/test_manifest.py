@@ -11,7 +11,8 @@ from typing import Any, Callable
 import pytest
 
 from runtime.errors import ManifestError
-from runtime.manifest import Manifest, ParamSpec, Shard, StageInput, StageOutput
+from runtime.groups import Mesh as GroupsMesh
+from runtime.manifest import Manifest, Mesh, ParamSpec, Shard, StageInput, StageOutput, read_manifest
 
 GOLDEN = Path(__file__).resolve().parents[1] / "golden"
 MANIFESTS = sorted(GOLDEN.glob("*/manifest.json"))
@@ -90,3 +91,29 @@ def test_not_json_or_another_version() -> None:
         Manifest.from_json("[]", origin="m.json")
     with pytest.raises(ManifestError, match=r"format_version 2 but this runtime reads format_version 1"):
         Manifest.from_json({"format_version": 2}, origin="m.json")
+
+
+def test_a_package_folder_is_read_by_one_reader(tmp_path: Path) -> None:
+    """read_manifest(DIR) reads a golden package as Manifest.from_json reads its text, and
+    names a missing folder, a missing file and a file without format_version."""
+    golden = GOLDEN / "mlp_3stages_1f1b"
+    assert read_manifest(golden) == Manifest.from_json((golden / "manifest.json").read_text())
+    with pytest.raises(ManifestError, match=r"nothing is not a package directory"):
+        read_manifest(tmp_path / "nothing")
+    (tmp_path / "bad").mkdir()
+    with pytest.raises(ManifestError, match=r"bad has no manifest.json"):
+        read_manifest(tmp_path / "bad")
+    (tmp_path / "bad" / "manifest.json").write_text(json.dumps({"stages": []}))
+    with pytest.raises(ManifestError, match=r"is corrupt: it has no 'format_version' field"):
+        read_manifest(tmp_path / "bad")
+
+
+def test_one_mesh_places_every_rank() -> None:
+    """The manifest's Mesh is the runtime's (runtime.groups re-exports it): rank and coords
+    are inverse over the whole world, tensor-parallel ranks neighbours."""
+    assert GroupsMesh is Mesh
+    mesh = Mesh(pp=3, tp=2, dp=2)
+    assert mesh.world == 12 and [mesh.rank(*mesh.coords(r)) for r in range(mesh.world)] == list(range(12))
+    assert mesh.rank(1, 2, 1) == (1 * 3 + 2) * 2 + 1 and mesh.coords(mesh.rank(1, 2, 1)) == (1, 2, 1)
+    m = read_manifest(GOLDEN / "gpt_wide_2stages_tp2")
+    assert Mesh.from_manifest(m) is m.mesh

@@ -62,7 +62,7 @@ def _assert_equal(got: dict[str, Any], want: dict[str, torch.Tensor]) -> None:
 def test_tied_weights_initialise_as_the_unsplit_model(example: str, options: dict[str, Any], tmp_path: Path) -> None:
     pkg = tmp_path / "pkg"
     compiled = compile_example(_model_file(example, tmp_path), pkg, **options)
-    assert compiled.manifest["state_dict_aliases"], "the model's weights are tied"
+    assert compiled.manifest.state_dict_aliases, "the model's weights are tied"
     pipe = runtime.LocalPipeline(pkg)
     pipe.init_weights(seed=3)
     want = _reference(pkg, seed=3)

@@ -45,9 +45,9 @@ def _one_step(pkg: Path, example: str, schedule: str | Schedule
                                                          for e, o in CASES])
 def test_split_backward_gives_the_fused_gradients(example: str, options: dict[str, Any], tmp_path: Path) -> None:
     compiled = compile_example(example, tmp_path / "pkg", schedule="zb-h1", **options)
-    assert compiled.manifest["schedule"] == "zb-h1"
+    assert compiled.manifest.schedule == "zb-h1"
     if "tp" in options:
-        assert compiled.manifest["tensor_parallel"]["rules"], "the free links split the model"
+        assert compiled.manifest.tensor_parallel["rules"], "the free links split the model"
     want_loss, want = _one_step(tmp_path / "pkg", example, "1f1b")
     assert all(g is not None for _, g in want)
     for schedule in ("zb-h1", "zb-h2"):
@@ -67,8 +67,8 @@ def test_zb_v_gives_the_fused_gradients(example: str, tmp_path: Path) -> None:
     1F1B on a package of 2 stages (gradients by original name)."""
     compiled = compile_example(example, tmp_path / "pkg", schedule="zb-v", stages=2, microbatches=4)
     manifest = compiled.manifest
-    assert (manifest["schedule"], manifest["virtual_stages"]) == ("zb-v", 2)
-    assert [s["ranks"] for s in manifest["stages"]] == [[0], [1], [1], [0]]
+    assert (manifest.schedule, manifest.virtual_stages) == ("zb-v", 2)
+    assert [list(s.ranks) for s in manifest.stages] == [[0], [1], [1], [0]]
     compile_example(example, tmp_path / "one", schedule="1f1b", stages=2, microbatches=4)
     loss, got = _one_step(tmp_path / "pkg", example, "zb-v")
     fused = [[Action(a.stage, B, a.microbatch) if a.kind == I else a for a in row if a.kind != W] for row in zb_v(2, 4)]
