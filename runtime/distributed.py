@@ -51,20 +51,20 @@ import torch.distributed as dist
 import torch.utils._pytree as pytree
 
 from . import checkpoint, clip, modes, optim, package, precision, tp, weights
-from .comm import GradBuckets, TiedGrads, guard, init_from_env, timeout_from_env, wait
+from .comm import guard, init_from_env, timeout_from_env, wait
 from .counts import Counts
 from .devices import CommStream
 from .edges import Edges
 from .faults import parse_fault
 from .groups import Mesh, make_groups
 from .p2p import HandOvers, Receive, Sent
-from .pipeline import Batch, LossFn, Pipeline, named_once
+from .pipeline import Batch, LossFn, Pipeline, named_once, share_tied
 from .rank_schedule import Rows, rows_builder
 from .schedule import Action, Kind, Schedule, StageGraph
 from .stage import StageRunner, as_leaf
 from .steps import StepGuard
 from .tracing import Tracer
-from .world import check_ranks, check_same_package, check_world, describer
+from .world import Now, check_ranks, check_same_package, check_world, describer, grad_sync, tp_describer
 
 __all__ = ["DistributedPipeline"]
 
@@ -85,13 +85,6 @@ class _Step:
     results: list[Any] = field(default_factory=list)
     rows: list[int] = field(default_factory=list)  # each microbatch's rows ([Note: free batch])
     scales: list[float] = field(default_factory=list)  # [Note: microbatch weights]
-
-
-@dataclass
-class _Now:
-    """The action this rank is running, or ran last (None before the first)."""
-
-    action: Action | None = None
 
 
 class DistributedPipeline(Pipeline[Rows]):
@@ -119,17 +112,18 @@ class DistributedPipeline(Pipeline[Rows]):
         check_ranks(m, self.mesh, g)
         self.stages = [s for s in range(g.num_stages) if g.rank_of(s) == self.position]
         self._describe = describer(self.rank, self.stages)  # (holds no self: see world.describer)
-        self._now = _Now()  # the action running now, for tp's error messages
+        self._now = Now()  # the action running now, for tp's error messages
         self.groups = make_groups(m, g, self.rank)
         self._set_tp_group()
         # 3. this rank's stages (tied copies within the rank are one shared Parameter)
         self.runners = {s: StageRunner(package.import_stage(directory, m, s).to(self.device), m.stages[s], m.precision)
                         for s in self.stages}
-        self._share_tied()
+        share_tied([self.runners[s] for s in self.stages])
         # float32 masters of bf16 parameters ([Note: bf16 with master weights] in precision.py)
         self._masters = precision.masters_for([p for _, p in self._module_named()], m.precision)
         # 4. gradient buckets, tied gradients
-        plain = self._setup_grads()
+        self._ties, self._buckets, plain = grad_sync(self._module_named(), self.groups, self.dp, self.timeout_s,
+                                                     self._describe)
         # 5. the schedule: every rank lowers and validates the whole one, then keeps its row;
         # a short batch's smaller count is made when one comes ([Note: short batch] in counts.py)
         self._counts = Counts(rows_builder(schedule, m, g, self.position, self._comm.stream is None, self.runners,
@@ -140,7 +134,7 @@ class DistributedPipeline(Pipeline[Rows]):
         self._steps = StepGuard(self.groups.world, self.rank, self.world, self.device, self.timeout_s,
                                 self._describe("the step check", range(self.world)))
         # the point-to-point hand-overs of this rank's stages (p2p.py), each edge's specs made once
-        ranks = [self._rank_of(s) for s in range(g.num_stages)]
+        ranks = [self.mesh.rank(self.replica, g.rank_of(s), self.tp_index) for s in range(g.num_stages)]
         self._p2p = HandOvers(Edges(m), self.groups.edges, ranks, self.rank, self._comm, self.device, self._steps,
                               self.timeout_s)
 
@@ -385,54 +379,14 @@ class DistributedPipeline(Pipeline[Rows]):
                 have = step.out_grads.setdefault(key, {})
                 have[spec.name] = value if spec.name not in have else have[spec.name] + value
 
-    # -- set-up ------------------------------------------------------------------------------
-
-    def _share_tied(self) -> None:
-        shared: dict[str, torch.nn.Parameter] = {}
-        for s in self.stages:
-            r = self.runners[s]
-            for spec in r.entry.parameters:
-                p = getattr(r.module, spec.name)
-                first = shared.setdefault(spec.source_name, p)
-                if first is not p:
-                    setattr(r.module, spec.name, first)
-
-    def _setup_grads(self) -> list[torch.nn.Parameter]:
-        """Data-parallel buckets and tied gradients; the parameters the buckets hold."""
-        groups = self.groups
-        mine = dict(self._module_named())
-        tied = [(mine[n], group, n) for n, (group, _) in groups.ties.items() if n in mine and mine[n].requires_grad]
-        describe = self._describe
-        self._ties = TiedGrads(tied, self.dp, self.timeout_s, lambda name, t, why: describe(
-            f"the gradient sum of tied parameter {name}", groups.ties[name][1])(t, why))
-        plain = [p for n, p in mine.items() if p.requires_grad and n not in groups.ties]
-        self._buckets = (GradBuckets(plain, groups.dp, self.dp, self.timeout_s,
-                                     self._describe("the data-parallel gradient all_reduce", groups.dp_ranks))
-                         if self.dp > 1 and plain else None)
-        return plain
-
-    # -- helpers -----------------------------------------------------------------------------
-
     def _set_tp_group(self) -> None:
-        """Point tp.* at this (replica, position)'s tensor-parallel group (none when tp == 1).
-        Its error wording reads the action running now from `self._now`, not from the
-        pipeline, which tp's module state would otherwise keep alive (see _describer)."""
+        """Point tp.* at this (replica, position)'s tensor-parallel group (none when tp == 1),
+        its error wording reading the action running now from `self._now` (world.tp_describer)."""
         if self.tp == 1:
             tp.reset()
             return
-        now, rank, index, timeout = self._now, self.rank, self.tp_index, self.timeout_s
-        others = ", ".join(f"rank {r} (tp index {u})" for u, r in enumerate(self.groups.tp_ranks) if r != rank)
-
-        def doing(collective: str, timed_out: bool, reason: str) -> str:
-            a = now.action
-            during = f" during {a!r} (stage {a.stage}, microbatch {a.microbatch})" if a is not None else ""
-            return (f"rank {rank} (tp index {index}) {'timed out' if timed_out else 'failed'} in {collective}"
-                    f"{during}: {others} of its tensor-parallel group stopped or failed ({reason}). Look at that "
-                    f"rank's own error; if it is only slow, raise PIPELINE_TIMEOUT_S (now {timeout:g} s).")
-        tp.set_group(self.groups.tp, index, self.tp, timeout, doing)
-
-    def _rank_of(self, stage: int) -> int:
-        return self.mesh.rank(self.replica, self.graph.rank_of(stage), self.tp_index)
+        doing = tp_describer(self._now, self.rank, self.tp_index, self.groups.tp_ranks, self.timeout_s)
+        tp.set_group(self.groups.tp, self.tp_index, self.tp, self.timeout_s, doing)
 
 
 def _to(value: Any, device: torch.device) -> Any:

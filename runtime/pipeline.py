@@ -33,7 +33,7 @@ from .counts import Counts
 from .manifest import Manifest
 from .stage import StageRunner
 
-__all__ = ["Pipeline", "Batch", "LossFn", "named_once"]
+__all__ = ["Pipeline", "Batch", "LossFn", "named_once", "share_tied"]
 
 LossFn = Callable[[Any, Any], torch.Tensor]
 Order = TypeVar("Order")  # what a subclass builds per microbatch count: its lowered schedule
@@ -285,3 +285,15 @@ def named_once(runners: Sequence[StageRunner]) -> list[tuple[str, torch.nn.Param
             p = getattr(r.module, spec.name)
             seen.setdefault(id(p), (spec.source_name, p))
     return list(seen.values())
+
+
+def share_tied(runners: Sequence[StageRunner]) -> None:
+    """Make the copies of each tied parameter among `runners` (stages on one device) one
+    shared nn.Parameter, the first stage's: their gradients then sum by themselves."""
+    shared: dict[str, torch.nn.Parameter] = {}
+    for r in runners:
+        for spec in r.entry.parameters:
+            p = getattr(r.module, spec.name)
+            first = shared.setdefault(spec.source_name, p)
+            if first is not p:
+                setattr(r.module, spec.name, first)

@@ -1,19 +1,23 @@
 """The world a `DistributedPipeline` rank joins: checked at start-up (the size, the same
-package on every rank, the manifest's ranks), and the words for a failed collective."""
+package on every rank, the manifest's ranks), its gradient sums across ranks, and the words
+for a failed collective."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
+import torch
 import torch.distributed as dist
 
+from .comm import GradBuckets, TiedGrads
 from .errors import ManifestError, MeshError
-from .groups import Mesh
+from .groups import Groups, Mesh
 from .manifest import Manifest
-from .schedule import StageGraph
+from .schedule import Action, StageGraph
 
-__all__ = ["check_world", "check_same_package", "check_ranks", "describer"]
+__all__ = ["check_world", "check_same_package", "check_ranks", "describer", "Now", "tp_describer", "grad_sync"]
 
 
 def check_world(mesh: Mesh, directory: Path, world: int) -> None:
@@ -69,3 +73,40 @@ def describer(rank: int, stages: list[int]) -> Callable[[str, Any], Callable[[bo
                     f"stopped or failed ({reason}). Look at that rank's own error.")
         return say
     return describe
+
+
+@dataclass
+class Now:
+    """The action this rank is running, or ran last (None before the first)."""
+
+    action: Action | None = None
+
+
+def tp_describer(now: Now, rank: int, index: int, tp_ranks: Sequence[int], timeout: float
+                 ) -> Callable[[str, bool, str], str]:
+    """The words for a failed tp.* collective: the action running now is read from `now`, not
+    from the pipeline, which tp's module state would otherwise keep alive (see `describer`)."""
+    others = ", ".join(f"rank {r} (tp index {u})" for u, r in enumerate(tp_ranks) if r != rank)
+
+    def doing(collective: str, timed_out: bool, reason: str) -> str:
+        a = now.action
+        during = f" during {a!r} (stage {a.stage}, microbatch {a.microbatch})" if a is not None else ""
+        return (f"rank {rank} (tp index {index}) {'timed out' if timed_out else 'failed'} in {collective}"
+                f"{during}: {others} of its tensor-parallel group stopped or failed ({reason}). Look at that "
+                f"rank's own error; if it is only slow, raise PIPELINE_TIMEOUT_S (now {timeout:g} s).")
+    return doing
+
+
+def grad_sync(named: list[tuple[str, torch.nn.Parameter]], groups: Groups, dp: int, timeout_s: float,
+              describe: Callable[[str, Any], Callable[[bool, str], str]]
+              ) -> tuple[TiedGrads, GradBuckets | None, list[torch.nn.Parameter]]:
+    """Tied gradients summed across ranks, data-parallel buckets, and the parameters the
+    buckets hold, for this rank's (original name, parameter) pairs `named`."""
+    mine = dict(named)
+    tied = [(mine[n], group, n) for n, (group, _) in groups.ties.items() if n in mine and mine[n].requires_grad]
+    ties = TiedGrads(tied, dp, timeout_s, lambda name, t, why: describe(
+        f"the gradient sum of tied parameter {name}", groups.ties[name][1])(t, why))
+    plain = [p for n, p in mine.items() if p.requires_grad and n not in groups.ties]
+    buckets = (GradBuckets(plain, groups.dp, dp, timeout_s, describe("the data-parallel gradient all_reduce", groups.dp_ranks))
+               if dp > 1 and plain else None)
+    return ties, buckets, plain
