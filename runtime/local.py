@@ -12,7 +12,7 @@ would), and the lanes' tp.* collectives meet in process (tp.Lanes, [Note: lanes]
 lanes.py).  With tp = 1 there is one lane, run in the calling thread.  CPU only when T > 1.
 
     train_step, per replica r of mesh.dp (run one after the other here):
-      1. split the batch: replica r's rows, then M microbatches     (package.split_inputs)
+      1. split the batch: replica r's rows, then M microbatches     (microbatches.split_inputs)
       2. in each lane t (a thread per lane, lane 0 in this one; joined, and the first
          lane's failure re-raised), for each (rank, action) of the simulated grid:
            F  stage s, microbatch i: read inputs from the batch or earlier stages'
@@ -26,26 +26,31 @@ lanes.py).  With tp = 1 there is one lane, run in the calling thread.  CPU only 
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Iterator, Sequence
 
 import torch
 import torch.utils._pytree as pytree
 
-from . import checkpoint, clip, initialize, modes, optim, package, precision, tp
+from . import checkpoint, clip, modes, package, precision, tp
 from .comm import timeout_from_env
 from .counts import Counts
 from .devices import DeviceLike, StageStreams, resolve_devices
 from .errors import PipelineError
 from .manifest import Manifest, StageInput, StageOutput
+from .microbatches import concat_outputs
+from .pipeline import Batch, LossFn, Pipeline, named_once
 from .schedule import Action, Kind, Schedule, StageGraph, execution_order, lower, make_schedule, validate
 from .stage import StageRunner, as_leaf
+from .weights import Held, stage_tensors
 
 __all__ = ["LocalPipeline", "concat_outputs"]
 
-LossFn = Callable[[Any, Any], torch.Tensor]
+#: the training and the forward-only execution order of one microbatch count
+_Orders = tuple[list[tuple[int, Action]], list[tuple[int, Action]]]
 
 
 @dataclass
@@ -57,7 +62,7 @@ class _Lane:
     tied: _Tied
 
 
-class LocalPipeline:
+class LocalPipeline(Pipeline[_Orders]):
     """Run a compiled package DIR in this process.
 
     `schedule` overrides the manifest's (a name or a compute-only per-rank schedule);
@@ -67,8 +72,7 @@ class LocalPipeline:
 
     def __init__(self, directory: str | Path, *, device: DeviceLike | Sequence[DeviceLike] | None = None,
                  schedule: str | Schedule | None = None) -> None:
-        self.directory = Path(directory)
-        self.manifest = package.load_manifest(directory)
+        super().__init__(directory)
         m = self.manifest
         self.graph = StageGraph.from_manifest(m)
         pp, self.tp = m.mesh.pp, m.mesh.tp
@@ -84,17 +88,14 @@ class LocalPipeline:
         self.lanes = [self._make_lane(t) for t in range(self.tp)]
         self.runners = self.lanes[0].runners
         # float32 masters of bf16 parameters ([Note: bf16 with master weights] in precision.py)
-        self._masters = precision.masters_for([p for lane in self.lanes for _, p in self._module_named(lane)],
-                                              m.precision)
+        self._masters = precision.masters_for([p for _, p in self._module_named()], m.precision)
         self._group = tp.Lanes(self.tp, timeout_from_env()) if self.tp > 1 else None
-        self._orders = Counts(lambda count: self._make_orders(schedule, count), m.microbatches,
+        self._counts = Counts(lambda count: self._make_orders(schedule, count), m.microbatches,
                               fixed=isinstance(schedule, list))
-        self._loss_fn: LossFn | None = None
-        self.training = True
         self._calls = 0  # train_step, evaluate and __call__ calls: [Note: dropout streams] in modes.py
         self._replica = 0  # the replica being run (its microbatches draw their own streams)
 
-    def _make_orders(self, schedule: str | Schedule | None, count: int) -> tuple[list[tuple[int, Action]], ...]:
+    def _make_orders(self, schedule: str | Schedule | None, count: int) -> _Orders:
         """The training and the forward-only execution order for `count` microbatches
         ([Note: short batch] in counts.py)."""
         m = self.manifest
@@ -104,140 +105,66 @@ class LocalPipeline:
         return (execution_order(validate(lower(compute, self.graph), self.graph, count)),
                 execution_order(validate(lower(forward_only, self.graph), self.graph, count)))
 
-    def _count(self, inputs: Any) -> int:
-        """How many microbatches each replica of this batch runs ([Note: short batch])."""
-        return self._orders.fit(package.replica_rows(inputs, self.manifest))
-
     def _make_lane(self, index: int) -> _Lane:
         m = self.manifest
         modules = [package.import_stage(self.directory, m, k).to(self.devices[k]) for k in range(len(m.stages))]
         tied = _share_tied(modules, m, self.devices)
         return _Lane(index, [StageRunner(mod, m.stages[k], m.precision) for k, mod in enumerate(modules)], tied)
 
-    # -- the contract ------------------------------------------------------------------------
+    # -- the hooks of Pipeline (pipeline.py) -----------------------------------------------------
 
-    def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True) -> None:
-        """Take each stage's tensors (each lane's shards) from the ORIGINAL model's state_dict."""
-        if strict:
-            package.check_state_dict(state_dict, self.manifest)
-        for lane in self.lanes:
-            for r in lane.runners:
-                package.load_stage_state(self._tensors(lane, r), state_dict, self.manifest)
+    def _runners(self) -> list[StageRunner]:
+        return [r for lane in self.lanes for r in lane.runners]
 
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        """The full original state_dict (original names and alias keys), reassembled."""
-        pieces = [p for lane in self.lanes for r in lane.runners for p in self._tensors(lane, r)]
-        return package.assemble_state_dict(pieces, self.manifest)
-
-    def parameters(self) -> list[torch.nn.Parameter]:
-        """Every parameter once (a tied parameter is one shared object), of every lane."""
-        return [p for _, p in self.named_parameters()]
-
-    def named_parameters(self) -> list[tuple[str, torch.nn.Parameter]]:
-        """(original name, parameter) pairs, each parameter once; with tp > 1, lane by lane,
-        so a name comes once per lane (a shard, or a replicated copy, of that parameter)."""
-        return [pair for lane in self.lanes for pair in self._lane_named(lane)]
+    def _module_named(self) -> list[tuple[str, torch.nn.Parameter]]:
+        """Lane by lane, each lane's parameters once (a name once per lane)."""
+        return [pair for lane in self.lanes for pair in named_once(lane.runners)]
 
     def _lane_named(self, lane: _Lane) -> list[tuple[str, torch.nn.Parameter]]:
         """`lane`'s parameters as the user sees them: the masters under bf16."""
-        return precision.shown(self._masters, self._module_named(lane))
+        return precision.shown(self._masters, named_once(lane.runners))
 
-    def _module_named(self, lane: _Lane) -> list[tuple[str, torch.nn.Parameter]]:
-        """(original name, stage module parameter) of `lane`, each parameter once."""
-        seen: set[int] = set()
-        out = []
-        for r in lane.runners:
-            for spec in r.entry.parameters:
-                p = getattr(r.module, spec.name)
-                if id(p) not in seen:
-                    seen.add(id(p))
-                    out.append((spec.source_name, p))
-        return out
+    def _held(self) -> list[tuple[Held, torch.Tensor]]:
+        """Each lane's stages' parameters and persistent buffers (its shards), masters under bf16."""
+        return [p for lane in self.lanes for r in lane.runners
+                for p in precision.shown(self._masters, stage_tensors(r.module, r.entry, lane.index))]
 
-    def train(self, mode: bool = True) -> LocalPipeline:
-        """Every stage module (every lane's) in training mode, or eval mode: as nn.Module.train."""
-        self.training = bool(mode)
-        for lane in self.lanes:
-            for r in lane.runners:
-                r.module.train(mode)
-        return self
+    def _checkpoint_view(self) -> checkpoint.View:
+        return checkpoint.View(self.manifest, self._held(), rank=0, world=1, distributed=False,
+                               directory=self.directory)
 
-    def eval(self) -> LocalPipeline:
-        """`train(False)`."""
-        return self.train(False)
+    def _replicas(self) -> range:
+        """Every replica, one after the other."""
+        return range(self.manifest.mesh.dp)
 
-    def evaluate(self, inputs: Any, target: Any, loss_fn: LossFn | None = None) -> torch.Tensor:
-        """The whole-batch loss, forward only and without an autograd graph (in the current
-        mode: call eval() first for dropout off and batch norm's running statistics)."""
-        fn = loss_fn or self._default_loss_fn()
-        m, dp = self._count(inputs), self.manifest.mesh.dp
-        self._begin()
-        total = torch.zeros((), device=self.devices[-1])
-        rows = package.microbatch_rows(inputs, self.manifest, m)
-        scales = package.loss_scales(rows, dp)  # [Note: microbatch weights]
-        with torch.no_grad():
-            for replica in range(dp):
-                self._replica = replica
-                mb_inputs = package.split_inputs(inputs, self.manifest, replica, m)
-                targets = package.split_target(target, m, replica, dp, sum(rows) * dp)
-                outs = self._run_lanes(self._orders.get(m)[1], mb_inputs, None, None, scales)
-                last = self.runners[-1]
-                for i, out in enumerate(outs):
-                    t = pytree.tree_map(lambda x: self.streams.move(x, None, len(self.runners) - 1), targets[i])
-                    total = total + last.loss(i, out, t, fn, scales[i], keep=False)
-        self.streams.synchronize()
-        return total
+    @contextlib.contextmanager
+    def _stepping(self) -> Iterator[None]:
+        self._calls += 1
+        yield
 
-    def recover(self) -> None:
-        """For the same code as DistributedPipeline: one process cannot fall out of step, so a
-        failed step is never refused here; this forgets whatever microbatches it left."""
-        for lane in self.lanes:
-            for r in lane.runners:
-                r.clear()
-
-    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0,
-                        error_if_nonfinite: bool = False) -> torch.Tensor:
-        """torch.nn.utils.clip_grad_norm_ of the original model: the whole model's gradient
-        norm (each parameter once, [Note: counting each parameter once] in clip.py),
-        returned, and every lane's gradients scaled by the same coefficient."""
-        p = clip.check_norm_type(norm_type)
+    def _norm_term(self, p: float) -> torch.Tensor:
+        """Every lane's term, summed (or the largest, for the inf-norm)."""
         params = self.parameters()
         device = next((q.grad.device for q in params if q.grad is not None), self.devices[0])
         stages = range(len(self.manifest.stages))
         terms = torch.stack([clip.norm_term(self._lane_named(lane), clip.counted_names(self.manifest, stages, lane.index, 0),
                                             p, device) for lane in self.lanes])
-        reduced = terms.amax(0) if p == float("inf") else terms.sum(0)
-        total = clip.total_norm(reduced, p, clip.grad_dtype(params))
-        clip.clip_(params, total, max_norm, p, error_if_nonfinite)
-        return total
+        return terms.amax(0) if p == float("inf") else terms.sum(0)
 
-    def make_optimizer(self, cls: type[torch.optim.Optimizer], params: optim.ParamGroups = None,
-                       **defaults: Any) -> torch.optim.Optimizer:
-        """`cls` over every lane's parameters, groups by original name ([Note: parameter
-        groups by original name] in optim.py)."""
-        return optim.make_optimizer(cls, self.named_parameters(), self.manifest, params, **defaults)
-
-    def train_step(self, inputs: Any, target: Any, loss_fn: LossFn | None = None) -> torch.Tensor:
-        """One step over the whole batch: leaves .grad as loss.backward() on the whole-batch
-        mean loss would (accumulating; grads are not zeroed); returns that loss, detached."""
-        fn = loss_fn or self._default_loss_fn()
-        m, dp = self._count(inputs), self.manifest.mesh.dp
+    def _run_train(self, batch: Batch) -> torch.Tensor:
+        """Every replica's schedule in turn; then the tied copies' grads summed, the masters'
+        grads taken from the bf16 weights."""
         snapshots = [lane.tied.snapshot() for lane in self.lanes]
         total: torch.Tensor | None = None
-        self._begin()
         try:
-            rows = package.microbatch_rows(inputs, self.manifest, m)
-            scales = package.loss_scales(rows, dp)  # [Note: microbatch weights]
-            for replica in range(dp):
+            for replica in self._replicas():
                 self._replica = replica
-                mb_inputs = package.split_inputs(inputs, self.manifest, replica, m)
-                targets = package.split_target(target, m, replica, dp, sum(rows) * dp)
-                loss = self._run_lanes(self._orders.get(m)[0], mb_inputs, targets, fn, scales)
+                loss = self._run_lanes(self._counts.get(batch.count)[0], batch.inputs[replica], batch.targets[replica],
+                                       batch.loss_fn, batch.scales)
                 total = loss if total is None else total + loss
         except BaseException:
-            for lane in self.lanes:
-                for r in lane.runners:
-                    r.clear()
+            for r in self._runners():
+                r.clear()
             raise
         self.streams.synchronize()
         for lane, snapshot in zip(self.lanes, snapshots):
@@ -247,52 +174,26 @@ class LocalPipeline:
         assert total is not None
         return total
 
-    def __call__(self, inputs: Any) -> Any:
-        """Forward only: the whole batch's output (microbatch outputs concatenated on dim 0)."""
-        outs: list[Any] = []
-        m = self._count(inputs)
-        self._begin()
-        with torch.no_grad():
-            for replica in range(self.manifest.mesh.dp):
-                self._replica = replica
-                mb_inputs = package.split_inputs(inputs, self.manifest, replica, m)
-                outs += self._run_lanes(self._orders.get(m)[1], mb_inputs, None, None, [])
+    def _run_evaluate(self, batch: Batch) -> torch.Tensor:
+        total = torch.zeros((), device=self.devices[-1])
+        last, fn = self.runners[-1], batch.loss_fn
+        assert fn is not None
+        for replica in self._replicas():
+            self._replica = replica
+            outs = self._run_lanes(self._counts.get(batch.count)[1], batch.inputs[replica], None, None, batch.scales)
+            for i, out in enumerate(outs):
+                t = pytree.tree_map(lambda x: self.streams.move(x, None, len(self.runners) - 1), batch.targets[replica][i])
+                total = total + last.loss(i, out, t, fn, batch.scales[i], keep=False)
         self.streams.synchronize()
-        return concat_outputs(outs, self.manifest.output_batch_dims)
+        return total
 
-    # -- checkpoints (runtime/checkpoint/; docs/checkpoints.md) ------------------------------
-
-    def save_checkpoint(self, path: str | Path, optimizer: torch.optim.Optimizer | None = None, extra: Any = None,
-                        keep: int | None = None) -> Path:
-        """Write checkpoint PATH (atomic; original names, global shapes, optimizer, `extra`, RNG);
-        with `keep`, then remove all but the newest `keep` checkpoints beside it."""
-        return checkpoint.save(self._checkpoint_view(), path, optimizer, extra, keep)
-
-    def load_checkpoint(self, path: str | Path, optimizer: torch.optim.Optimizer | None = None,
-                        strict: bool = True) -> Any:
-        """Restore a checkpoint of `save_checkpoint` from any plan of the model; returns its `extra`."""
-        return checkpoint.load(self._checkpoint_view(), path, optimizer, strict)
-
-    def init_weights(self, seed: int = 0) -> None:
-        """Initialise this process's parameters (its shards only) with the values they have on
-        every plan: runtime.init_weights(model, seed) on the unsplit model gives the same."""
-        initialize.init_pipeline(self._checkpoint_view().held, self.manifest, self.directory, seed)
-
-    def _checkpoint_view(self) -> checkpoint.View:
-        held = [p for lane in self.lanes for r in lane.runners for p in self._tensors(lane, r)]
-        return checkpoint.View(self.manifest, held, rank=0, world=1, distributed=False,
-                               directory=self.directory)
-
-    def _tensors(self, lane: _Lane, runner: StageRunner) -> list[tuple[package.Held, torch.Tensor]]:
-        """A stage's parameters and persistent buffers as the user sees them (masters under bf16)."""
-        return precision.shown(self._masters, package.stage_tensors(runner.module, runner.entry, lane.index))
-
-    def _begin(self) -> None:
-        """Before a call runs the stages: count it ([Note: dropout streams] in modes.py) and
-        bring the bf16 weights up to date with their masters."""
-        self._calls += 1
-        if self._masters is not None:
-            self._masters.refresh()
+    def _run_forward(self, batch: Batch) -> list[Any]:
+        outs: list[Any] = []
+        for replica in self._replicas():
+            self._replica = replica
+            outs += self._run_lanes(self._counts.get(batch.count)[1], batch.inputs[replica], None, None, [])
+        self.streams.synchronize()
+        return outs
 
     # -- the interpreter ---------------------------------------------------------------------
 
@@ -388,11 +289,6 @@ class LocalPipeline:
                 total = g if total is None else total + g
         return total
 
-    def _default_loss_fn(self) -> LossFn:
-        if self._loss_fn is None:
-            self._loss_fn = package.load_loss_fn(self.manifest, self.directory)
-        return self._loss_fn
-
 
 def _forget_read(manifest: Manifest, reader: StageRunner, mb: int,
                  outputs: dict[tuple[int, int], dict[str, Any]], unread: dict[tuple[int, int, str], set[int]]) -> None:
@@ -414,29 +310,6 @@ def _forget_read(manifest: Manifest, reader: StageRunner, mb: int,
         if not unread[key]:
             del unread[key]
             outputs[(spec.source, mb)].pop(spec.name, None)
-
-
-def concat_outputs(outputs: list[Any], dims: tuple[int | None, ...] = ()) -> Any:
-    """Microbatch outputs joined leaf by leaf: tensors concatenated along their batch
-    dimension (`dims`, in pytree order, the manifest's `output_batch_dims`; dim 0 where it
-    says nothing), scalar tensors averaged (mean-reduced values), other leaves taken from the
-    first."""
-    if not outputs:
-        raise PipelineError("no microbatch produced an output.")
-    flat = [pytree.tree_flatten(o)[0] for o in outputs]
-    spec = pytree.tree_flatten(outputs[0])[1]
-    leaves = [_join(column, dims[j] if j < len(dims) else 0) for j, column in enumerate(zip(*flat))]
-    return pytree.tree_unflatten(leaves, spec)
-
-
-def _join(column: tuple[Any, ...], dim: int | None) -> Any:
-    """One output leaf of every microbatch as the whole batch's."""
-    first = column[0]
-    if isinstance(first, torch.Tensor) and first.dim() > 0 and dim is not None:
-        return torch.cat([c.to(first.device) for c in column], dim=dim)
-    if isinstance(first, torch.Tensor) and first.dim() == 0:
-        return torch.stack([c.to(first.device) for c in column]).mean()
-    return first
 
 
 class _Tied:

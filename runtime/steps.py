@@ -11,7 +11,7 @@ failed step stops every rank until `pipe.recover()`.
          failed, or a rank at another n, makes every rank raise a `StepError` that names
          both numbers, at once (not at a receive's timeout, and never silently pairing one
          step's activations with another's targets);
-      3. tags its point-to-point messages with n (distributed._tag), so no message of one
+      3. tags its point-to-point messages with n (p2p.HandOvers.tag), so no message of one
          call can be received as another's.
     A call that raises (here, or later: a peer that failed) marks this rank failed; the
     next call reports it in its check and raises, on every rank, until every rank calls

@@ -4,7 +4,7 @@
     A checkpoint is keyed by the ORIGINAL model's names with each tensor's FULL global
     shape (so `format_utils.dcp_to_torch_save` gives the original state_dict).  A rank
     holds, of each tensor, either all of it or its tensor-parallel shard ([Note: shards]
-    in package.py): shard i of T along `dim`; with b blocks (a fused qkv weight), piece i
+    in weights.py): shard i of T along `dim`; with b blocks (a fused qkv weight), piece i
     of every block, i.e. b separate boxes of the global tensor.  `Chunked` lists those
     boxes (global offsets, local view) and implements the three hooks DCP's planners call
     on a checkpointable tensor (`__create_write_items__`, `__create_chunk_list__`,
@@ -23,7 +23,7 @@ import torch
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
-from ..package import Held, _layout
+from ..weights import Held, _layout
 from ..manifest import ParamSpec
 
 __all__ = ["Chunked", "boxes", "global_shape", "collect"]

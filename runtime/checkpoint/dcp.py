@@ -37,7 +37,7 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 
 from ..comm import _short
 from ..errors import CheckpointError, PipelineError
-from ..package import Held, _expected_keys, key_mismatch
+from ..weights import Held, _expected_keys, key_mismatch
 from . import commit as commits
 from .chunks import Chunked, boxes, collect, global_shape, is_sharded
 from .view import View

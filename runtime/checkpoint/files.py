@@ -14,7 +14,7 @@ import torch
 from safetensors import safe_open
 
 from ..errors import CheckpointError
-from ..package import _expected_keys, key_mismatch
+from ..weights import _expected_keys, key_mismatch
 from .chunks import boxes, global_shape
 from .view import View
 

@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from ..manifest import Manifest
 from ..model_file import model_file_path
-from ..package import Held
+from ..weights import Held
 
 __all__ = ["View"]
 

@@ -93,16 +93,17 @@ def test_the_step_kept_in_the_manifest_is_the_step_predicted(tmp_path: Path) -> 
     from partitioner.predict.step import StepInputs, simulate_step
 
     m = compile_example("examples/gpt.py", tmp_path / "pkg", stages=2, dp=2, microbatches=4, hardware="a100").manifest
-    again = simulate_step(StepInputs.from_dict(m["predicted"]["simulation"]))
-    assert again.step_time_s == pytest.approx(m["predicted"]["step_time_s"], rel=1e-5)
-    assert m["predicted"]["simulation"]["after_s"] > 0  # the gradient all-reduce of 2 replicas
+    assert m.predicted is not None
+    again = simulate_step(StepInputs.from_dict(m.predicted.extra["simulation"]))
+    assert again.step_time_s == pytest.approx(m.predicted.step_time_s, rel=1e-5)
+    assert m.predicted.extra["simulation"]["after_s"] > 0  # the gradient all-reduce of 2 replicas
 
 
 def test_a_package_without_a_kept_simulation_is_refused_with_the_fix(tmp_path: Path) -> None:
     from partitioner.errors import PackageError
     from runtime.manifest import Manifest
 
-    manifest = compile_example("examples/mlp.py", tmp_path / "pkg", stages=2, hardware="a100").manifest
+    manifest = compile_example("examples/mlp.py", tmp_path / "pkg", stages=2, hardware="a100").manifest.to_dict()
     del manifest["predicted"]["simulation"]
     with pytest.raises(PackageError, match=r"keeps no simulation of its step to draw .*: compile it again"):
         timeline.simulate_manifest(Manifest.from_json(manifest, "manifest.json"))

@@ -22,7 +22,7 @@ import pytest
 
 import runtime
 from runtime import package
-from runtime.distributed import _check_ranks
+from runtime.world import check_ranks as _check_ranks
 from runtime.errors import ManifestError, MeshError
 from runtime.groups import Mesh
 from runtime.schedule import StageGraph
