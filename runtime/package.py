@@ -18,7 +18,7 @@ import torch
 
 from .edges import dtype_of, edge_grads, edge_values, value_shape
 from .errors import ManifestError
-from .manifest import FORMAT_VERSION, Manifest
+from .manifest import FORMAT_VERSION, Manifest, read_manifest
 from .microbatches import loss_scales, microbatch_rows, replica_rows, split_inputs, split_target
 from .model_file import import_file as _import_file
 from .model_file import load_loss_fn, load_model_file
@@ -59,20 +59,8 @@ _models: dict[Path, torch.nn.Module] = {}
 # -- manifest ------------------------------------------------------------------------------
 
 
-def load_manifest(directory: str | Path) -> Manifest:
-    """The parsed and checked manifest.json of package `directory`."""
-    path = Path(directory)
-    recompile = "compile the model again with `python -m partitioner compile MODEL.py --out DIR`"
-    if not path.is_dir():
-        raise ManifestError(f"package directory {str(directory)!r} does not exist (or is not a directory): {recompile}.")
-    file = path / "manifest.json"
-    if not file.is_file():
-        raise ManifestError(f"{file} is missing, so {directory} is not a compiled package: {recompile}.")
-    try:
-        text = file.read_text()
-    except UnicodeDecodeError as exc:
-        raise ManifestError(f"{file} is corrupt (not JSON: {exc}): {recompile}.") from None
-    return Manifest.from_json(text, origin=str(file))
+#: a package folder's manifest: the one reader, `manifest.read_manifest`
+load_manifest = read_manifest
 
 
 # -- modules -------------------------------------------------------------------------------
