@@ -16,6 +16,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import time
@@ -39,6 +40,7 @@ from partitioner.solve.solve import fills_with_compute, solve
 from partitioner.tp import Sharded, shard
 from partitioner.trace import model_file
 from partitioner.trace.checkpointing import describe
+from partitioner.trace.fake import on_fake_cpu, to_meta
 from partitioner.trace.buffers import BufferSnapshot, kept_buffers, warn_batch_statistics
 from partitioner.trace.modes import check_modes, note_dropout
 from partitioner.trace.passes import probe, propagate, specialize
@@ -101,11 +103,6 @@ def prepare(opts: CompileOptions, say: Callable[[str], None] = lambda _m: None, 
     # 1. load: the model file and one microbatch of its example batch (partitioner.trace.model_file).
     src = source or load_source(opts, say)
     mf, model, args, kwargs, batch = src.mf, src.model, src.args, src.kwargs, src.batch
-    if opts.precision in ("bf16-mixed", "fp16-mixed") and _is_meta(model):
-        raise PlanError(f"--precision {opts.precision} needs the model built with real weights: autocast does not "
-                        f"apply to meta tensors, so the dtypes it gives the stage boundaries cannot be found. Compile "
-                        f"without --meta (with --analytic the model is built for real when it fits in memory), or "
-                        f"with --precision fp32.")
     microbatches = microbatches or default_microbatches(batch, pp, opts)
     rows = rows_per_microbatch(batch, microbatches, opts.dp)
     margs, mkwargs = split_batch(args, kwargs, mf.batch_dims, rows)
@@ -115,22 +112,23 @@ def prepare(opts: CompileOptions, say: Callable[[str], None] = lambda _m: None, 
     traced = _trace(src, margs, mkwargs, opts, rows, say)
     check_autocast(traced, opts.precision)
     opts = keep_checkpointing(opts, traced.checkpointed, say)
-    by_key = by_input_key(margs, mkwargs)
-    # the values' dtypes are the autocast run's ([Note: mixed precision])
-    with autocast(opts.precision, src.device.type):
-        free = probe(traced.gm, by_key, traced.input_keys, mf.batch_dims, rows)  # [Note: free batch]
-        values = propagate(traced.gm, [by_key[key] for _name, key in traced.input_keys], opts.model)
-    free_batch = specialize(traced.gm, values, free, rows)
-    warn_batch_statistics(traced.gm, microbatches, None if opts.quiet else say)
-    check_modes(traced.gm)  # [Note: modes in generated code]
-    note_dropout(traced.gm, None if opts.quiet else say)
-    phase("trace")
-    # 3. cost every node, measured (cached) or analytic (partitioner.cost).
     hardware = load_hardware(opts.hardware)
     timer = device_timer(src.device)  # [Note: where the compile runs the model]
-    with rank_threads(), autocast(opts.precision, src.device.type):  # measured as a rank will compute
-        costs = node_costs(traced.gm, values, hardware, opts, say, timer)
-        loss = loss_costs(mf, traced, values, hardware, opts, batch, rows, say, timer)
+    with _shape_run(src, traced, by_input_key(margs, mkwargs), opts.precision) as by_key:
+        # the values' dtypes are the autocast run's ([Note: mixed precision])
+        with autocast(opts.precision, src.device.type):
+            free = probe(traced.gm, by_key, traced.input_keys, mf.batch_dims, rows)  # [Note: free batch]
+            values = propagate(traced.gm, [by_key[key] for _name, key in traced.input_keys], opts.model)
+        free_batch = specialize(traced.gm, values, free, rows)
+        warn_batch_statistics(traced.gm, microbatches, None if opts.quiet else say)
+        check_modes(traced.gm)  # [Note: modes in generated code]
+        note_dropout(traced.gm, None if opts.quiet else say)
+        phase("trace")
+        # 3. cost every node, measured (cached) or analytic (partitioner.cost).
+        with rank_threads(), autocast(opts.precision, src.device.type):  # measured as a rank will compute
+            costs = node_costs(traced.gm, values, hardware, opts, say, timer)
+            loss = loss_costs(mf, traced, values, hardware, opts, batch, rows, say, timer)
+    values = to_meta(values)  # [Note: mixed precision on the meta device]
     buffers.restore()
     phase("cost")
     # 4. tp: the split per node, and the graph one rank runs (partitioner.tp).
@@ -239,7 +237,7 @@ def emit_plan(p: Prepared, plan: Plan, extra: dict[str, Any] | None = None, *, r
         costs = calibrated if calibrated is not None else stage_costs(p, plan)
         peaks = stage_peaks(p, plan)
     predicted = predict(p.traced.gm, plan, costs, p.hardware, cost_source="analytic" if p.opts.analytic else "measured",
-                        model_flops=model_flops(p), loss=p.loss)
+                        model_flops=model_flops(p), loss=p.loss, precision=p.opts.precision)
     predicted.update(rounded({**calibration_block(p, plan, costs, resolved, peaks), **(extra or {})}))
     # 7. emit the package's files (codegen).
     manifest = emit(p.opts.out, p.traced.gm, plan, package_info(p, plan, predicted))
@@ -282,6 +280,16 @@ def _build(mf: model_file.ModelFile, opts: CompileOptions, say: Callable[[str], 
         say(f"building on the meta device ({size / 2**30:.1f} GiB of weights): nothing is executed")
         return probe
     return mf.build(opts.seed)
+
+
+def _shape_run(src: Source, traced: Traced, by_key: dict[int | str, Any], precision: str
+               ) -> contextlib.AbstractContextManager[dict[int | str, Any]]:
+    """Where the graph runs while its values and costs are found: on fake CPU tensors for
+    a mixed precision on a model built on the meta device ([Note: mixed precision on the
+    meta device] in partitioner/trace/fake.py), else on `by_key` as it is."""
+    if precision in ("bf16-mixed", "fp16-mixed") and _is_meta(src.model):
+        return on_fake_cpu(traced.gm, by_key)
+    return contextlib.nullcontext(by_key)
 
 
 def _is_meta(model: torch.nn.Module) -> bool:

@@ -31,17 +31,22 @@ __all__ = ["pipeline_link", "pipeline_posts", "predict", "rounded", "simulate_pl
 
 
 def predict(gm: torch.fx.GraphModule, plan: Plan, costs: dict[str, NodeCost], hardware: Hardware,
-            cost_source: str, model_flops: int | None = None, loss: NodeCost | None = None) -> dict[str, Any]:
+            cost_source: str, model_flops: int | None = None, loss: NodeCost | None = None,
+            precision: str = "fp32") -> dict[str, Any]:
     """The manifest's `predicted` block for `plan`; `model_flops` is one microbatch's
     forward of the whole model (default: the sum over `costs`, right when tp = 1); `loss`
-    the loss_fn's cost per microbatch (`partitioner.cost.loss`)."""
+    the loss_fn's cost per microbatch (`partitioner.cost.loss`); the MFU is of the peak of
+    `precision`, which `mfu_peak` names ([Note: a peak per dtype] in cost/hardware.py)."""
     sim = simulate_plan(gm, plan, costs, hardware, loss)
     forward = model_flops if model_flops is not None else sum(c.flops for c in costs.values())
     flops = forward * (1 + BACKWARD_FLOP_FACTOR) * plan.microbatches * plan.dp
     report = plan.report
+    peak_name, peak = hardware.precision_peak(precision)
     return rounded({
         "step_time_s": sim.step_time_s,
-        "mfu": mfu(flops, sim.step_time_s, plan.pp * plan.tp * plan.dp, hardware.peak_flops),
+        "mfu": mfu(flops, sim.step_time_s, plan.pp * plan.tp * plan.dp, peak),
+        "mfu_peak": peak_name,
+        "mfu_peak_flops": peak,
         "cost_source": cost_source,
         "hardware": hardware.name,
         "stages": [{"time_s": s.time_s, "compute_s": s.compute_s, "memory_bytes": s.memory_bytes,
