@@ -13,8 +13,10 @@ on one machine agree; `--hardware FILE` takes a user's own JSON with the same fi
     sets `torch.backends.cuda.matmul.allow_tf32 = True` (PyTorch's default is False): the
     profile's `tf32` says whether it assumes so.  The analytic cost of a node is charged
     at the peak of the dtype it computes in (`peak_for`, with `nodes.compute_dtype`), and
-    a plan's MFU is quoted against the peak of the precision it trains in
-    (`precision_peak`), which the manifest's `predicted` block and plan.txt name.  A
+    a plan's MFU is quoted against the peak of the dtype most of its FLOPs run in
+    (`predict.mfu_peak`: a model built in bfloat16 trains in bfloat16 under --precision
+    fp32 too), else of its precision (`precision_peak`), which the manifest's
+    `predicted` block (`mfu_peak`, `mfu_peak_flops`) and plan.txt name.  A
     profile without a float32 peak charges float32 at `peak_flops`, as before.
 
 The links follow the alpha-beta model (Hockney 1994): a message of n bytes takes
@@ -73,22 +75,24 @@ class Hardware:
     sources: tuple[str, ...] = field(default_factory=tuple)
 
     def peak_for(self, dtype: torch.dtype | None) -> float:
-        """The peak FLOP/s of a matmul computing in `dtype` ([Note: a peak per dtype]);
-        None (no floating tensor) and float64 as float32."""
+        """The peak FLOP/s of a matmul computing in `dtype` ([Note: a peak per dtype])."""
+        return self.named_peak(dtype)[1]
+
+    def named_peak(self, dtype: torch.dtype | None) -> tuple[str, float]:
+        """(name, FLOP/s) of the peak of a matmul computing in `dtype`: bf16 / fp16 at
+        `peak_flops`; anything else (float32, float64, None: no floating tensor) as float32,
+        tf32 where the profile assumes it and knows its peak ([Note: a peak per dtype])."""
         if dtype in (torch.bfloat16, torch.float16):
-            return self.peak_flops
+            return ("bf16" if dtype == torch.bfloat16 else "fp16"), self.peak_flops
         if self.tf32 and self.peak_flops_tf32 > 0:
-            return self.peak_flops_tf32
-        return self.peak_flops_fp32 or self.peak_flops
+            return "tf32", self.peak_flops_tf32
+        return "fp32", self.peak_flops_fp32 or self.peak_flops
 
     def precision_peak(self, precision: str) -> tuple[str, float]:
-        """The peak a plan trained in `precision` is quoted against for its MFU, and its
-        name: the float32 peak (as `peak_for` takes it) for fp32, the bfloat16 / float16
-        one for the others ([Note: a peak per dtype])."""
-        if precision == "fp32":
-            tf32 = self.tf32 and self.peak_flops_tf32 > 0
-            return ("tf32" if tf32 else "fp32"), self.peak_for(torch.float32)
-        return ("fp16" if precision.startswith("fp16") else "bf16"), self.peak_flops
+        """(name, FLOP/s) of the peak of a plan trained in `precision` (`named_peak` of its
+        matmuls' dtype)."""
+        dtypes = {"fp32": torch.float32, "fp16-mixed": torch.float16}
+        return self.named_peak(dtypes.get(precision, torch.bfloat16))
 
     @property
     def p2p_alpha_s(self) -> float:

@@ -16,6 +16,7 @@ import math
 import statistics
 from typing import Any
 
+import torch
 import torch.fx
 
 from ..cost.costmodel import message_s, pair_bytes
@@ -26,7 +27,7 @@ from ..trace.passes import get_attr
 from ..cost.roofline import BACKWARD_FLOP_FACTOR, mfu, ring_allreduce_s, ring_broadcast_s
 from .simulate import Simulation, simulate
 
-__all__ = ["pipeline_link", "pipeline_posts", "predict", "rounded", "simulate_plan", "stage_message_s",
+__all__ = ["mfu_peak", "pipeline_link", "pipeline_posts", "predict", "rounded", "simulate_plan", "stage_message_s",
            "tied_allreduce_s", "zero_broadcast_s"]
 
 
@@ -35,13 +36,13 @@ def predict(gm: torch.fx.GraphModule, plan: Plan, costs: dict[str, NodeCost], ha
             precision: str = "fp32") -> dict[str, Any]:
     """The manifest's `predicted` block for `plan`; `model_flops` is one microbatch's
     forward of the whole model (default: the sum over `costs`, right when tp = 1); `loss`
-    the loss_fn's cost per microbatch (`partitioner.cost.loss`); the MFU is of the peak of
-    `precision`, which `mfu_peak` names ([Note: a peak per dtype] in cost/hardware.py)."""
+    the loss_fn's cost per microbatch (`partitioner.cost.loss`); the MFU is of the peak
+    `mfu_peak` finds, which the block names."""
     sim = simulate_plan(gm, plan, costs, hardware, loss)
     forward = model_flops if model_flops is not None else sum(c.flops for c in costs.values())
     flops = forward * (1 + BACKWARD_FLOP_FACTOR) * plan.microbatches * plan.dp
     report = plan.report
-    peak_name, peak = hardware.precision_peak(precision)
+    peak_name, peak = mfu_peak(gm, costs, hardware, precision)
     return rounded({
         "step_time_s": sim.step_time_s,
         "mfu": mfu(flops, sim.step_time_s, plan.pp * plan.tp * plan.dp, peak),
@@ -57,6 +58,21 @@ def predict(gm: torch.fx.GraphModule, plan: Plan, costs: dict[str, NodeCost], ha
             "method": report.method, "objective_s": report.objective_s, "lower_bound_s": report.lower_bound_s,
             "gap": report.gap, "status": report.status, "blocks": report.blocks, "nodes": report.nodes},
     })
+
+
+def mfu_peak(gm: torch.fx.GraphModule, costs: dict[str, NodeCost], hardware: Hardware, precision: str
+             ) -> tuple[str, float]:
+    """(name, FLOP/s) of the peak a plan's MFU is quoted against ([Note: a peak per dtype] in
+    cost/hardware.py): that of the dtype most of the FLOPs of `costs` run in (each node's
+    output dtype), else, where no node counts FLOPs, that of `precision`."""
+    flops: dict[torch.dtype, int] = {}
+    for node in compute_nodes(gm):
+        dtype = getattr(node.meta.get("tensor_meta"), "dtype", None)
+        if isinstance(dtype, torch.dtype) and dtype.is_floating_point and node.name in costs:
+            flops[dtype] = flops.get(dtype, 0) + costs[node.name].flops
+    if not any(flops.values()):
+        return hardware.precision_peak(precision)
+    return hardware.named_peak(max(flops, key=lambda d: flops[d]))
 
 
 def rounded(block: Any, key: str = "") -> Any:
