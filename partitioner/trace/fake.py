@@ -46,10 +46,10 @@ def on_fake_cpu(gm: torch.fx.GraphModule, inputs: Any) -> Iterator[Any]:
 
     swapped: list[tuple[torch.nn.Module, str, str, torch.Tensor]] = []
     with mode:
-        for module, name, kind, t in _meta_tensors(gm):
-            _put(module, name, kind, fake(t))
-            swapped.append((module, name, kind, t))
         try:
+            for module, name, kind, t in _meta_tensors(gm):
+                swapped.append((module, name, kind, t))
+                _put(module, name, kind, fake(t))
             yield pytree.tree_map_only(torch.Tensor, lambda t: fake(t) if t.is_meta else t, inputs)
         finally:
             for module, name, kind, t in reversed(swapped):
