@@ -137,8 +137,17 @@ def _ms(seconds: float) -> str:
 def _predicted_line(predicted: Predicted | None) -> str:
     if predicted is None:
         return "predicted  step 0.000 ms, MFU 0.00%, costs ? on ?"
-    return (f"predicted  step {predicted.step_time_s * 1e3:.3f} ms, MFU {predicted.mfu * 100:.2f}%, "
-            f"costs {predicted.cost_source or '?'} on {predicted.hardware or '?'}")
+    return (f"predicted  step {predicted.step_time_s * 1e3:.3f} ms, MFU {predicted.mfu * 100:.2f}%"
+            f"{_of_peak(predicted)}, costs {predicted.cost_source or '?'} on {predicted.hardware or '?'}")
+
+
+def _of_peak(predicted: Predicted) -> str:
+    """' of the fp32 peak (19.5 TFLOP/s)': which peak the MFU is quoted against ([Note: a
+    peak per dtype] in partitioner/cost/hardware.py), or '' for a package that does not say."""
+    name, flops = predicted.extra.get("mfu_peak"), predicted.extra.get("mfu_peak_flops")
+    if not isinstance(name, str) or not isinstance(flops, (int, float)):
+        return ""
+    return f" of the {name} peak ({flops / 1e12:.4g} TFLOP/s)"
 
 
 def format_kept(stage_sources: list[str]) -> str:

@@ -11,11 +11,12 @@
     analytic costs do not depend on the device, and the measured `cpu` profile describes the
     CPU. The device is part of every measured cost's cache key (`DeviceTimer.key`), and
     nothing of it reaches the package: stage code names no device ([Note: devices in stage
-    code] in codegen/stage.py) and constants are saved from the CPU.
+    code] in codegen/package.py) and constants are saved from the CPU.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import time
@@ -39,6 +40,7 @@ from partitioner.solve.solve import fills_with_compute, solve
 from partitioner.tp import Sharded, shard
 from partitioner.trace import model_file
 from partitioner.trace.checkpointing import describe
+from partitioner.trace.fake import on_fake_cpu, to_meta
 from partitioner.trace.buffers import BufferSnapshot, kept_buffers, warn_batch_statistics
 from partitioner.trace.modes import check_modes, note_dropout
 from partitioner.trace.passes import probe, propagate, specialize
@@ -69,7 +71,7 @@ def load_source(opts: CompileOptions, say: Callable[[str], None] = lambda _m: No
     elif device.type == "cuda":
         model = model.to(device)
         args, kwargs = pytree.tree_map_only(torch.Tensor, lambda t: t.to(device), (args, kwargs))
-    return Source(mf, model, args, kwargs, batch_size(mf, args, kwargs, mf.leaf_batch_dims(model, args, kwargs)), device)
+    return Source(mf, model, args, kwargs, batch_size(mf, args, kwargs), device)
 
 
 def compile_device(opts: CompileOptions) -> torch.device:
@@ -101,37 +103,32 @@ def prepare(opts: CompileOptions, say: Callable[[str], None] = lambda _m: None, 
     # 1. load: the model file and one microbatch of its example batch (partitioner.trace.model_file).
     src = source or load_source(opts, say)
     mf, model, args, kwargs, batch = src.mf, src.model, src.args, src.kwargs, src.batch
-    if opts.precision in ("bf16-mixed", "fp16-mixed") and _is_meta(model):
-        raise PlanError(f"--precision {opts.precision} needs the model built with real weights: autocast does not "
-                        f"apply to meta tensors, so the dtypes it gives the stage boundaries cannot be found. Compile "
-                        f"without --meta (with --analytic the model is built for real when it fits in memory), or "
-                        f"with --precision fp32.")
     microbatches = microbatches or default_microbatches(batch, pp, opts)
     rows = rows_per_microbatch(batch, microbatches, opts.dp)
-    dims = mf.leaf_batch_dims(model, args, kwargs)  # [Note: input leaves]
-    margs, mkwargs = split_batch(args, kwargs, dims, rows)
+    margs, mkwargs = split_batch(args, kwargs, mf.batch_dims, rows)
     phase("load")
     # 2. trace, and specialise to the microbatch shape (partitioner.trace).
     buffers = BufferSnapshot(model)  # running the model moves BatchNorm's statistics (partitioner.trace.buffers)
     traced = _trace(src, margs, mkwargs, opts, rows, say)
     check_autocast(traced, opts.precision)
     opts = keep_checkpointing(opts, traced.checkpointed, say)
-    by_key = by_input_key(margs, mkwargs)
-    # the values' dtypes are the autocast run's ([Note: mixed precision])
-    with autocast(opts.precision, src.device.type):
-        free = probe(traced.gm, by_key, traced.input_keys, dims, rows)  # [Note: free batch]
-        values = propagate(traced.gm, [by_key[key] for _name, key in traced.input_keys], opts.model)
-    free_batch = specialize(traced.gm, values, free, rows)
-    warn_batch_statistics(traced.gm, microbatches, None if opts.quiet else say)
-    check_modes(traced.gm)  # [Note: modes in generated code]
-    note_dropout(traced.gm, None if opts.quiet else say)
-    phase("trace")
-    # 3. cost every node, measured (cached) or analytic (partitioner.cost).
     hardware = load_hardware(opts.hardware)
     timer = device_timer(src.device)  # [Note: where the compile runs the model]
-    with rank_threads(), autocast(opts.precision, src.device.type):  # measured as a rank will compute
-        costs = node_costs(traced.gm, values, hardware, opts, say, timer)
-        loss = loss_costs(mf, traced, values, hardware, opts, batch, rows, say, timer)
+    with _shape_run(src, traced, by_input_key(margs, mkwargs), opts.precision) as by_key:
+        # the values' dtypes are the autocast run's ([Note: mixed precision])
+        with autocast(opts.precision, src.device.type):
+            free = probe(traced.gm, by_key, traced.input_keys, mf.batch_dims, rows)  # [Note: free batch]
+            values = propagate(traced.gm, [by_key[key] for _name, key in traced.input_keys], opts.model)
+        free_batch = specialize(traced.gm, values, free, rows)
+        warn_batch_statistics(traced.gm, microbatches, None if opts.quiet else say)
+        check_modes(traced.gm)  # [Note: modes in generated code]
+        note_dropout(traced.gm, None if opts.quiet else say)
+        phase("trace")
+        # 3. cost every node, measured (cached) or analytic (partitioner.cost).
+        with rank_threads(), autocast(opts.precision, src.device.type):  # measured as a rank will compute
+            costs = node_costs(traced.gm, values, hardware, opts, say, timer)
+            loss = loss_costs(mf, traced, values, hardware, opts, batch, rows, say, timer)
+    values = to_meta(values)  # [Note: mixed precision on the meta device]
     buffers.restore()
     phase("cost")
     # 4. tp: the split per node, and the graph one rank runs (partitioner.tp).
@@ -143,10 +140,9 @@ def prepare(opts: CompileOptions, say: Callable[[str], None] = lambda _m: None, 
     mesh = mesh_of(opts, pp, virtual, microbatches)
     problem = pose(coarse, mesh, hardware)
     phase("coarsen")
-    return Prepared(opts=opts, mf=mf, model=model, traced=traced, costs=costs, hardware=hardware, problem=problem,
-                    blocks=coarse.blocks, batch=batch, rows=rows, args=args, kwargs=kwargs, mesh=mesh, timings=timings,
-                    whole=whole, sharded=sharded, coarse=coarse, values=values if sharded is None else None, say=say,
-                    free_batch=free_batch, loss=loss, timer=timer)
+    return Prepared(opts, mf, model, traced, costs, hardware, problem, coarse.blocks, batch, rows, args, kwargs,
+                    mesh, timings, whole, sharded, coarse, values if sharded is None else None, say, free_batch, loss,
+                    timer)
 
 
 def _trace(src: Source, margs: tuple[Any, ...], mkwargs: dict[str, Any], opts: CompileOptions, rows: int,
@@ -156,7 +152,7 @@ def _trace(src: Source, margs: tuple[Any, ...], mkwargs: dict[str, Any], opts: C
     if src.generic is not None:
         return copy_traced(src.generic)
     say(f"tracing {opts.model} ({type(src.model).__name__}, microbatch of {rows} rows)")
-    traced = trace(src.model, margs, mkwargs, opts.tracer, opts.model, src.mf.leaf_batch_dims(src.model, margs, mkwargs))
+    traced = trace(src.model, margs, mkwargs, opts.tracer, opts.model, src.mf.batch_dims)
     if traced.tracer == "fx":
         src.generic = copy_traced(traced)
     return traced
@@ -241,12 +237,12 @@ def emit_plan(p: Prepared, plan: Plan, extra: dict[str, Any] | None = None, *, r
         costs = calibrated if calibrated is not None else stage_costs(p, plan)
         peaks = stage_peaks(p, plan)
     predicted = predict(p.traced.gm, plan, costs, p.hardware, cost_source="analytic" if p.opts.analytic else "measured",
-                        model_flops=model_flops(p), loss=p.loss)
+                        model_flops=model_flops(p), loss=p.loss, precision=p.opts.precision)
     predicted.update(rounded({**calibration_block(p, plan, costs, resolved, peaks), **(extra or {})}))
     # 7. emit the package's files (codegen).
     manifest = emit(p.opts.out, p.traced.gm, plan, package_info(p, plan, predicted))
     p.timings["emit"] = time.perf_counter() - start
-    return Compiled(manifest=manifest, plan=plan, traced=p.traced, costs=costs, timings=dict(p.timings))
+    return Compiled(manifest, plan, p.traced, costs, dict(p.timings))
 
 
 def assign_nodes(prepared: Prepared, stage_of: dict[str, int]) -> Compiled:
@@ -284,6 +280,16 @@ def _build(mf: model_file.ModelFile, opts: CompileOptions, say: Callable[[str], 
         say(f"building on the meta device ({size / 2**30:.1f} GiB of weights): nothing is executed")
         return probe
     return mf.build(opts.seed)
+
+
+def _shape_run(src: Source, traced: Traced, by_key: dict[int | str, Any], precision: str
+               ) -> contextlib.AbstractContextManager[dict[int | str, Any]]:
+    """Where the graph runs while its values and costs are found: on fake CPU tensors for
+    a mixed precision on a model built on the meta device ([Note: mixed precision on the
+    meta device] in partitioner/trace/fake.py), else on `by_key` as it is."""
+    if precision in ("bf16-mixed", "fp16-mixed") and _is_meta(src.model):
+        return on_fake_cpu(traced.gm, by_key)
+    return contextlib.nullcontext(by_key)
 
 
 def _is_meta(model: torch.nn.Module) -> bool:

@@ -37,7 +37,7 @@ from partitioner.cost.hardware import Hardware, load_hardware
 from partitioner.cost.roofline import BACKWARD_FLOP_FACTOR, mfu
 from partitioner.errors import InfeasiblePlanError, PlanError
 from partitioner.ir import Plan, SolverReport
-from partitioner.predict.predict import simulate_plan
+from partitioner.predict.predict import mfu_peak, simulate_plan
 from partitioner.solve.problem import coarse_graph, make_plan, pose
 from partitioner.solve.solve import rank_costs, solve
 from partitioner.trace.checkpointing import describe
@@ -331,8 +331,8 @@ def _simulate(solved: list[_Solved], devices: int, say: Callable[[str], None]) -
         p, c = item.prepared, item.cand
         sim = simulate_plan(p.traced.gm, item.plan, p.costs, p.hardware, p.loss)
         flops = model_flops(p) * (1 + BACKWARD_FLOP_FACTOR) * c.microbatches * c.dp
-        cand = dataclasses.replace(c, step_time_s=sim.step_time_s, mfu=mfu(flops, sim.step_time_s, devices,
-                                                                           p.hardware.peak_flops))
+        peak = mfu_peak(p.traced.gm, p.costs, p.hardware, p.opts.precision)[1]  # [Note: a peak per dtype]
+        cand = dataclasses.replace(c, step_time_s=sim.step_time_s, mfu=mfu(flops, sim.step_time_s, devices, peak))
         ranked.append((cand, item))
         ranked.sort(key=lambda r: (r[0].step_time_s, r[0].tp, r[0].pp, r[0].microbatches, r[0].recompute, r[0].zero))
         say(f"  mesh pp={c.pp} tp={c.tp} dp={c.dp} M={c.microbatches} {c.schedule}{' recompute' if c.recompute else ''}"

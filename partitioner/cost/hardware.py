@@ -5,6 +5,20 @@ cited; `cpu` is measured on the spot (matmul FLOP/s, copy bandwidth, physical me
 gloo point-to-point and all-reduce alpha-beta over 127.0.0.1) and cached, so two compiles
 on one machine agree; `--hardware FILE` takes a user's own JSON with the same fields.
 
+[Note: a peak per dtype]
+    A profile gives the peak FLOP/s of each dtype a matmul runs in: `peak_flops` that of
+    bfloat16 and float16 on the tensor cores (an older profile's single peak is this one),
+    `peak_flops_tf32` that of float32 on the tensor cores as TF32, `peak_flops_fp32` that
+    of float32 on the CUDA cores.  Float32 matmuls run as TF32 only where the training run
+    sets `torch.backends.cuda.matmul.allow_tf32 = True` (PyTorch's default is False): the
+    profile's `tf32` says whether it assumes so.  The analytic cost of a node is charged
+    at the peak of the dtype it computes in (`peak_for`, with `nodes.compute_dtype`), and
+    a plan's MFU is quoted against the peak of the dtype most of its FLOPs run in
+    (`predict.mfu_peak`: a model built in bfloat16 trains in bfloat16 under --precision
+    fp32 too), else of its precision (`precision_peak`), which the manifest's
+    `predicted` block (`mfu_peak`, `mfu_peak_flops`) and plan.txt name.  A
+    profile without a float32 peak charges float32 at `peak_flops`, as before.
+
 The links follow the alpha-beta model (Hockney 1994): a message of n bytes takes
 alpha + n * beta.  The CPU's numbers are measured by `measure.py`.
 """
@@ -34,7 +48,7 @@ class Hardware:
     """One device type and the links between devices of it."""
 
     name: str
-    peak_flops: float  # FLOP/s the MFU is quoted against
+    peak_flops: float  # FLOP/s of bfloat16 / float16 matmuls ([Note: a peak per dtype])
     memory_bandwidth: float  # bytes/s
     memory_bytes: int  # per device
     intra_node_bandwidth: float  # bytes/s, one direction, device to device
@@ -44,7 +58,10 @@ class Hardware:
     devices_per_node: int = 1
     efficiency: float = 1.0  # achievable fraction of peak for the roofline
     description: str = ""
-    peak_flops_fp32: float = 0.0
+    peak_flops_fp32: float = 0.0  # float32 without TF32 (0: unknown, charged at peak_flops)
+    peak_flops_tf32: float = 0.0  # float32 matmuls as TF32 (0: unknown, charged as float32)
+    #: float32 matmuls run as TF32 (the run sets torch.backends.cuda.matmul.allow_tf32)
+    tf32: bool = False
     # all-reduce among 2 ranks, alpha-beta per byte of the buffer (0: unknown, use p2p)
     allreduce_latency_s: float = 0.0
     allreduce_bandwidth: float = 0.0
@@ -56,6 +73,26 @@ class Hardware:
     p2p_send_post_s: float = 0.0
     p2p_recv_post_s: float = 0.0
     sources: tuple[str, ...] = field(default_factory=tuple)
+
+    def peak_for(self, dtype: torch.dtype | None) -> float:
+        """The peak FLOP/s of a matmul computing in `dtype` ([Note: a peak per dtype])."""
+        return self.named_peak(dtype)[1]
+
+    def named_peak(self, dtype: torch.dtype | None) -> tuple[str, float]:
+        """(name, FLOP/s) of the peak of a matmul computing in `dtype`: bf16 / fp16 at
+        `peak_flops`; anything else (float32, float64, None: no floating tensor) as float32,
+        tf32 where the profile assumes it and knows its peak ([Note: a peak per dtype])."""
+        if dtype in (torch.bfloat16, torch.float16):
+            return ("bf16" if dtype == torch.bfloat16 else "fp16"), self.peak_flops
+        if self.tf32 and self.peak_flops_tf32 > 0:
+            return "tf32", self.peak_flops_tf32
+        return "fp32", self.peak_flops_fp32 or self.peak_flops
+
+    def precision_peak(self, precision: str) -> tuple[str, float]:
+        """(name, FLOP/s) of the peak of a plan trained in `precision` (`named_peak` of its
+        matmuls' dtype)."""
+        dtypes = {"fp32": torch.float32, "fp16-mixed": torch.float16}
+        return self.named_peak(dtypes.get(precision, torch.bfloat16))
 
     @property
     def p2p_alpha_s(self) -> float:
@@ -145,9 +182,9 @@ def _check_fields(hw: Hardware) -> None:
         elif f.name == "sources":
             if not all(isinstance(v, str) for v in value):
                 raise ValueError("field 'sources' must be a list of strings")
-        elif f.name == "overlaps_comm":
+        elif f.name in ("overlaps_comm", "tf32"):
             if not isinstance(value, bool):
-                raise ValueError(f"field 'overlaps_comm' must be true or false, not {value!r}")
+                raise ValueError(f"field {f.name!r} must be true or false, not {value!r}")
         elif isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
             raise ValueError(f"field {f.name!r} must be a non-negative number, not {value!r}")
     for name in ("peak_flops", "memory_bandwidth", "memory_bytes", "intra_node_bandwidth"):

@@ -24,7 +24,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from ..ir import NodeCost
 from .calibrate import forward_backward, time_forward_backward
 from .hardware import Hardware
-from .nodes import storage_key
+from .nodes import is_shape_only, storage_key
 from .roofline import roofline_s
 from .timer import CPU_TIMER, DeviceTimer
 
@@ -45,11 +45,12 @@ def loss_cost(loss_fn: Callable[[Any, Any], torch.Tensor], output: Any, target: 
     last stage returns it) against `target`, measured with `timer` (the output's device's)."""
     floats = [t for t in pytree.tree_leaves(output) if isinstance(t, torch.Tensor) and t.is_floating_point()]
     out_bytes = sum(t.numel() * t.element_size() for t in floats)
-    if measure and floats and not any(t.is_meta for t in floats):
+    if measure and floats and not any(is_shape_only(t) for t in floats):
         return _measured(loss_fn, output, target, repeats, out_bytes, timer)
     elements = sum(t.numel() for t in floats)
     flops = _FLOPS_PER_ELEMENT * elements
-    once = roofline_s(flops, _PASSES * out_bytes, hardware.peak_flops, hardware.memory_bandwidth)
+    rate = hardware.peak_for(floats[0].dtype if floats else None)  # [Note: a peak per dtype] in hardware.py
+    once = roofline_s(flops, _PASSES * out_bytes, rate, hardware.memory_bandwidth)
     return NodeCost(LOSS_NODE, forward_s=once, backward_s=once, flops=flops, activation_bytes=out_bytes)
 
 

@@ -7,9 +7,10 @@ from typing import Any
 
 import torch
 import torch.fx
+from torch._subclasses.fake_tensor import FakeTensor
 
-__all__ = ["compute_nodes", "needs_grad", "nbytes", "param_names", "storage_key", "tensors", "total_bytes",
-           "working_nodes"]
+__all__ = ["compute_dtype", "compute_nodes", "is_shape_only", "needs_grad", "nbytes", "param_names", "storage_key", "tensors",
+           "total_bytes", "working_nodes"]
 
 
 def compute_nodes(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
@@ -46,6 +47,12 @@ def storage_key(t: torch.Tensor) -> int:
 
 
 
+def is_shape_only(t: torch.Tensor) -> bool:
+    """Whether `t` holds a shape and a dtype but no data: a meta tensor, or a FakeTensor
+    ([Note: mixed precision on the meta device] in partitioner/trace/fake.py)."""
+    return t.is_meta or isinstance(t, FakeTensor)
+
+
 # -- sizes -------------------------------------------------------------------------------
 
 
@@ -61,6 +68,17 @@ def nbytes(t: torch.Tensor) -> int:
 
 def total_bytes(value: Any) -> int:
     return sum(nbytes(t) for t in tensors(value))
+
+
+def compute_dtype(out: Any, inputs: Any) -> torch.dtype | None:
+    """The dtype a call computes in ([Note: a peak per dtype] in hardware.py): its first
+    floating output's (autocast's matmul reads float32 and computes in bfloat16), else its
+    first floating input's (a comparison), else None."""
+    for value in (out, inputs):
+        floats = [t.dtype for t in tensors(value) if t.is_floating_point()]
+        if floats:
+            return floats[0]
+    return None
 
 
 def needs_grad(value: Any) -> bool:

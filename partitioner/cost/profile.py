@@ -35,7 +35,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from ..ir import NodeCost
 from .calibrate import calibrate_graph
 from .hardware import Hardware
-from .nodes import compute_nodes, nbytes, needs_grad, param_names, storage_key, tensors, total_bytes
+from .nodes import compute_dtype, compute_nodes, is_shape_only, nbytes, needs_grad, param_names, storage_key, tensors, total_bytes
 from .roofline import BACKWARD_FLOP_FACTOR, roofline_s
 from .timer import CPU_TIMER, DeviceTimer
 
@@ -85,7 +85,8 @@ def annotate(
             fraction = _weight_fraction(weights, inputs, max(0.0, weight - overhead), bwd)
             peak = _peak(fn, args, kwargs, timer) if timer.counts_memory else None
         else:
-            fwd = roofline_s(flops, moved, hardware.peak_flops, hardware.memory_bandwidth, hardware.efficiency)
+            rate = hardware.peak_for(compute_dtype(values.get(node), (args, kwargs)))  # [Note: a peak per dtype]
+            fwd = roofline_s(flops, moved, rate, hardware.memory_bandwidth, hardware.efficiency)
             bwd = BACKWARD_FLOP_FACTOR * fwd if needs_grad(values.get(node)) else 0.0
             fraction = _weight_fraction(weights, inputs, bwd / 2, bwd)  # dW and dX: a matmul each
         cost = NodeCost(
@@ -174,7 +175,7 @@ def _meta_signature(node: torch.fx.Node, args: tuple[Any, ...], kwargs: dict[str
 
     def describe(value: Any) -> Hashable:
         if isinstance(value, torch.Tensor):
-            if not value.is_meta:
+            if not is_shape_only(value):
                 raise _NotPlain
             key = storage_key(value)
             return ("T", tuple(value.shape), value.stride(), value.storage_offset(), value.dtype,
@@ -211,7 +212,7 @@ def _flash_saved(node: torch.fx.Node, args: tuple[Any, ...], out: Any) -> int | 
         return None
     q, k, v = args[:3] if len(args) >= 3 else (None, None, None)
     qkvo = [t for t in (q, k, v, out) if isinstance(t, torch.Tensor)]
-    if len(qkvo) != 4 or not all(t.is_meta and t.dim() == 4 for t in qkvo):
+    if len(qkvo) != 4 or not all(is_shape_only(t) and t.dim() == 4 for t in qkvo):
         return None
     rows = math.prod(int(d) for d in q.shape[:3])  # type: ignore[union-attr]
     return sum(nbytes(t) for t in qkvo) + 4 * rows

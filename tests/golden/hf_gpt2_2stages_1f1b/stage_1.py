@@ -2,7 +2,7 @@
 # model: hf_gpt2.py (sha256 933125f81ca5fce0), build_model(), seed 0, traced with export
 # plan:  stage 1 of 2 (pp=2 tp=1 dp=1), 1f1b, 4 microbatches of 6 rows
 # stage: 83 nodes (transformer.h.2, transformer.h.3, transformer.ln_f, transformer, lm_head)
-# time:  0.009 ms predicted for one microbatch: forward+backward with its messages
+# time:  0.010 ms predicted for one microbatch: forward+backward with its messages
 
 from __future__ import annotations
 
