@@ -11,7 +11,7 @@
     analytic costs do not depend on the device, and the measured `cpu` profile describes the
     CPU. The device is part of every measured cost's cache key (`DeviceTimer.key`), and
     nothing of it reaches the package: stage code names no device ([Note: devices in stage
-    code] in codegen/package.py) and constants are saved from the CPU.
+    code] in codegen/stage.py) and constants are saved from the CPU.
 """
 
 from __future__ import annotations
@@ -71,7 +71,7 @@ def load_source(opts: CompileOptions, say: Callable[[str], None] = lambda _m: No
     elif device.type == "cuda":
         model = model.to(device)
         args, kwargs = pytree.tree_map_only(torch.Tensor, lambda t: t.to(device), (args, kwargs))
-    return Source(mf, model, args, kwargs, batch_size(mf, args, kwargs), device)
+    return Source(mf, model, args, kwargs, batch_size(mf, args, kwargs, mf.leaf_batch_dims(model, args, kwargs)), device)
 
 
 def compile_device(opts: CompileOptions) -> torch.device:
@@ -105,7 +105,8 @@ def prepare(opts: CompileOptions, say: Callable[[str], None] = lambda _m: None, 
     mf, model, args, kwargs, batch = src.mf, src.model, src.args, src.kwargs, src.batch
     microbatches = microbatches or default_microbatches(batch, pp, opts)
     rows = rows_per_microbatch(batch, microbatches, opts.dp)
-    margs, mkwargs = split_batch(args, kwargs, mf.batch_dims, rows)
+    dims = mf.leaf_batch_dims(model, args, kwargs)  # [Note: input leaves]
+    margs, mkwargs = split_batch(args, kwargs, dims, rows)
     phase("load")
     # 2. trace, and specialise to the microbatch shape (partitioner.trace).
     buffers = BufferSnapshot(model)  # running the model moves BatchNorm's statistics (partitioner.trace.buffers)
@@ -117,7 +118,7 @@ def prepare(opts: CompileOptions, say: Callable[[str], None] = lambda _m: None, 
     with _shape_run(src, traced, by_input_key(margs, mkwargs), opts.precision) as by_key:
         # the values' dtypes are the autocast run's ([Note: mixed precision])
         with autocast(opts.precision, src.device.type):
-            free = probe(traced.gm, by_key, traced.input_keys, mf.batch_dims, rows)  # [Note: free batch]
+            free = probe(traced.gm, by_key, traced.input_keys, dims, rows)  # [Note: free batch]
             values = propagate(traced.gm, [by_key[key] for _name, key in traced.input_keys], opts.model)
         free_batch = specialize(traced.gm, values, free, rows)
         warn_batch_statistics(traced.gm, microbatches, None if opts.quiet else say)
@@ -140,9 +141,10 @@ def prepare(opts: CompileOptions, say: Callable[[str], None] = lambda _m: None, 
     mesh = mesh_of(opts, pp, virtual, microbatches)
     problem = pose(coarse, mesh, hardware)
     phase("coarsen")
-    return Prepared(opts, mf, model, traced, costs, hardware, problem, coarse.blocks, batch, rows, args, kwargs,
-                    mesh, timings, whole, sharded, coarse, values if sharded is None else None, say, free_batch, loss,
-                    timer)
+    return Prepared(opts=opts, mf=mf, model=model, traced=traced, costs=costs, hardware=hardware, problem=problem,
+                    blocks=coarse.blocks, batch=batch, rows=rows, args=args, kwargs=kwargs, mesh=mesh, timings=timings,
+                    whole=whole, sharded=sharded, coarse=coarse, values=values if sharded is None else None, say=say,
+                    free_batch=free_batch, loss=loss, timer=timer)
 
 
 def _trace(src: Source, margs: tuple[Any, ...], mkwargs: dict[str, Any], opts: CompileOptions, rows: int,
@@ -152,7 +154,7 @@ def _trace(src: Source, margs: tuple[Any, ...], mkwargs: dict[str, Any], opts: C
     if src.generic is not None:
         return copy_traced(src.generic)
     say(f"tracing {opts.model} ({type(src.model).__name__}, microbatch of {rows} rows)")
-    traced = trace(src.model, margs, mkwargs, opts.tracer, opts.model, src.mf.batch_dims)
+    traced = trace(src.model, margs, mkwargs, opts.tracer, opts.model, src.mf.leaf_batch_dims(src.model, margs, mkwargs))
     if traced.tracer == "fx":
         src.generic = copy_traced(traced)
     return traced
@@ -242,7 +244,7 @@ def emit_plan(p: Prepared, plan: Plan, extra: dict[str, Any] | None = None, *, r
     # 7. emit the package's files (codegen).
     manifest = emit(p.opts.out, p.traced.gm, plan, package_info(p, plan, predicted))
     p.timings["emit"] = time.perf_counter() - start
-    return Compiled(manifest, plan, p.traced, costs, dict(p.timings))
+    return Compiled(manifest=manifest, plan=plan, traced=p.traced, costs=costs, timings=dict(p.timings))
 
 
 def assign_nodes(prepared: Prepared, stage_of: dict[str, int]) -> Compiled:

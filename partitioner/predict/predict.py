@@ -25,10 +25,11 @@ from ..cost.hardware import Hardware
 from ..ir import NodeCost, Plan
 from ..trace.passes import get_attr
 from ..cost.roofline import BACKWARD_FLOP_FACTOR, mfu, ring_allreduce_s, ring_broadcast_s
-from .simulate import Simulation, simulate
+from .simulate import Simulation
+from .step import StepInputs, simulate_step
 
 __all__ = ["mfu_peak", "pipeline_link", "pipeline_posts", "predict", "rounded", "simulate_plan", "stage_message_s",
-           "tied_allreduce_s", "zero_broadcast_s"]
+           "step_inputs", "tied_allreduce_s", "zero_broadcast_s"]
 
 
 def predict(gm: torch.fx.GraphModule, plan: Plan, costs: dict[str, NodeCost], hardware: Hardware,
@@ -38,12 +39,13 @@ def predict(gm: torch.fx.GraphModule, plan: Plan, costs: dict[str, NodeCost], ha
     forward of the whole model (default: the sum over `costs`, right when tp = 1); `loss`
     the loss_fn's cost per microbatch (`partitioner.cost.loss`); the MFU is of the peak
     `mfu_peak` finds, which the block names."""
-    sim = simulate_plan(gm, plan, costs, hardware, loss)
+    inputs = step_inputs(gm, plan, costs, hardware, loss)
+    sim = simulate_step(inputs)  # [Note: one predicted step]
     forward = model_flops if model_flops is not None else sum(c.flops for c in costs.values())
     flops = forward * (1 + BACKWARD_FLOP_FACTOR) * plan.microbatches * plan.dp
     report = plan.report
     peak_name, peak = mfu_peak(gm, costs, hardware, precision)
-    return rounded({
+    block = rounded({
         "step_time_s": sim.step_time_s,
         "mfu": mfu(flops, sim.step_time_s, plan.pp * plan.tp * plan.dp, peak),
         "mfu_peak": peak_name,
@@ -58,6 +60,7 @@ def predict(gm: torch.fx.GraphModule, plan: Plan, costs: dict[str, NodeCost], ha
             "method": report.method, "objective_s": report.objective_s, "lower_bound_s": report.lower_bound_s,
             "gap": report.gap, "status": report.status, "blocks": report.blocks, "nodes": report.nodes},
     })
+    return {**block, "simulation": inputs.to_dict()}  # unrounded: show --timeline runs it again to the same step
 
 
 def mfu_peak(gm: torch.fx.GraphModule, costs: dict[str, NodeCost], hardware: Hardware, precision: str
@@ -96,6 +99,12 @@ def simulate_plan(gm: torch.fx.GraphModule, plan: Plan, costs: dict[str, NodeCos
     pair (and what posting it costs both ends), the loss all-reduce, the all-reduce of tied
     parameters' gradients, the data-parallel all-reduce of each stage's gradients where
     the backward cannot hide it, and ZeRO-1's broadcast of the updated parameters."""
+    return simulate_step(step_inputs(gm, plan, costs, hardware, loss_cost))
+
+
+def step_inputs(gm: torch.fx.GraphModule, plan: Plan, costs: dict[str, NodeCost], hardware: Hardware,
+                loss_cost: NodeCost | None = None) -> StepInputs:
+    """What `simulate_step` takes for `plan` (see `simulate_plan`)."""
     stage_of = plan.stage_of()
     forward = [sum(costs[n].forward_s for n in s.nodes) for s in plan.stages]
     backward = [sum(costs[n].backward_s for n in s.nodes) for s in plan.stages]
@@ -122,12 +131,12 @@ def simulate_plan(gm: torch.fx.GraphModule, plan: Plan, costs: dict[str, NodeCos
     # The step ends with the all-reduce of the 0-dim loss over every rank: its latency.
     final = (hardware.allreduce_latency_s or hardware.p2p_alpha_s) if plan.pp * plan.tp * plan.dp > 1 else 0.0
     send, receive = pipeline_posts(hardware, plan.pp, plan.tp)
-    sim = simulate(forward, backward, links, plan.schedule, plan.pp, plan.microbatches, plan.virtual_stages,
-                   send_s=send, recv_s=receive, loss_s=loss, final_s=final, weight_share=weight_share,
-                   ahead=hardware.receives_ahead)
-    sim = dataclasses.replace(sim, step_time_s=sim.step_time_s + tied_allreduce_s(gm, plan, hardware))
+    inputs = StepInputs(tuple(forward), tuple(backward), tuple((a, b, s) for (a, b), s in sorted(links.items())),
+                        plan.schedule, plan.pp, plan.microbatches, plan.virtual_stages, send_s=send, recv_s=receive,
+                        loss_s=loss, final_s=final, weight_share=tuple(weight_share), ahead=hardware.receives_ahead,
+                        after_s=tied_allreduce_s(gm, plan, hardware))
     if plan.dp == 1:
-        return sim
+        return inputs
     # Gradients are all-reduced in buckets during the last microbatch's backward: what the
     # backward of that microbatch cannot cover is added to the step (all of it where the
     # collectives share the compute's cores: gloo on the CPU).
@@ -135,7 +144,7 @@ def simulate_plan(gm: torch.fx.GraphModule, plan: Plan, costs: dict[str, NodeCos
     hidden = backward if hardware.overlaps_comm else [0.0] * len(backward)
     exposed = max(max(0.0, ring_allreduce_s(s.param_bytes, plan.dp, alpha, beta) - hidden[s.index])
                   for s in plan.stages)
-    return dataclasses.replace(sim, step_time_s=sim.step_time_s + exposed + zero_broadcast_s(plan, alpha, beta))
+    return dataclasses.replace(inputs, after_s=inputs.after_s + exposed + zero_broadcast_s(plan, alpha, beta))
 
 
 def zero_broadcast_s(plan: Plan, alpha_s: float, beta_s_per_byte: float) -> float:
@@ -162,7 +171,7 @@ def pipeline_link(hardware: Hardware, pp: int, tp: int) -> tuple[float, float]:
 def stage_message_s(hardware: Hardware, pp: int, tp: int) -> float:
     """What one pipeline message costs each of its two ends' own time, as the solver
     charges it (`PartitionProblem.comm_alpha_s`; the bytes apart).  Where receives are
-    posted a compute ahead (gloo: [Note: receives posted ahead] in runtime/schedule.py) the
+    posted a compute ahead (gloo: [Note: receives posted ahead] in runtime/schedule/lowering.py) the
     message moves during that compute, and a stage pays posting it: at each end of a
     boundary one send and one receive a microbatch, so their mean per message.  Elsewhere
     (NCCL) a receive is posted where it is waited for, and its end pays the latency."""
