@@ -41,6 +41,7 @@ from partitioner.tp import Sharded, shard
 from partitioner.trace import model_file
 from partitioner.trace.checkpointing import describe
 from partitioner.trace.fake import on_fake_cpu, to_meta
+from partitioner.trace.inputs import InputKey
 from partitioner.trace.buffers import BufferSnapshot, kept_buffers, warn_batch_statistics
 from partitioner.trace.modes import check_modes, note_dropout
 from partitioner.trace.passes import probe, propagate, specialize
@@ -284,8 +285,8 @@ def _build(mf: model_file.ModelFile, opts: CompileOptions, say: Callable[[str], 
     return mf.build(opts.seed)
 
 
-def _shape_run(src: Source, traced: Traced, by_key: dict[int | str, Any], precision: str
-               ) -> contextlib.AbstractContextManager[dict[int | str, Any]]:
+def _shape_run(src: Source, traced: Traced, by_key: dict[InputKey, Any], precision: str
+               ) -> contextlib.AbstractContextManager[dict[InputKey, Any]]:
     """Where the graph runs while its values and costs are found: on fake CPU tensors for
     a mixed precision on a model built on the meta device ([Note: mixed precision on the
     meta device] in partitioner/trace/fake.py), else on `by_key` as it is."""
