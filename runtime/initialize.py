@@ -6,12 +6,15 @@ and `pipe.init_weights(seed)` on a pipeline give every parameter the same values
     owning module (of the original model, built on the meta device, so nothing is
     allocated) has its OWN parameters materialised on the CPU, filled with NaN, then
     initialised under torch.manual_seed(hash(seed, name)) by, in this order, the model
-    file's `init_weights(module)`, the model's own `_init_weights(module)` (Hugging Face),
-    or the module's `reset_parameters()`; the named parameter's value is taken (a NaN
-    left means none of them covered it: an error naming it and the fix) and each holder
-    takes its shard of it (package.load_stage_state).  So a rank allocates its own
-    tensors plus, transiently, one module's own parameters (and a blocked shard's copy),
-    never the whole model; and the values are those of any other plan.  A Hugging Face
+    file's `init_weights(module)`, the model's own `_init_weights(module)` (Hugging Face)
+    and the module's `reset_parameters()`, each run only while a parameter of the module
+    is still NaN, and none overwriting what an earlier one set (so a model file's
+    `init_weights` may cover just the bare parameters the others do not know); the named
+    parameter's value is taken (a NaN left means none of them covered it: an error naming
+    it and the fix) and each holder takes its shard of it (package.load_stage_state).  So
+    a rank allocates its own tensors plus, transiently, one module's own parameters (and
+    a blocked shard's copy), never the whole model; and the values are those of any other
+    plan.  A Hugging Face
     `_init_weights` that initialises a child's parameter from its parent module (GPT-2's
     scaled c_proj) is run on the child only: the values stay mesh-invariant, but differ
     from `from_config`'s for those parameters.
@@ -50,22 +53,44 @@ def param_seed(seed: int, name: str) -> int:
     return int.from_bytes(hashlib.sha256(f"{seed}:{name}".encode()).digest()[:8], "little") & ((1 << 63) - 1)
 
 
-def _initialiser(model: torch.nn.Module, model_init: ModuleInit | None) -> Callable[[torch.nn.Module], bool]:
-    """module -> whether some initialiser ran on it (model file, model, module: that order)."""
+def _initialisers(model: torch.nn.Module, model_init: ModuleInit | None) -> list[Callable[[torch.nn.Module], bool]]:
+    """The initialisers tried on a module, in order ([Note: mesh-invariant init]): the model
+    file's, the model's own `_init_weights`, the module's `reset_parameters()`; each says
+    whether it applies to the module."""
     own = getattr(model, "_init_weights", None)
+    chain = [_always(f) for f in (model_init, own) if callable(f)]
+    return [*chain, _reset_parameters]
 
+
+def _always(init: ModuleInit) -> Callable[[torch.nn.Module], bool]:
     def run(module: torch.nn.Module) -> bool:
-        if model_init is not None:
-            model_init(module)
-        elif callable(own):
-            own(module)
-        elif callable(getattr(module, "reset_parameters", None)):
-            module.reset_parameters()  # type: ignore[operator]
-        else:
-            return False
+        init(module)
         return True
 
     return run
+
+
+def _reset_parameters(module: torch.nn.Module) -> bool:
+    reset = getattr(module, "reset_parameters", None)
+    if callable(reset):
+        reset()
+    return callable(reset)
+
+
+def _initialise(owner: torch.nn.Module, fresh: dict[str, torch.nn.Parameter],
+                initialisers: list[Callable[[torch.nn.Module], bool]]) -> bool:
+    """Run `initialisers` on `owner` in turn while one of its parameters (`fresh`, NaN until
+    set) is unset; a parameter an earlier one set keeps that value. Whether any applied."""
+    ran = False
+    for init in initialisers:
+        unset = [n for n, p in fresh.items() if p.isnan().any()]
+        if not unset:
+            break
+        kept = {n: p.detach().clone() for n, p in fresh.items() if n not in unset}
+        ran = init(owner) or ran
+        for n, value in kept.items():
+            fresh[n].copy_(value)
+    return ran
 
 
 def first_names(model: torch.nn.Module) -> dict[str, str]:
@@ -92,7 +117,7 @@ def initial_value(model: torch.nn.Module, name: str, seed: int, model_init: Modu
         setattr(owner, n, p)
     try:
         with modes.seeded(param_seed(seed, name), torch.device("cpu")), torch.no_grad():
-            ran = _initialiser(model, model_init)(owner)
+            ran = _initialise(owner, fresh, _initialisers(model, model_init))
         value = fresh[attr].detach()
     finally:
         for n, p in saved.items():
@@ -100,7 +125,7 @@ def initial_value(model: torch.nn.Module, name: str, seed: int, model_init: Modu
     if not ran or value.isnan().any():
         kind = type(owner).__name__
         why = (f"no initialiser ran on its module {owner_name or '(the model)'} ({kind})" if not ran else
-               f"the initialiser of its module {owner_name or '(the model)'} ({kind}) left it (partly) unset")
+               f"the initialisers of its module {owner_name or '(the model)'} ({kind}) left it (partly) unset")
         raise InitError(f"parameter {name} cannot be initialised: {why}. Give {kind} a reset_parameters(), or define "
                         f"init_weights(module) in the model file that initialises every parameter of the module it "
                         f"is given (e.g. `if isinstance(module, {kind}): torch.nn.init.normal_(module.{attr})`).")

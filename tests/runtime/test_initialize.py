@@ -121,9 +121,19 @@ def test_an_uncovered_parameter_is_named_with_the_fix(tmp_path: Path) -> None:
         if isinstance(module, torch.nn.Linear):
             torch.nn.init.zeros_(module.weight)  # the bias is left unset
 
-    with pytest.raises(InitError, match=r"parameter 0.bias cannot be initialised: the initialiser of its module 0 "
-                                        r"\(Linear\) left it \(partly\) unset"):
+    with pytest.raises(InitError, match=r"parameter 1.gain cannot be initialised: the initialisers of its module 1 "
+                                        r"\(Scale\) left it \(partly\) unset"):
         runtime.init_weights(mf.build_model(), model_init=half_init)
+
+    def gain_too(module: torch.nn.Module) -> None:
+        half_init(module)
+        if isinstance(module, mf.Scale):
+            torch.nn.init.constant_(module.gain, 2.0)
+
+    # what the model file's init leaves unset (the Linear's bias) falls back to reset_parameters()
+    done = runtime.init_weights(mf.build_model(), 3, gain_too).state_dict()
+    assert torch.equal(done["0.weight"], torch.zeros(4, 4)) and torch.equal(done["1.gain"], torch.full((4,), 2.0))
+    assert not done["0.bias"].isnan().any() and done["0.bias"].abs().max() <= 0.5  # Linear's U(-1/sqrt(4), 1/sqrt(4))
 
     def full_init(module: torch.nn.Module) -> None:
         for p in module.parameters(recurse=False):
@@ -131,3 +141,44 @@ def test_an_uncovered_parameter_is_named_with_the_fix(tmp_path: Path) -> None:
 
     a, b = runtime.init_weights(mf.build_model(), 1, full_init), runtime.init_weights(mf.build_model(), 1, full_init)
     _assert_equal(a.state_dict(), b.state_dict())
+
+
+BARE = "tests/model_files/gpt_bare_positions.py"
+
+
+@pytest.fixture(scope="module")
+def bare_plans(tmp_path_factory: pytest.TempPathFactory) -> dict[int, Path]:
+    """gpt_bare_positions.py compiled into 1, 2 and 3 stages."""
+    from ..conftest import compile_example
+
+    root = tmp_path_factory.mktemp("bare")
+    for stages in (1, 2, 3):
+        compile_example(BARE, root / f"s{stages}", stages=stages)
+    return {stages: root / f"s{stages}" for stages in (1, 2, 3)}
+
+
+def test_a_model_file_init_that_covers_one_bare_parameter_leaves_the_rest_to_the_modules(
+        bare_plans: dict[int, Path]) -> None:
+    """The model file's init_weights sets only the positions; the embedding, LayerNorms and
+    Linears fall back to their own reset_parameters(), on every plan as on the unsplit model
+    given the same initialiser (`model_init=`)."""
+    from partitioner.trace import model_file
+
+    mf = model_file.load(BARE)
+    want = runtime.init_weights(mf.build(0), seed=5, model_init=mf.module.init_weights).state_dict()
+    assert not want["pos"].isnan().any() and float(want["pos"].std()) == pytest.approx(0.02, rel=0.3)
+    assert torch.equal(want["head.weight"], want["tok.weight"])
+    for pkg in bare_plans.values():
+        pipe = runtime.LocalPipeline(pkg)
+        pipe.init_weights(seed=5)
+        _assert_equal(pipe.state_dict(), want)
+
+
+def test_a_checkpoint_of_one_plan_resumes_on_another_for_a_partial_model_init(bare_plans: dict[int, Path],
+                                                                              tmp_path: Path) -> None:
+    first = runtime.LocalPipeline(bare_plans[2])
+    first.init_weights(seed=1)
+    first.save_checkpoint(tmp_path / "ckpt")
+    other = runtime.LocalPipeline(bare_plans[3])
+    other.load_checkpoint(tmp_path / "ckpt")
+    _assert_equal(other.state_dict(), first.state_dict())
