@@ -4,14 +4,14 @@ problem solved once more with those times where the model was far off.
 [Note: the model against the machine]
     The solver's optimum (and its "gap 0.0%") is a statement about the cost model: node
     times measured one at a time and summed.  After solving, the compile times every
-    stage of the plan as its rank runs it (`driver.costs.stage_costs`, the calibration
+    stage of the plan as its rank runs it (`driver.costs.calibrated_costs`, the calibration
     the prediction uses).  Where a rank's measured time (the sum of its stages, as the
     solver counts it) is more than `RESOLVE_OFF` off the model's, the blocks are posed
     again with the calibrated node costs (each stage's nodes scaled to its measured time)
     and solved once more: the slowest rank measured slower than modelled, or any rank
     measured faster, which leaves the others too much (Llama at 2 stages: the slowest
     stage +8%, the other -26%).  A different plan is then timed against the first in turn,
-    `CHOOSE_ROUNDS` rounds each (`driver.costs.stage_costs_in_turn`), and emitted only if
+    `CHOOSE_ROUNDS` rounds each (`driver.costs.calibrated_costs_in_turn`), and emitted only if
     its measured slowest rank (with the model's messages) is below the first plan's in the
     median round.  The two are not compared by the calibrations that led here: those were
     taken at different times (the first possibly in an earlier compile, from the cache),
@@ -34,7 +34,7 @@ from partitioner.ir import NodeCost, Plan
 from partitioner.solve.problem import coarse_graph, make_plan, pose
 from partitioner.solve.solve import solve
 
-from .costs import stage_costs, stage_costs_in_turn
+from .costs import calibrated_costs, calibrated_costs_in_turn
 from .prepared import Prepared
 
 __all__ = ["CHOOSE_ROUNDS", "RESOLVE_OFF", "calibration_block", "check_plan", "stage_compute_s"]
@@ -57,7 +57,7 @@ def check_plan(p: Prepared, plan: Plan) -> tuple[Prepared, Plan, bool, dict[str,
     the plan solved again with the calibrated costs (and the Prepared it was posed in) if
     it measures faster; True when it re-solved; and the node costs calibrated for the plan
     returned."""
-    calibrated = stage_costs(p, plan)
+    calibrated = calibrated_costs(p, plan)
     if calibrated is p.costs:  # analytic, or nothing to calibrate
         return p, plan, False, calibrated
     model = _rank_sums(plan, stage_compute_s(p, plan, p.costs))
@@ -77,7 +77,7 @@ def check_plan(p: Prepared, plan: Plan) -> tuple[Prepared, Plan, bool, dict[str,
     if other.stage_of() == plan.stage_of():
         p.say("the measured times give the same plan")
         return p, plan, False, calibrated
-    first, second = stage_costs_in_turn(p, [plan, other], CHOOSE_ROUNDS)
+    first, second = calibrated_costs_in_turn(p, [plan, other], CHOOSE_ROUNDS)
     rounds = [(_measured_slowest(p, plan, a), _measured_slowest(again, other, b), a, b) for a, b in zip(first, second)]
     before, after, kept, timed = sorted(rounds, key=lambda r: r[1] / r[0])[len(rounds) // 2]  # the median round
     verdict = "emitting it" if after < before else "keeping the first"

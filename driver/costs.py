@@ -1,5 +1,5 @@
 """Node costs as the compile takes them: measured once per graph and machine and cached
-(`node_costs`), and calibrated stage by stage for a plan (`stage_costs`, with each stage's
+(`node_costs`), and calibrated stage by stage for a plan (`calibrated_costs`, with each stage's
 peak memory where the device counts it: `stage_peaks`), cached per plan so that compiles
 on one machine stay byte-identical.  Every measurement goes through the timer of the device
 the model runs on (`Prepared.timer`, [Note: where the compile runs the model] in phases.py),
@@ -36,7 +36,7 @@ from runtime.precision import loss_input
 from .options import CompileOptions
 from .prepared import Prepared
 
-__all__ = ["loss_costs", "node_costs", "stage_costs", "stage_costs_in_turn", "stage_peaks"]
+__all__ = ["loss_costs", "node_costs", "calibrated_costs", "calibrated_costs_in_turn", "stage_peaks"]
 
 
 def node_costs(gm: torch.fx.GraphModule, values: dict[torch.fx.Node, Any], hardware: Hardware,
@@ -102,18 +102,18 @@ def _progress(opts: CompileOptions, total: int) -> Callable[[Iterable[torch.fx.N
     return lambda items: tqdm(items, total=total, desc="profiling", unit="node", leave=False)
 
 
-def stage_costs(p: Prepared, plan: Plan) -> dict[str, NodeCost]:
+def calibrated_costs(p: Prepared, plan: Plan) -> dict[str, NodeCost]:
     """The node costs the prediction uses: where costs are measured and either stages wait
     for messages on the cores they compute on (the cpu profile) or they run on a GPU,
     calibrated stage by stage as a rank runs them (`partitioner.cost.calibrate.calibrate_stages`:
     on the CPU after a message's wait, on a rank's thread and cores, every rank beside the
     others when each has cores of its own), cached per plan so that compiles on one machine
     stay byte-identical; else the costs as they are (`p.costs` itself)."""
-    return stage_costs_in_turn(p, [plan], 1)[0][0]
+    return calibrated_costs_in_turn(p, [plan], 1)[0][0]
 
 
-def stage_costs_in_turn(p: Prepared, plans: Sequence[Plan], rounds: int) -> list[list[dict[str, NodeCost]]]:
-    """`rounds` calibrations of each of `plans` (as `stage_costs` calibrates one), taken in
+def calibrated_costs_in_turn(p: Prepared, plans: Sequence[Plan], rounds: int) -> list[list[dict[str, NodeCost]]]:
+    """`rounds` calibrations of each of `plans` (as `calibrated_costs` calibrates one), taken in
     turn, a different plan first each round, so that the machine's drift falls on all of
     them alike: per plan, its calibrations in round order.  Cached as one, so that a compile
     that chooses between the plans by them stays byte-identical on one machine; a fallback
@@ -138,7 +138,7 @@ def stage_costs_in_turn(p: Prepared, plans: Sequence[Plan], rounds: int) -> list
 
 
 def _calibrates(p: Prepared, plan: Plan) -> bool:
-    """Whether `stage_costs` calibrates `plan`'s stages (else the model's costs stand)."""
+    """Whether `calibrated_costs` calibrates `plan`'s stages (else the model's costs stand)."""
     waits = p.hardware.idle_before_compute_s > 0  # the cpu profile: stages wait on the cores they compute on
     return (not p.opts.analytic and (waits or p.timer.is_cuda) and p.values is not None and plan.num_stages >= 2
             and not plan.recompute)
@@ -191,7 +191,7 @@ def _calibrate(p: Prepared, plan: Plan, count: str = "") -> tuple[dict[str, Node
 def stage_peaks(p: Prepared, plan: Plan) -> list[int] | None:
     """Each stage's peak memory over one microbatch's forward and backward, as the allocator
     counts it (`partitioner.cost.calibrate.stage_peak_bytes`), where the compile measures on a
-    device that keeps a count (CUDA), cached per plan as `stage_costs` is; else None."""
+    device that keeps a count (CUDA), cached per plan as `calibrated_costs` is; else None."""
     if p.opts.analytic or not p.timer.counts_memory or p.values is None or plan.recompute:
         return None
     stage_of = plan.stage_of()

@@ -49,7 +49,7 @@ from partitioner.trace.trace import Traced, by_input_key, check_autocast, copy_t
 from runtime.precision import autocast, cast_inputs, cast_model
 
 from .check import calibration_block, check_plan
-from .costs import loss_costs, node_costs, stage_costs, stage_peaks
+from .costs import loss_costs, node_costs, calibrated_costs, stage_peaks
 from .options import (CompileOptions, batch_size, check, default_microbatches, fixed_tp, mesh_of, rows_per_microbatch,
                       split_batch)
 from .package_info import model_flops, package_info
@@ -237,7 +237,7 @@ def emit_plan(p: Prepared, plan: Plan, extra: dict[str, Any] | None = None, *, r
     start = time.perf_counter()
     # 6. predict the step (partitioner.predict), on node costs calibrated per stage where they are measured.
     with autocast(p.opts.precision, p.timer.device.type), kept_buffers(p.model):
-        costs = calibrated if calibrated is not None else stage_costs(p, plan)
+        costs = calibrated if calibrated is not None else calibrated_costs(p, plan)
         peaks = stage_peaks(p, plan)
     predicted = predict(p.traced.gm, plan, costs, p.hardware, cost_source="analytic" if p.opts.analytic else "measured",
                         model_flops=model_flops(p), loss=p.loss, precision=p.opts.precision)

@@ -17,8 +17,8 @@ import torch.fx
 from ..cost.hardware import Hardware
 from ..ir import REPLICATED, Layout, NodeCost
 from .choose import brute_force, choose
-from .problem import CopyCost, EdgeCost, ShardingProblem, ShardingReport, objective
-from .pose import Posed, collective_s, pose
+from .problem import CopyCost, EdgeCost, ShardingProblem, ShardingReport, sharding_cost
+from .pose import Posed, collective_s, pose_sharding
 from .rewrite import Sharded, rewrite
 from .rules import SplitContext, Strategy, replicate, rule_for, split_rule
 
@@ -36,8 +36,8 @@ __all__ = [
     "brute_force",
     "choose",
     "collective_s",
-    "objective",
-    "pose",
+    "sharding_cost",
+    "pose_sharding",
     "replicate",
     "rewrite",
     "rule_for",
@@ -49,7 +49,7 @@ __all__ = [
 def shard(gm: torch.fx.GraphModule, costs: dict[str, NodeCost], tp: int, hardware: Hardware,
           time_limit_s: float = 10.0) -> Sharded:
     """The graph one of `tp` ranks runs, with the split the solver finds cheapest."""
-    posed = pose(gm, costs, tp, hardware)
+    posed = pose_sharding(gm, costs, tp, hardware)
     choice, report = choose(posed.problem, time_limit_s)
     sharded = rewrite(gm, posed, choice, costs, tp, hardware)
     sharded.report = report

@@ -32,7 +32,7 @@ from typing import Hashable, Sequence
 
 from .problem import ShardingProblem
 
-__all__ = ["solve"]
+__all__ = ["solve_chain"]
 
 #: strategy combinations of the global variables tried in turn
 _MAX_GLOBAL_COMBOS = 27
@@ -69,7 +69,7 @@ class _Reduced:
     constant: float
 
 
-def solve(problem: ShardingProblem, max_states: int = 4096) -> tuple[int, ...] | None:
+def solve_chain(problem: ShardingProblem, max_states: int = 4096) -> tuple[int, ...] | None:
     """The cheapest strategy per variable, or None when the problem is not path-like
     enough (see the module docstring)."""
     sizes = [len(c) for c in problem.cost_s]

@@ -18,7 +18,7 @@ import time
 from ortools.sat.python import cp_model
 
 from . import chain
-from .problem import ShardingProblem, ShardingReport, objective
+from .problem import ShardingProblem, ShardingReport, sharding_cost
 
 __all__ = ["choose", "brute_force"]
 
@@ -29,7 +29,7 @@ def brute_force(problem: ShardingProblem) -> tuple[tuple[int, ...], float]:
     """Every combination: for tests on tiny problems."""
     best: tuple[tuple[int, ...], float] = (tuple(0 for _ in problem.names), math.inf)
     for choice in itertools.product(*(range(len(c)) for c in problem.cost_s)):
-        value = objective(problem, choice)
+        value = sharding_cost(problem, choice)
         if value < best[1]:
             best = (choice, value)
     return best
@@ -45,15 +45,15 @@ def choose(problem: ShardingProblem, time_limit_s: float = 10.0, seed: int = 0,
     """
     start = time.perf_counter()
     base = tuple(0 for _ in problem.names)
-    replicated = objective(problem, base)
+    replicated = sharding_cost(problem, base)
     if all(len(c) == 1 for c in problem.cost_s):
         return base, ShardingReport("trivial", "OPTIMAL", replicated, replicated, replicated,
                                     time.perf_counter() - start, 0)
     if method not in ("auto", "cpsat"):
         raise ValueError(f"unknown method {method!r}: use 'auto' or 'cpsat'")
-    found = chain.solve(problem) if method == "auto" else None
+    found = chain.solve_chain(problem) if method == "auto" else None
     if found is not None:
-        value = objective(problem, found)
+        value = sharding_cost(problem, found)
         choice, value = (found, value) if value <= replicated else (base, replicated)
         return choice, ShardingReport("chain", "OPTIMAL", value, replicated, value, time.perf_counter() - start,
                                       sum(len(c) for c in problem.cost_s if len(c) > 1))
@@ -67,7 +67,7 @@ def choose(problem: ShardingProblem, time_limit_s: float = 10.0, seed: int = 0,
         return base, ShardingReport("cpsat", status, replicated, replicated, 0.0, time.perf_counter() - start,
                                     model.variables)
     choice = model.read(solver)
-    value = objective(problem, choice)
+    value = sharding_cost(problem, choice)
     if value > replicated:  # rounding can only make it worse than the hint by a unit
         choice, value = base, replicated
     bound = min(value, solver.best_objective_bound / model.scale + model.constant)

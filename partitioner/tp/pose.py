@@ -23,7 +23,7 @@ from . import layers, shapes  # noqa: F401  (registers the built-in rules)
 from .problem import CopyCost, EdgeCost, ShardingProblem
 from .rules import SplitContext, Strategy, replicate, rule_for
 
-__all__ = ["Posed", "pose", "call_s", "collective_s", "conversion", "needs_grad", "tp_link", "value_bytes"]
+__all__ = ["Posed", "pose_sharding", "call_s", "collective_s", "conversion", "needs_grad", "tp_link", "value_bytes"]
 
 #: seconds per byte of parameter left whole: a tie-break towards sharding weights (memory)
 _MEMORY_TIE_S_PER_BYTE = 1e-15
@@ -109,7 +109,7 @@ def needs_grad(node: torch.fx.Node) -> bool:
     return bool(getattr(meta, "requires_grad", False)) and bool(getattr(meta, "dtype", torch.int64).is_floating_point)
 
 
-def pose(gm: torch.fx.GraphModule, costs: dict[str, NodeCost], tp: int, hardware: Hardware) -> Posed:
+def pose_sharding(gm: torch.fx.GraphModule, costs: dict[str, NodeCost], tp: int, hardware: Hardware) -> Posed:
     """The tensor-parallel problem of `gm` for degree `tp`."""
     nodes = list(gm.graph.nodes)
     blocks = _block_counts(nodes)

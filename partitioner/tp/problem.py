@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
-__all__ = ["CopyCost", "EdgeCost", "ShardingProblem", "ShardingReport", "objective"]
+__all__ = ["CopyCost", "EdgeCost", "ShardingProblem", "ShardingReport", "sharding_cost"]
 
 
 @dataclass(frozen=True)
@@ -54,7 +54,7 @@ class ShardingReport:
     variables: int
 
 
-def objective(problem: ShardingProblem, choice: Sequence[int]) -> float:
+def sharding_cost(problem: ShardingProblem, choice: Sequence[int]) -> float:
     """The cost of one strategy per variable (inf when an edge cannot convert)."""
     total = sum(costs[k] for costs, k in zip(problem.cost_s, choice))
     total += sum(e.cost[choice[e.src]][choice[e.dst]] for e in problem.edges)

@@ -13,7 +13,7 @@ from partitioner.trace import model_file
 from driver.options import CompileOptions
 from driver.phases import prepare
 from partitioner.cost.hardware import load_hardware
-from partitioner.tp import CopyCost, EdgeCost, ShardingProblem, brute_force, choose, objective, pose
+from partitioner.tp import CopyCost, EdgeCost, ShardingProblem, brute_force, choose, sharding_cost, pose_sharding
 from partitioner.tp import chain
 
 from ..conftest import FREE_LINKS as FREE
@@ -50,10 +50,10 @@ def _layered_problem(rng: random.Random, layers: int) -> ShardingProblem:
 def test_chain_equals_brute_force_on_random_problems(seed: int) -> None:
     rng = random.Random(seed)
     problem = _random_problem(rng, rng.randint(2, 8))
-    found = chain.solve(problem)
+    found = chain.solve_chain(problem)
     assert found is not None
     _, best = brute_force(problem)
-    assert objective(problem, found) == pytest.approx(best, rel=1e-9, abs=1e-9)
+    assert sharding_cost(problem, found) == pytest.approx(best, rel=1e-9, abs=1e-9)
 
 
 @pytest.mark.parametrize("seed", range(6))
@@ -65,7 +65,7 @@ def test_chain_is_within_the_cpsat_bounds_on_layered_problems(seed: int) -> None
     plain, plain_report = choose(problem, method="cpsat", time_limit_s=2.0)
     assert report.method == "chain" and report.status == "OPTIMAL"
     assert report.lower_bound_s == pytest.approx(report.objective_s)
-    got, cpsat = objective(problem, chosen), objective(problem, plain)
+    got, cpsat = sharding_cost(problem, chosen), sharding_cost(problem, plain)
     assert got <= cpsat * (1 + 1e-6)
     assert plain_report.lower_bound_s <= got * (1 + 1e-6)
     if plain_report.status == "OPTIMAL":
@@ -75,9 +75,9 @@ def test_chain_is_within_the_cpsat_bounds_on_layered_problems(seed: int) -> None
 def test_chain_equals_brute_force_on_small_layered_problems() -> None:
     for seed in range(6):
         problem = _layered_problem(random.Random(100 + seed), layers=2)
-        found = chain.solve(problem)
+        found = chain.solve_chain(problem)
         assert found is not None
-        assert objective(problem, found) == pytest.approx(brute_force(problem)[1], rel=1e-9)
+        assert sharding_cost(problem, found) == pytest.approx(brute_force(problem)[1], rel=1e-9)
 
 
 @pytest.mark.parametrize("model, tp, hardware", [
@@ -89,33 +89,33 @@ def test_chain_equals_brute_force_on_small_layered_problems() -> None:
 ])
 def test_chain_equals_cpsat_on_real_graphs(model: str, tp: int, hardware: str) -> None:
     p = prepare(CompileOptions(model=model, out="unused", stages=1, tp=1, analytic=True, hardware=hardware, quiet=True))
-    posed = pose(p.traced.gm, p.costs, tp, load_hardware(hardware))
+    posed = pose_sharding(p.traced.gm, p.costs, tp, load_hardware(hardware))
     chosen, report = choose(posed.problem)
     plain, plain_report = choose(posed.problem, method="cpsat", time_limit_s=20.0)
     assert report.method == "chain"
     assert plain_report.status == "OPTIMAL"
-    assert objective(posed.problem, chosen) == pytest.approx(objective(posed.problem, plain), rel=1e-6)
+    assert sharding_cost(posed.problem, chosen) == pytest.approx(sharding_cost(posed.problem, plain), rel=1e-6)
 
 
 def test_the_mlp_block_equals_brute_force() -> None:
     gm, costs = _mlp_graph()
     for hardware in ("a100", FREE):
-        problem = pose(gm, costs, 2, load_hardware(hardware)).problem
+        problem = pose_sharding(gm, costs, 2, load_hardware(hardware)).problem
         chosen, report = choose(problem)
         assert report.method == "chain"
-        assert objective(problem, chosen) == pytest.approx(brute_force(problem)[1], rel=1e-9)
+        assert sharding_cost(problem, chosen) == pytest.approx(brute_force(problem)[1], rel=1e-9)
 
 
 def test_identical_layers_share_one_table(monkeypatch: pytest.MonkeyPatch) -> None:
     """gpt48's 48 blocks make about 100 segments but only a few distinct tables."""
     p = prepare(CompileOptions(model="examples/gpt48.py", out="unused", stages=1, tp=1, analytic=True,
                                hardware=FREE, quiet=True))
-    problem = pose(p.traced.gm, p.costs, 2, load_hardware(FREE)).problem
+    problem = pose_sharding(p.traced.gm, p.costs, 2, load_hardware(FREE)).problem
     tables, segments = [], []
     real_table, real_segments = chain._table, chain._segments
     monkeypatch.setattr(chain, "_table", lambda *a, **k: tables.append(1) or real_table(*a, **k))
     monkeypatch.setattr(chain, "_segments", lambda *a, **k: segments.append(s := real_segments(*a, **k)) or s)
-    found = chain.solve(problem)
+    found = chain.solve_chain(problem)
     assert found is not None
     cut = len(segments[0][0])
     assert cut >= 2 * 48, "a segment per residual add"
@@ -124,14 +124,14 @@ def test_identical_layers_share_one_table(monkeypatch: pytest.MonkeyPatch) -> No
     assert report.status == "OPTIMAL"
     # CP-SAT's integer objective rounds each cost to 1e-7 of the replicated total, so it
     # cannot see the tie-breaks below that; the exact DP may come out a hair lower
-    assert objective(problem, found) == pytest.approx(objective(problem, plain), rel=1e-5)
-    assert objective(problem, found) <= objective(problem, plain) * (1 + 1e-9)
+    assert sharding_cost(problem, found) == pytest.approx(sharding_cost(problem, plain), rel=1e-5)
+    assert sharding_cost(problem, found) <= sharding_cost(problem, plain) * (1 + 1e-9)
 
 
 def test_the_tied_embedding_is_a_global_variable() -> None:
     p = prepare(CompileOptions(model="examples/gpt.py", out="unused", stages=1, tp=1, analytic=True, hardware=FREE,
                                quiet=True))
-    posed = pose(p.traced.gm, p.costs, 2, load_hardware(FREE))
+    posed = pose_sharding(p.traced.gm, p.costs, 2, load_hardware(FREE))
     sizes = [len(c) for c in posed.problem.cost_s]
     base = chain._reduce(posed.problem, {v: 0 for v, n in enumerate(sizes) if n == 1})
     found = chain._globals(base, chain._order(base), sizes)
@@ -146,15 +146,15 @@ def test_a_problem_too_wide_for_the_chain_goes_to_cpsat() -> None:
                                        for i in range(3)))
                   for v in range(n) for u in range(v))
     problem = ShardingProblem(tuple(f"v{i}" for i in range(n)), costs, edges)
-    assert chain.solve(problem, max_states=100) is None
-    assert chain.solve(problem) is None  # 3^13 live assignments at the last cut
+    assert chain.solve_chain(problem, max_states=100) is None
+    assert chain.solve_chain(problem) is None  # 3^13 live assignments at the last cut
     _, report = choose(problem, time_limit_s=5.0)
     assert report.method == "cpsat"
 
 
 def test_unknown_method_is_refused() -> None:
     gm, costs = _mlp_graph()
-    problem = pose(gm, costs, 2, load_hardware(FREE)).problem
+    problem = pose_sharding(gm, costs, 2, load_hardware(FREE)).problem
     with pytest.raises(ValueError, match="unknown method 'ilp'"):
         choose(problem, method="ilp")
 

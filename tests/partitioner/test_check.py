@@ -44,8 +44,8 @@ def _in_turn(calibrate: Any) -> Any:
 
 
 def _stand_in(monkeypatch: pytest.MonkeyPatch, first: Any, in_turn: Any) -> None:
-    monkeypatch.setattr(driver.check, "stage_costs", first)
-    monkeypatch.setattr(driver.check, "stage_costs_in_turn", _in_turn(in_turn))
+    monkeypatch.setattr(driver.check, "calibrated_costs", first)
+    monkeypatch.setattr(driver.check, "calibrated_costs_in_turn", _in_turn(in_turn))
 
 
 @pytest.mark.parametrize("factor, resolved", [(1.05, False), (3.0, True)])
@@ -78,7 +78,7 @@ def test_show_prints_the_model_and_the_measured_stage_times(tmp_path: Path, monk
     p = _prepared(tmp_path)
     assignment, report = solve_problem(p)
     _stand_in(monkeypatch, _slower(0, 3.0), _slower(0, 3.0))
-    monkeypatch.setattr(driver.phases, "stage_costs", _slower(0, 3.0))
+    monkeypatch.setattr(driver.phases, "calibrated_costs", _slower(0, 3.0))
     compiled = finish(p, assignment, report)
     calibration = compiled.manifest.predicted.extra["calibration"]
     assert calibration["resolved"] is True
@@ -123,9 +123,9 @@ def test_plans_are_timed_in_turn_a_different_one_first_each_round_and_cached(tmp
 
     monkeypatch.setattr(driver.costs, "_calibrates", lambda p, plan: True)
     monkeypatch.setattr(driver.costs, "_calibrate", calibrate)
-    timed = driver.costs.stage_costs_in_turn(p, [a, b], 3)
+    timed = driver.costs.calibrated_costs_in_turn(p, [a, b], 3)
     assert order == [a, b, b, a, a, b]
     name = next(n for n, c in p.costs.items() if c.forward_s > 0)
     factors = [[round(got[name].forward_s / p.costs[name].forward_s, 6) for got in per_plan] for per_plan in timed]
     assert factors == [[1.1, 1.4, 1.5], [1.2, 1.3, 1.6]]
-    assert driver.costs.stage_costs_in_turn(p, [a, b], 3) == timed and len(order) == 6  # from the cache
+    assert driver.costs.calibrated_costs_in_turn(p, [a, b], 3) == timed and len(order) == 6  # from the cache

@@ -303,11 +303,11 @@ def test_calibrations_in_turn_say_which_of_how_many_each_is(tmp_path: Path, monk
     monkeypatch.setattr(costs, "calibrate_stages", lambda _gm, _v, node_costs, *_a: node_costs)
     monkeypatch.setattr(costs.cache, "get", lambda _key: None)
     monkeypatch.setattr(costs.cache, "put", lambda _key, _value: None)
-    costs.stage_costs_in_turn(p, [compiled.plan, compiled.plan], CHOOSE_ROUNDS)
+    costs.calibrated_costs_in_turn(p, [compiled.plan, compiled.plan], CHOOSE_ROUNDS)
     total = 2 * CHOOSE_ROUNDS
     assert len(said) == len(set(said)) == total, said
     assert [line.split("(")[-1].split(":")[0] for line in said] == [f"{k} of {total}" for k in range(1, total + 1)]
     assert said[1].endswith(f"plan 2 of 2, round 1 of {CHOOSE_ROUNDS})") and said[2].endswith("plan 2 of 2, round 2 of 3)")
     said.clear()
-    costs.stage_costs(p, compiled.plan)
+    costs.calibrated_costs(p, compiled.plan)
     assert said == ["calibrating 2 stages as the ranks run them"]

@@ -19,7 +19,7 @@ from partitioner.cost.hardware import load_hardware
 from partitioner.trace.passes import propagate, specialize
 from partitioner.trace.trace import trace
 from partitioner.ir import REPLICATED, Layout, NodeCost
-from partitioner.tp import (CopyCost, EdgeCost, ShardingProblem, SplitContext, brute_force, choose, objective, pose,
+from partitioner.tp import (CopyCost, EdgeCost, ShardingProblem, SplitContext, brute_force, choose, sharding_cost, pose_sharding,
                             shard, split_rule)
 from partitioner.tp.shapes import view_map
 
@@ -76,7 +76,7 @@ def test_choose_equals_brute_force_on_random_problems(seed: int) -> None:
     problem = _random_problem(random.Random(seed), random.Random(seed).randint(2, 7))
     choice, report = choose(problem, time_limit_s=5.0)
     _, best = brute_force(problem)
-    assert objective(problem, choice) == pytest.approx(best, rel=1e-5, abs=1e-6)
+    assert sharding_cost(problem, choice) == pytest.approx(best, rel=1e-5, abs=1e-6)
     assert report.status == "OPTIMAL"
     assert report.objective_s <= report.replicated_s + 1e-12
 
@@ -110,12 +110,12 @@ def _traced(model: torch.nn.Module, rows: int = 4) -> tuple[torch.fx.GraphModule
 def test_choose_equals_brute_force_on_a_real_graph() -> None:
     gm, costs = _mlp_graph()
     for hardware in ("a100", FREE):
-        posed = pose(gm, costs, 2, load_hardware(hardware))
+        posed = pose_sharding(gm, costs, 2, load_hardware(hardware))
         sizes = [len(c) for c in posed.problem.cost_s]
         assert math.prod(sizes) < 200_000
         choice, _ = choose(posed.problem, time_limit_s=5.0)
         _, best = brute_force(posed.problem)
-        assert objective(posed.problem, choice) == pytest.approx(best, rel=1e-6)
+        assert sharding_cost(posed.problem, choice) == pytest.approx(best, rel=1e-6)
 
 
 def test_expensive_links_keep_everything_whole_and_free_links_split() -> None:
@@ -230,7 +230,7 @@ def test_a_registered_rule_is_used_for_a_users_function() -> None:
 def test_brute_force_is_exhaustive() -> None:
     problem = ShardingProblem(("a", "b"), ((1.0, 0.5), (1.0, 0.2)),
                               (EdgeCost(0, 1, ((0.0, 0.4), (0.6, 0.0))),))
-    values = {c: objective(problem, c) for c in itertools.product(range(2), range(2))}
+    values = {c: sharding_cost(problem, c) for c in itertools.product(range(2), range(2))}
     assert brute_force(problem) == (min(values, key=values.__getitem__), min(values.values()))
 
 
