@@ -3,7 +3,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 export OMP_NUM_THREADS ?= 1
 
-.PHONY: demo test bench gpu-check clean
+.PHONY: demo test test-slow bench gpu-check clean
 
 $(STAMP): setup.cfg pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -17,7 +17,10 @@ demo: $(STAMP)
 	$(PY) -m partitioner run build/gpt --nproc 2 --steps 5
 
 test: $(STAMP)
-	$(PY) -m pytest -q $(PYTEST_ARGS)
+	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
+
+test-slow: $(STAMP)
+	$(PY) -m pytest -q -m slow $(PYTEST_ARGS)
 
 bench: $(STAMP)
 	$(PY) -m benchmarks

@@ -107,6 +107,7 @@ def test_the_search_recomputes_activations_when_nothing_else_fits(tmp_path: Path
     assert max(s.memory_bytes for s in manifest.predicted.stages) <= 490_000
 
 
+@pytest.mark.slow
 def test_pruned_simulation_keeps_the_exhaustive_ranking(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # both compiles pose the same problems: each is solved once (test_solve checks that solving is deterministic)
     solved: dict[Any, Any] = {}
@@ -119,6 +120,7 @@ def test_pruned_simulation_keeps_the_exhaustive_ranking(tmp_path: Path, monkeypa
     assert pruned.manifest.predicted.extra["candidates"] == full.manifest.predicted.extra["candidates"]
 
 
+@pytest.mark.slow
 def test_the_bound_is_below_every_simulated_step(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     seen: list[tuple[float, float]] = []
     real = search.simulate_plan
