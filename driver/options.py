@@ -15,7 +15,7 @@ import torch.utils._pytree as pytree
 
 from partitioner.errors import PlanError
 from partitioner.ir import DEFAULT_SCHEDULE, SCHEDULES, schedule_spec
-from partitioner.solve.problem import Mesh
+from partitioner.solve.problem import Setting
 from partitioner.trace import model_file
 from partitioner.trace.inputs import InputKey, flat_inputs, key_text, leaves_of
 from runtime.precision import PRECISIONS
@@ -123,10 +123,10 @@ def fixed_tp(opts: CompileOptions) -> CompileOptions:
     return opts if opts.tp is not None else replace(opts, tp=1)
 
 
-def mesh_of(opts: CompileOptions, pp: int, virtual: int, microbatches: int) -> Mesh:
+def mesh_of(opts: CompileOptions, pp: int, virtual: int, microbatches: int) -> Setting:
     """What the solver's problem is posed for, out of the options (`tp` fixed): `pp`
     pipeline ranks of `virtual` stages each, `microbatches`, and the limits."""
-    return Mesh(pp=pp, microbatches=microbatches, schedule=opts.schedule, tp=opts.tp or 1, dp=opts.dp,
+    return Setting(pp=pp, microbatches=microbatches, schedule=opts.schedule, tp=opts.tp or 1, dp=opts.dp,
                 virtual_stages=virtual, memory=opts.memory, optimizer=opts.optimizer, recompute=opts.recompute,
                 zero=opts.zero or 0)
 

@@ -12,7 +12,7 @@ import torch.fx
 from partitioner.ir import NodeCost, PartitionProblem, Plan
 from partitioner.cost.hardware import Hardware
 from partitioner.cost.timer import CPU_TIMER, DeviceTimer
-from partitioner.solve.problem import Coarse, Mesh
+from partitioner.solve.problem import Coarse, Setting
 from partitioner.tp import Sharded
 from partitioner.trace import model_file
 from partitioner.trace.trace import Traced
@@ -51,7 +51,7 @@ class Prepared:
     rows: int
     args: tuple[Any, ...]
     kwargs: dict[str, Any]
-    mesh: Mesh  # what `problem` was posed for
+    mesh: Setting  # the mesh, schedule and limits `problem` was posed for
     timings: dict[str, float] = field(default_factory=dict)
     #: the graph before tensor parallelism and its costs (what --devices re-shards)
     whole: tuple[Traced, dict[str, NodeCost]] | None = None

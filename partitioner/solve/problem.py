@@ -1,11 +1,11 @@
 """The partition problem of a traced graph, and the Plan of a solved one.
 
     coarse_graph(traced, costs, sharded) -> Coarse      the blocks (coarsen.py), once per graph
-    pose(coarse, mesh, hardware)                         the PartitionProblem for one `Mesh`
+    pose(coarse, setting, hardware)                      the PartitionProblem for one `Setting`
     make_plan(problem, blocks, assignment, report, mesh) with each stage's cost-model terms
 
 A `Coarse` graph is shared by every stage and microbatch count that `--devices` tries; a
-`Mesh` is what one problem is posed for: the mesh, the schedule and the limits.
+`Setting` is what one problem is posed for: the mesh, the schedule and the limits.
 """
 
 from __future__ import annotations
@@ -28,13 +28,13 @@ from ..trace.trace import Traced
 from .coarsen import build_problem, coarsen
 from .solve import stage_costs
 
-__all__ = ["Coarse", "MAX_BLOCKS", "Mesh", "coarse_graph", "device_memory", "make_plan", "pose"]
+__all__ = ["Coarse", "MAX_BLOCKS", "Setting", "coarse_graph", "device_memory", "make_plan", "pose"]
 
 MAX_BLOCKS = 160
 
 
 @dataclass(frozen=True)
-class Mesh:
+class Setting:
     """What one partition problem is posed for: the mesh, the schedule and the limits."""
 
     pp: int  # pipeline ranks
@@ -107,7 +107,7 @@ def _mostly_16_bit(named: Sequence[tuple[str, torch.Tensor]]) -> bool:
     return half * 2 > sum(p.numel() for p in seen.values())
 
 
-def pose(coarse: Coarse, mesh: Mesh, hardware: Hardware) -> PartitionProblem:
+def pose(coarse: Coarse, mesh: Setting, hardware: Hardware) -> PartitionProblem:
     """The problem of splitting `coarse` into `mesh.stages` stages for `mesh`."""
     _, beta = pipeline_link(hardware, mesh.pp, mesh.tp)
     return replace(
@@ -140,7 +140,7 @@ def device_memory(hardware: Hardware, ranks: int) -> int:
 
 
 def make_plan(problem: PartitionProblem, blocks: list[Any], assignment: tuple[int, ...], report: SolverReport | None,
-              mesh: Mesh) -> Plan:
+              mesh: Setting) -> Plan:
     """The Plan for a stage per block, with each stage's terms of the solver's cost model."""
     costs = stage_costs(problem, assignment)
     stage_nodes: list[list[str]] = [[] for _ in range(problem.stages)]
