@@ -34,7 +34,7 @@ class CompileOptions:
     devices: int | None = None
     microbatches: int | None = None
     schedule: str = ""  # "" (not given): auto with --devices, else 1f1b (`__post_init__`)
-    virtual_stages: int = 2  # per rank, for the interleaved schedule
+    virtual_stages: int | None = None  # per rank, for the interleaved schedule; None: searched (driver/interleave.py)
     memory: int | None = None
     hardware: str | None = None
     analytic: bool = False
@@ -84,6 +84,9 @@ def check(opts: CompileOptions) -> tuple[int, int, int]:
         raise PlanError(f"--stages {pp}: a pipeline needs at least 1 stage; use --stages 2 or more.")
     if opts.dp < 1:
         raise PlanError(f"--dp {opts.dp}: needs at least 1 replica.")
+    if opts.virtual_stages is not None and opts.virtual_stages < 1:
+        raise PlanError(f"--virtual-stages {opts.virtual_stages}: a rank runs at least 1 stage; give 2 or more for "
+                        f"the interleaved schedule, or leave it out to let the planner choose.")
     virtual = stages_per_rank(opts)
     microbatches = opts.microbatches if opts.microbatches is not None else 0  # 0: chosen from the batch
     if opts.microbatches is not None and microbatches < 1:
@@ -106,10 +109,11 @@ def check(opts: CompileOptions) -> tuple[int, int, int]:
 
 
 def stages_per_rank(opts: CompileOptions) -> int:
-    """The stages each pipeline rank runs: --virtual-stages under interleaved, 2 under zb-v
-    (its V: [Note: V placement] in runtime/schedule.py), else 1."""
+    """The stages each pipeline rank runs: --virtual-stages under interleaved (2, the
+    first count searched, where it is left out), 2 under zb-v (its V: [Note: V placement]
+    in runtime/schedule.py), else 1."""
     if opts.schedule == "interleaved":
-        return opts.virtual_stages
+        return opts.virtual_stages if opts.virtual_stages is not None else 2
     return 2 if opts.schedule == "zb-v" else 1
 
 

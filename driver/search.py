@@ -36,9 +36,11 @@ from partitioner.errors import InfeasiblePlanError, PlanError
 from partitioner.ir import Plan, SolverReport
 from partitioner.predict.predict import simulate_plan
 from partitioner.solve.problem import coarse_graph, make_plan, pose
+from partitioner.solve.model import interleaved
 from partitioner.solve.solve import rank_costs, solve
 from partitioner.trace.checkpointing import describe
 
+from .interleave import choose_split
 from .options import CompileOptions, mesh_of, stages_per_rank
 from .package_info import model_flops
 from .phases import apply_tp, finish, load_source, prepare
@@ -245,6 +247,8 @@ def _solve(base: Prepared, opts: CompileOptions, pp: int, microbatches: int,
             continue
         except PlanError:
             return None
+        if interleaved(prepared.problem):  # [Note: splits chosen by the simulator]
+            _, assignment, report = choose_split(prepared, assignment, report)
         plan = make_plan(prepared.problem, prepared.blocks, assignment, report, prepared.mesh)
         peak = max(r.memory_bytes for r in rank_costs(prepared.problem, assignment))  # a rank holds all its stages
         cand = Candidate(pp, opts.dp, opts.tp or 1, microbatches, memory_bytes=peak,

@@ -13,6 +13,14 @@ Two steps (torchgpipe's `blockpartition` and PipeDream solve the first alone):
        which it replaces only if strictly better; its proved bound is reported.
        Deterministic: deterministic time limit, fixed seed, interleaved search.
 
+[Note: CP-SAT not on interleaved chains]
+    On a chain, interleaved 1F1B's DP plan is not handed to CP-SAT even where it misses
+    the DP's bound (a value that skips blocks, a residual, may or may not come from the
+    same rank, and the bound charges it as free): the slowest virtual stage is itself
+    only a proxy of the step, which the driver settles by simulating candidate splits
+    ([Note: splits chosen by the simulator] in driver/interleave.py), and CP-SAT on
+    pp x v stages takes its whole time limit for a few percent of that proxy.
+
 Ties are not left to chance (`plan_key`): among plans with the same slowest rank, both
 steps prefer the least sum of the ranks' excess over the mean compute, then the fewest
 bytes sent between ranks; so no rank gets a lone cheap node while another plan with the
@@ -68,12 +76,14 @@ def _better(problem: PartitionProblem, a: Sequence[int], b: Sequence[int] | None
 # -- step 1: the contiguous plans (`intervals`, `vee`) ------------------------------------
 
 
-def _contiguous(problem: PartitionProblem) -> tuple[tuple[int, ...] | None, float, bool]:
+def _contiguous(problem: PartitionProblem) -> tuple[tuple[int, ...] | None, float, bool, bool]:
     """The best contiguous plan a DP finds (the most balanced of the fastest), the bound it
-    minimised, and whether that bound holds for every contiguous plan: where the DP sums
+    minimised, whether that bound holds for every contiguous plan: where the DP sums
     what each rank runs, one stage per rank (`intervals`) or zb-v's V (`vee`), or what
-    paces interleaved 1F1B, each stage (`_interleaved_plans`)."""
+    paces interleaved 1F1B, each stage (`_interleaved_plans`); and whether the plan is
+    final, CP-SAT not asked ([Note: CP-SAT not on interleaved chains])."""
     upper = _even_split_time(problem)
+    settled = False
     if problem.virtual_stages == 1:
         dp, bound = dp_time(problem, upper)
         balanced = dp_balanced(problem, bound) if dp is not None else None
@@ -81,27 +91,31 @@ def _contiguous(problem: PartitionProblem) -> tuple[tuple[int, ...] | None, floa
         start = _per_stage_plan(problem)
         dp, balanced, bound = vee_plans(problem, min(upper, objective(problem, start)) if start is not None else upper)
     else:
-        dp, balanced, bound = _interleaved_plans(problem, upper)
+        dp, balanced, bound, settled = _interleaved_plans(problem, upper)
         if dp is None:  # none fits with 1/v of the memory per stage: some may with uneven stages
-            return None, bound, False
+            return None, bound, False, False
     if balanced is not None and _better(problem, balanced, dp):
         dp = balanced
-    return dp, bound, True
+    return dp, bound, True, settled
 
 
 def _interleaved_plans(problem: PartitionProblem, upper_s: float
-                       ) -> tuple[tuple[int, ...] | None, tuple[int, ...] | None, float]:
+                       ) -> tuple[tuple[int, ...] | None, tuple[int, ...] | None, float, bool]:
     """Interleaved 1F1B's fastest contiguous plan (the slowest virtual stage least,
-    [Note: what the schedule runs] in model.py), its most balanced equal, and the bound of
-    every contiguous plan: the DP without the memory limit's.  Held to 1/v of the limit per
-    stage, every rank's stages fit together; a plan that fits only with uneven stages on a
-    rank is left to CP-SAT."""
-    free, bound = dp_time(replace(problem, memory_limit_bytes=None), upper_s)
+    [Note: what the schedule runs] in model.py), its most balanced equal, the bound of
+    every contiguous plan (the DP's without the memory limit), and whether the memory
+    left the plan alone.  Where the plan without the limit does not fit, every stage is
+    held to 1/v of the limit, so that every rank's stages fit together; a plan that fits
+    only with uneven stages on a rank is left to CP-SAT."""
+    unlimited = replace(problem, memory_limit_bytes=None)
+    free, bound = dp_time(unlimited, upper_s)
+    if free is None or math.isfinite(objective(problem, free)):
+        return free, dp_balanced(unlimited, bound) if free is not None else None, bound, True
     held = _per_stage_memory(problem)
-    dp = free if problem.memory_limit_bytes is None else dp_time(held, math.inf)[0]
+    dp = dp_time(held, math.inf)[0]
     if dp is None:
-        return None, None, bound
-    return dp, dp_balanced(held, max(bound, objective(problem, dp))), bound
+        return None, None, bound, False
+    return dp, dp_balanced(held, max(bound, objective(problem, dp))), bound, False
 
 
 def _per_stage_memory(problem: PartitionProblem) -> PartitionProblem:
@@ -157,13 +171,15 @@ def solve(problem: PartitionProblem, time_limit_s: float = 30.0, *, seed: int = 
     """
     start = time.perf_counter()
     _check(problem)
-    dp, dp_bound, summed = _contiguous(problem)
+    dp, dp_bound, summed, settled = _contiguous(problem)
     exact = summed and _exact(problem)  # every valid plan is contiguous: the DP's bound holds for all of them
     report = SolverReport(method="dp", objective_s=0.0, lower_bound_s=0.0, wall_s=0.0, status="OPTIMAL",
                           blocks=problem.num_blocks, nodes=nodes)
     best, bound = dp, max(_trivial_bound(problem), dp_bound if exact else 0.0)
     if exact and (dp is None or objective(problem, dp) <= dp_bound * (1 + 1e-9)):
         bound = math.inf  # the DP's plan meets the bound of every valid plan
+    elif exact and settled:
+        report = replace(report, status="FEASIBLE")  # [Note: CP-SAT not on interleaved chains]
     elif time_limit_s > 0:
         upper = objective(problem, dp) if dp is not None else None
         cp = solve_cpsat(problem, time_limit_s, hint=dp, upper_bound_s=upper, seed=seed, workers=workers)
