@@ -8,7 +8,9 @@
     into even prefix sums (`even_split`: Megatron-LM's even layers, on a chain of equal
     layers), each where it fits; a tie goes to the solver's.  With --virtual-stages left
     out, every count v from 2 to `most_virtual` is posed, solved and simulated alike, the
-    layers per virtual stage a consequence of the split (no count needs to divide them).
+    layers per virtual stage a consequence of the split (no count needs to divide them):
+    v = 2 as a given count is, the others by the interval DP alone (CP-SAT on pp x v stages
+    takes its whole time limit), until one does not fit the memory.
 """
 
 from __future__ import annotations
@@ -17,11 +19,11 @@ import dataclasses
 import math
 from typing import Callable
 
-from partitioner.errors import PlanError
+from partitioner.errors import InfeasiblePlanError, PlanError
 from partitioner.ir import SolverReport
 from partitioner.predict.predict import simulate_plan
 from partitioner.solve.problem import make_plan, pose
-from partitioner.solve.solve import even_split, objective
+from partitioner.solve.solve import even_split, objective, solve
 
 from .prepared import Prepared
 
@@ -46,30 +48,30 @@ def virtual_counts(given: int | None, pp: int, blocks: int) -> tuple[int, ...]:
 
 
 def solve_interleaved(p: Prepared, solve_one: Callable[[Prepared], tuple[tuple[int, ...], SolverReport]]) -> Solved:
-    """The fastest simulated plan over the stages per rank to try, each solved by
-    `solve_one`; a count that cannot be planned is passed over, unless every one fails,
-    which raises the first count's error ([Note: splits chosen by the simulator])."""
-    best: tuple[float, Solved] | None = None
-    first: PlanError | None = None
-    tried: list[str] = []
-    for v in virtual_counts(p.opts.virtual_stages, p.mesh.pp, p.problem.num_blocks):
-        q = p if v == p.mesh.virtual_stages else _repose(p, v)
+    """The fastest simulated plan over the stages per rank to try: the first count solved
+    by `solve_one` (CP-SAT where it serves, the errors that explain), the rest by the DP
+    alone, up to the first that does not fit, since what a rank holds in flight grows with
+    its count ([Note: splits chosen by the simulator])."""
+    counts = virtual_counts(p.opts.virtual_stages, p.mesh.pp, p.problem.num_blocks)
+    q = p if counts[0] == p.mesh.virtual_stages else _repose(p, counts[0])
+    assignment, report = solve_one(q)
+    best = (*choose_split(q, assignment, report), q)
+    tried = [f"v={counts[0]} {best[0] * 1e3:.3f} ms"]
+    for v in counts[1:]:
+        q = _repose(p, v)
         try:
-            assignment, report = solve_one(q)
-        except PlanError as exc:
-            first = first or exc
+            assignment, report = solve(q.problem, time_limit_s=0.0, explain=False)
+        except InfeasiblePlanError:
+            break
+        except PlanError:
             continue
-        step, assignment, report = choose_split(q, assignment, report)
-        tried.append(f"v={v} {step * 1e3:.3f} ms")
-        if best is None or step < best[0] * (1 - _TIE):
-            best = (step, (q, assignment, report))
-    if best is None:
-        assert first is not None
-        raise first
+        found = (*choose_split(q, assignment, report), q)
+        tried.append(f"v={v} {found[0] * 1e3:.3f} ms")
+        if found[0] < best[0] * (1 - _TIE):
+            best = found
     if len(tried) > 1:
-        p.say(f"interleaved: {best[1][0].mesh.virtual_stages} stages per rank, the fastest simulated "
-              f"({', '.join(tried)})")
-    return best[1]
+        p.say(f"interleaved: {best[3].mesh.virtual_stages} stages per rank, the fastest simulated ({', '.join(tried)})")
+    return best[3], best[1], best[2]
 
 
 def choose_split(p: Prepared, assignment: tuple[int, ...], report: SolverReport
