@@ -13,10 +13,18 @@
                  was not given) and with activation recomputation (unless --recompute
                  asked for it everywhere), and both then with both: every cheapest
                  variant that fits is a candidate (`_variants`);
-    4. simulate: candidates in order of a lower bound on their step (the busiest rank's
-                 compute alone), until the bound passes the SHOWN-th best step found:
-                 the best SHOWN are those simulating every candidate would find;
+    4. simulate: each candidate as it is solved, unless a lower bound on its step
+                 shows it cannot be among the SHOWN fastest ([Note: the search's bounds]);
     5. emit the best; the best SHOWN are recorded in the manifest for `show`.
+
+[Note: the search's bounds]
+    Two lower bounds on a candidate's simulated step keep the search from solving or
+    simulating what cannot be among the SHOWN fastest: before solving, the busiest rank's
+    share of every microbatch's compute (`_posed_bound`), by which the candidates are
+    also ordered, the least first, so that good steps are found early; after solving, the
+    plan's own (`_bound`).  A candidate whose bound exceeds the SHOWN-th best step found so
+    far is skipped: the SHOWN fastest are those an exhaustive search would rank.  A bar
+    on stderr shows candidates done of total, the best so far and the time left.
 
 With `--schedule auto` every mesh is also tried under each schedule of AUTO_SCHEDULES
 (the zero-bubble ones only with 2 stages or more), each posed with its own memory (ZB-H2
@@ -27,8 +35,9 @@ fastest predicted schedule that fits wins.
 from __future__ import annotations
 
 import dataclasses
+import sys
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable
 
 from partitioner.cost.hardware import Hardware, load_hardware
 from partitioner.cost.roofline import BACKWARD_FLOP_FACTOR, mfu
@@ -97,21 +106,25 @@ def search(opts: CompileOptions, say: Callable[[str], None]) -> Compiled:
                         f"{source.batch} rows: change --devices, or drop --stages/--tp/--dp to let the search choose.")
     say(f"searching {len(meshes)} meshes of {opts.devices} devices (stages x tp x dp, microbatches)")
     shapes = _Shapes(source)
-    solved: list[_Solved] = []
+    posed = _posed(meshes, opts, shapes, source.batch)
     failed: list[Candidate] = []
-    for pp, tp, dp, m in meshes:
-        for schedule in _schedules(opts.schedule, pp):
-            sub = dataclasses.replace(opts, devices=None, stages=pp, tp=tp, dp=dp, microbatches=m, quiet=True,
-                                      schedule=schedule)
-            base = shapes.split(sub, source.batch // (m * dp), tp)
-            if base is None:
-                break  # the solver split nothing: tp ranks would only repeat each other's work
-            found = _solve(base, sub, pp, m, _zeros(opts, dp))
-            if isinstance(found, Candidate):
-                failed.append(found)
-            elif found is not None:
-                solved.extend(found)
-    ranked = _simulate(solved, opts.devices, say)
+    ranking = _Ranking(opts.devices, say)
+    with _progress(opts, len(posed)) as bar:
+        for bound, sub, base, pp, m in posed:  # [Note: the search's bounds]
+            if ranking.beaten(bound):
+                ranking.skipped += 1
+            else:
+                found = _solve(base, sub, pp, m, _zeros(opts, sub.dp))
+                if isinstance(found, Candidate):
+                    failed.append(found)
+                elif found is not None:
+                    ranking.add(found)
+            bar.update(1)
+            bar.set_postfix_str(ranking.best_text(), refresh=False)
+    if ranking.skipped:
+        say(f"  {ranking.skipped} candidates skipped: a lower bound on their step (the busiest rank's compute, "
+            f"pipeline fill and drain) exceeds the {SHOWN}th best")
+    ranked = ranking.ranked
     if not ranked:
         raise InfeasiblePlanError(_nothing_fits(opts, failed))
     best, win = ranked[0]
@@ -120,6 +133,38 @@ def search(opts: CompileOptions, say: Callable[[str], None]) -> Compiled:
     _say_checkpointing(win.prepared.traced.checkpointed, best.recompute, say)
     shown = [dataclasses.asdict(c) for c, _ in ranked[:SHOWN]]
     return finish(win.prepared, win.assignment, win.report, extra={"candidates": shown})
+
+
+def _posed(meshes: list[tuple[int, int, int, int]], opts: CompileOptions, shapes: "_Shapes", batch: int
+           ) -> list[tuple[float, CompileOptions, Prepared, int, int]]:
+    """(bound, options, split model, pp, microbatches) of every mesh and schedule to solve,
+    in order of the bound, the least first ([Note: the search's bounds]); a tp degree that
+    splits nothing is left out."""
+    out = []
+    for pp, tp, dp, m in meshes:
+        for schedule in _schedules(opts.schedule, pp):
+            sub = dataclasses.replace(opts, devices=None, stages=pp, tp=tp, dp=dp, microbatches=m, quiet=True,
+                                      schedule=schedule)
+            base = shapes.split(sub, batch // (m * dp), tp)
+            if base is None:
+                break  # the solver split nothing: tp ranks would only repeat each other's work
+            out.append((_posed_bound(base, pp, m), sub, base, pp, m))
+    return sorted(out, key=lambda x: x[0])  # sorted is stable: mesh order breaks ties
+
+
+def _posed_bound(base: Prepared, pp: int, microbatches: int) -> float:
+    """A step no shorter than any plan's of `pp` ranks and `microbatches`: the busiest rank
+    computes at least an even share of every microbatch's compute (recomputation, links
+    and collectives only add)."""
+    assert base.coarse is not None
+    return microbatches * sum(b.time_s for b in base.coarse.blocks) / pp * (1 - _BOUND_SLACK)
+
+
+def _progress(opts: CompileOptions, total: int) -> Any:
+    """A bar on stderr: candidates done of total, the best so far, the time left; silent with --quiet."""
+    from tqdm import tqdm
+    return tqdm(total=total, desc="searching", unit="candidate", disable=opts.quiet, file=sys.stderr, leave=False,
+                dynamic_ncols=True)
 
 
 def _say_checkpointing(regions: tuple[str, ...], recompute: bool, say: Callable[[str], None]) -> None:
@@ -312,24 +357,44 @@ def _bound(prepared: Prepared, assignment: tuple[int, ...], plan: Plan) -> float
 # -- 4. simulate -----------------------------------------------------------------------------------------
 
 
-def _simulate(solved: list[_Solved], devices: int, say: Callable[[str], None]) -> list[tuple[Candidate, _Solved]]:
-    """The candidates simulated, fastest first, skipping those whose bound shows they
-    cannot be among the SHOWN fastest."""
-    ranked: list[tuple[Candidate, _Solved]] = []
-    order = sorted(solved, key=lambda x: x.bound_s)  # sorted is stable: mesh order breaks ties
-    for done, item in enumerate(order):
-        if len(ranked) >= SHOWN and item.bound_s > ranked[SHOWN - 1][0].step_time_s:
-            say(f"  {len(order) - done} more meshes skipped: a lower bound on their step (compute, pipeline "
-                f"fill and drain) exceeds the {SHOWN}th best")
-            break
-        p, c = item.prepared, item.cand
-        sim = simulate_plan(p.traced.gm, item.plan, p.costs, p.hardware, p.loss)
-        flops = model_flops(p) * (1 + BACKWARD_FLOP_FACTOR) * c.microbatches * c.dp
-        cand = dataclasses.replace(c, step_time_s=sim.step_time_s, mfu=mfu(flops, sim.step_time_s, devices,
-                                                                           p.hardware.peak_flops))
-        ranked.append((cand, item))
-        ranked.sort(key=lambda r: (r[0].step_time_s, r[0].tp, r[0].pp, r[0].microbatches, r[0].recompute, r[0].zero))
-        say(f"  mesh pp={c.pp} tp={c.tp} dp={c.dp} M={c.microbatches} {c.schedule}{' recompute' if c.recompute else ''}"
-            f"{' zero-1' if c.zero else ''}: "
-            f"{cand.step_time_s * 1e3:.3f} ms, MFU {cand.mfu * 100:.1f}%")
-    return ranked
+class _Ranking:
+    """The candidates simulated so far, fastest first: each is simulated unless its bound
+    shows that it cannot be among the SHOWN fastest ([Note: the search's bounds])."""
+
+    def __init__(self, devices: int, say: Callable[[str], None]) -> None:
+        self.devices, self.say = devices, say
+        self.ranked: list[tuple[Candidate, _Solved]] = []
+        self.skipped = 0
+
+    def beaten(self, bound_s: float) -> bool:
+        """Whether a candidate of step at least `bound_s` cannot be among the SHOWN fastest."""
+        return len(self.ranked) >= SHOWN and bound_s > self.ranked[SHOWN - 1][0].step_time_s
+
+    def add(self, solved: list[_Solved]) -> None:
+        """Simulate each of `solved` (in order of bound) that may be among the SHOWN fastest."""
+        for item in sorted(solved, key=lambda x: x.bound_s):
+            if self.beaten(item.bound_s):
+                self.skipped += 1
+                continue
+            cand = _simulated(item, self.devices)
+            self.ranked.append((cand, item))
+            self.ranked.sort(key=lambda r: (r[0].step_time_s, r[0].tp, r[0].pp, r[0].microbatches, r[0].recompute,
+                                            r[0].zero))
+            c = item.cand
+            self.say(f"  mesh pp={c.pp} tp={c.tp} dp={c.dp} M={c.microbatches} {c.schedule}"
+                     f"{' recompute' if c.recompute else ''}{' zero-1' if c.zero else ''}: "
+                     f"{cand.step_time_s * 1e3:.3f} ms, MFU {cand.mfu * 100:.1f}%")
+
+    def best_text(self) -> str:
+        """The best so far, for the progress bar."""
+        c = self.ranked[0][0] if self.ranked else None
+        return "best: none yet" if c is None else f"best {c.step_time_s * 1e3:.1f} ms pp{c.pp} tp{c.tp} dp{c.dp} M{c.microbatches} {c.schedule}"
+
+
+def _simulated(item: _Solved, devices: int) -> Candidate:
+    """`item`'s candidate with the simulator's step and MFU."""
+    p, c = item.prepared, item.cand
+    sim = simulate_plan(p.traced.gm, item.plan, p.costs, p.hardware, p.loss)
+    flops = model_flops(p) * (1 + BACKWARD_FLOP_FACTOR) * c.microbatches * c.dp
+    return dataclasses.replace(c, step_time_s=sim.step_time_s, mfu=mfu(flops, sim.step_time_s, devices,
+                                                                       p.hardware.peak_flops))
