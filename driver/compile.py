@@ -12,9 +12,8 @@ from typing import Callable
 
 from partitioner.solve.model import interleaved
 
-from .interleave import solve_interleaved
 from .options import CompileOptions, fixed_tp
-from .phases import finish, prepare, solve_problem
+from .phases import finish, prepare, solve_interleaved, solve_problem
 from .prepared import Compiled
 from .search import search
 

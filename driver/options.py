@@ -34,7 +34,7 @@ class CompileOptions:
     devices: int | None = None
     microbatches: int | None = None
     schedule: str = ""  # "" (not given): auto with --devices, else 1f1b (`__post_init__`)
-    virtual_stages: int | None = None  # per rank, for the interleaved schedule; None: searched (driver/interleave.py)
+    virtual_stages: int | None = None  # per rank, for the interleaved schedule; None: searched (driver/phases.py)
     memory: int | None = None
     hardware: str | None = None
     analytic: bool = False

@@ -49,10 +49,9 @@ from partitioner.solve.model import interleaved
 from partitioner.solve.solve import rank_costs, solve
 from partitioner.trace.checkpointing import describe
 
-from .interleave import choose_split
 from .options import CompileOptions, mesh_of, stages_per_rank
 from .package_info import model_flops
-from .phases import apply_tp, finish, load_source, prepare
+from .phases import apply_tp, choose_split, finish, load_source, prepare
 from .prepared import Compiled, Prepared, Source
 
 __all__ = ["Candidate", "search"]

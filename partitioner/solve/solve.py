@@ -18,7 +18,7 @@ Two steps (torchgpipe's `blockpartition` and PipeDream solve the first alone):
     the DP's bound (a value that skips blocks, a residual, may or may not come from the
     same rank, and the bound charges it as free): the slowest virtual stage is itself
     only a proxy of the step, which the driver settles by simulating candidate splits
-    ([Note: splits chosen by the simulator] in driver/interleave.py), and CP-SAT on
+    ([Note: splits chosen by the simulator] in driver/phases.py), and CP-SAT on
     pp x v stages takes its whole time limit for a few percent of that proxy.
 
 Ties are not left to chance (`plan_key`): among plans with the same slowest rank, both

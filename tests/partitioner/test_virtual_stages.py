@@ -1,5 +1,5 @@
 """Interleaved 1F1B planned end to end ([Note: splits chosen by the simulator] in
-driver/interleave.py): on a model of the shape of Megatron-LM's 145.6B row (a head a third
+driver/phases.py): on a model of the shape of Megatron-LM's 145.6B row (a head a third
 of a layer, analytic a100 costs, full recomputation) the plan is no slower than Megatron's
 even layers on the same mesh, by the same simulator; --virtual-stages is searched when left
 out, fixed when given."""
@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from driver.compile import compile_model
-from driver.interleave import most_virtual, virtual_counts
+from driver.phases import most_virtual, virtual_counts
 from driver.options import CompileOptions
 from driver.prepared import Compiled
 from partitioner.cost.hardware import load_hardware
