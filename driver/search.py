@@ -13,18 +13,16 @@
                  was not given) and with activation recomputation (unless --recompute
                  asked for it everywhere), and both then with both: every cheapest
                  variant that fits is a candidate (`_variants`);
-    4. simulate: each candidate as it is solved, unless a lower bound on its step
-                 shows it cannot be among the SHOWN fastest ([Note: the search's bounds]);
+    4. simulate: candidates in order of a lower bound on their step, until the bound
+                 passes the SHOWN-th best step found ([Note: the search's bounds]);
     5. emit the best; the best SHOWN are recorded in the manifest for `show`.
 
 [Note: the search's bounds]
-    Two lower bounds on a candidate's simulated step keep the search from solving or
-    simulating what cannot be among the SHOWN fastest: before solving, the busiest rank's
-    share of every microbatch's compute (`_posed_bound`), by which the candidates are
-    also ordered, the least first, so that good steps are found early; after solving, the
-    plan's own (`_bound`).  A candidate whose bound exceeds the SHOWN-th best step found so
-    far is skipped: the SHOWN fastest are those an exhaustive search would rank.  A bar
-    on stderr shows candidates done of total, the best so far and the time left.
+    Every candidate is solved (the DPs make that cheap), then simulated in order of a
+    lower bound on its step (`_bound`: the busiest rank's compute, pipeline fill and
+    drain) until the bound passes the SHOWN-th best step found: the SHOWN fastest are those
+    simulating every candidate would rank.  Bars on stderr show the candidates solved and
+    simulated of their total, the time left, and the best so far.
 
 With `--schedule auto` every mesh is also tried under each schedule of AUTO_SCHEDULES
 (the zero-bubble ones only with 2 stages or more), each posed with its own memory (ZB-H2
@@ -107,19 +105,18 @@ def search(opts: CompileOptions, say: Callable[[str], None]) -> Compiled:
     shapes = _Shapes(source)
     posed = _posed(meshes, opts, shapes, source.batch)
     failed: list[Candidate] = []
-    ranking = _Ranking(opts.devices, say)
-    with _progress(opts, len(posed)) as bar:
-        for bound, sub, base, pp, m in posed:  # [Note: the search's bounds]
-            if ranking.beaten(bound):
-                ranking.skipped += 1
-            else:
-                found = _solve(base, sub, pp, m, _zeros(opts, sub.dp))
-                if isinstance(found, Candidate):
-                    failed.append(found)
-                elif found is not None:
-                    ranking.add(found)
+    solved: list[_Solved] = []
+    with _progress(opts, len(posed), "solving") as bar:
+        for sub, base, pp, m in posed:
+            found = _solve(base, sub, pp, m, _zeros(opts, sub.dp))
+            if isinstance(found, Candidate):
+                failed.append(found)
+            elif found is not None:
+                solved.extend(found)
             bar.update(1)
-            bar.set_postfix_str(ranking.best_text(), refresh=False)
+    ranking = _Ranking(opts.devices, say)
+    with _progress(opts, len(solved), "simulating") as bar:
+        ranking.add(solved, bar)  # [Note: the search's bounds]
     if ranking.skipped:
         say(f"  {ranking.skipped} candidates skipped: a lower bound on their step (the busiest rank's compute, "
             f"pipeline fill and drain) exceeds the {SHOWN}th best")
@@ -135,10 +132,9 @@ def search(opts: CompileOptions, say: Callable[[str], None]) -> Compiled:
 
 
 def _posed(meshes: list[tuple[int, int, int, int]], opts: CompileOptions, shapes: "_Shapes", batch: int
-           ) -> list[tuple[float, CompileOptions, Prepared, int, int]]:
-    """(bound, options, split model, pp, microbatches) of every mesh and schedule to solve,
-    in order of the bound, the least first ([Note: the search's bounds]); a tp degree that
-    splits nothing is left out."""
+           ) -> list[tuple[CompileOptions, Prepared, int, int]]:
+    """(options, split model, pp, microbatches) of every mesh and schedule to solve; a tp
+    degree that splits nothing is left out."""
     out = []
     for pp, tp, dp, m in meshes:
         for schedule in _schedules(opts.schedule, pp):
@@ -147,22 +143,14 @@ def _posed(meshes: list[tuple[int, int, int, int]], opts: CompileOptions, shapes
             base = shapes.split(sub, batch // (m * dp), tp)
             if base is None:
                 break  # the solver split nothing: tp ranks would only repeat each other's work
-            out.append((_posed_bound(base, pp, m), sub, base, pp, m))
-    return sorted(out, key=lambda x: x[0])  # sorted is stable: mesh order breaks ties
+            out.append((sub, base, pp, m))
+    return out
 
 
-def _posed_bound(base: Prepared, pp: int, microbatches: int) -> float:
-    """A step no shorter than any plan's of `pp` ranks and `microbatches`: the busiest rank
-    computes at least an even share of every microbatch's compute (recomputation, links
-    and collectives only add)."""
-    assert base.coarse is not None
-    return microbatches * sum(b.time_s for b in base.coarse.blocks) / pp * (1 - _BOUND_SLACK)
-
-
-def _progress(opts: CompileOptions, total: int) -> Any:
+def _progress(opts: CompileOptions, total: int, doing: str) -> Any:
     """A bar on stderr: candidates done of total, the best so far, the time left; silent with --quiet."""
     from tqdm import tqdm
-    return tqdm(total=total, desc="searching", unit="candidate", disable=opts.quiet, file=sys.stderr, leave=False,
+    return tqdm(total=total, desc=doing, unit="candidate", disable=opts.quiet, file=sys.stderr, leave=False,
                 dynamic_ncols=True)
 
 
@@ -369,9 +357,11 @@ class _Ranking:
         """Whether a candidate of step at least `bound_s` cannot be among the SHOWN fastest."""
         return len(self.ranked) >= SHOWN and bound_s > self.ranked[SHOWN - 1][0].step_time_s
 
-    def add(self, solved: list[_Solved]) -> None:
-        """Simulate each of `solved` (in order of bound) that may be among the SHOWN fastest."""
-        for item in sorted(solved, key=lambda x: x.bound_s):
+    def add(self, solved: list[_Solved], bar: Any) -> None:
+        """Simulate each of `solved` (in order of bound) that may be among the SHOWN fastest,
+        showing on `bar` how many are done and the best so far."""
+        for item in sorted(solved, key=lambda x: x.bound_s):  # sorted is stable: mesh order breaks ties
+            bar.update(1)
             if self.beaten(item.bound_s):
                 self.skipped += 1
                 continue
@@ -383,6 +373,7 @@ class _Ranking:
             self.say(f"  mesh pp={c.pp} tp={c.tp} dp={c.dp} M={c.microbatches} {c.schedule}"
                      f"{' recompute' if c.recompute else ''}{' zero-1' if c.zero else ''}: "
                      f"{cand.step_time_s * 1e3:.3f} ms, MFU {cand.mfu * 100:.1f}%")
+            bar.set_postfix_str(self.best_text(), refresh=False)
 
     def best_text(self) -> str:
         """The best so far, for the progress bar."""
