@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from partitioner.trace.checkpointing import describe
 from runtime.manifest import Manifest, Predicted, StagePrediction
+from runtime.schedule.registry import schedule_spec
 
 __all__ = ["format_plan", "format_bytes", "format_kept"]
 
@@ -80,7 +81,7 @@ def format_plan(manifest: Manifest) -> str:
     solver = predicted.solver if predicted is not None else {}
     if solver:
         lines.append(
-            f"solver     {solver.get('method', '?')}: slowest {'stage' if manifest.virtual_stages == 1 else 'rank'} "
+            f"solver     {solver.get('method', '?')}: slowest {_paced(manifest)} "
             f"{solver.get('objective_s', 0.0) * 1e3:.3f} ms, "
             f"proved bound {solver.get('lower_bound_s', 0.0) * 1e3:.3f} ms (gap {solver.get('gap', 0.0) * 100:.1f}% "
             f"against the cost model), "
@@ -162,3 +163,11 @@ def format_kept(stage_sources: list[str]) -> str:
     if not lines:
         return ""
     return "\nkept whole (not traceable; placed whole, run as written, never tensor-split):\n" + "\n".join(lines) + "\n"
+
+
+def _paced(manifest: Manifest) -> str:
+    """What the solver's objective times ([Note: what the schedule runs] in
+    partitioner/solve/model.py): a stage, a rank of several, or interleaved's virtual stage."""
+    if manifest.virtual_stages == 1:
+        return "stage"
+    return "rank" if schedule_spec(manifest.schedule).vee else "virtual stage"

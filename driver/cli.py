@@ -58,7 +58,8 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--schedule", default="",
                    help=f"{' | '.join(SCHEDULES)} | {AUTO} (the fastest that fits, searched with the mesh; needs "
                         f"--devices) (default: {AUTO} with --devices, else {DEFAULT_SCHEDULE})")
-    c.add_argument("--virtual-stages", type=int, default=2, help="stages per rank for interleaved (default 2)")
+    c.add_argument("--virtual-stages", type=int,
+                   help="stages per rank for interleaved (default: searched, 2 up to 20, the fastest simulated)")
     c.add_argument("--memory", help="memory per device, e.g. 16GiB (default: the device's own)")
     c.add_argument("--hardware", help="cpu | a100 | h100 | h200 | a JSON profile (default: this machine)")
     c.add_argument("--analytic", action="store_true", help="costs from FLOPs and bytes (roofline), deterministic")

@@ -10,8 +10,10 @@ from __future__ import annotations
 import sys
 from typing import Callable
 
+from partitioner.solve.model import interleaved
+
 from .options import AUTO, CompileOptions, fixed_tp
-from .phases import finish, prepare, solve_problem
+from .phases import finish, prepare, solve_interleaved, solve_problem
 from .prepared import Compiled
 from .search import search
 
@@ -39,7 +41,10 @@ def compile_model(opts: CompileOptions, log: Callable[[str], None] | None = None
         return search(opts, say)
     opts = fixed_tp(opts)
     prepared = prepare(opts, say)  # 1. load, 2. trace, 3. cost, 4. tp, and the problem of 5 posed
-    assignment, report = solve_problem(prepared)  # 5. solve
+    if interleaved(prepared.problem):  # 5. solve, each stage count per rank ([Note: splits chosen by the simulator])
+        prepared, assignment, report = solve_interleaved(prepared, solve_problem)
+    else:
+        assignment, report = solve_problem(prepared)  # 5. solve
     compiled = finish(prepared, assignment, report)  # 6. predict, 7. emit
     say(f"wrote {opts.out}: {prepared.problem.stages} stages; {report.method}, gap {report.gap * 100:.1f}% against the cost model, "
         f"solver {report.wall_s:.2f} s, total {sum(compiled.timings.values()):.2f} s")

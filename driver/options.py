@@ -39,7 +39,7 @@ class CompileOptions:
     devices: int | None = None
     microbatches: int | None = None
     schedule: str = ""  # "" (not given): auto with --devices, else 1f1b (`__post_init__`)
-    virtual_stages: int = 2  # per rank, for the interleaved schedule
+    virtual_stages: int | None = None  # per rank, for the interleaved schedule; None: searched (driver/phases.py)
     memory: int | None = None
     hardware: str | None = None
     analytic: bool = False
@@ -89,6 +89,9 @@ def check(opts: CompileOptions) -> tuple[int, int, int]:
         raise PlanError(f"--stages {pp}: a pipeline needs at least 1 stage; use --stages 2 or more.")
     if opts.dp < 1:
         raise PlanError(f"--dp {opts.dp}: needs at least 1 replica.")
+    if opts.virtual_stages is not None and opts.virtual_stages < 1:
+        raise PlanError(f"--virtual-stages {opts.virtual_stages}: a rank runs at least 1 stage; give 2 or more for "
+                        f"the interleaved schedule, or leave it out to let the planner choose.")
     virtual = stages_per_rank(opts)
     microbatches = opts.microbatches if opts.microbatches is not None else 0  # 0: chosen from the batch
     if opts.microbatches is not None and microbatches < 1:
@@ -114,8 +117,8 @@ def check(opts: CompileOptions) -> tuple[int, int, int]:
 def stages_per_rank(opts: CompileOptions) -> int:
     """The stages each pipeline rank runs: the schedule's own count (2 under zb-v, its V:
     [Note: V placement] in runtime/schedule/registry.py; 1 mostly), else --virtual-stages
-    (interleaved)."""
-    return schedule_spec(opts.schedule).stages_on_each_rank(opts.virtual_stages)
+    (interleaved; 2, the first count searched, where it is left out)."""
+    return schedule_spec(opts.schedule).stages_on_each_rank(opts.virtual_stages or 2)
 
 
 def fixed_tp(opts: CompileOptions) -> CompileOptions:

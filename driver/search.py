@@ -13,10 +13,16 @@
                  was not given) and with activation recomputation (unless --recompute
                  asked for it everywhere), and both then with both: every cheapest
                  variant that fits is a candidate (`_variants`);
-    4. simulate: candidates in order of a lower bound on their step (the busiest rank's
-                 compute alone), until the bound passes the SHOWN-th best step found:
-                 the best SHOWN are those simulating every candidate would find;
+    4. simulate: candidates in order of a lower bound on their step, until the bound
+                 passes the SHOWN-th best step found ([Note: the search's bounds]);
     5. emit the best; the best SHOWN are recorded in the manifest for `show`.
+
+[Note: the search's bounds]
+    Every candidate is solved (the DPs make that cheap), then simulated in order of a
+    lower bound on its step (`_bound`: the busiest rank's compute, pipeline fill and
+    drain) until the bound passes the SHOWN-th best step found: the SHOWN fastest are those
+    simulating every candidate would rank.  Bars on stderr show the candidates solved and
+    simulated of their total, the time left, and the best so far.
 
 With `--schedule auto` every mesh is also tried under each schedule of AUTO_SCHEDULES
 (the zero-bubble ones only with 2 stages or more), each posed with its own memory (ZB-H2
@@ -28,8 +34,9 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import sys
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable
 
 from runtime.schedule import registry
 
@@ -39,12 +46,13 @@ from partitioner.errors import InfeasiblePlanError, PlanError
 from partitioner.ir import Plan, SolverReport
 from partitioner.predict.predict import mfu_peak, simulate_plan
 from partitioner.solve.problem import coarse_graph, make_plan, pose
+from partitioner.solve.model import interleaved
 from partitioner.solve.solve import rank_costs, solve
 from partitioner.trace.checkpointing import describe
 
 from .options import AUTO, CompileOptions, mesh_of, stages_per_rank
 from .package_info import model_flops
-from .phases import apply_tp, finish, load_source, prepare
+from .phases import apply_tp, choose_split, finish, load_source, prepare
 from .prepared import Compiled, Prepared, Source
 
 __all__ = ["Candidate", "search"]
@@ -99,21 +107,24 @@ def search(opts: CompileOptions, say: Callable[[str], None]) -> Compiled:
                         f"{source.batch} rows: change --devices, or drop --stages/--tp/--dp to let the search choose.")
     say(f"searching {len(meshes)} meshes of {opts.devices} devices (stages x tp x dp, microbatches)")
     shapes = _Shapes(source)
-    solved: list[_Solved] = []
+    posed = _posed(meshes, opts, shapes, source.batch)
     failed: list[Candidate] = []
-    for pp, tp, dp, m in meshes:
-        for schedule in _schedules(opts.schedule, pp):
-            sub = dataclasses.replace(opts, devices=None, stages=pp, tp=tp, dp=dp, microbatches=m, quiet=True,
-                                      schedule=schedule)
-            base = shapes.split(sub, source.batch // (m * dp), tp)
-            if base is None:
-                break  # the solver split nothing: tp ranks would only repeat each other's work
-            found = _solve(base, sub, pp, m, _zeros(opts, dp))
+    solved: list[_Solved] = []
+    with _progress(opts, len(posed), "solving") as bar:
+        for sub, base, pp, m in posed:
+            found = _solve(base, sub, pp, m, _zeros(opts, sub.dp))
             if isinstance(found, Candidate):
                 failed.append(found)
             elif found is not None:
                 solved.extend(found)
-    ranked = _simulate(solved, opts.devices, say)
+            bar.update(1)
+    ranking = _Ranking(opts.devices, say)
+    with _progress(opts, len(solved), "simulating") as bar:
+        ranking.add(solved, bar)  # [Note: the search's bounds]
+    if ranking.skipped:
+        say(f"  {ranking.skipped} candidates skipped: a lower bound on their step (the busiest rank's compute, "
+            f"pipeline fill and drain) exceeds the {SHOWN}th best")
+    ranked = ranking.ranked
     if not ranked:
         raise InfeasiblePlanError(_nothing_fits(opts, failed))
     best, win = ranked[0]
@@ -122,6 +133,29 @@ def search(opts: CompileOptions, say: Callable[[str], None]) -> Compiled:
     _say_checkpointing(win.prepared.traced.checkpointed, best.recompute, say)
     shown = [dataclasses.asdict(c) for c, _ in ranked[:SHOWN]]
     return finish(win.prepared, win.assignment, win.report, extra={"candidates": shown})
+
+
+def _posed(meshes: list[tuple[int, int, int, int]], opts: CompileOptions, shapes: "_Shapes", batch: int
+           ) -> list[tuple[CompileOptions, Prepared, int, int]]:
+    """(options, split model, pp, microbatches) of every mesh and schedule to solve; a tp
+    degree that splits nothing is left out."""
+    out = []
+    for pp, tp, dp, m in meshes:
+        for schedule in _schedules(opts.schedule, pp):
+            sub = dataclasses.replace(opts, devices=None, stages=pp, tp=tp, dp=dp, microbatches=m, quiet=True,
+                                      schedule=schedule)
+            base = shapes.split(sub, batch // (m * dp), tp)
+            if base is None:
+                break  # the solver split nothing: tp ranks would only repeat each other's work
+            out.append((sub, base, pp, m))
+    return out
+
+
+def _progress(opts: CompileOptions, total: int, doing: str) -> Any:
+    """A bar on stderr: candidates done of total, the best so far, the time left; silent with --quiet."""
+    from tqdm import tqdm
+    return tqdm(total=total, desc=doing, unit="candidate", disable=opts.quiet, file=sys.stderr, leave=False,
+                dynamic_ncols=True)
 
 
 def _say_checkpointing(regions: tuple[str, ...], recompute: bool, say: Callable[[str], None]) -> None:
@@ -255,6 +289,8 @@ def _solve(base: Prepared, opts: CompileOptions, pp: int, microbatches: int,
             continue
         except PlanError:
             return None
+        if interleaved(prepared.problem):  # [Note: splits chosen by the simulator]
+            _, assignment, report = choose_split(prepared, assignment, report)
         plan = make_plan(prepared.problem, prepared.blocks, assignment, report, prepared.mesh)
         peak = max(r.memory_bytes for r in rank_costs(prepared.problem, assignment))  # a rank holds all its stages
         cand = Candidate(pp, opts.dp, opts.tp or 1, microbatches, memory_bytes=peak,
@@ -318,24 +354,47 @@ def _bound(prepared: Prepared, assignment: tuple[int, ...], plan: Plan) -> float
 # -- 4. simulate -----------------------------------------------------------------------------------------
 
 
-def _simulate(solved: list[_Solved], devices: int, say: Callable[[str], None]) -> list[tuple[Candidate, _Solved]]:
-    """The candidates simulated, fastest first, skipping those whose bound shows they
-    cannot be among the SHOWN fastest."""
-    ranked: list[tuple[Candidate, _Solved]] = []
-    order = sorted(solved, key=lambda x: x.bound_s)  # sorted is stable: mesh order breaks ties
-    for done, item in enumerate(order):
-        if len(ranked) >= SHOWN and item.bound_s > ranked[SHOWN - 1][0].step_time_s:
-            say(f"  {len(order) - done} more meshes skipped: a lower bound on their step (compute, pipeline "
-                f"fill and drain) exceeds the {SHOWN}th best")
-            break
-        p, c = item.prepared, item.cand
-        sim = simulate_plan(p.traced.gm, item.plan, p.costs, p.hardware, p.loss)
-        flops = model_flops(p) * (1 + BACKWARD_FLOP_FACTOR) * c.microbatches * c.dp
-        peak = mfu_peak(p.traced.gm, p.costs, p.hardware, p.opts.precision)[1]  # [Note: a peak per dtype]
-        cand = dataclasses.replace(c, step_time_s=sim.step_time_s, mfu=mfu(flops, sim.step_time_s, devices, peak))
-        ranked.append((cand, item))
-        ranked.sort(key=lambda r: (r[0].step_time_s, r[0].tp, r[0].pp, r[0].microbatches, r[0].recompute, r[0].zero))
-        say(f"  mesh pp={c.pp} tp={c.tp} dp={c.dp} M={c.microbatches} {c.schedule}{' recompute' if c.recompute else ''}"
-            f"{' zero-1' if c.zero else ''}: "
-            f"{cand.step_time_s * 1e3:.3f} ms, MFU {cand.mfu * 100:.1f}%")
-    return ranked
+class _Ranking:
+    """The candidates simulated so far, fastest first: each is simulated unless its bound
+    shows that it cannot be among the SHOWN fastest ([Note: the search's bounds])."""
+
+    def __init__(self, devices: int, say: Callable[[str], None]) -> None:
+        self.devices, self.say = devices, say
+        self.ranked: list[tuple[Candidate, _Solved]] = []
+        self.skipped = 0
+
+    def beaten(self, bound_s: float) -> bool:
+        """Whether a candidate of step at least `bound_s` cannot be among the SHOWN fastest."""
+        return len(self.ranked) >= SHOWN and bound_s > self.ranked[SHOWN - 1][0].step_time_s
+
+    def add(self, solved: list[_Solved], bar: Any) -> None:
+        """Simulate each of `solved` (in order of bound) that may be among the SHOWN fastest,
+        showing on `bar` how many are done and the best so far."""
+        for item in sorted(solved, key=lambda x: x.bound_s):  # sorted is stable: mesh order breaks ties
+            bar.update(1)
+            if self.beaten(item.bound_s):
+                self.skipped += 1
+                continue
+            cand = _simulated(item, self.devices)
+            self.ranked.append((cand, item))
+            self.ranked.sort(key=lambda r: (r[0].step_time_s, r[0].tp, r[0].pp, r[0].microbatches, r[0].recompute,
+                                            r[0].zero))
+            c = item.cand
+            self.say(f"  mesh pp={c.pp} tp={c.tp} dp={c.dp} M={c.microbatches} {c.schedule}"
+                     f"{' recompute' if c.recompute else ''}{' zero-1' if c.zero else ''}: "
+                     f"{cand.step_time_s * 1e3:.3f} ms, MFU {cand.mfu * 100:.1f}%")
+            bar.set_postfix_str(self.best_text(), refresh=False)
+
+    def best_text(self) -> str:
+        """The best so far, for the progress bar."""
+        c = self.ranked[0][0] if self.ranked else None
+        return "best: none yet" if c is None else f"best {c.step_time_s * 1e3:.1f} ms pp{c.pp} tp{c.tp} dp{c.dp} M{c.microbatches} {c.schedule}"
+
+
+def _simulated(item: _Solved, devices: int) -> Candidate:
+    """`item`'s candidate with the simulator's step and MFU."""
+    p, c = item.prepared, item.cand
+    sim = simulate_plan(p.traced.gm, item.plan, p.costs, p.hardware, p.loss)
+    flops = model_flops(p) * (1 + BACKWARD_FLOP_FACTOR) * c.microbatches * c.dp
+    peak = mfu_peak(p.traced.gm, p.costs, p.hardware, p.opts.precision)[1]  # [Note: a peak per dtype]
+    return dataclasses.replace(c, step_time_s=sim.step_time_s, mfu=mfu(flops, sim.step_time_s, devices, peak))

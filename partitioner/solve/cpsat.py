@@ -1,8 +1,9 @@
 """Step 2 of `solve`: CP-SAT on the general DAG assignment ([Note: the cost model] in model.py).
 
-The model minimises the slowest pipeline rank (the sum of its stages' times); then,
-lexicographically, among the plans with that slowest rank, the sum of the ranks' excess
-over the mean compute (balance), and among those the bytes sent between ranks
+The model minimises the slowest pipeline rank (the sum of its stages' times), or under
+interleaved 1F1B the slowest virtual stage ([Note: what the schedule runs] in model.py);
+then, lexicographically, among the plans with that slowest, the sum of the ranks' (stages')
+excess over the mean compute (balance), and among those the bytes sent between ranks
 (`_CpModel.refine`).  Each rank's memory, its stages' summed, is bounded.
 """
 
@@ -16,6 +17,7 @@ from ortools.sat.python import cp_model
 
 from ..cost.costmodel import computing_blocks, message_s, pair_bytes, shared_params, values
 from ..ir import PartitionProblem
+from .model import interleaved
 
 __all__ = ["CpResult", "solve_cpsat"]
 
@@ -54,13 +56,16 @@ class _CpModel:
         self.values, (self.own, self.shared) = values(problem), shared_params(problem)
         self.placed = problem.placement
         self.on = [[k for k in range(problem.stages) if self.placed[k] == r] for r in range(problem.ranks)]
+        #: the stages whose summed time paces the schedule: each rank's, or each stage alone
+        self.paced = [[k] for k in range(problem.stages)] if interleaved(problem) else self.on
         self._add_placement()
         self._add_indicators()
-        units = [self._units(t) for t in problem.block_time_s]  # no rank is faster than these
-        least = max(max(units), -(-sum(units) // problem.ranks))
+        units = [self._units(t) for t in problem.block_time_s]  # nothing that paces is faster than these
+        least = max(max(units), -(-sum(units) // len(self.paced)))
         self.slowest = self.model.new_int_var(min(least, upper_units), upper_units, "slowest")
+        for mine in self.paced:
+            self.model.add(self.slowest >= self._time(mine))
         for r in range(problem.ranks):
-            self.model.add(self.slowest >= self._time(r))
             if problem.memory_limit_bytes is not None:
                 self.model.add(self._memory(r) <= problem.memory_limit_bytes)
         self.model.minimize(self.slowest)
@@ -116,9 +121,9 @@ class _CpModel:
     def _units(self, seconds: float) -> int:
         return int(math.floor(seconds * self.scale))
 
-    def _time(self, r: int) -> cp_model.LinearExprT:
-        """Rank r's time in units: its stages' compute and messages."""
-        p, mine = self.problem, self.on[r]
+    def _time(self, mine: Sequence[int]) -> cp_model.LinearExprT:
+        """The time in units of the stages `mine` (a rank's, or one): compute and messages."""
+        p = self.problem
         compute = [self._units(t) * self.at[i][k] for i, t in enumerate(p.block_time_s) for k in mine]
         received = [c * self.recv[j][k] + self.sent[j][k] for j, c in enumerate(self.byte_units) if c for k in mine]
         latency = self._units(2 * message_s(p.comm_alpha_s, 0.0, 0))
@@ -161,17 +166,17 @@ class _CpModel:
         return tuple(sum(int(solver.boolean_value(g)) for g in ge[1:-1]) for ge in self.ge)
 
     def refine(self, solver: cp_model.CpSolver) -> tuple[int, ...]:
-        """The second and third objectives, with the slowest rank held to the one found:
-        the least excess of the ranks over the mean compute, then the fewest bytes sent
+        """The second and third objectives, with the slowest held to the one found: the
+        least excess of the ranks (stages, under interleaved 1F1B) over the mean compute, then the fewest bytes sent
         between ranks (each value once per stage that receives it).  Returns the plan
         found last."""
         m, p, S = self.model, self.problem, self.problem.stages
         best = self.read(solver)
         m.add(self.slowest <= solver.value(self.slowest))
-        mean = self._units(sum(p.block_time_s) / p.ranks)
-        excess = [m.new_int_var(0, self.upper_units, f"x{r}") for r in range(p.ranks)]
-        for r, x in enumerate(excess):
-            m.add(x >= self._time(r) - mean)
+        mean = self._units(sum(p.block_time_s) / len(self.paced))
+        excess = [m.new_int_var(0, self.upper_units, f"x{r}") for r in range(len(self.paced))]
+        for mine, x in zip(self.paced, excess):
+            m.add(x >= self._time(mine) - mean)
         unit = max(1, max((v.bytes for v in self.values), default=1) // _BYTE_UNITS)
         traffic = sum(-(-v.bytes // unit) * self.recv[j][k] for j, v in enumerate(self.values) for k in range(S))
         for objective in (sum(excess), traffic):

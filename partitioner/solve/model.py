@@ -13,6 +13,19 @@ memory under an assignment, and what makes an assignment a valid plan.
     runs several of the stages that read it.  A rank's time and memory are its stages'
     summed; a message between two stages of one rank is free.  The last block holds the
     graph's output (`coarsen` puts it there) and lies in the last stage.
+
+[Note: what the schedule runs]
+    The solver minimises the time of what paces the schedule (`paces`).  A schedule of one
+    stage per rank, and zb-v's V (whose rank runs its two stages' work back to back), is
+    paced by its slowest rank, the sum of its stages.  Interleaved 1F1B is not: its steady
+    state runs one virtual stage after another round the ranks, and with p ranks of v
+    virtual stages of equal time t and M microbatches it takes (M v + p - 1) t, warm-up and
+    cool-down included (the schedule `runtime.schedule.interleaved_1f1b` lowers, replayed
+    by `predict.simulate`; tests check it).  So the slowest virtual stage paces it, and
+    every virtual stage is balanced, not only each rank's sum (at most v times the slowest
+    stage).  With unequal stages the closed form, (M v + p - 1) x the slowest stage
+    (`interleaved_step_s`), is no longer exact (in the cases tested it is above the
+    simulated step): the driver chooses among a few candidate splits by the simulator.
 """
 
 from __future__ import annotations
@@ -25,8 +38,8 @@ from ..cost.costmodel import boundary_s, computing_blocks, pair_bytes, remote, s
 from ..cost.roofline import stage_memory_bytes
 from ..ir import PartitionProblem
 
-__all__ = ["RankCost", "StageCost", "evaluate", "fills_with_compute", "memory_unit", "objective", "plan_key",
-           "rank_costs", "stage_costs", "violations"]
+__all__ = ["RankCost", "StageCost", "evaluate", "fills_with_compute", "interleaved", "interleaved_step_s", "memory_unit",
+           "objective", "paces", "plan_key", "rank_costs", "stage_costs", "violations"]
 
 
 @dataclass(frozen=True)
@@ -136,10 +149,31 @@ def violations(problem: PartitionProblem, assignment: Sequence[int]) -> list[str
 
 
 def objective(problem: PartitionProblem, assignment: Sequence[int]) -> float:
-    """The slowest rank's time, or inf when `assignment` is not a valid plan."""
+    """The time of what paces the schedule, the slowest ([Note: what the schedule runs]):
+    a rank, or under interleaved 1F1B a virtual stage; inf when `assignment` is not a valid plan."""
     if violations(problem, assignment):
         return math.inf
-    return max(evaluate(problem, assignment)[0])
+    return max(paces(problem, assignment))
+
+
+def interleaved(problem: PartitionProblem) -> bool:
+    """Whether ranks run several stages that interleaved 1F1B paces one by one (not zb-v's
+    V, whose rank runs its two as one): [Note: what the schedule runs]."""
+    return problem.virtual_stages > 1 and not problem.spec.vee
+
+
+def paces(problem: PartitionProblem, assignment: Sequence[int]) -> tuple[float, ...]:
+    """The times whose most paces the schedule ([Note: what the schedule runs]): each
+    stage's under interleaved 1F1B, else each rank's."""
+    if interleaved(problem):
+        return tuple(c.time_s for c in stage_costs(problem, assignment))
+    return evaluate(problem, assignment)[0]
+
+
+def interleaved_step_s(problem: PartitionProblem, slowest_stage_s: float) -> float:
+    """Interleaved 1F1B's step with every virtual stage taking `slowest_stage_s`:
+    (M v + p - 1) of them ([Note: what the schedule runs])."""
+    return (problem.microbatches * problem.virtual_stages + problem.ranks - 1) * slowest_stage_s
 
 
 def fills_with_compute(problem: PartitionProblem) -> bool:
@@ -149,15 +183,17 @@ def fills_with_compute(problem: PartitionProblem) -> bool:
 
 
 def plan_key(problem: PartitionProblem, assignment: Sequence[int]) -> tuple[float, float, int]:
-    """What `solve` minimises, in order: the slowest rank (inf when invalid), the sum of
-    the ranks' excess over the mean compute (balance), the bytes sent between ranks (each
-    value once per stage that receives it)."""
+    """What `solve` minimises, in order: the slowest rank, or virtual stage under
+    interleaved 1F1B (`objective`; inf when invalid), the sum of their excess over the
+    mean compute (balance), the bytes sent between ranks (each value once per stage that
+    receives it)."""
     slowest = objective(problem, assignment)
     if not math.isfinite(slowest):
         return (math.inf, math.inf, 0)
+    times = paces(problem, assignment)
+    mean = sum(problem.block_time_s) / len(times)
     ranks = rank_costs(problem, assignment)
-    mean = sum(problem.block_time_s) / problem.ranks
-    return (slowest, sum(max(0.0, c.time_s - mean) for c in ranks), sum(c.link_bytes for c in ranks))
+    return (slowest, sum(max(0.0, t - mean) for t in times), sum(c.link_bytes for c in ranks))
 
 
 def memory_unit(problem: PartitionProblem) -> str:

@@ -5,11 +5,21 @@ Two steps (torchgpipe's `blockpartition` and PipeDream solve the first alone):
     1. An exact DP over contiguous runs of the block order (`intervals`; for zb-v's V,
        whose ranks run two runs each, over pairs of runs: `vee`).  Every such plan is
        valid; when each block feeds the next (a chain) every valid plan is one, and the
-       DP is the optimum.  Interleaved ranks' stages go round the block order, which no
-       DP here follows: CP-SAT sums them.
+       DP is the optimum.  Interleaved 1F1B is paced by its slowest virtual stage
+       ([Note: what the schedule runs] in model.py), which the interval DP minimises
+       over the pp x v stages; each rank's memory, its stages' summed, is met by holding
+       every stage to 1/v of the limit, and the DP without the limit gives the bound.
     2. Otherwise CP-SAT on the general DAG (`cpsat`), warm-started with the DP plan,
        which it replaces only if strictly better; its proved bound is reported.
        Deterministic: deterministic time limit, fixed seed, interleaved search.
+
+[Note: CP-SAT not on interleaved chains]
+    On a chain, interleaved 1F1B's DP plan is not handed to CP-SAT even where it misses
+    the DP's bound (a value that skips blocks, a residual, may or may not come from the
+    same rank, and the bound charges it as free): the slowest virtual stage is itself
+    only a proxy of the step, which the driver settles by simulating candidate splits
+    ([Note: splits chosen by the simulator] in driver/phases.py), and CP-SAT on
+    pp x v stages takes its whole time limit for a few percent of that proxy.
 
 Ties are not left to chance (`plan_key`): among plans with the same slowest rank, both
 steps prefer the least sum of the ranks' excess over the mean compute, then the fewest
@@ -40,13 +50,13 @@ import numpy as np
 from ..errors import InfeasiblePlanError, PlanError
 from .cpsat import CpResult, solve_cpsat
 from .intervals import dp_balanced, dp_memory, dp_time
-from .model import (RankCost, StageCost, evaluate, fills_with_compute, memory_unit, objective, plan_key, rank_costs,
-                    stage_costs, violations)
+from .model import (RankCost, StageCost, evaluate, fills_with_compute, interleaved, memory_unit, objective, plan_key,
+                    rank_costs, stage_costs, violations)
 from .vee import vee_memory, vee_plans
 from ..ir import PartitionProblem, SolverReport
 
-__all__ = ["CpResult", "RankCost", "StageCost", "evaluate", "fills_with_compute", "objective", "plan_key", "rank_costs",
-           "solve", "solve_cpsat", "stage_costs", "violations"]
+__all__ = ["CpResult", "RankCost", "StageCost", "even_split", "evaluate", "fills_with_compute", "objective", "plan_key",
+           "rank_costs", "solve", "solve_cpsat", "stage_costs", "violations"]
 
 
 def _better(problem: PartitionProblem, a: Sequence[int], b: Sequence[int] | None) -> bool:
@@ -66,13 +76,14 @@ def _better(problem: PartitionProblem, a: Sequence[int], b: Sequence[int] | None
 # -- step 1: the contiguous plans (`intervals`, `vee`) ------------------------------------
 
 
-def _contiguous(problem: PartitionProblem) -> tuple[tuple[int, ...] | None, float, bool]:
+def _contiguous(problem: PartitionProblem) -> tuple[tuple[int, ...] | None, float, bool, bool]:
     """The best contiguous plan a DP finds (the most balanced of the fastest), the bound it
-    minimised, and whether that bound holds for every contiguous plan: where the DP sums
-    what each rank runs, one stage per rank (`intervals`) or zb-v's V (`vee`).  Interleaved
-    ranks' stages go round the block order, which no DP here follows: the interval DP's
-    plan with each stage held to 1/virtual_stages of the memory is only CP-SAT's start."""
+    minimised, whether that bound holds for every contiguous plan: where the DP sums
+    what each rank runs, one stage per rank (`intervals`) or zb-v's V (`vee`), or what
+    paces interleaved 1F1B, each stage (`_interleaved_plans`); and whether the plan is
+    final, CP-SAT not asked ([Note: CP-SAT not on interleaved chains])."""
     upper = _even_split_time(problem)
+    settled = False
     if problem.virtual_stages == 1:
         dp, bound = dp_time(problem, upper)
         balanced = dp_balanced(problem, bound) if dp is not None else None
@@ -80,10 +91,37 @@ def _contiguous(problem: PartitionProblem) -> tuple[tuple[int, ...] | None, floa
         start = _per_stage_plan(problem)
         dp, balanced, bound = vee_plans(problem, min(upper, objective(problem, start)) if start is not None else upper)
     else:
-        return _per_stage_plan(problem), 0.0, False
+        dp, balanced, bound, settled = _interleaved_plans(problem, upper)
+        if dp is None:  # none fits with 1/v of the memory per stage: some may with uneven stages
+            return None, bound, False, False
     if balanced is not None and _better(problem, balanced, dp):
         dp = balanced
-    return dp, bound, True
+    return dp, bound, True, settled
+
+
+def _interleaved_plans(problem: PartitionProblem, upper_s: float
+                       ) -> tuple[tuple[int, ...] | None, tuple[int, ...] | None, float, bool]:
+    """Interleaved 1F1B's fastest contiguous plan (the slowest virtual stage least,
+    [Note: what the schedule runs] in model.py), its most balanced equal, the bound of
+    every contiguous plan (the DP's without the memory limit), and whether the memory
+    left the plan alone.  Where the plan without the limit does not fit, every stage is
+    held to 1/v of the limit, so that every rank's stages fit together; a plan that fits
+    only with uneven stages on a rank is left to CP-SAT."""
+    unlimited = replace(problem, memory_limit_bytes=None)
+    free, bound = dp_time(unlimited, upper_s)
+    if free is None or math.isfinite(objective(problem, free)):
+        return free, dp_balanced(unlimited, bound) if free is not None else None, bound, True
+    held = _per_stage_memory(problem)
+    dp = dp_time(held, math.inf)[0]
+    if dp is None:
+        return None, None, bound, False
+    return dp, dp_balanced(held, max(bound, objective(problem, dp))), bound, False
+
+
+def _per_stage_memory(problem: PartitionProblem) -> PartitionProblem:
+    """`problem` with every stage held to 1/virtual_stages of the memory limit."""
+    limit = problem.memory_limit_bytes
+    return replace(problem, memory_limit_bytes=limit // problem.virtual_stages if limit is not None else None)
 
 
 def _per_stage_plan(problem: PartitionProblem) -> tuple[int, ...] | None:
@@ -95,7 +133,13 @@ def _per_stage_plan(problem: PartitionProblem) -> tuple[int, ...] | None:
 
 
 def _even_split_time(problem: PartitionProblem) -> float:
-    """The slowest rank of the plan that splits compute evenly (inf if it is invalid)."""
+    """The objective of the plan that splits compute evenly (inf if it is invalid)."""
+    return objective(problem, even_split(problem))
+
+
+def even_split(problem: PartitionProblem) -> tuple[int, ...]:
+    """The contiguous plan whose stages split the compute most evenly by prefix sums, each
+    stage given a block at least (not checked against memory)."""
     n, stages = problem.num_blocks, problem.stages
     prefix = np.cumsum(problem.block_time_s)
     cuts = [0] + [int(c) + 1 for c in np.searchsorted(prefix, prefix[-1] * np.arange(1, stages) / stages)]
@@ -104,7 +148,7 @@ def _even_split_time(problem: PartitionProblem) -> float:
     plan = [0] * n
     for k, (a, b) in enumerate(zip(cuts, cuts[1:] + [n])):
         plan[a:b] = [k] * (b - a)
-    return objective(problem, plan)
+    return tuple(plan)
 
 
 def _exact(problem: PartitionProblem) -> bool:
@@ -127,13 +171,15 @@ def solve(problem: PartitionProblem, time_limit_s: float = 30.0, *, seed: int = 
     """
     start = time.perf_counter()
     _check(problem)
-    dp, dp_bound, summed = _contiguous(problem)
+    dp, dp_bound, summed, settled = _contiguous(problem)
     exact = summed and _exact(problem)  # every valid plan is contiguous: the DP's bound holds for all of them
     report = SolverReport(method="dp", objective_s=0.0, lower_bound_s=0.0, wall_s=0.0, status="OPTIMAL",
                           blocks=problem.num_blocks, nodes=nodes)
     best, bound = dp, max(_trivial_bound(problem), dp_bound if exact else 0.0)
     if exact and (dp is None or objective(problem, dp) <= dp_bound * (1 + 1e-9)):
         bound = math.inf  # the DP's plan meets the bound of every valid plan
+    elif exact and settled:
+        report = replace(report, status="FEASIBLE")  # [Note: CP-SAT not on interleaved chains]
     elif time_limit_s > 0:
         upper = objective(problem, dp) if dp is not None else None
         cp = solve_cpsat(problem, time_limit_s, hint=dp, upper_bound_s=upper, seed=seed, workers=workers)
@@ -144,7 +190,7 @@ def solve(problem: PartitionProblem, time_limit_s: float = 30.0, *, seed: int = 
     else:
         report = replace(report, status="FEASIBLE")
     if best is None or not math.isfinite(objective(problem, best)):
-        search = "chain" if exact else "proved" if report.status == "INFEASIBLE" else "unknown"
+        search = "chain" if exact and _summed(problem) else "proved" if report.status == "INFEASIBLE" else "unknown"
         if not explain:
             limit = problem.memory_limit_bytes or 0
             raise InfeasiblePlanError(f"no plan into {problem.stages} stages fits {_size(limit)} per {memory_unit(problem)}")
@@ -168,9 +214,10 @@ def _check(problem: PartitionProblem) -> None:
 
 
 def _trivial_bound(problem: PartitionProblem) -> float:
-    """No plan beats its largest block, nor an even share of all compute."""
+    """No plan beats its largest block, nor an even share of all compute among what paces
+    the schedule (ranks, or the stages of interleaved 1F1B)."""
     times = problem.block_time_s
-    return max(max(times), sum(times) / problem.ranks)
+    return max(max(times), sum(times) / (problem.stages if interleaved(problem) else problem.ranks))
 
 
 # -- infeasible: both sides and the fix --------------------------------------------------

@@ -1,0 +1,117 @@
+"""Megatron-LM's weak-scaling table planned with its own mesh: predicted against published TFLOP/s.
+
+Narayanan et al., "Efficient Large-Scale Language Model Training on GPU Clusters Using
+Megatron-LM" (SC'21), table 1: GPT models of 1.7B to 1T parameters on 32 to 3072 A100-80GB,
+sequence 2048, vocabulary 51200, microbatch 1, full activation recomputation.  Each row is
+one `python -m partitioner compile benchmarks/models/megatron_gpt.py --analytic --hardware
+a100 --memory 80GiB --precision bf16 --recompute` run as its own process with the row's
+mesh, schedule and batch (interleaved rows with their stages per rank searched), and its
+TFLOP/s per GPU counted as the paper counts them, 96 B s l h^2 (1 + s/6h + V/16lh) per step.
+
+    python -m benchmarks.published [--rows 0,1,6] [--no-docs]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, NamedTuple
+
+from runtime.schedule import placement
+
+from .common import ROOT, save, table, update_docs
+
+MODEL = "benchmarks/models/megatron_gpt.py"
+SEQ, VOCAB, GIB = 2048, 51200, 1 << 30
+OPTIONS = ["--analytic", "--meta", "--hardware", "a100", "--memory", "80GiB", "--precision", "bf16", "--recompute", "--quiet"]
+
+
+class Row(NamedTuple):
+    params: str
+    heads: int
+    hidden: int
+    layers: int
+    tp: int
+    pp: int
+    gpus: int
+    batch: int
+    schedule: str
+    published_tflops: float
+
+
+ROWS = [
+    Row("1.7B", 24, 2304, 24, 1, 1, 32, 512, "1f1b", 137),
+    Row("3.6B", 32, 3072, 30, 2, 1, 64, 512, "1f1b", 138),
+    Row("7.5B", 32, 4096, 36, 4, 1, 128, 512, "1f1b", 142),
+    Row("18.4B", 48, 6144, 40, 8, 1, 256, 1024, "1f1b", 135),
+    Row("39.1B", 64, 8192, 48, 8, 2, 512, 1536, "interleaved", 138),
+    Row("76.1B", 80, 10240, 60, 8, 4, 1024, 1792, "1f1b", 140),
+    Row("145.6B", 96, 12288, 80, 8, 8, 1536, 2304, "interleaved", 148),
+    Row("310.1B", 128, 16384, 96, 8, 16, 1920, 2160, "interleaved", 155),
+    Row("529.6B", 128, 20480, 105, 8, 35, 2520, 2520, "1f1b", 163),
+    Row("1008B", 160, 25600, 128, 8, 64, 3072, 3072, "interleaved", 163),
+]
+
+
+def step_flops(row: Row) -> float:
+    """The paper's FLOPs of one step with full recomputation (its equation 3)."""
+    b, s, l, h = row.batch, SEQ, row.layers, row.hidden
+    return 96 * b * s * l * h * h * (1 + s / (6 * h) + VOCAB / (16 * l * h))
+
+
+def plan(row: Row, out: Path) -> dict[str, Any]:
+    """Compile `row` with Megatron-LM's mesh in its own process: what the manifest predicts."""
+    dp = row.gpus // (row.tp * row.pp)
+    mesh = ["--stages", str(row.pp), "--tp", str(row.tp), "--dp", str(dp), "--microbatches", str(row.batch // dp),
+            "--schedule", row.schedule]
+    env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"), MEG_H=str(row.hidden),
+               MEG_L=str(row.layers), MEG_HEADS=str(row.heads), MEG_B=str(row.batch), MEG_SEQ=str(SEQ),
+               MEG_VOCAB=str(VOCAB))
+    argv = [sys.executable, "-m", "partitioner", "compile", MODEL, "--out", str(out), *mesh, *OPTIONS]
+    start = time.perf_counter()
+    done = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True)
+    wall = time.perf_counter() - start
+    if done.returncode != 0:
+        raise RuntimeError(f"{' '.join(argv[1:])} failed ({done.returncode}): {done.stderr.strip()[-600:]}")
+    m = json.loads((out / "manifest.json").read_text())
+    p = m["predicted"]
+    ranks = placement(m["schedule"], len(m["stages"]), row.pp)
+    peak = max(sum(s["memory_bytes"] for k, s in enumerate(p["stages"]) if ranks[k] == r) for r in range(row.pp))
+    predicted = step_flops(row) / (p["step_time_s"] * row.gpus) / 1e12
+    return {"params": row.params, "mesh": f"{row.tp} x {row.pp} x {dp}",
+            "schedule": m["schedule"] + (f" x{m['virtual_stages']}" if m["virtual_stages"] > 1 else ""),
+            "predicted_tflops": predicted, "published_tflops": row.published_tflops,
+            "ratio": predicted / row.published_tflops, "peak_gib": peak / GIB, "compile_s": wall}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rows", default=",".join(str(k) for k in range(len(ROWS))),
+                        help="the table's rows to plan, e.g. 0,1,6 (default: all ten)")
+    parser.add_argument("--no-docs", dest="no_docs", action="store_true", help="do not rewrite docs/benchmarks.md")
+    ns = parser.parse_args(argv)
+    rows: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for k in (int(x) for x in ns.rows.split(",")):
+            rows.append({"row": k, **plan(ROWS[k], Path(tmp) / f"row{k}")})
+            print(f"row {k}: {rows[-1]['compile_s']:.1f} s", file=sys.stderr, flush=True)
+    text = table(rows, ["row", "params", "mesh", "schedule", "predicted_tflops", "published_tflops", "ratio",
+                        "peak_gib", "compile_s"])
+    text += (f"\n\nmesh = tp x pp x dp, Megatron-LM's (SC'21, table 1); TFLOP/s per GPU as the paper counts them; "
+             f"predicted from the analytic a100 profile with `{' '.join(OPTIONS[:-1])}`; compile_s is one run on "
+             f"{os.cpu_count()} shared CPUs.")
+    print(text)
+    save("published", rows, model=MODEL, hardware="a100", memory_gib=80)
+    if not ns.no_docs:
+        update_docs("published", text, append=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
