@@ -14,7 +14,6 @@ TFLOP/s per GPU counted as the paper counts them, 96 B s l h^2 (1 + s/6h + V/16l
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import subprocess
 import sys
@@ -23,6 +22,7 @@ import time
 from pathlib import Path
 from typing import Any, NamedTuple
 
+from runtime.manifest import read_manifest
 from runtime.schedule import placement
 
 from .common import ROOT, save, table, update_docs
@@ -79,13 +79,13 @@ def plan(row: Row, out: Path) -> dict[str, Any]:
     wall = time.perf_counter() - start
     if done.returncode != 0:
         raise RuntimeError(f"{' '.join(argv[1:])} failed ({done.returncode}): {done.stderr.strip()[-600:]}")
-    m = json.loads((out / "manifest.json").read_text())
-    p = m["predicted"]
-    ranks = placement(m["schedule"], len(m["stages"]), row.pp)
-    peak = max(sum(s["memory_bytes"] for k, s in enumerate(p["stages"]) if ranks[k] == r) for r in range(row.pp))
-    predicted = step_flops(row) / (p["step_time_s"] * row.gpus) / 1e12
+    m = read_manifest(out)
+    assert m.predicted is not None
+    ranks = placement(m.schedule, len(m.stages), row.pp)
+    peak = max(sum(s.memory_bytes for k, s in enumerate(m.predicted.stages) if ranks[k] == r) for r in range(row.pp))
+    predicted = step_flops(row) / (m.predicted.step_time_s * row.gpus) / 1e12
     return {"params": row.params, "mesh": f"{row.tp} x {row.pp} x {dp}",
-            "schedule": m["schedule"] + (f" x{m['virtual_stages']}" if m["virtual_stages"] > 1 else ""),
+            "schedule": m.schedule + (f" x{m.virtual_stages}" if m.virtual_stages > 1 else ""),
             "predicted_tflops": predicted, "published_tflops": row.published_tflops,
             "ratio": predicted / row.published_tflops, "peak_gib": peak / GIB, "compile_s": wall}
 

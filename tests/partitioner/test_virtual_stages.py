@@ -65,7 +65,7 @@ def test_the_plan_is_no_slower_than_even_layers(tmp_path: Path) -> None:
 def test_virtual_stages_left_out_are_searched(tmp_path: Path) -> None:
     fixed = _compile(tmp_path / "v2", 2)
     searched = _compile(tmp_path / "any", None)
-    assert searched.manifest["predicted"]["step_time_s"] <= fixed.manifest["predicted"]["step_time_s"]
+    assert searched.manifest.predicted.step_time_s <= fixed.manifest.predicted.step_time_s
     assert 2 <= searched.plan.virtual_stages <= most_virtual(RANKS, 160)
 
 
