@@ -1,5 +1,5 @@
 """`Pipeline`: the user API that `LocalPipeline` and `DistributedPipeline` share, written once
-(the user-facing contract: CONTRACT.md section 4).
+(the user-facing API: docs/training.md).
 
 A subclass says only how its stages are reached: LocalPipeline holds every stage in this
 process (one lane per tensor-parallel index, every replica run in turn), DistributedPipeline
