@@ -9,6 +9,8 @@ import os
 import platform
 import re
 import socket
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -16,8 +18,34 @@ from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
+from runtime.manifest import Manifest, read_manifest
+from runtime.schedule import placement
+
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
+
+
+def compile_process(model: str, out: Path, options: Sequence[str], env: dict[str, str] | None = None
+                    ) -> tuple[Manifest, float, list[str]]:
+    """`python -m partitioner compile MODEL --out OUT OPTIONS` in its own process (one
+    thread unless OMP_NUM_THREADS says otherwise): the manifest it wrote, its wall time and
+    the command line it ran."""
+    argv = [sys.executable, "-m", "partitioner", "compile", model, "--out", str(out), *options]
+    env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"), **(env or {}))
+    start = time.perf_counter()
+    done = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True)
+    wall = time.perf_counter() - start
+    if done.returncode != 0:
+        raise RuntimeError(f"{' '.join(argv[1:])} failed ({done.returncode}): {done.stderr.strip()[-600:]}")
+    return read_manifest(out), wall, argv
+
+
+def rank_peak_bytes(m: Manifest) -> int:
+    """The most predicted memory on one pipeline rank: a device holds every stage of its
+    rank (interleaved, zb-v: several)."""
+    assert m.predicted is not None
+    ranks = placement(m.schedule, len(m.stages), m.mesh.pp)
+    return max(sum(s.memory_bytes for k, s in enumerate(m.predicted.stages) if ranks[k] == r) for r in range(m.mesh.pp))
 
 
 def load_package(directory: str | Path) -> Any:

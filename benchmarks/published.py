@@ -15,17 +15,13 @@ from __future__ import annotations
 
 import argparse
 import os
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from runtime.manifest import read_manifest
-from runtime.schedule import placement
 
-from .common import ROOT, save, table, update_docs
+from .common import compile_process, rank_peak_bytes, save, table, update_docs
 
 MODEL = "benchmarks/models/megatron_gpt.py"
 SEQ, VOCAB, GIB = 2048, 51200, 1 << 30
@@ -70,19 +66,11 @@ def plan(row: Row, out: Path) -> dict[str, Any]:
     dp = row.gpus // (row.tp * row.pp)
     mesh = ["--stages", str(row.pp), "--tp", str(row.tp), "--dp", str(dp), "--microbatches", str(row.batch // dp),
             "--schedule", row.schedule]
-    env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"), MEG_H=str(row.hidden),
-               MEG_L=str(row.layers), MEG_HEADS=str(row.heads), MEG_B=str(row.batch), MEG_SEQ=str(SEQ),
-               MEG_VOCAB=str(VOCAB))
-    argv = [sys.executable, "-m", "partitioner", "compile", MODEL, "--out", str(out), *mesh, *OPTIONS]
-    start = time.perf_counter()
-    done = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True)
-    wall = time.perf_counter() - start
-    if done.returncode != 0:
-        raise RuntimeError(f"{' '.join(argv[1:])} failed ({done.returncode}): {done.stderr.strip()[-600:]}")
-    m = read_manifest(out)
+    env = dict(MEG_H=str(row.hidden), MEG_L=str(row.layers), MEG_HEADS=str(row.heads), MEG_B=str(row.batch),
+               MEG_SEQ=str(SEQ), MEG_VOCAB=str(VOCAB))
+    m, wall, _ = compile_process(MODEL, out, [*mesh, *OPTIONS], env)
     assert m.predicted is not None
-    ranks = placement(m.schedule, len(m.stages), row.pp)
-    peak = max(sum(s.memory_bytes for k, s in enumerate(m.predicted.stages) if ranks[k] == r) for r in range(row.pp))
+    peak = rank_peak_bytes(m)
     predicted = step_flops(row) / (m.predicted.step_time_s * row.gpus) / 1e12
     return {"params": row.params, "mesh": f"{row.tp} x {row.pp} x {dp}",
             "schedule": m.schedule + (f" x{m.virtual_stages}" if m.virtual_stages > 1 else ""),

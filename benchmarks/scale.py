@@ -19,17 +19,13 @@ from __future__ import annotations
 
 import argparse
 import os
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
-from runtime.manifest import read_manifest
-from runtime.schedule import placement
 
-from .common import ROOT, save, table, update_docs
+from .common import compile_process, rank_peak_bytes, save, table, update_docs
 
 MODEL = "examples/gpt3_175b.py"
 HARDWARE = ["--hardware", "h100", "--memory", "80GiB"]
@@ -46,20 +42,9 @@ GIB = 1 << 30
 
 def _compile(out: Path, options: list[str]) -> dict[str, Any]:
     """Run one compile as its own process; its wall time and what the manifest predicts."""
-    argv = [sys.executable, "-m", "partitioner", "compile", MODEL, "--out", str(out), "--analytic", *options, *HARDWARE,
-            "--quiet"]
-    env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
-    start = time.perf_counter()
-    done = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True)
-    wall = time.perf_counter() - start
-    if done.returncode != 0:
-        raise RuntimeError(f"{' '.join(argv[1:])} failed ({done.returncode}): {done.stderr.strip()[-600:]}")
-    m = read_manifest(out)
+    m, wall, argv = compile_process(MODEL, out, ["--analytic", *options, *HARDWARE, "--quiet"])
     assert m.predicted is not None
-    p, pp = m.predicted, m.mesh.pp
-    # a device holds every stage of its pipeline rank (interleaved, zb-v: virtual_stages of them)
-    ranks = placement(m.schedule, len(m.stages), pp)
-    peak = max(sum(s.memory_bytes for k, s in enumerate(p.stages) if ranks[k] == r) for r in range(pp))
+    p, peak = m.predicted, rank_peak_bytes(m)
     return {
         "command": "python " + " ".join(argv[1:-1]).replace(str(out), "build/gpt3"),
         "mesh": f"{m.mesh.pp} x {m.mesh.tp} x {m.mesh.dp}",

@@ -1,26 +1,8 @@
 """Hugging Face Llama, a tiny config, with the user's non-reentrant gradient checkpointing on
 (`gradient_checkpointing_enable(use_reentrant=False)`): each decoder layer runs under
 torch.utils.checkpoint through the model's `_gradient_checkpointing_func`."""
-from transformers import LlamaConfig, LlamaForCausalLM
-from zoo_hf import VOCAB, lm_loss, tokens
-
-REENTRANT = False
+from hf_llama_checkpointed import build, example_inputs, example_target, loss_fn  # noqa: F401
 
 
 def build_model():
-    model = LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                         num_attention_heads=4, max_position_embeddings=32, use_cache=False,
-                                         num_key_value_heads=2))
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": REENTRANT})
-    return model
-
-
-def example_inputs():
-    return {"input_ids": tokens()[:, :-1].contiguous()}
-
-
-def example_target():
-    return tokens()[:, 1:].contiguous()
-
-
-loss_fn = lm_loss
+    return build(reentrant=False)
