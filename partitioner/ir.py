@@ -277,7 +277,7 @@ class PartitionProblem:
     def inflight(self, stage: int) -> int:
         """Microbatches whose activations stage `stage` holds at its peak ([Note: activations
         in flight] in runtime/schedule/registry.py)."""
-        return self.spec.inflight(self.stages, stage, self.microbatches)
+        return self.spec.inflight(self.ranks, self.stages, stage, self.microbatches)
 
 
 @dataclass(frozen=True)

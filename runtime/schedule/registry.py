@@ -17,8 +17,11 @@ builders alone, so the planner's IR (partitioner/ir.py) imports it without the r
 [Note: activations in flight]
     What the memory model charges each stage for (`ScheduleSpec.inflight`, read by
     `PartitionProblem.inflight`): the microbatches whose activations stage k of S holds
-    at its peak, M microbatches in all.  GPipe runs every forward first: M.  1F1B and
-    interleaved (S counting every virtual stage) hold min(S - k, M): stage k's warm-up.
+    at its peak, M microbatches in all.  GPipe runs every forward first: M.  1F1B holds
+    min(S - k, M): stage k's warm-up.  Interleaved 1F1B has no such closed form (its
+    warm-up runs each rank's chunks in turns of p microbatches, so a middle stage may hold
+    more than its place in the pipeline says: 4 ranks x 2 stages, 8 microbatches, holds
+    [8, 8, 7, 5, 4, 4, 3, 1]), so it is the peak found by walking the schedule itself.
     ZB-H1 holds 1F1B's first-stage peak min(S, M) on every rank (its W's held back),
     ZB-H2 twice it, min(2S, M); ZB-V, on 2p stages, 1F1B's min(S - k, M)
     ([Note: zero-bubble orders] in runtime/zero_bubble.py).  The simulator counts the
@@ -27,11 +30,12 @@ builders alone, so the planner's IR (partitioner/ir.py) imports it without the r
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Callable
 
 from ..errors import ScheduleError
-from .actions import Schedule
+from .actions import Kind, Schedule
 from .builders import gpipe, interleaved_1f1b, one_f_one_b, zb_h1, zb_h2, zb_v
 
 __all__ = [
@@ -48,7 +52,7 @@ __all__ = [
 ]
 
 Builder = Callable[[int, int, int], Schedule]  # (ranks, microbatches, stages per rank) -> compute schedule
-Inflight = Callable[[int, int, int], int]  # (stages, stage, microbatches) -> microbatches held at the peak
+Inflight = Callable[[int, int, int, int], int]  # (ranks, stages, stage, microbatches) -> held at the peak
 
 
 class UnknownScheduleError(ScheduleError):
@@ -82,9 +86,10 @@ class ScheduleSpec:
         """Stages per rank: the schedule's own count, else `virtual_stages` (the option)."""
         return self.stages_per_rank if self.stages_per_rank is not None else virtual_stages
 
-    def inflight(self, stages: int, stage: int, microbatches: int) -> int:
-        """Microbatches whose activations stage `stage` of `stages` holds at its peak."""
-        return self.inflight_of(stages, stage, microbatches)
+    def inflight(self, ranks: int, stages: int, stage: int, microbatches: int) -> int:
+        """Microbatches whose activations stage `stage` of `stages` (on `ranks` ranks) holds
+        at its peak."""
+        return self.inflight_of(ranks, stages, stage, microbatches)
 
     def placement(self, num_stages: int, ranks: int) -> tuple[int, ...]:
         """The pipeline rank of each stage ([Note: V placement])."""
@@ -102,20 +107,37 @@ class ScheduleSpec:
         return self.build(ranks, microbatches, virtual_stages)
 
 
-def _every_microbatch(stages: int, stage: int, microbatches: int) -> int:
+def _every_microbatch(ranks: int, stages: int, stage: int, microbatches: int) -> int:
     return microbatches
 
 
-def _warmup(stages: int, stage: int, microbatches: int) -> int:
+def _warmup(ranks: int, stages: int, stage: int, microbatches: int) -> int:
     return min(stages - stage, microbatches)
 
 
-def _first_stage_peak(stages: int, stage: int, microbatches: int) -> int:
+def _first_stage_peak(ranks: int, stages: int, stage: int, microbatches: int) -> int:
     return min(stages, microbatches)
 
 
-def _twice_first_stage_peak(stages: int, stage: int, microbatches: int) -> int:
+def _twice_first_stage_peak(ranks: int, stages: int, stage: int, microbatches: int) -> int:
     return min(2 * stages, microbatches)
+
+
+def _interleaved_peak(ranks: int, stages: int, stage: int, microbatches: int) -> int:
+    return _walked_peaks(ranks, microbatches, stages // ranks)[stage]
+
+
+@functools.lru_cache(maxsize=64)
+def _walked_peaks(ranks: int, microbatches: int, virtual_stages: int) -> tuple[int, ...]:
+    """Each stage's most microbatches held at once in interleaved 1F1B, walking each rank's
+    row of the schedule: an F keeps its activations, a B frees them ([Note: activations in
+    flight])."""
+    held, peak = [0] * (ranks * virtual_stages), [0] * (ranks * virtual_stages)
+    for row in _interleaved(ranks, microbatches, virtual_stages):
+        for a in row:
+            held[a.stage] += 1 if a.kind == Kind.F else -1 if a.kind == Kind.B else 0
+            peak[a.stage] = max(peak[a.stage], held[a.stage])
+    return tuple(peak)
 
 
 def _one_per_rank(builder: Callable[[int, int], Schedule]) -> Builder:
@@ -133,7 +155,7 @@ _SPECS = (
     ScheduleSpec("gpipe", _one_per_rank(gpipe), 1, False, _every_microbatch, auto=True),
     ScheduleSpec("1f1b", _one_per_rank(one_f_one_b), 1, False, _warmup, auto=True),
     # not for auto: its stages per rank are the user's choice (--virtual-stages)
-    ScheduleSpec("interleaved", _interleaved, None, False, _warmup, auto=False, microbatches_per_rank=True),
+    ScheduleSpec("interleaved", _interleaved, None, False, _interleaved_peak, auto=False, microbatches_per_rank=True),
     ScheduleSpec("zb-h1", _one_per_rank(zb_h1), 1, True, _first_stage_peak, auto=True),
     ScheduleSpec("zb-h2", _one_per_rank(zb_h2), 1, True, _twice_first_stage_peak, auto=True),
     ScheduleSpec("zb-v", _one_per_rank(zb_v), 2, True, _warmup, auto=True, vee=True),
