@@ -8,7 +8,7 @@ same stages (the same stage files; [Note: shards] in weights.py).  Each rank imp
 its own stage files and interprets its own row of the lowered schedule:
 
     train_step on one rank (steps 1-3 of pipeline.py's, then):
-      1. take replica r's rows of the global batch, split into M microbatches
+      1. take replica r's rows of the global batch (local=True: given only those), split into M microbatches
       2. for each action of this rank's row (schedule.lower + validate):
            F / B            as in LocalPipeline (stage.py); the last stage adds the loss.
                             The stage code's tp.* collectives (tp.py) run inside, over
