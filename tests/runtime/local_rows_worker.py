@@ -43,9 +43,8 @@ def _needs(pipe: runtime.DistributedPipeline) -> tuple[bool, bool]:
 
 def _replica_batches(dataset: TensorDataset, replicas: int, replica: int) -> list[list[int]]:
     """The indices of each step's batch that the sampler gives `replica`."""
-    loader = DataLoader(range(len(dataset)), batch_size=PER_REPLICA,
-                        sampler=DistributedSampler(dataset, num_replicas=replicas, rank=replica, shuffle=False))
-    return [b.tolist() for b in loader]
+    indices = list(DistributedSampler(dataset, num_replicas=replicas, rank=replica, shuffle=False))
+    return [indices[i:i + PER_REPLICA] for i in range(0, len(indices), PER_REPLICA)]
 
 
 def _close(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], rtol: float, atol: float, what: str) -> None:
