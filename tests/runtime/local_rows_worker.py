@@ -43,7 +43,7 @@ def _needs(pipe: runtime.DistributedPipeline) -> tuple[bool, bool]:
 
 def _replica_batches(dataset: TensorDataset, replicas: int, replica: int) -> list[list[int]]:
     """The indices of each step's batch that the sampler gives `replica`."""
-    indices = list(DistributedSampler(dataset, num_replicas=replicas, rank=replica, shuffle=False))
+    indices: list[int] = list(DistributedSampler(dataset, num_replicas=replicas, rank=replica, shuffle=False))
     return [indices[i:i + PER_REPLICA] for i in range(0, len(indices), PER_REPLICA)]
 
 
