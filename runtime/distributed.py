@@ -8,7 +8,7 @@ same stages (the same stage files; [Note: shards] in weights.py).  Each rank imp
 its own stage files and interprets its own row of the lowered schedule:
 
     train_step on one rank (steps 1-3 of pipeline.py's, then):
-      1. take replica r's rows of the global batch, split into M microbatches
+      1. take replica r's rows of the global batch (local=True: given only those), split into M microbatches
       2. for each action of this rank's row (schedule.lower + validate):
            F / B            as in LocalPipeline (stage.py); the last stage adds the loss.
                             The stage code's tp.* collectives (tp.py) run inside, over
@@ -48,9 +48,8 @@ from typing import Any, Iterator
 
 import torch
 import torch.distributed as dist
-import torch.utils._pytree as pytree
 
-from . import checkpoint, clip, modes, optim, package, precision, tp, weights
+from . import checkpoint, clip, local_rows, modes, optim, package, precision, tp, weights
 from .comm import guard, init_from_env, timeout_from_env, wait
 from .counts import Counts
 from .devices import CommStream
@@ -61,7 +60,7 @@ from .p2p import HandOvers, Receive, Sent
 from .pipeline import Batch, LossFn, Pipeline, named_once, share_tied
 from .rank_schedule import Rows, rows_builder
 from .schedule import Action, Kind, Schedule, StageGraph
-from .stage import StageRunner, as_leaf
+from .stage import StageRunner, as_leaf, to_device
 from .steps import StepGuard
 from .tracing import Tracer
 from .world import Now, check_ranks, check_same_package, check_world, describer, grad_sync, tp_describer
@@ -255,16 +254,25 @@ class DistributedPipeline(Pipeline[Rows]):
         return loss
 
     def _run_forward(self, batch: Batch) -> list[Any]:
-        """Every replica's outputs, gathered from the last stage's ranks (t = 0) to every rank."""
+        """Every replica's outputs (with local rows: this replica's), gathered from the last
+        stage's ranks (t = 0) to every rank."""
         order = self._counts.get(batch.count)
         step = _Step(train=False, rows=batch.rows)
         self._run(order.forward, order.forward_ahead, step, batch.inputs[self.replica], None, None)
         self._p2p.wait_sends(step.sends)
         last = self.graph.rank_of(self.graph.num_stages - 1)
-        mine = [_to_cpu(o) for o in step.results] if self.position == last and self.tp_index == 0 else None
+        mine = [to_device(o, torch.device("cpu")) for o in step.results] if self.position == last and self.tp_index == 0 else None
         gathered: list[Any] = [None] * self.world
         dist.all_gather_object(gathered, mine, group=self.groups.world)
-        return [o for r in range(self.dp) for o in gathered[self.mesh.rank(r, last, 0)]]
+        replicas = [self.replica] if batch.local else range(self.dp)
+        return [o for r in replicas for o in gathered[self.mesh.rank(r, last, 0)]]
+
+    def _agree_rows(self, rows: int | None, missing: tuple[bool, bool]) -> list[int]:
+        """Every replica's rows: one all-reduce (MAX) over the world ([Note: local rows] in local_rows.py)."""
+        agreement = local_rows.Agreement(self.dp)
+        vector = agreement.encode(self.replica, rows, self.rank, missing).to(self.device)
+        self._all_reduce(vector, dist.ReduceOp.MAX, "local rows all_reduce")
+        return agreement.decode(vector.cpu(), self._default_rows())
 
     def _all_reduce(self, tensor: torch.Tensor, op: Any, what: str) -> None:
         """`tensor` all-reduced in place over the world, traced and timed."""
@@ -327,7 +335,7 @@ class DistributedPipeline(Pipeline[Rows]):
             step.outputs[(s, i)] = dict(zip(runner.output_names, out))
         elif step.train or step.evaluate:
             assert targets is not None and loss_fn is not None
-            loss = runner.loss(i, out, _to(targets[i], self.device), loss_fn, step.scales[i], keep=step.train)
+            loss = runner.loss(i, out, to_device(targets[i], self.device), loss_fn, step.scales[i], keep=step.train)
             step.loss = loss if step.loss is None else step.loss + loss
         else:
             step.results.append(out)
@@ -387,11 +395,3 @@ class DistributedPipeline(Pipeline[Rows]):
             return
         doing = tp_describer(self._now, self.rank, self.tp_index, self.groups.tp_ranks, self.timeout_s)
         tp.set_group(self.groups.tp, self.tp_index, self.tp, self.timeout_s, doing)
-
-
-def _to(value: Any, device: torch.device) -> Any:
-    return pytree.tree_map(lambda x: x.to(device) if isinstance(x, torch.Tensor) else x, value)
-
-
-def _to_cpu(value: Any) -> Any:
-    return _to(value, torch.device("cpu"))

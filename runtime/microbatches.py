@@ -64,14 +64,15 @@ def _chunks(value: torch.Tensor, dim: int, m: int, replica: int, replicas: int, 
     return list(torch.tensor_split(value.narrow(dim, replica * per, per), m, dim=dim))
 
 
-def replica_rows(inputs: Any, manifest: Manifest) -> int | None:
+def replica_rows(inputs: Any, manifest: Manifest, replicas: int | None = None) -> int | None:
     """The rows of one replica's share of `inputs` (None when no input has a batch
-    dimension), which [Note: short batch] in counts.py fits the microbatch count to."""
+    dimension), which [Note: short batch] in counts.py fits the microbatch count to;
+    `inputs` hold `replicas` replicas' rows (default: the package's dp; 1: local rows)."""
     given = _by_key(inputs)
     for spec in manifest.inputs:
         value = _lookup(given, spec.key)
         if isinstance(value, torch.Tensor) and value.dim() > spec.batch_dim:
-            share = _chunks(value, spec.batch_dim, 1, 0, manifest.mesh.dp, f"input {_key_text(spec.key)}")[0]
+            share = _chunks(value, spec.batch_dim, 1, 0, replicas or manifest.mesh.dp, f"input {_key_text(spec.key)}")[0]
             return share.shape[spec.batch_dim]
     return None
 
@@ -102,19 +103,24 @@ def loss_scales(rows: list[int], replicas: int = 1) -> list[float]:
         `loss.backward()` on the whole batch differentiates.  With equal microbatches the
         divisor B / r_i is M x dp, as before.  LocalPipeline divides by B / r_i; a
         DistributedPipeline replica by (B/dp) / r_i, and the all-reduced loss (and the
-        gradients' mean across replicas) by dp.
+        gradients' mean across replicas) by dp.  Given each replica's own rows (local=True),
+        which may differ, a replica divides by B / (dp r_i): [Note: local rows] in
+        local_rows.py.
     """
     total = sum(rows) * replicas
     return [total / r for r in rows]
 
 
-def split_inputs(inputs: Any, manifest: Manifest, replica: int = 0, count: int | None = None) -> list[dict[str, Any]]:
+def split_inputs(inputs: Any, manifest: Manifest, replica: int = 0, count: int | None = None,
+                 replicas: int | None = None) -> list[dict[str, Any]]:
     """Microbatch i's model inputs, by manifest input name, for data-parallel `replica`.
 
     Each tensor is cut along its `batch_dim` (replica r takes rows [r*B/dp, (r+1)*B/dp),
     then `count` (default M) equal pieces); other values go to every microbatch unchanged.
+    `replicas` (default: the package's dp) is how many replicas' rows `inputs` hold: 1 for
+    one replica's local rows ([Note: local rows] in local_rows.py).
     """
-    m, dp = count or manifest.microbatches, manifest.mesh.dp
+    m, dp = count or manifest.microbatches, replicas or manifest.mesh.dp
     given = _by_key(inputs)
     out: list[dict[str, Any]] = [{} for _ in range(m)]
     for spec in manifest.inputs:

@@ -14,7 +14,9 @@ split) is here.
          the microbatch count ([Note: short batch] in counts.py), each replica's microbatches
          and their weights ([Note: microbatch weights] in microbatches.py)
       3. `_begin`: the ranks agree on the step (`_check_step`), the bf16 weights follow
-         their masters
+         their masters.  With local=True (each replica given only its own rows) steps 2
+         and 3 swap: the ranks agree on the step, then on every replica's rows
+         (`_agree_rows`, [Note: local rows] in local_rows.py)
       4. the subclass runs its schedule: `_run_train`, `_run_evaluate`, `_run_forward`
 """
 
@@ -28,8 +30,9 @@ from typing import Any, Callable, ContextManager, Generic, Mapping, Sequence, Ty
 
 import torch
 
-from . import checkpoint, clip, initialize, microbatches, optim, package, precision, weights
+from . import checkpoint, clip, initialize, local_rows, microbatches, optim, package, precision, weights
 from .counts import Counts
+from .errors import BatchError
 from .manifest import Manifest
 from .stage import StageRunner
 
@@ -50,6 +53,7 @@ class Batch:
     inputs: dict[int, list[dict[str, Any]]]  # replica -> its microbatches' inputs
     targets: dict[int, list[Any]] = field(default_factory=dict)  # replica -> its targets (none: forward only)
     loss_fn: LossFn | None = None  # None where this process runs no last stage
+    local: bool = False  # the rows of this process's replica only ([Note: local rows] in local_rows.py)
 
     @property
     def count(self) -> int:
@@ -63,6 +67,7 @@ class Pipeline(ABC, Generic[Order]):
     directory: Path
     manifest: Manifest
     training: bool
+    replica: int = 0  # this process's data-parallel index (LocalPipeline runs every replica: 0)
     _masters: precision.MasterWeights | None
     _counts: Counts[Order]
 
@@ -120,11 +125,30 @@ class Pipeline(ABC, Generic[Order]):
     def _recover_ranks(self) -> None:
         """What `recover` does beyond forgetting the microbatches (nothing in one process)."""
 
+    def _agree_rows(self, rows: int | None, missing: tuple[bool, bool]) -> list[int]:
+        """Every replica's rows with local=True, given this process's replica's (None: not
+        known here) and what it lacks ([Note: local rows] in local_rows.py).  In one process
+        (LocalPipeline) every replica runs, so one replica's rows are a whole batch only
+        with dp = 1; with dp > 1 local=True is refused (pass the global batch, or run
+        DistributedPipeline, where each rank is one replica)."""
+        if self.replicas > 1:
+            raise BatchError(f"local=True gives one replica's rows, but this LocalPipeline runs all "
+                             f"{self.replicas} data-parallel replicas in one process: pass the whole global batch "
+                             f"(local=False), or run the package with runtime.DistributedPipeline under torchrun, "
+                             f"where each rank is one replica.")
+        agreement = local_rows.Agreement(1)
+        return agreement.decode(agreement.encode(0, rows, 0, missing), self._default_rows())
+
     def _zero_group(self) -> Any:
         """The process group an optimizer's state is sharded over (None: not sharded)."""
         return None
 
     # -- the contract --------------------------------------------------------------------------
+
+    @property
+    def replicas(self) -> int:
+        """The data-parallel degree: how many replicas share a global batch."""
+        return self.manifest.mesh.dp
 
     def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True) -> None:
         """Take this process's tensors (each stage's, each lane's or rank's shards) from the
@@ -161,33 +185,40 @@ class Pipeline(ABC, Generic[Order]):
         """`train(False)`."""
         return self.train(False)
 
-    def train_step(self, inputs: Any, target: Any, loss_fn: LossFn | None = None) -> torch.Tensor:
+    def train_step(self, inputs: Any, target: Any, loss_fn: LossFn | None = None, *,
+                   local: bool = False) -> torch.Tensor:
         """One step over the whole (global) batch: leaves .grad as loss.backward() on the
         whole-batch mean loss would (accumulating; grads are not zeroed); returns that loss,
         detached, on every rank.  DistributedPipeline: collective; after a failed step every
-        rank refuses the next ones until `recover()` ([Note: step numbers] in steps.py)."""
+        rank refuses the next ones until `recover()` ([Note: step numbers] in steps.py).
+
+        local=True: `inputs` and `target` hold only this replica's rows (those of
+        DistributedSampler(num_replicas=pipe.replicas, rank=pipe.replica)); a rank whose
+        stages read no model input may pass None for inputs, one without the last stage None
+        for target; the loss is still the global batch's mean ([Note: local rows] in
+        local_rows.py).  LocalPipeline takes local=True only with dp = 1 (`_agree_rows`)."""
         with self._stepping():
-            batch = self._split_with_target(inputs, target, loss_fn)
-            self._begin()
+            batch = self._prepare(inputs, target, loss_fn, local, True)
             return self._run_train(batch)
 
-    def evaluate(self, inputs: Any, target: Any, loss_fn: LossFn | None = None) -> torch.Tensor:
+    def evaluate(self, inputs: Any, target: Any, loss_fn: LossFn | None = None, *,
+                 local: bool = False) -> torch.Tensor:
         """The whole-batch loss (on every rank), forward only and without an autograd graph
         (in the current mode: call eval() first for dropout off and batch norm's running
         statistics).  DistributedPipeline: collective, no outputs gathered (the last stage's
-        ranks compute their microbatches' losses)."""
+        ranks compute their microbatches' losses).  local=True: as in `train_step`."""
         with self._stepping():
-            batch = self._split_with_target(inputs, target, loss_fn)
-            self._begin()
+            batch = self._prepare(inputs, target, loss_fn, local, True)
             with torch.no_grad():
                 return self._run_evaluate(batch)
 
-    def __call__(self, inputs: Any) -> Any:
+    def __call__(self, inputs: Any, *, local: bool = False) -> Any:
         """Forward only: the whole (global) batch's output (microbatch outputs concatenated
-        along their batch dimension).  DistributedPipeline: on every rank, on CPU (collective)."""
+        along their batch dimension).  DistributedPipeline: on every rank, on CPU (collective).
+        local=True: `inputs` are this replica's rows (None on a rank whose stages read no
+        model input), and the output is this replica's rows of it."""
         with self._stepping():
-            batch = self._split(inputs)
-            self._begin()
+            batch = self._prepare(inputs, None, None, local, False)
             with torch.no_grad():
                 outs = self._run_forward(batch)
             return microbatches.concat_outputs(outs, self.manifest.output_batch_dims)
@@ -252,6 +283,37 @@ class Pipeline(ABC, Generic[Order]):
         rows = microbatches.microbatch_rows(inputs, m, count)
         cut = {r: microbatches.split_inputs(inputs, m, r, count) for r in replicas}
         return Batch(rows, microbatches.loss_scales(rows, len(replicas)), cut)
+
+    def _prepare(self, inputs: Any, target: Any, loss_fn: LossFn | None, local: bool, with_target: bool) -> Batch:
+        """Steps 2 and 3: the global batch is cut before the ranks meet (a wrong batch fails
+        on its rank alone, before any message); local rows are agreed on after the step
+        check, as the agreement is itself a collective ([Note: local rows] in local_rows.py)."""
+        if local:
+            self._begin()
+            return self._split_local(inputs, target, loss_fn, with_target)
+        batch = self._split_with_target(inputs, target, loss_fn) if with_target else self._split(inputs)
+        self._begin()
+        return batch
+
+    def _split_local(self, inputs: Any, target: Any, loss_fn: LossFn | None, with_target: bool) -> Batch:
+        """Step 2 for this replica's own rows: every replica's rows agreed on, the count the
+        smallest fits, this replica's microbatches weighted by the global row count
+        ([Note: local rows] in local_rows.py); None where this process's stages read nothing."""
+        m, needs = self.manifest, local_rows.Needs.of(self._runners(), with_target)
+        every = self._agree_rows(local_rows.given_rows(inputs, target, m), needs.missing(inputs, target))
+        count = self._counts.fit(min(every))
+        mine = every[self.replica]
+        rows = local_rows.microbatch_rows(mine, count)
+        cut = microbatches.split_inputs(inputs, m, 0, count, replicas=1) if needs.inputs else [{} for _ in rows]
+        targets = microbatches.split_target(target, count, batch_size=mine) if needs.target else [None] * count
+        fn = (loss_fn or self._default_loss_fn()) if needs.target else None
+        return Batch(rows, local_rows.scales(rows, sum(every), len(every)), {self.replica: cut},
+                     {self.replica: targets} if with_target else {}, fn, local=True)
+
+    def _default_rows(self) -> int:
+        """A replica's rows when no batched value says: the example batch's share."""
+        m = self.manifest
+        return (m.batch_size or m.microbatches * m.mesh.dp) // m.mesh.dp
 
     def _split_with_target(self, inputs: Any, target: Any, loss_fn: LossFn | None) -> Batch:
         """Step 2: the loss function (only a last stage needs one), then `_split` and each

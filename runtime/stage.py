@@ -41,7 +41,7 @@ from .errors import PipelineError
 from .manifest import StageSpec
 from .precision import autocast, cast_inputs, device_type, loss_input
 
-__all__ = ["StageRunner", "as_leaf"]
+__all__ = ["StageRunner", "as_leaf", "to_device"]
 
 
 def as_leaf(value: Any, requires_grad: bool) -> Any:
@@ -52,6 +52,11 @@ def as_leaf(value: Any, requires_grad: bool) -> Any:
     if requires_grad and (leaf.is_floating_point() or leaf.is_complex()):
         leaf.requires_grad_(True)
     return leaf
+
+
+def to_device(value: Any, device: torch.device) -> Any:
+    """Every tensor leaf of `value` moved to `device`; other leaves as they are."""
+    return torch.utils._pytree.tree_map(lambda x: x.to(device) if isinstance(x, torch.Tensor) else x, value)
 
 
 @dataclass

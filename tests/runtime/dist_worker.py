@@ -20,6 +20,7 @@ original trained in that precision: twice its distance from fp32 ([Note: precisi
 tests/precision_reference.py).
 MODE dropout: tp = 2 (tests/model_files/tp_dropout.py), train mode: the dropout of the
 replicated value draws the same mask on both tp ranks, that of the sharded value its own.
+MODE local, localnone: each replica given only its own rows (local_rows_worker.py).
 Once a rank fails, the others are killed after GRACE_S (as torchrun does).
 """
 
@@ -342,7 +343,9 @@ def _rank(r: int, mode: str, pkg: str, model_path: str, outdir: Path) -> int:
     os.dup2(out, 1)
     os.dup2(err, 2)
     try:
-        {"check": _check, "fault": _fault, "tp": _tp, "train": _train, "drift": _drift, "short": _short, "amp": _amp,
+        import local_rows_worker  # beside this file: the local=True modes
+
+        {**local_rows_worker.MODES, "check": _check, "fault": _fault, "tp": _tp, "train": _train, "drift": _drift, "short": _short, "amp": _amp,
          "scaler": _scaler, "dropout": _dropout}[mode](pkg, model_path)
     except PipelineError as exc:
         print(f"PipelineError: {exc}", file=sys.stderr, flush=True)
