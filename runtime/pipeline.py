@@ -29,6 +29,7 @@ from typing import Any, Callable, ContextManager, Generic, Mapping, Sequence, Ty
 import torch
 
 from . import checkpoint, clip, initialize, microbatches, optim, package, precision, weights
+from .memory import MemoryStats, MemoryTracker
 from .counts import Counts
 from .manifest import Manifest
 from .stage import StageRunner
@@ -71,6 +72,7 @@ class Pipeline(ABC, Generic[Order]):
         self.manifest = package.load_manifest(directory)
         self.training = True
         self._loss_fn: LossFn | None = None
+        self._memory = MemoryTracker(self._all_parameters)
 
     # -- the hooks -----------------------------------------------------------------------------
 
@@ -166,7 +168,7 @@ class Pipeline(ABC, Generic[Order]):
         whole-batch mean loss would (accumulating; grads are not zeroed); returns that loss,
         detached, on every rank.  DistributedPipeline: collective; after a failed step every
         rank refuses the next ones until `recover()` ([Note: step numbers] in steps.py)."""
-        with self._stepping():
+        with self._stepping(), self._memory.window():
             batch = self._split_with_target(inputs, target, loss_fn)
             self._begin()
             return self._run_train(batch)
@@ -176,7 +178,7 @@ class Pipeline(ABC, Generic[Order]):
         (in the current mode: call eval() first for dropout off and batch norm's running
         statistics).  DistributedPipeline: collective, no outputs gathered (the last stage's
         ranks compute their microbatches' losses)."""
-        with self._stepping():
+        with self._stepping(), self._memory.window():
             batch = self._split_with_target(inputs, target, loss_fn)
             self._begin()
             with torch.no_grad():
@@ -185,7 +187,7 @@ class Pipeline(ABC, Generic[Order]):
     def __call__(self, inputs: Any) -> Any:
         """Forward only: the whole (global) batch's output (microbatch outputs concatenated
         along their batch dimension).  DistributedPipeline: on every rank, on CPU (collective)."""
-        with self._stepping():
+        with self._stepping(), self._memory.window():
             batch = self._split(inputs)
             self._begin()
             with torch.no_grad():
@@ -218,8 +220,34 @@ class Pipeline(ABC, Generic[Order]):
                        **defaults: Any) -> torch.optim.Optimizer:
         """`cls` over this process's parameters (every lane's), groups by original name
         ([Note: parameter groups by original name] in optim.py)."""
-        return optim.make_optimizer(cls, self.named_parameters(), self.manifest, params, self._zero_group(),
-                                    **defaults)
+        opt = optim.make_optimizer(cls, self.named_parameters(), self.manifest, params, self._zero_group(), **defaults)
+        self._memory.watch(opt)
+        return opt
+
+    # -- memory (runtime/memory.py) ------------------------------------------------------------
+
+    def track_memory(self, on: bool = True) -> None:
+        """Measure the next steps' memory (each train_step, evaluate or pipe(inputs), with the
+        step of an optimizer from make_optimizer after it) until `track_memory(False)`; a step
+        without tracking costs nothing ([Note: measured memory] in memory.py)."""
+        self._memory.on = bool(on)
+
+    def memory_stats(self) -> MemoryStats:
+        """This process's peak bytes in its last tracked step by kind, and the total, beside
+        the plan's prediction for the stages it holds ([Note: measured memory] in memory.py);
+        NotTrackedError if no step was tracked."""
+        return self._memory.stats(self._predicted_bytes())
+
+    def _predicted_bytes(self) -> int:
+        """The plan's peak bytes for this process's stages, summed (0: the plan has none)."""
+        predicted = self.manifest.predicted
+        held = {r.entry.index for r in self._runners()}
+        return sum(predicted.stages[k].memory_bytes for k in held if k < len(predicted.stages)) if predicted else 0
+
+    def _all_parameters(self) -> list[torch.nn.Parameter]:
+        """The stage modules' parameters and, under bf16, their masters: each once."""
+        every = [p for _, p in self._module_named()] + self.parameters()
+        return list({id(p): p for p in every}.values())
 
     # -- checkpoints (runtime/checkpoint/; docs/checkpoints.md) --------------------------------
 
