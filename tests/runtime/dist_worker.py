@@ -20,6 +20,7 @@ original trained in that precision: twice its distance from fp32 ([Note: precisi
 tests/precision_reference.py).
 MODE dropout: tp = 2 (tests/model_files/tp_dropout.py), train mode: the dropout of the
 replicated value draws the same mask on both tp ranks, that of the sharded value its own.
+MODE memory: pipe.memory_stats() on this rank's stages (memory_checks.py); prints "RANK ok".
 Once a rank fails, the others are killed after GRACE_S (as torchrun does).
 """
 
@@ -335,6 +336,18 @@ def _fault(pkg: str, model_path: str) -> None:
         pipe.train_step(mf.example_inputs(), mf.example_target())
 
 
+def _memory(pkg: str, model_path: str) -> None:
+    import memory_checks  # beside this file
+
+    mf = _model_file(model_path)
+    torch.manual_seed(0)
+    pipe = runtime.DistributedPipeline(pkg)
+    pipe.load_state_dict(mf.build_model().state_dict())
+    stats = memory_checks.check_memory(pipe, mf.example_inputs(), mf.example_target())
+    print(f"{pipe.rank} {stats}", flush=True)
+    print(f"{pipe.rank} ok", flush=True)
+
+
 def _rank(r: int, mode: str, pkg: str, model_path: str, outdir: Path) -> int:
     os.environ["RANK"] = os.environ["LOCAL_RANK"] = str(r)
     out = os.open(outdir / f"rank{r}.out", os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
@@ -343,7 +356,7 @@ def _rank(r: int, mode: str, pkg: str, model_path: str, outdir: Path) -> int:
     os.dup2(err, 2)
     try:
         {"check": _check, "fault": _fault, "tp": _tp, "train": _train, "drift": _drift, "short": _short, "amp": _amp,
-         "scaler": _scaler, "dropout": _dropout}[mode](pkg, model_path)
+         "scaler": _scaler, "dropout": _dropout, "memory": _memory}[mode](pkg, model_path)
     except PipelineError as exc:
         print(f"PipelineError: {exc}", file=sys.stderr, flush=True)
         return 3
