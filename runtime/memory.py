@@ -28,7 +28,7 @@ from __future__ import annotations
 import contextlib
 import weakref
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any, Callable, ContextManager, Iterable, Iterator
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -98,6 +98,7 @@ class MemoryTracker:
         self._params = params
         self._optimizers: list[weakref.ref[torch.optim.Optimizer]] = []
         self._live: dict[int, list[int]] = {}  # storage key -> [bytes, kind]
+        self._by_kind = [0] * len(KINDS)  # the live bytes of each kind
         self._current = self._peak = 0
         self._split: tuple[int, ...] | None = None
         self._cuda_peak = 0
@@ -109,12 +110,12 @@ class MemoryTracker:
         opt.register_step_pre_hook(lambda *_: self._enter_optimizer(mode))
         opt.register_step_post_hook(lambda *_: self._leave_optimizer(mode))
 
-    @contextlib.contextmanager
-    def window(self) -> Iterator[None]:
+    def window(self) -> ContextManager[None]:
         """A step's window when tracking is on (a fresh one), else nothing."""
-        if not self.on:
-            yield
-            return
+        return self._window() if self.on else contextlib.nullcontext()
+
+    @contextlib.contextmanager
+    def _window(self) -> Iterator[None]:
         self._open()
         with self._seeing():
             yield
@@ -126,13 +127,14 @@ class MemoryTracker:
             raise NotTrackedError(
                 "memory_stats() was called but no step ran with memory tracking on, so nothing was measured. "
                 "Call pipe.track_memory(True) before the train_step (or evaluate) to measure.")
-        kinds = self._split
-        return MemoryStats(*kinds, total=max(sum(kinds), self._cuda_peak), predicted=predicted)
+        params, grads, opt, acts, other = self._split
+        return MemoryStats(params, grads, opt, acts, other, max(sum(self._split), self._cuda_peak), predicted)
 
     # -- a window ----------------------------------------------------------------------------------
 
     def _open(self) -> None:
         self._live, self._current, self._peak, self._split = {}, 0, 0, None
+        self._by_kind = [0] * len(KINDS)
         for t in self._persistent():
             self._see(t)
         self._update_peak()
@@ -181,6 +183,7 @@ class MemoryTracker:
         n = st.nbytes()
         self._live[key] = [n, _OTHER]
         self._current += n
+        self._by_kind[_OTHER] += n
         weakref.finalize(st, self._freed, key)
         if self._current > self._peak:
             self._update_peak()
@@ -189,21 +192,27 @@ class MemoryTracker:
         entry = self._live.pop(key, None)
         if entry is not None:
             self._current -= entry[0]
+            self._by_kind[entry[1]] -= entry[0]
 
     def _saved(self, t: torch.Tensor) -> torch.Tensor:
         """The pack hook: `t`'s storage is an activation (unless a parameter's)."""
         if isinstance(t, torch.Tensor):
             self._see(t)
-            entry = self._live.get(_storage(t)._cdata)
-            if entry is not None and entry[1] == _OTHER:
-                entry[1] = _ACT
+            self._kind(t, _ACT)
         return t
+
+    def _kind(self, t: torch.Tensor, kind: int) -> None:
+        """`t`'s storage is of `kind` unless already of a stronger one (a lower number: a
+        parameter saved for backward stays a parameter)."""
+        entry = self._live.get(_storage(t)._cdata)
+        if entry is not None and kind < entry[1]:
+            self._by_kind[entry[1]] -= entry[0]
+            self._by_kind[kind] += entry[0]
+            entry[1] = kind
 
     def _mark(self, tensors: Iterable[torch.Tensor], kind: int) -> None:
         for t in tensors:
-            entry = self._live.get(_storage(t)._cdata)
-            if entry is not None:
-                entry[1] = min(entry[1], kind)  # a parameter saved for backward stays a parameter
+            self._kind(t, kind)
 
     def _classify(self) -> None:
         """Give the parameters', gradients' and optimizer state's storages their kind."""
@@ -215,10 +224,7 @@ class MemoryTracker:
     def _update_peak(self) -> None:
         self._peak = self._current
         self._classify()
-        split = [0] * 5
-        for n, kind in self._live.values():
-            split[kind] += n
-        self._split = tuple(split)
+        self._split = tuple(self._by_kind)
 
     # -- CUDA ------------------------------------------------------------------------------------
 
