@@ -98,7 +98,8 @@ class Pipeline(ABC, Generic[Order]):
 
     @abstractmethod
     def _stepping(self) -> ContextManager[Any]:
-        """Step 1: count a call around its whole run."""
+        """Step 1: count a call around its whole run, inside `self._memory.window()` (the
+        call's memory, when tracked: [Note: measured memory] in memory.py)."""
 
     @abstractmethod
     def _norm_term(self, p: float) -> torch.Tensor:
@@ -168,7 +169,7 @@ class Pipeline(ABC, Generic[Order]):
         whole-batch mean loss would (accumulating; grads are not zeroed); returns that loss,
         detached, on every rank.  DistributedPipeline: collective; after a failed step every
         rank refuses the next ones until `recover()` ([Note: step numbers] in steps.py)."""
-        with self._stepping(), self._memory.window():
+        with self._stepping():
             batch = self._split_with_target(inputs, target, loss_fn)
             self._begin()
             return self._run_train(batch)
@@ -178,7 +179,7 @@ class Pipeline(ABC, Generic[Order]):
         (in the current mode: call eval() first for dropout off and batch norm's running
         statistics).  DistributedPipeline: collective, no outputs gathered (the last stage's
         ranks compute their microbatches' losses)."""
-        with self._stepping(), self._memory.window():
+        with self._stepping():
             batch = self._split_with_target(inputs, target, loss_fn)
             self._begin()
             with torch.no_grad():
@@ -187,7 +188,7 @@ class Pipeline(ABC, Generic[Order]):
     def __call__(self, inputs: Any) -> Any:
         """Forward only: the whole (global) batch's output (microbatch outputs concatenated
         along their batch dimension).  DistributedPipeline: on every rank, on CPU (collective)."""
-        with self._stepping(), self._memory.window():
+        with self._stepping():
             batch = self._split(inputs)
             self._begin()
             with torch.no_grad():

@@ -11,6 +11,7 @@ A sharded parameter's gradient is compared with its shard of the reference gradi
 MODE train: clip_grad_norm_ and AdamW through make_optimizer (5 steps) against the
 reference, then eval() and evaluate().  MODE drift: step safety (runtime/steps.py).  MODE fault: trains (PIPELINE_FAULT stops one rank); a PipelineError prints its message
 and exits 3.  MODE tp: the unit checks of runtime/tp.py (tp_checks.py; PKG unused).
+MODE memory: pipe.memory_stats() on this rank's stages (memory_checks.py); prints "RANK ok".
 MODE short: as check, on the example batch's first SHORT_ROWS rows (a short last batch).
 MODE scaler: an fp16-mixed package with runtime.GradScaler: a step with an inf gradient on the
 last stage's rank is skipped on every rank, and every rank's scale halves (also when the
@@ -20,7 +21,6 @@ original trained in that precision: twice its distance from fp32 ([Note: precisi
 tests/precision_reference.py).
 MODE dropout: tp = 2 (tests/model_files/tp_dropout.py), train mode: the dropout of the
 replicated value draws the same mask on both tp ranks, that of the sharded value its own.
-MODE memory: pipe.memory_stats() on this rank's stages (memory_checks.py); prints "RANK ok".
 Once a rank fails, the others are killed after GRACE_S (as torchrun does).
 """
 
