@@ -7,7 +7,9 @@ loads them into this rank's stages and trains K steps (--optimizer sgd | adamw, 
 --resume, from the newest checkpoint's step on; --checkpoint saves); fp16-mixed packages
 scale the loss ([Note: a global loss scale]) and, with --clip, unscale the gradients before
 clipping them. Rank 0 prints `step k  loss X.XXXXXX  time Y ms` (with --clip,
-`step k  loss X.XXXXXX  norm N.NNNNNN  time Y ms`: the gradient norm before clipping).
+`step k  loss X.XXXXXX  norm N.NNNNNN  time Y ms`: the gradient norm before clipping), and
+after the first step `memory rank r  measured ...; predicted ...` for each rank (its peak
+bytes by kind in that step beside the plan's prediction: runtime/memory.py).
 """
 
 from __future__ import annotations
@@ -56,6 +58,7 @@ def _train(ns: argparse.Namespace) -> None:
     first = checkpointing.resume(pipe, opt, ns) + 1
     data = itertools.islice(_batches(model_file), first - 1, None)  # a resumed run goes on with the next batch
     for k, (inputs, target) in zip(range(first, ns.steps + 1), data):
+        pipe.track_memory(k == first)  # the first step only: [Note: measured memory] in runtime/memory.py
         start = time.perf_counter()
         if opt is not None:
             opt.zero_grad()
@@ -71,10 +74,22 @@ def _train(ns: argparse.Namespace) -> None:
         ms = (time.perf_counter() - start) * 1e3
         if pipe.rank == 0:
             print(f"step {k}  loss {loss.item():.6f}{norm}  time {ms:.1f} ms", flush=True)
+        if k == first:
+            _print_memory(pipe)
         checkpointing.maybe_save(pipe, opt, ns, k)
     pipe.tracer.flush()  # the last optimizer step's event (collective; nothing without --trace)
     dist.barrier()
     dist.destroy_process_group()
+
+
+def _print_memory(pipe: DistributedPipeline) -> None:
+    """Rank 0 prints every rank's measured memory of the step just run, beside the plan's
+    prediction: `memory rank r  measured ...; predicted ...` (collective)."""
+    lines: list[Any] = [None] * pipe.world
+    dist.all_gather_object(lines, str(pipe.memory_stats()), group=pipe.groups.world)
+    if pipe.rank == 0:
+        for r, line in enumerate(lines):
+            print(f"memory rank {r}  {line}", flush=True)
 
 
 def main(argv: list[str]) -> int:

@@ -194,7 +194,7 @@ class DistributedPipeline(Pipeline[Rows]):
     def _stepping(self) -> Iterator[None]:
         """Count the call, checked across ranks ([Note: step numbers] in steps.py); tp.* is
         process-wide: several pipelines in one process take turns."""
-        with self._steps.step():
+        with self._steps.step(), self._memory.window():
             self._set_tp_group()
             yield
 

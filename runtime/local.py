@@ -140,7 +140,8 @@ class LocalPipeline(Pipeline[_Orders]):
     @contextlib.contextmanager
     def _stepping(self) -> Iterator[None]:
         self._calls += 1
-        yield
+        with self._memory.window():
+            yield
 
     def _norm_term(self, p: float) -> torch.Tensor:
         """Every lane's term, summed (or the largest, for the inf-norm)."""

@@ -31,6 +31,7 @@ from typing import Any, Callable, ContextManager, Generic, Mapping, Sequence, Ty
 import torch
 
 from . import checkpoint, clip, initialize, local_rows, microbatches, optim, package, precision, weights
+from .memory import MemoryStats, MemoryTracker
 from .counts import Counts
 from .errors import BatchError
 from .manifest import Manifest
@@ -76,6 +77,7 @@ class Pipeline(ABC, Generic[Order]):
         self.manifest = package.load_manifest(directory)
         self.training = True
         self._loss_fn: LossFn | None = None
+        self._memory = MemoryTracker(self._all_parameters)
 
     # -- the hooks -----------------------------------------------------------------------------
 
@@ -101,7 +103,8 @@ class Pipeline(ABC, Generic[Order]):
 
     @abstractmethod
     def _stepping(self) -> ContextManager[Any]:
-        """Step 1: count a call around its whole run."""
+        """Step 1: count a call around its whole run, inside `self._memory.window()` (the
+        call's memory, when tracked: [Note: measured memory] in memory.py)."""
 
     @abstractmethod
     def _norm_term(self, p: float) -> torch.Tensor:
@@ -249,8 +252,34 @@ class Pipeline(ABC, Generic[Order]):
                        **defaults: Any) -> torch.optim.Optimizer:
         """`cls` over this process's parameters (every lane's), groups by original name
         ([Note: parameter groups by original name] in optim.py)."""
-        return optim.make_optimizer(cls, self.named_parameters(), self.manifest, params, self._zero_group(),
-                                    **defaults)
+        opt = optim.make_optimizer(cls, self.named_parameters(), self.manifest, params, self._zero_group(), **defaults)
+        self._memory.watch(opt)
+        return opt
+
+    # -- memory (runtime/memory.py) ------------------------------------------------------------
+
+    def track_memory(self, on: bool = True) -> None:
+        """Measure the next steps' memory (each train_step, evaluate or pipe(inputs), with the
+        step of an optimizer from make_optimizer after it) until `track_memory(False)`; a step
+        without tracking costs nothing ([Note: measured memory] in memory.py)."""
+        self._memory.on = bool(on)
+
+    def memory_stats(self) -> MemoryStats:
+        """This process's peak bytes in its last tracked step by kind, and the total, beside
+        the plan's prediction for the stages it holds ([Note: measured memory] in memory.py);
+        NotTrackedError if no step was tracked."""
+        return self._memory.stats(self._predicted_bytes())
+
+    def _predicted_bytes(self) -> int:
+        """The plan's peak bytes for this process's stages, summed (0: the plan has none)."""
+        predicted = self.manifest.predicted
+        held = {r.entry.index for r in self._runners()}
+        return sum(predicted.stages[k].memory_bytes for k in held if k < len(predicted.stages)) if predicted else 0
+
+    def _all_parameters(self) -> list[torch.nn.Parameter]:
+        """The stage modules' parameters and, under bf16, their masters: each once."""
+        every = [p for _, p in self._module_named()] + self.parameters()
+        return list({id(p): p for p in every}.values())
 
     # -- checkpoints (runtime/checkpoint/; docs/checkpoints.md) --------------------------------
 

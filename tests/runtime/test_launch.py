@@ -70,6 +70,9 @@ def test_run_trains_and_traces(make_tiny: Callable[..., Tiny]) -> None:
         opt.step()
         want.append(loss.item())
     assert got == pytest.approx(want, rel=1e-5, abs=2e-6), out
+    # after the first step only, each rank's measured memory beside the plan's (runtime/memory.py)
+    memory = re.findall(r"^memory rank (\d)  measured .* \(parameters .*\); predicted .*$", out, re.M)
+    assert memory == ["0", "1"], out
     events = json.loads(trace.read_text())["traceEvents"]
     spans = [e for e in events if e["ph"] == "X"]
     assert {e["pid"] for e in spans} == {0, 1}
