@@ -20,11 +20,12 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # what the names are, for the type checker; at run time `__getattr__` imports them
-    from .checkpoint import latest_checkpoint
+    from .checkpoint import latest_checkpoint, load_latest
     from .distributed import DistributedPipeline
     from .errors import PipelineError
     from .initialize import init_weights
     from .local import LocalPipeline
+    from .nonfinite import finite_step
     from .manifest import FORMAT_VERSION, Manifest
     from .scaler import GradScaler
     from .schedule import (SCHEDULES, Action, Kind, StageGraph, execution_order, format_grid, format_schedule, gpipe,
@@ -35,6 +36,8 @@ __all__ = [
     "DistributedPipeline",
     "PipelineError",
     "latest_checkpoint",
+    "load_latest",
+    "finite_step",
     "init_weights",
     "GradScaler",
     "Manifest",
@@ -61,6 +64,8 @@ _EXPORTS = {
     "DistributedPipeline": "distributed",
     "PipelineError": "errors",
     "latest_checkpoint": "checkpoint",
+    "load_latest": "checkpoint",
+    "finite_step": "nonfinite",
     "init_weights": "initialize",
     "GradScaler": "scaler",
     "Manifest": "manifest",

@@ -3,9 +3,9 @@
 [Note: checkpoint commit]
     A save of PATH writes into PARENT/.NAME.partial (every rank, in parallel), then, after
     a barrier (every rank has written its files and DCP's coordinator its .metadata), the
-    coordinator writes COMPLETE.json (each file's size, the time, the world size), syncs it
-    and renames the folder to PATH; a second barrier ends the save.  A rank killed at any
-    point before the rename leaves PATH as it was (the previous checkpoint, or nothing) and
+    coordinator writes CHECKSUMS.json ([Note: checkpoint checksums]), then COMPLETE.json
+    (each file's size, the time, the world size), syncs it and renames the folder to PATH;
+    a second barrier ends the save.  A rank killed at any point before the rename leaves PATH as it was (the previous checkpoint, or nothing) and
     a .partial folder without a marker, which `verify` refuses and `latest_checkpoint`
     skips; the next save of the same PATH clears it.  Overwriting an existing PATH moves
     it to .NAME.old first, so for an instant neither name holds it; give each save its
@@ -22,8 +22,9 @@ from pathlib import Path
 from typing import Any, Callable
 
 from ..errors import CheckpointError, CheckpointNotFoundError
+from . import checksums
 
-__all__ = ["MARKER", "partial_dir", "begin", "commit", "verify", "latest_checkpoint", "prune"]
+__all__ = ["MARKER", "partial_dir", "begin", "commit", "verify", "complete", "latest_checkpoint", "prune"]
 
 MARKER = "COMPLETE.json"
 FORMAT = 1
@@ -50,7 +51,9 @@ def commit(final: Path, tmp: Path, coordinator: bool, barrier: Barrier, info: di
     """After every rank wrote into `tmp`: the marker, then the rename (coordinator)."""
     barrier()
     if coordinator:
-        files = {str(p.relative_to(tmp)): p.stat().st_size for p in sorted(tmp.rglob("*")) if p.is_file()}
+        checksums.write(tmp, skip=(MARKER,))
+        files = {str(p.relative_to(tmp)): p.stat().st_size for p in sorted(tmp.rglob("*"))
+                 if p.is_file() and p.name != checksums.CHECKSUMS}  # [Note: checkpoint checksums]
         marker = tmp / MARKER
         with open(marker, "w") as f:
             json.dump({"format": FORMAT, "saved_at": time.time(), **info, "files": files}, f, indent=1)
@@ -114,6 +117,11 @@ def _complete(root: Path) -> list[tuple[float, Path]]:
         except (CheckpointError, KeyError, TypeError, ValueError):
             continue
     return sorted(out)
+
+
+def complete(root: str | os.PathLike[str]) -> list[Path]:
+    """Every complete checkpoint directly under `root`, newest first (as `latest_checkpoint`)."""
+    return [path for _, path in reversed(_complete(Path(root)))]
 
 
 def latest_checkpoint(root: str | os.PathLike[str]) -> Path | None:

@@ -12,6 +12,7 @@ A checkpoint PATH is two DCP checkpoints:
                      optim_group/NAME  the hyperparameters of NAME's param group (lr, ...)
                      extra           the caller's `extra` (LR scheduler, step, data position)
                      rng/RANK        each rank's torch RNG states
+    PATH/CHECKSUMS.json the sha256 of every file ([Note: checkpoint checksums])
     PATH/COMPLETE.json  written last ([Note: checkpoint commit])
 
 Optimizer state is keyed by original names, so it loads onto any plan; any torch.optim
@@ -38,6 +39,7 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 from ..comm import _short
 from ..errors import CheckpointError, PipelineError
 from ..weights import Held, _expected_keys, key_mismatch
+from . import checksums
 from . import commit as commits
 from .chunks import Chunked, boxes, collect, global_shape, is_sharded
 from .view import View
@@ -190,6 +192,7 @@ def load(view: View, path: str | os.PathLike[str], optimizer: torch.optim.Optimi
     rank's RNG; return the saved `extra` (None if there was none)."""
     root = Path(path)
     commits.verify(root)
+    checksums.check(root)  # before any tensor is read ([Note: checkpoint checksums])
     try:
         _read(view, _model_request(view, root, _metadata(root), strict), root)
         extra = _load_train(view, root / "train", optimizer)
