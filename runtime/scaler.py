@@ -31,7 +31,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-__all__ = ["GradScaler"]
+__all__ = ["GradScaler", "agree"]
 
 
 class GradScaler(torch.amp.GradScaler):
@@ -89,10 +89,15 @@ class GradScaler(torch.amp.GradScaler):
         return self._scale.device
 
     def _global(self, found: torch.Tensor) -> torch.Tensor:
-        """The largest of every rank's flag (this rank's alone outside torch.distributed)."""
-        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-            return found
-        flag = found.detach().clone().float()
-        work = dist.all_reduce(flag, op=dist.ReduceOp.MAX, async_op=True)
-        work.wait(self._timeout)
-        return flag
+        return agree(found, self._timeout)
+
+
+def agree(found: torch.Tensor, timeout: datetime.timedelta) -> torch.Tensor:
+    """The largest of every rank's flag (this rank's alone outside torch.distributed): one
+    all-reduce, so that every rank takes the same decision."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return found
+    flag = found.detach().clone().float()
+    work = dist.all_reduce(flag, op=dist.ReduceOp.MAX, async_op=True)
+    work.wait(timeout)
+    return flag
