@@ -25,9 +25,8 @@ if TYPE_CHECKING:  # what the names are, for the type checker; at run time `__ge
     from .errors import PipelineError
     from .initialize import init_weights
     from .local import LocalPipeline
-    from .nonfinite import finite_step
     from .manifest import FORMAT_VERSION, Manifest
-    from .scaler import GradScaler
+    from .scaler import GradScaler, finite_step
     from .schedule import (SCHEDULES, Action, Kind, StageGraph, execution_order, format_grid, format_schedule, gpipe,
                            interleaved_1f1b, lower, make_schedule, one_f_one_b, parse_schedule, validate)
 
@@ -65,7 +64,7 @@ _EXPORTS = {
     "PipelineError": "errors",
     "latest_checkpoint": "checkpoint",
     "load_latest": "checkpoint",
-    "finite_step": "nonfinite",
+    "finite_step": "scaler",
     "init_weights": "initialize",
     "GradScaler": "scaler",
     "Manifest": "manifest",

@@ -27,7 +27,7 @@ from runtime import DistributedPipeline, GradScaler, package
 from runtime.checkpoint import run as checkpointing
 from runtime.errors import PipelineError
 from runtime.launch import add_training_arguments
-from runtime.nonfinite import finite_step
+from runtime.scaler import finite_step
 
 __all__ = ["main", "OPTIMIZERS"]
 

@@ -39,7 +39,6 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 from ..comm import _short
 from ..errors import CheckpointError, PipelineError
 from ..weights import Held, _expected_keys, key_mismatch
-from . import checksums
 from . import commit as commits
 from .chunks import Chunked, boxes, collect, global_shape, is_sharded
 from .view import View
@@ -192,7 +191,7 @@ def load(view: View, path: str | os.PathLike[str], optimizer: torch.optim.Optimi
     rank's RNG; return the saved `extra` (None if there was none)."""
     root = Path(path)
     commits.verify(root)
-    checksums.check(root)  # before any tensor is read ([Note: checkpoint checksums])
+    commits.check_checksums(root)  # before any tensor is read ([Note: checkpoint checksums])
     try:
         _read(view, _model_request(view, root, _metadata(root), strict), root)
         extra = _load_train(view, root / "train", optimizer)

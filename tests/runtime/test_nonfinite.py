@@ -7,7 +7,6 @@ import os
 import signal
 import subprocess
 import sys
-from pathlib import Path
 from typing import Callable
 
 import pytest
