@@ -20,13 +20,13 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # what the names are, for the type checker; at run time `__getattr__` imports them
-    from .checkpoint import latest_checkpoint
+    from .checkpoint import latest_checkpoint, load_latest
     from .distributed import DistributedPipeline
     from .errors import PipelineError
     from .initialize import init_weights
     from .local import LocalPipeline
     from .manifest import FORMAT_VERSION, Manifest
-    from .scaler import GradScaler
+    from .scaler import GradScaler, finite_step
     from .schedule import (SCHEDULES, Action, Kind, StageGraph, execution_order, format_grid, format_schedule, gpipe,
                            interleaved_1f1b, lower, make_schedule, one_f_one_b, parse_schedule, validate)
 
@@ -35,6 +35,8 @@ __all__ = [
     "DistributedPipeline",
     "PipelineError",
     "latest_checkpoint",
+    "load_latest",
+    "finite_step",
     "init_weights",
     "GradScaler",
     "Manifest",
@@ -61,6 +63,8 @@ _EXPORTS = {
     "DistributedPipeline": "distributed",
     "PipelineError": "errors",
     "latest_checkpoint": "checkpoint",
+    "load_latest": "checkpoint",
+    "finite_step": "scaler",
     "init_weights": "initialize",
     "GradScaler": "scaler",
     "Manifest": "manifest",

@@ -6,10 +6,12 @@ loads them into this rank's stages and trains K steps (--optimizer sgd | adamw, 
 --clip) on the model file's `batches()`, or on its example batch when it has none (with
 --resume, from the newest checkpoint's step on; --checkpoint saves); fp16-mixed packages
 scale the loss ([Note: a global loss scale]) and, with --clip, unscale the gradients before
-clipping them. Rank 0 prints `step k  loss X.XXXXXX  time Y ms` (with --clip,
-`step k  loss X.XXXXXX  norm N.NNNNNN  time Y ms`: the gradient norm before clipping), and
-after the first step `memory rank r  measured ...; predicted ...` for each rank (its peak
-bytes by kind in that step beside the plan's prediction: runtime/memory.py).
+clipping them; --on-nonfinite skip|stop skips a step whose loss or gradients are not
+finite on every rank, or stops there ([Note: non-finite steps]). Rank 0 prints
+`step k  loss X.XXXXXX  time Y ms` (with --clip, `step k  loss X.XXXXXX  norm N.NNNNNN  time
+Y ms`: the gradient norm before clipping), and after the first step `memory rank r
+measured ...; predicted ...` for each rank (its peak bytes by kind in that step beside the
+plan's prediction: runtime/memory.py).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from runtime import DistributedPipeline, GradScaler, package
 from runtime.checkpoint import run as checkpointing
 from runtime.errors import PipelineError
 from runtime.launch import add_training_arguments
+from runtime.scaler import finite_step
 
 __all__ = ["main", "OPTIMIZERS"]
 
@@ -40,6 +43,17 @@ def _batches(model_file: Any) -> Iterator[tuple[Any, Any]]:
     if not hasattr(model_file, "batches"):
         return itertools.repeat((model_file.example_inputs(), model_file.example_target()))
     return itertools.chain.from_iterable(model_file.batches() for _ in itertools.count())
+
+
+def _finite(ns: argparse.Namespace, loss: torch.Tensor, opt: torch.optim.Optimizer | None, step: int,
+            scaler: GradScaler) -> bool:
+    """--on-nonfinite: whether to take step `step` ([Note: non-finite steps]); a skipped
+    step leaves the fp16 scale as it was."""
+    if ns.on_nonfinite is None or finite_step(loss, opt, step, ns.on_nonfinite, grads=not scaler.is_enabled()):
+        return True
+    if scaler.is_enabled():
+        scaler.update(scaler.get_scale())
+    return False
 
 
 def _train(ns: argparse.Namespace) -> None:
@@ -67,8 +81,11 @@ def _train(ns: argparse.Namespace) -> None:
         if ns.clip is not None:  # the true gradients (fp16-mixed: unscaled, and the global inf check) are clipped
             scaler.unscale_(opt)
             norm = f"  norm {pipe.clip_grad_norm_(ns.clip).item():.6f}"
-        scaler.step(opt)
-        scaler.update()
+        if _finite(ns, loss, opt, k, scaler):
+            scaler.step(opt)
+            scaler.update()
+        else:
+            norm += "  skipped (not finite)"
         if pipe.device.type == "cuda":
             torch.cuda.synchronize(pipe.device)
         ms = (time.perf_counter() - start) * 1e3

@@ -17,6 +17,8 @@ __all__ = [
     "PeerError",
     "CheckpointError",
     "CheckpointNotFoundError",
+    "CheckpointCorruptError",
+    "NonFiniteError",
 ]
 
 
@@ -54,3 +56,15 @@ class CheckpointError(PipelineError):
 
 class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
     """A checkpoint folder, or the folder checkpoints are looked for in, does not exist."""
+
+
+class CheckpointCorruptError(CheckpointError):
+    """A file of a checkpoint is not the one saved ([Note: checkpoint checksums]); `file` names it."""
+
+    def __init__(self, message: str, file: object = None) -> None:
+        super().__init__(message)
+        self.file = file
+
+
+class NonFiniteError(PipelineError):
+    """A step's loss or gradients are not finite under `--on-nonfinite stop` ([Note: non-finite steps])."""

@@ -1,5 +1,5 @@
-"""`partitioner run DIR --nproc N [--steps K] [--lr LR] [--trace FILE]` (and the checkpoint
-options of checkpoint/run.py: --checkpoint DIR --save-every K --keep N --resume --init --load
+"""`partitioner run DIR --nproc N [--steps K] [--lr LR] [--trace FILE] [--on-nonfinite skip|stop]`
+(and the checkpoint options of checkpoint/run.py: --checkpoint DIR --save-every K --keep N --resume --init --load
 PATH): train a package for a few steps, one process per rank, through torchrun (the
 user-facing contract: README.md, "Use", and docs/checkpoints.md).
 
@@ -40,11 +40,14 @@ def add_training_arguments(parser: argparse.ArgumentParser) -> None:
     """`partitioner run`'s choices of how to train (beside --steps and --lr)."""
     parser.add_argument("--optimizer", choices=["sgd", "adamw"], default="sgd", help="the optimizer (default sgd)")
     parser.add_argument("--clip", type=float, help="clip the whole model's gradient norm to this (pipe.clip_grad_norm_)")
+    parser.add_argument("--on-nonfinite", choices=["skip", "stop"],
+                        help="a step whose loss or gradients are not finite: skip it on every rank, or stop the run")
 
 
 def training_arguments(ns: argparse.Namespace) -> list[str]:
     """The worker's arguments for `add_training_arguments`' choices."""
-    return ["--optimizer", ns.optimizer] + (["--clip", repr(ns.clip)] if ns.clip is not None else [])
+    return (["--optimizer", ns.optimizer] + (["--clip", repr(ns.clip)] if ns.clip is not None else [])
+            + (["--on-nonfinite", ns.on_nonfinite] if ns.on_nonfinite else []))
 
 
 def torchrun_command(directory: str, nproc: int, steps: int, lr: float, trace: str | None,

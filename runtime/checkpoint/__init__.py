@@ -8,15 +8,17 @@ torch.distributed.checkpoint (about 2 s to import) is imported on the first save
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from .commit import latest_checkpoint
+from ..errors import CheckpointCorruptError
+from .commit import complete, latest_checkpoint
 from .view import View
 
-__all__ = ["View", "save", "load", "latest_checkpoint"]
+__all__ = ["View", "save", "load", "latest_checkpoint", "load_latest"]
 
 
 def save(view: View, path: str | os.PathLike[str], optimizer: torch.optim.Optimizer | None = None,
@@ -44,3 +46,27 @@ def load(view: View, path: str | os.PathLike[str], optimizer: torch.optim.Optimi
     from . import dcp
 
     return dcp.load(view, path, optimizer, strict)
+
+
+def load_latest(pipe: Any, root: str | os.PathLike[str], optimizer: torch.optim.Optimizer | None = None,
+                strict: bool = True) -> tuple[Path, Any] | None:
+    """`pipe.load_checkpoint` of the newest complete checkpoint under `root`, or, when a file
+    of it is corrupt ([Note: checkpoint checksums]), of the newest one before it that is
+    not (rank 0 says so in one line on stderr): (its path, its `extra`); None when `root`
+    holds no complete checkpoint.  Raises CheckpointCorruptError when every one is corrupt,
+    CheckpointNotFoundError when `root` is not a folder.  On every rank (collective)."""
+    latest_checkpoint(root)  # the same refusal of a `root` that is not a folder
+    found = complete(root)
+    for path in found:
+        try:
+            return path, pipe.load_checkpoint(path, optimizer=optimizer, strict=strict)
+        except CheckpointCorruptError as exc:
+            last = exc
+            if getattr(pipe, "rank", 0) == 0:
+                print(f"checkpoint {path} is corrupt ({exc.file} changed after the save): loading the previous one",
+                      file=sys.stderr, flush=True)
+    if not found:
+        return None
+    raise CheckpointCorruptError(f"every complete checkpoint under {root} is corrupt ({len(found)}, the newest "
+                                 f"{found[0]}): {last}") from None
+

@@ -3,17 +3,29 @@
 [Note: checkpoint commit]
     A save of PATH writes into PARENT/.NAME.partial (every rank, in parallel), then, after
     a barrier (every rank has written its files and DCP's coordinator its .metadata), the
-    coordinator writes COMPLETE.json (each file's size, the time, the world size), syncs it
-    and renames the folder to PATH; a second barrier ends the save.  A rank killed at any
-    point before the rename leaves PATH as it was (the previous checkpoint, or nothing) and
+    coordinator writes CHECKSUMS.json ([Note: checkpoint checksums]), then COMPLETE.json
+    (each file's size, the time, the world size), syncs it and renames the folder to PATH;
+    a second barrier ends the save.  A rank killed at any point before the rename leaves PATH as it was (the previous checkpoint, or nothing) and
     a .partial folder without a marker, which `verify` refuses and `latest_checkpoint`
     skips; the next save of the same PATH clears it.  Overwriting an existing PATH moves
     it to .NAME.old first, so for an instant neither name holds it; give each save its
     own name (step-000100) to never meet that.
+
+[Note: checkpoint checksums]
+    After every rank wrote its files, and before COMPLETE.json ([Note: checkpoint commit]),
+    the coordinator writes CHECKSUMS.json beside DCP's .metadata: the sha256 of every file
+    of the checkpoint (the model's, train/'s), by path inside it.  `load` checks them all
+    on every process before it reads a tensor, so a flipped byte is named (file and fix)
+    instead of loading wrong weights, and nothing was changed when the error is raised
+    (`load_latest` can then load the previous checkpoint instead).  CHECKSUMS.json is not
+    in the marker's list of files: a checkpoint written before checksums existed (without
+    it) loads as before, unchecked.  Cost: every byte is read once more at save (by the
+    coordinator) and at load (by every process).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -21,9 +33,9 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from ..errors import CheckpointError, CheckpointNotFoundError
+from ..errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError
 
-__all__ = ["MARKER", "partial_dir", "begin", "commit", "verify", "latest_checkpoint", "prune"]
+__all__ = ["MARKER", "partial_dir", "begin", "commit", "verify", "write_checksums", "check_checksums", "complete", "latest_checkpoint", "prune"]
 
 MARKER = "COMPLETE.json"
 FORMAT = 1
@@ -50,7 +62,9 @@ def commit(final: Path, tmp: Path, coordinator: bool, barrier: Barrier, info: di
     """After every rank wrote into `tmp`: the marker, then the rename (coordinator)."""
     barrier()
     if coordinator:
-        files = {str(p.relative_to(tmp)): p.stat().st_size for p in sorted(tmp.rglob("*")) if p.is_file()}
+        write_checksums(tmp, skip=(MARKER,))
+        files = {str(p.relative_to(tmp)): p.stat().st_size for p in sorted(tmp.rglob("*"))
+                 if p.is_file() and p.name != CHECKSUMS}  # [Note: checkpoint checksums]
         marker = tmp / MARKER
         with open(marker, "w") as f:
             json.dump({"format": FORMAT, "saved_at": time.time(), **info, "files": files}, f, indent=1)
@@ -116,6 +130,11 @@ def _complete(root: Path) -> list[tuple[float, Path]]:
     return sorted(out)
 
 
+def complete(root: str | os.PathLike[str]) -> list[Path]:
+    """Every complete checkpoint directly under `root`, newest first (as `latest_checkpoint`)."""
+    return [path for _, path in reversed(_complete(Path(root)))]
+
+
 def latest_checkpoint(root: str | os.PathLike[str]) -> Path | None:
     """The newest complete checkpoint directly under `root` (by the time its save
     finished), or None when the folder holds none; incomplete and corrupt ones are skipped.
@@ -138,3 +157,52 @@ def prune(root: Path, keep: int) -> list[Path]:
     for path in old:
         shutil.rmtree(path)
     return old
+
+
+# -- [Note: checkpoint checksums] --------------------------------------------------------
+
+CHECKSUMS = "CHECKSUMS.json"
+CHUNK = 1 << 20
+
+
+def _sha256(file: Path) -> str:
+    digest = hashlib.sha256()
+    with open(file, "rb") as f:
+        for block in iter(lambda: f.read(CHUNK), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def write_checksums(folder: Path, skip: tuple[str, ...] = ()) -> dict[str, str]:
+    """Write folder/CHECKSUMS.json (synced): the sha256 of every file under `folder` but
+    itself and those named in `skip`; returns them."""
+    sums = {str(p.relative_to(folder)): _sha256(p) for p in sorted(folder.rglob("*"))
+            if p.is_file() and p.name != CHECKSUMS and str(p.relative_to(folder)) not in skip}
+    with open(folder / CHECKSUMS, "w") as f:
+        json.dump({"algorithm": "sha256", "files": sums}, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    return sums
+
+
+def check_checksums(folder: Path) -> int:
+    """Raise CheckpointCorruptError naming the first file of `folder` whose sha256 is not
+    the one saved; the number of files checked (0 for a checkpoint without CHECKSUMS.json)."""
+    file = folder / CHECKSUMS
+    if not file.is_file():
+        return 0
+    fix = (f"load the previous checkpoint (runtime.load_latest(pipe, {str(folder.parent)!r}) or `partitioner run "
+           f"--resume` do so by themselves), or copy {folder} again from where it was saved")
+    try:
+        sums = dict(json.loads(file.read_text())["files"])
+    except (ValueError, KeyError, TypeError) as exc:
+        raise CheckpointCorruptError(f"checkpoint {folder} is corrupt: {file} is not a list of checksums ({exc}): "
+                                     f"{fix}.", file) from None
+    for name, want in sums.items():
+        path = folder / name
+        got = _sha256(path) if path.is_file() else "missing"
+        if got != want:
+            raise CheckpointCorruptError(f"checkpoint {folder} is corrupt: {path} has sha256 {got[:16]}... but was "
+                                         f"saved with {want[:16]}... (the file changed after the save: a disk or copy "
+                                         f"error): {fix}.", path)
+    return len(sums)

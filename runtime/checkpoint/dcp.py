@@ -12,6 +12,7 @@ A checkpoint PATH is two DCP checkpoints:
                      optim_group/NAME  the hyperparameters of NAME's param group (lr, ...)
                      extra           the caller's `extra` (LR scheduler, step, data position)
                      rng/RANK        each rank's torch RNG states
+    PATH/CHECKSUMS.json the sha256 of every file ([Note: checkpoint checksums])
     PATH/COMPLETE.json  written last ([Note: checkpoint commit])
 
 Optimizer state is keyed by original names, so it loads onto any plan; any torch.optim
@@ -190,6 +191,7 @@ def load(view: View, path: str | os.PathLike[str], optimizer: torch.optim.Optimi
     rank's RNG; return the saved `extra` (None if there was none)."""
     root = Path(path)
     commits.verify(root)
+    commits.check_checksums(root)  # before any tensor is read ([Note: checkpoint checksums])
     try:
         _read(view, _model_request(view, root, _metadata(root), strict), root)
         extra = _load_train(view, root / "train", optimizer)

@@ -92,11 +92,15 @@ def resume_from(ns: argparse.Namespace) -> Path | None:
 
 def resume(pipe: Any, optimizer: torch.optim.Optimizer | None, ns: argparse.Namespace) -> int:
     """--resume / --resume-if-any: load the newest complete checkpoint under --checkpoint
-    (`resume_from`); the step it was saved after (0 when starting afresh)."""
-    path = resume_from(ns)
-    if path is None:
+    (`resume_from`; the one before it when a file of it is corrupt: `load_latest`); the step it was saved after (0 when starting afresh)."""
+    if resume_from(ns) is None:
         return 0
-    extra = pipe.load_checkpoint(path, optimizer=optimizer)
+    from . import load_latest
+
+    loaded = load_latest(pipe, ns.checkpoint, optimizer)  # a corrupt newest one: the one before it
+    if loaded is None:
+        return 0
+    path, extra = loaded
     if pipe.rank == 0:
         print(f"resumed from {path} after step {extra['step']}", flush=True)
     return int(extra["step"])

@@ -152,10 +152,14 @@ def test_incomplete_and_corrupt_checkpoints_are_refused(make_tiny: Callable[...,
     with pytest.raises(CheckpointError, match=rf"step-3 is corrupt: .*{shard.name} has 10 bytes but was written with"):
         run.load(bad)
     assert runtime.latest_checkpoint(tmp_path) == good
-    # bytes changed in place (same size): DCP's reader fails, and the file is named
+    # bytes changed in place (same size): the checksum names the file ([Note: checkpoint checksums]);
+    # without checksums (a checkpoint saved before them) DCP's reader fails, and the file is named
     bad = run.save(tmp_path / "step-4")
     meta = bad / ".metadata"
     meta.write_bytes(b"x" * meta.stat().st_size)
+    with pytest.raises(CheckpointError, match=r"step-4 is corrupt: .*step-4/\.metadata has sha256 .* but was saved"):
+        run.load(bad)
+    (bad / "CHECKSUMS.json").unlink()
     with pytest.raises(CheckpointError, match=r"step-4 is corrupt: .*step-4/\.metadata cannot be read"):
         run.load(bad)
     run.load(good)
