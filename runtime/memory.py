@@ -90,18 +90,24 @@ class _Seen(TorchDispatchMode):
 
 
 class MemoryTracker:
-    """The windows of [Note: measured memory] for one pipeline: `params` gives its
-    parameters (module weights and masters); costs nothing while off."""
+    """The windows of [Note: measured memory] for one pipeline: `params`, a method of the
+    pipeline, gives its parameters (module weights and masters); costs nothing while off."""
 
     def __init__(self, params: Callable[[], list[torch.nn.Parameter]]) -> None:
         self.on = False
-        self._params = params
+        # held weakly: the pipeline owns this tracker, and a bound method would hold the
+        # pipeline in a cycle that outlives its last reference
+        self._params_of = weakref.WeakMethod(params)  # type: ignore[arg-type]
         self._optimizers: list[weakref.ref[torch.optim.Optimizer]] = []
         self._live: dict[int, list[int]] = {}  # storage key -> [bytes, kind]
         self._by_kind = [0] * len(KINDS)  # the live bytes of each kind
         self._current = self._peak = 0
         self._split: tuple[int, ...] | None = None
         self._cuda_peak = 0
+
+    def _params(self) -> list[torch.nn.Parameter]:
+        method = self._params_of()
+        return method() if method is not None else []
 
     def watch(self, opt: torch.optim.Optimizer) -> None:
         """Let `opt.step()` join the window of the step before it."""
