@@ -1,0 +1,132 @@
+"""`partitioner.parallelize` (driver/parallelize.py): a model built in the script trains like the
+unsplit model in one process and on 2 and 4 gloo ranks; a second call reuses the package; the
+package is self-contained; what cannot be recorded is refused with the fix."""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import partitioner
+from driver import parallelize as parallelize_module
+from partitioner.errors import ParallelizeError
+from runtime.manifest import read_manifest
+
+from .conftest import FREE_LINKS
+from .parallelize_models import build
+from .runtime.test_distributed import _ok, launch
+
+FAST = {"analytic": True, "hardware": "a100", "time_limit": 5.0, "quiet": True}
+RTOL, ATOL = 1e-5, 1e-6
+
+
+def _train_alike(pipe: Any, model: torch.nn.Module, example: Any, target: torch.Tensor, loss_fn: Any) -> None:
+    """2 SGD steps of the pipeline and of the original: same losses, same weights."""
+    args, kwargs = example
+    opt, ref = torch.optim.SGD(pipe.parameters(), lr=0.1), torch.optim.SGD(model.parameters(), lr=0.1)
+    for _ in range(2):
+        opt.zero_grad()
+        ref.zero_grad()
+        got = pipe.train_step(kwargs or args, target)
+        want = loss_fn(model(*args, **kwargs), target)
+        want.backward()
+        opt.step()
+        ref.step()
+        torch.testing.assert_close(got.detach(), want.detach(), rtol=RTOL, atol=ATOL)
+    state = pipe.state_dict()
+    for key, value in model.state_dict().items():
+        torch.testing.assert_close(state[key], value, rtol=RTOL, atol=ATOL, msg=lambda m: f"{key}: {m}")
+
+
+@pytest.mark.parametrize("name", ["gpt", "llama"])
+def test_one_process_trains_like_the_model(name: str, tmp_path: Path) -> None:
+    model, example, target, loss_fn = build(name)
+    original = copy.deepcopy(model)
+    pipe = partitioner.parallelize(model, example[1] or example[0], loss_fn, out=tmp_path / "pkg", stages=2, **FAST)
+    assert type(pipe).__name__ == "LocalPipeline"
+    assert read_manifest(tmp_path / "pkg").mesh.pp == 2
+    _train_alike(pipe, original, example, target, loss_fn)
+
+
+def test_second_call_reuses_the_package(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    model, example, target, loss_fn = build("gpt")
+    first = partitioner.parallelize(model, example[0], loss_fn, stages=2, **FAST)  # the cache folder
+    monkeypatch.setattr(parallelize_module, "compile_model", _no_compile)
+    second = partitioner.parallelize(model, example[0], loss_fn, stages=2, **FAST)
+    assert second.directory == first.directory
+    assert "reusing the package" in capsys.readouterr().err
+    with pytest.raises(AssertionError, match="compiled again"):  # other options: another package
+        partitioner.parallelize(model, example[0], loss_fn, stages=3, microbatches=3, **FAST)
+
+
+def _no_compile(*_args: Any, **_kwargs: Any) -> None:
+    raise AssertionError("compiled again")
+
+
+def test_meta_model_starts_from_init_weights(tmp_path: Path) -> None:
+    model, example, target, loss_fn = build("gpt")
+    import gpt
+
+    with torch.device("meta"):
+        meta = gpt.build_model()
+    pipe = partitioner.parallelize(meta, example[0], loss_fn, out=tmp_path / "pkg", stages=2, **FAST)
+    pipe.init_weights(seed=3)
+    import runtime
+
+    runtime.init_weights(model, seed=3)
+    _train_alike(pipe, model, example, target, loss_fn)
+
+
+def test_package_is_self_contained(tmp_path: Path) -> None:
+    """The package keeps gpt.py (the module of the model's class) and a model file whose
+    build_model() rebuilds the model; `show` reads it."""
+    model, example, _target, loss_fn = build("gpt")
+    partitioner.parallelize(model, example[0], loss_fn, out=tmp_path / "pkg", stages=2, **FAST)
+    manifest = json.loads((tmp_path / "pkg" / "manifest.json").read_text())
+    assert manifest["source"]["modules"] == ["gpt.py"]
+    from runtime.package import load_model_file
+
+    rebuilt = load_model_file(read_manifest(tmp_path / "pkg"), tmp_path / "pkg").build_model()
+    assert {k: v.shape for k, v in rebuilt.state_dict().items()} == {k: v.shape for k, v in model.state_dict().items()}
+    from driver.cli import main
+
+    assert main(["show", str(tmp_path / "pkg")]) == 0
+
+
+def test_unknown_option_names_the_known_ones() -> None:
+    model, example, _target, loss_fn = build("gpt")
+    with pytest.raises(ParallelizeError, match=r"unknown option virtual_stage: .*virtual_stages"):
+        partitioner.parallelize(model, example[0], loss_fn, virtual_stage=2)
+
+
+def test_lambda_loss_fn_is_refused_with_the_fix(tmp_path: Path) -> None:
+    model, example, _target, _loss = build("gpt")
+    with pytest.raises(ParallelizeError, match=r"not a function defined at the top level.*def loss_fn"):
+        partitioner.parallelize(model, example[0], lambda out, y: out.sum(), out=tmp_path / "p", **FAST)
+
+
+CASES = {  # name: (ranks, model, options, local)
+    "gpt-pp2": (2, "gpt", {"stages": 2}, False),
+    "llama-pp2": (2, "llama", {"stages": 2}, False),
+    "gpt-pp2-dp2-local": (4, "gpt", {"stages": 2, "dp": 2}, True),
+    "llama-pp2-dp2": (4, "llama", {"stages": 2, "dp": 2}, False),
+    "gpt-tp2": (2, "gpt", {"stages": 1, "tp": 2, "hardware": FREE_LINKS}, False),
+}
+
+
+@pytest.mark.multiproc
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_ranks_train_like_the_model(case: str, tmp_path: Path) -> None:
+    n, model, options, local = CASES[case]
+    spec = json.dumps({"model": model, "options": FAST | options, "local": local})
+    ranks = launch(n, "parallelize", [tmp_path / "pkg"], tmp_path / "unused.py", deadline_s=240,
+                   env={"PARALLELIZE_CASE": spec})
+    _ok(ranks)
+    assert read_manifest(tmp_path / "pkg").mesh.dp == options.get("dp", 1)
