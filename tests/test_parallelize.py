@@ -129,4 +129,5 @@ def test_ranks_train_like_the_model(case: str, tmp_path: Path) -> None:
     ranks = launch(n, "parallelize", [tmp_path / "pkg"], tmp_path / "unused.py", deadline_s=240,
                    env={"PARALLELIZE_CASE": spec})
     _ok(ranks)
-    assert read_manifest(tmp_path / "pkg").mesh.dp == options.get("dp", 1)
+    mesh = read_manifest(tmp_path / "pkg").mesh
+    assert (mesh.dp, mesh.tp) == (options.get("dp", 1), options.get("tp", 1))
