@@ -6,6 +6,10 @@ from __future__ import annotations
 
 import copy
 import json
+import os
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +21,7 @@ from driver import parallelize as parallelize_module
 from partitioner.errors import ParallelizeError
 from runtime.manifest import read_manifest
 
-from .conftest import FREE_LINKS
+from .conftest import FREE_LINKS, ROOT
 from .parallelize_models import build
 from .runtime.test_distributed import _ok, launch
 
@@ -131,3 +135,44 @@ def test_ranks_train_like_the_model(case: str, tmp_path: Path) -> None:
     _ok(ranks)
     mesh = read_manifest(tmp_path / "pkg").mesh
     assert (mesh.dp, mesh.tp) == (options.get("dp", 1), options.get("tp", 1))
+
+
+SCRIPT = Path(__file__).with_name("scripts") / "custom_function_script.py"
+#: the package trained in a fresh process from another folder, after the script is gone
+MOVED = """
+import sys, torch, runtime
+pipe = runtime.LocalPipeline(sys.argv[1])
+pipe.init_weights(seed=1)
+x, y = torch.randn(8, 8), torch.randint(0, 4, (8,))
+print("loss", float(pipe.train_step((x,), y)))
+"""
+
+
+def _python(cwd: Path, *args: str, **env: str) -> subprocess.CompletedProcess[str]:
+    full = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", **env}
+    return subprocess.run([sys.executable, *args], cwd=cwd, env=full, capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.timeout(300)
+def test_script_with_a_custom_function_and_its_package_elsewhere(tmp_path: Path) -> None:
+    """The model class, its autograd Function and loss_fn in the script: the package keeps the
+    script's copy, trains like the model, and runs from another folder after the script is gone."""
+    shutil.copy(SCRIPT, tmp_path / "my_train.py")
+    done = _python(tmp_path, "my_train.py")
+    assert "script ok" in done.stdout, done.stderr[-3000:]
+    assert "my_train.Square.apply" in "".join(p.read_text() for p in (tmp_path / "pkg").glob("stage_*.py"))
+    (tmp_path / "my_train.py").unlink()
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    moved = _python(elsewhere, "-c", MOVED, str(tmp_path / "pkg"))
+    assert moved.returncode == 0 and "loss" in moved.stdout, moved.stderr[-3000:]
+
+
+@pytest.mark.timeout(300)
+def test_unguarded_script_is_refused_with_the_fix(tmp_path: Path) -> None:
+    """A script whose work runs at import (no `if __name__ == "__main__":`) cannot be copied."""
+    unguarded = SCRIPT.read_text().replace('if __name__ == "__main__":\n    main()', "main()")
+    (tmp_path / "my_train.py").write_text(unguarded)
+    done = _python(tmp_path, "my_train.py")
+    assert done.returncode != 0
+    assert "ParallelizeError" in done.stderr and 'if __name__ == "__main__":' in done.stderr, done.stderr[-3000:]
