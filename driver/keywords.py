@@ -36,6 +36,7 @@ __all__ = ["KEYWORDS", "cache_key", "compile_options"]
 
 #: the options parallelize takes by keyword: every compile option but what it fills itself
 KEYWORDS = tuple(f.name for f in dataclasses.fields(CompileOptions) if f.name not in ("model", "out", "entry"))
+_UNPLANNED = ("quiet", "reprofile")  # options that leave the package as it is: not in the key
 
 
 def compile_options(model_path: str, out: str, options: dict[str, Any]) -> CompileOptions:
@@ -63,7 +64,7 @@ def cache_key(model: torch.nn.Module, example: Any, loss_fn: Callable[..., Any] 
         "tensors": [(n, list(t.shape), str(t.dtype)) for n, t in _tensors(model)],
         "example": _shapes(example),
         "loss_fn": None if loss_fn is None else f"{loss_fn.__module__}.{loss_fn.__qualname__}",
-        "options": {k: repr(v) for k, v in sorted(options.items())},
+        "options": {k: repr(v) for k, v in sorted(options.items()) if k not in _UNPLANNED},
         "hardware": options.get("hardware") or _machine(),
         "versions": [torch.__version__, FORMAT_VERSION],
     }

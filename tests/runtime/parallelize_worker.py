@@ -15,7 +15,6 @@ import json
 import os
 import sys
 from pathlib import Path
-from typing import Any
 
 import torch
 from torch.utils.data import DistributedSampler
