@@ -85,7 +85,7 @@ def _structure(model: torch.nn.Module) -> str:
                             for _n, p in model.named_parameters(remove_duplicate=False)}
     buffer = io.BytesIO()
     try:
-        _Pickler(buffer).dump(copy.deepcopy(model, memo))
+        _Pickler(buffer).dump(_buffers_on_cpu(copy.deepcopy(model, memo)))
     except Exception as exc:
         raise ParallelizeError(
             f"the model {type(model).__name__} cannot be recorded for its package: pickling its structure raised "
@@ -93,6 +93,16 @@ def _structure(model: torch.nn.Module) -> str:
             f"the package; keep lambdas, open files and locks out of its attributes, or write a model file and "
             f"compile it (`python -m partitioner compile MODEL.py`).") from exc
     return base64.b64encode(buffer.getvalue()).decode()
+
+
+def _buffers_on_cpu(model: torch.nn.Module) -> torch.nn.Module:
+    """The copy's buffers moved to the CPU: the package names no device ([Note: devices in
+    stage code] in codegen/stage.py)."""
+    for module in model.modules():
+        for name, value in module._buffers.items():
+            if value is not None and value.device.type not in ("cpu", "meta"):
+                module._buffers[name] = value.cpu()
+    return model
 
 
 class _Pickler(pickle.Pickler):

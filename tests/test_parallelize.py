@@ -176,3 +176,14 @@ def test_unguarded_script_is_refused_with_the_fix(tmp_path: Path) -> None:
     done = _python(tmp_path, "my_train.py")
     assert done.returncode != 0
     assert "ParallelizeError" in done.stderr and 'if __name__ == "__main__":' in done.stderr, done.stderr[-3000:]
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(300)
+def test_a_failed_compile_stops_every_rank_with_its_message(tmp_path: Path) -> None:
+    """Rank 0 raises its PlanError (24 rows do not split into 5 microbatches); rank 1 raises it too."""
+    plan = "does not split into 5 microbatches"
+    spec = json.dumps({"model": "gpt", "options": FAST | {"stages": 2, "microbatches": 5}, "local": False,
+                       "error": [["PlanError", plan], ["ParallelizeError", "rank 0 could not make the package", plan]]})
+    _ok(launch(2, "parallelize", [tmp_path / "pkg"], tmp_path / "unused.py", deadline_s=120,
+               env={"PARALLELIZE_CASE": spec}))

@@ -3,7 +3,8 @@
 others wait) and trains 2 SGD steps, against the original model trained alike in this process.
 
 The case comes from env PARALLELIZE_CASE, JSON: {"model": "gpt" | "llama", "options": {...},
-"local": bool}.  local: each replica is given only the rows a DistributedSampler(num_replicas=
+"local": bool, "error": optional}.  error: rank 0's compile fails; every rank must raise an error
+holding each of the strings in case["error"][rank] (rank 0 its own, the others rank 0's word).  local: each replica is given only the rows a DistributedSampler(num_replicas=
 pipe.replicas, rank=pipe.replica) gives it (`train_step(..., local=True)`); the loss is still
 the global batch's, as the original's on the whole batch.
 """
@@ -33,6 +34,8 @@ def _parallelize(pkg: str, _model_path: str) -> None:
     case = json.loads(os.environ["PARALLELIZE_CASE"])
     model, (args, kwargs), target, loss_fn = parallelize_models.build(case["model"])
     reference = copy.deepcopy(model)
+    if case.get("error"):
+        return _fails(model, kwargs or args, loss_fn, pkg, case)
     pipe = partitioner.parallelize(model, kwargs or args, loss_fn, out=pkg, **case["options"])
     opt = torch.optim.SGD(pipe.parameters(), lr=0.1)
     ref = torch.optim.SGD(reference.parameters(), lr=0.1)
@@ -55,6 +58,19 @@ def _parallelize(pkg: str, _model_path: str) -> None:
     for key, value in reference.state_dict().items():
         torch.testing.assert_close(state[key], value, rtol=RTOL, atol=ATOL, msg=lambda m: f"{key}: {m}")
     print(f"{pipe.rank} ok", flush=True)
+
+
+def _fails(model: torch.nn.Module, example: object, loss_fn: object, pkg: str, case: dict[str, object]) -> None:
+    rank = int(os.environ["RANK"])
+    try:
+        partitioner.parallelize(model, example, loss_fn, out=pkg, **case["options"])  # type: ignore[arg-type]
+    except Exception as exc:
+        text = f"{type(exc).__name__}: {exc}"
+        missing = [s for s in case["error"][rank] if s not in text]  # type: ignore[index]
+        assert not missing, f"rank {rank} raised {text!r}, without {missing}"
+        print(f"{rank} ok", flush=True)
+        return
+    raise AssertionError(f"rank {rank}: parallelize did not fail")
 
 
 MODES = {"parallelize": _parallelize}
