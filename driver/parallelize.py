@@ -86,11 +86,19 @@ def _package(model: torch.nn.Module, example: tuple[tuple[Any, ...], dict[str, A
         print(f"parallelize: reusing the package in {folder} (same model, example shapes, options and hardware; "
               f"no compile)", file=sys.stderr)
         return folder
+    _check_writable(folder)
     recorded = record(model, loss_fn, key)
     with tempfile.TemporaryDirectory(prefix="parallelize-") as staging:
         opts = compile_options(str(recorded.write(Path(staging))), str(folder), _meta(model, options))
         compile_model(opts, source=load_source(opts, example=example))
     return folder
+
+
+def _check_writable(folder: Path) -> None:
+    """`folder` is new, empty or a package: a compile replaces it whole."""
+    if folder.exists() and (not folder.is_dir() or (any(folder.iterdir()) and not (folder / "manifest.json").is_file())):
+        raise ParallelizeError(f"out={str(folder)!r} is a file or a folder of other files, and the compile replaces its "
+                               f"out folder whole: give a new folder (or one parallelize wrote before).")
 
 
 def _key_of(folder: Path) -> str | None:

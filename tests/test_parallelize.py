@@ -108,6 +108,14 @@ def test_unknown_option_names_the_known_ones() -> None:
         partitioner.parallelize(model, example[0], loss_fn, virtual_stage=2)
 
 
+def test_a_folder_of_other_files_is_not_replaced(tmp_path: Path) -> None:
+    model, example, _target, loss_fn = build("gpt")
+    (tmp_path / "notes.txt").write_text("mine")
+    with pytest.raises(ParallelizeError, match=r"folder of other files.*give a new folder"):
+        partitioner.parallelize(model, example[0], loss_fn, out=tmp_path, stages=2, **FAST)
+    assert (tmp_path / "notes.txt").read_text() == "mine"
+
+
 def test_lambda_loss_fn_is_refused_with_the_fix(tmp_path: Path) -> None:
     model, example, _target, _loss = build("gpt")
     with pytest.raises(ParallelizeError, match=r"not a function defined at the top level.*def loss_fn"):
