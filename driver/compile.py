@@ -14,13 +14,14 @@ from partitioner.solve.model import interleaved
 
 from .options import AUTO, CompileOptions, fixed_tp
 from .phases import finish, prepare, solve_interleaved, solve_problem
-from .prepared import Compiled
+from .prepared import Compiled, Source
 from .search import search
 
 __all__ = ["compile_model"]
 
 
-def compile_model(opts: CompileOptions, log: Callable[[str], None] | None = None) -> Compiled:
+def compile_model(opts: CompileOptions, log: Callable[[str], None] | None = None,
+                  source: Source | None = None) -> Compiled:
     """Compile `opts.model` into the package `opts.out`, in seven phases, each a call into one
     package, in the order the data flows:
 
@@ -33,14 +34,14 @@ def compile_model(opts: CompileOptions, log: Callable[[str], None] | None = None
         7. emit     the package's files                                    codegen
 
     With `--devices` and the mesh left open, `driver.search` runs phases 1-5 once per
-    candidate mesh, and 6-7 for the best.
+    candidate mesh, and 6-7 for the best.  `source`: phase 1 already done (`load_source`).
     """
     say = log or (lambda msg: None if opts.quiet else print(msg, file=sys.stderr))
     if opts.devices is not None and (opts.stages is None or opts.tp is None or opts.microbatches is None
                                      or opts.schedule == AUTO or opts.zero is None):
-        return search(opts, say)
+        return search(opts, say, source)
     opts = fixed_tp(opts)
-    prepared = prepare(opts, say)  # 1. load, 2. trace, 3. cost, 4. tp, and the problem of 5 posed
+    prepared = prepare(opts, say, source)  # 1. load, 2. trace, 3. cost, 4. tp, and the problem of 5 posed
     if interleaved(prepared.problem):  # 5. solve, each stage count per rank ([Note: splits chosen by the simulator])
         prepared, assignment, report = solve_interleaved(prepared, solve_problem)
     else:

@@ -73,13 +73,16 @@ __all__ = ["MAX_VIRTUAL", "apply_tp", "assign_nodes", "choose_split", "compile_d
            "virtual_counts"]
 
 
-def load_source(opts: CompileOptions, say: Callable[[str], None] = lambda _m: None) -> Source:
+def load_source(opts: CompileOptions, say: Callable[[str], None] = lambda _m: None,
+                example: tuple[tuple[Any, ...], dict[str, Any]] | None = None) -> Source:
     """Load the model file, build the model (on the meta device when `_build` says so)
     and take its example batch (moved to the meta device with a meta model, to the GPU
-    for a measured compile there: [Note: where the compile runs the model])."""
+    for a measured compile there: [Note: where the compile runs the model]).  `example`:
+    the batch as (args, kwargs) when the caller has it (`partitioner.parallelize`), else
+    the model file's `example_inputs()`."""
     mf = model_file.load(opts.model, opts.entry)
     model = cast_model(_build(mf, opts, say), opts.precision)  # [Note: bf16 with master weights]
-    args, kwargs = cast_inputs(mf.example_inputs(), opts.precision)
+    args, kwargs = cast_inputs(example if example is not None else mf.example_inputs(), opts.precision)
     device = compile_device(opts)  # the CPU for a meta model: it is --meta's or --analytic's
     if _is_meta(model):
         args, kwargs = pytree.tree_map_only(torch.Tensor, lambda t: t.to("meta"), (args, kwargs))

@@ -96,11 +96,11 @@ class _Solved:
     bound_s: float
 
 
-def search(opts: CompileOptions, say: Callable[[str], None]) -> Compiled:
-    """Compile the best mesh for `opts.devices` devices into `opts.out`."""
+def search(opts: CompileOptions, say: Callable[[str], None], source: Source | None = None) -> Compiled:
+    """Compile the best mesh for `opts.devices` devices into `opts.out` (`source`: loaded)."""
     assert opts.devices is not None
     hardware = load_hardware(opts.hardware)
-    source = load_source(opts, say)
+    source = source or load_source(opts, say)
     meshes = _meshes(opts.devices, source.batch, opts, _tp_limit(hardware))
     if not meshes:
         raise PlanError(f"no mesh stages x tp x dp = {opts.devices} devices suits the options and a batch of "

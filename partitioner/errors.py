@@ -14,6 +14,7 @@ __all__ = [
     "PlanError",
     "InfeasiblePlanError",
     "PackageError",
+    "ParallelizeError",
 ]
 
 
@@ -39,3 +40,8 @@ class InfeasiblePlanError(PlanError):
 
 class PackageError(PartitionerError):
     """A generated package is missing, corrupt, or does not match this run."""
+
+
+class ParallelizeError(PartitionerError):
+    """`partitioner.parallelize`: an option, a model or a loss_fn it cannot take, or ranks that
+    could not agree on the package."""

@@ -22,6 +22,7 @@ tests/precision_reference.py).
 MODE dropout: tp = 2 (tests/model_files/tp_dropout.py), train mode: the dropout of the
 replicated value draws the same mask on both tp ranks, that of the sharded value its own.
 MODE local, localnone: each replica given only its own rows (local_rows_worker.py).
+MODE parallelize: partitioner.parallelize on every rank, PKG its out= (parallelize_worker.py).
 Once a rank fails, the others are killed after GRACE_S (as torchrun does).
 """
 
@@ -357,8 +358,9 @@ def _rank(r: int, mode: str, pkg: str, model_path: str, outdir: Path) -> int:
     os.dup2(err, 2)
     try:
         import local_rows_worker  # beside this file: the local=True modes
+        import parallelize_worker  # beside this file: partitioner.parallelize on every rank
 
-        {**local_rows_worker.MODES, "check": _check, "fault": _fault, "tp": _tp, "train": _train, "drift": _drift,
+        {**local_rows_worker.MODES, **parallelize_worker.MODES, "check": _check, "fault": _fault, "tp": _tp, "train": _train, "drift": _drift,
          "short": _short, "amp": _amp, "scaler": _scaler, "dropout": _dropout, "memory": _memory}[mode](pkg, model_path)
     except PipelineError as exc:
         print(f"PipelineError: {exc}", file=sys.stderr, flush=True)
