@@ -127,7 +127,7 @@ def main(argv: list[str]) -> int:
     except PipelineError as exc:
         rank = int(os.environ.get("RANK", "0"))
         restarts.report_error(rank, ns.step, exc)
-        print(f"rank {rank}: error at step {ns.step}: {exc}", file=sys.stderr, flush=True)
+        print(f"rank {rank}: error: {exc}", file=sys.stderr, flush=True)
         os._exit(2)  # do not wait on a process group whose peers are gone
     return 0
 

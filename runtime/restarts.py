@@ -118,11 +118,14 @@ def _statuses(folder: Path) -> dict[int, dict[str, Any]]:
     return out
 
 
-def _root_cause(output: str) -> tuple[int | None, int | None]:
-    """torchrun's first failed rank and its exit code (negative: the signal), if it said."""
-    cause = output.rpartition("Root Cause")[2]
-    rank, code = re.search(r"rank\s*:\s*(\d+)", cause), re.search(r"exitcode\s*:\s*(-?\d+)", cause)
-    return (int(rank[1]) if rank else None), (int(code[1]) if code else None)
+_EXIT = re.compile(r"rank\s*:\s*(\d+).*\n\s*exitcode\s*:\s*(-?\d+)")
+
+
+def _exits(output: str) -> tuple[dict[int, int], tuple[int, int] | None]:
+    """torchrun's failed ranks with their exit codes (negative: the signal), and its root cause."""
+    cause = output.rpartition("Root Cause")[2] if "Root Cause" in output else ""
+    first = _EXIT.search(cause)
+    return {int(r): int(c) for r, c in _EXIT.findall(output)}, ((int(first[1]), int(first[2])) if first else None)
 
 
 def _what(code: int | None) -> str:
@@ -138,7 +141,12 @@ def failure(attempt: int, statuses: dict[int, dict[str, Any]], output: str) -> F
     user = [r for r, s in errors.items() if not s["fault"]]
     if user:
         return Failure(attempt, user[0], errors[user[0]].get("step"), errors[user[0]]["error"], retry=False)
-    rank, code = _root_cause(output)
+    exits, cause = _exits(output)
+    rank, code = cause if cause else (None, None)
+    # a rank killed by a signal (not torchrun's SIGTERM) and silent beats a peer that reported it
+    killed = [r for r, c in sorted(exits.items()) if c < 0 and c != -signal.SIGTERM and r not in errors]
+    if killed and (rank is None or rank in errors):
+        rank, code = killed[0], exits[killed[0]]
     if rank is None and errors:
         rank = min(errors)
     state = statuses.get(rank, {}) if rank is not None else {}
@@ -166,10 +174,12 @@ def _attempt(cmd: list[str], env: dict[str, str], folder: Path) -> tuple[int, st
     waker.start()
     kept: list[str] = []
     assert proc.stderr is not None
-    for line in proc.stderr:
-        sys.stderr.write(line)
-        kept = (kept + [line])[-400:]
-    rc = proc.wait()
+    try:
+        for line in proc.stderr:
+            sys.stderr.write(line)
+            kept = (kept + [line])[-400:]
+    finally:  # Ctrl-C reaches torchrun too: wait for it to end its workers
+        rc = proc.wait()
     waker.join()
     return rc, "".join(kept)
 

@@ -13,6 +13,7 @@ import re
 import signal
 import subprocess
 import sys
+import traceback
 from pathlib import Path
 from typing import Any
 
@@ -59,7 +60,7 @@ def test_a_full_disk_is_found_behind_dcp_and_told_with_the_fix(tmp_path: Path) -
     tmp = partial_dir(tmp_path / "step-000004")
     tmp.mkdir()
     full = OSError(errno.ENOSPC, "No space left on device", str(tmp / "train"))
-    wrapped = CheckpointException("write", {1: (full, None)})  # as DCP hands a rank's failure to every rank
+    wrapped = CheckpointException("write", {1: (full, traceback.StackSummary())})  # as DCP hands a rank's failure to every rank
     assert space.disk_full(wrapped) is full and space.disk_full(CheckpointException("write", {})) is None
     message = str(space.space_error(tmp_path / "step-000004", tmp, full, coordinator=True))
     assert not tmp.exists()
@@ -76,6 +77,11 @@ def test_a_failure_is_named_and_a_user_error_is_not_restarted() -> None:
     peer = {"pid": 1, "step": 5, "error": "rank 0 timed out ...: rank 1 stopped", "fault": True}
     hung = restarts.failure(3, {0: peer}, torchrun.replace(": 1 (", ": 0 (").replace("-9", "2"))
     assert str(hung) == "attempt 3: rank 0 at step 5: rank 0 timed out ...: rank 1 stopped" and hung.retry
+    first_seen = ("Failures:\n[1]:\n  rank      : 1 (local_rank: 1)\n  exitcode  : -9 (pid: 7)\nRoot Cause (first "
+                  "observed failure):\n[0]:\n  rank      : 0 (local_rank: 0)\n  exitcode  : 3 (pid: 6)")
+    saving = {"pid": 1, "step": 4, "error": "rank 0 failed saving checkpoint", "fault": True}
+    killed = restarts.failure(2, {0: saving, 1: {"pid": 2, "step": 4}}, first_seen)  # torchrun saw rank 0 first
+    assert str(killed) == "attempt 2: rank 1 at step 4: killed by signal 9 (SIGKILL)", (killed, first_seen)
     user = restarts.failure(1, {0: peer, 1: {"pid": 2, "step": 1, "error": "bad batch", "fault": False}}, torchrun)
     assert (user.rank, user.what, user.retry) == (1, "bad batch", False)
 
