@@ -61,9 +61,10 @@ def parse_fault(text: str) -> Fault | None:
 #   hang      SIGSTOP itself there (its peers' step timeout, PIPELINE_TIMEOUT_S, finds it)
 #   save-kill SIGKILL itself during the save after step S (its model files written, not the rest)
 #   enospc    its checkpoint writer raises OSError(ENOSPC) during the save after step S
+#   corrupt   it flips a byte of a tensor file of the checkpoint saved after step S, once saved
 
 FAULT_ENV, ATTEMPT_ENV = "PARTITIONER_FAULT", "PARTITIONER_ATTEMPT"
-_KINDS = ("kill", "hang", "save-kill", "enospc")
+_KINDS = ("kill", "hang", "save-kill", "enospc", "corrupt")
 _BACKWARD = ("B", "I", "W")
 _STEP: list[int] = []  # the training step now, when a training loop says it (`set_step`)
 
@@ -115,6 +116,17 @@ class StepFaults:
             if fault.due(("enospc",), rank, step):
                 fault.say(f"saving into {where}")
                 raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(where))
+
+
+    def after_save(self, rank: int, step: int | None, path: Path) -> None:
+        """corrupt: called once the save after `step` is complete at `path`."""
+        for fault in self.faults:
+            if fault.due(("corrupt",), rank, step):
+                file = sorted(path.rglob("*.distcp"))[0]
+                fault.say(f"flipping a byte of {file}")
+                data = bytearray(file.read_bytes())
+                data[len(data) // 2] ^= 0xFF
+                file.write_bytes(bytes(data))
 
 
 def parse_step_faults(text: str) -> list[StepFault]:

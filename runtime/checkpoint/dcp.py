@@ -66,12 +66,13 @@ def save(view: View, path: str | os.PathLike[str], optimizer: torch.optim.Optimi
         model = _model_state(view)
         _write(view, model, tmp)
         _fault_hook(view.rank)
-        at_save = getattr(hooks, "at_save", None)
-        _write(view, _train_state(view, optimizer, extra), tmp / "train",
-               (lambda: at_save(view.rank, step, tmp / "train")) if at_save else None)
+        hook = (lambda: hooks.at_save(view.rank, step, tmp / "train")) if isinstance(hooks, faults.StepFaults) else None
+        _write(view, _train_state(view, optimizer, extra), tmp / "train", hook)
         commits.commit(final, tmp, coordinator, view.barrier,
                        {"world": view.world, "manifest_hash": view.manifest.hash, "model_file": view.model_file(),
                         "entry": view.manifest.source.entry})
+        if isinstance(hooks, faults.StepFaults):
+            hooks.after_save(view.rank, step, final)
     except PipelineError:
         raise
     except (Exception, CheckpointException) as exc:  # DCP's CheckpointException is a BaseException

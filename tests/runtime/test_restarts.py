@@ -1,7 +1,7 @@
 """`partitioner run --max-restarts R` ([Note: restarts]) and the faults it survives, injected by
 PARTITIONER_FAULT ([Note: injected faults]): a rank killed mid-step, killed during a save, hung
-(SIGSTOP), and a full disk at a save ([Note: a full disk at a save]); each 2-rank run's final
-weights against an uninterrupted run's."""
+(SIGSTOP), a corrupt checkpoint met at a restart, and a full disk at a save ([Note: a full disk
+at a save]); each 2-rank run's final weights against an uninterrupted run's."""
 
 from __future__ import annotations
 
@@ -176,16 +176,19 @@ def test_a_job_survives_a_kill_a_kill_during_a_save_and_a_hang(uninterrupted: di
                                                               ) -> None:
     """Attempt 1: rank 1 SIGKILLs itself mid-step 3 (after its forward, before its backward);
     2: it is killed saving step 4, so step 2 stays the newest and step 4's partial folder is
-    removed before attempt 3; 3: it SIGSTOPs itself in step 5, rank 0's timeout names it;
-    4: from step 4 to the end.  The weights are the uninterrupted run's."""
+    removed before attempt 3; 3: step 4's save is corrupted once written, then rank 1 SIGSTOPs
+    itself in step 5 and rank 0's timeout names it; 4: from step 2 (step 4's checkpoint is
+    corrupt) to the end.  The weights are the uninterrupted run's."""
     pkg = write_package(tmp_path, stages=2, microbatches=2)
     out = _run(tmp_path, "--checkpoint", "ck", "--max-restarts", "3",
-               fault="kill:rank=1:step=3,save-kill:rank=1:step=4:attempt=2,hang:rank=1:step=5:attempt=3")
+               fault="kill:rank=1:step=3,save-kill:rank=1:step=4:attempt=2,corrupt:rank=0:step=4:attempt=3,"
+                     "hang:rank=1:step=5:attempt=3")
     ck = tmp_path / "ck"
     for rank in (0, 1):
         assert f"rank {rank}: attempt 2: resumed from {ck / 'step-000002'} after step 2; 2 restarts left" in out, out
         assert f"rank {rank}: attempt 3: resumed from {ck / 'step-000002'} after step 2; 1 restarts left" in out
-        assert f"rank {rank}: attempt 4: resumed from {ck / 'step-000004'} after step 4; 0 restarts left" in out
+        assert f"rank {rank}: attempt 4: resumed from {ck / 'step-000002'} after step 2; 0 restarts left" in out
+    assert f"checkpoint {ck / 'step-000004'} is corrupt (" in out  # attempt 4 passes over it
     assert f"removed {ck / '.step-000004.partial'}, a checkpoint whose save did not finish" in out
     summary = out[out.index("finished after 3 fault(s) survived:"):]
     assert "\n  attempt 1: rank 1 at step 3: killed by signal 9 (SIGKILL)" in summary, summary
