@@ -26,7 +26,7 @@ from typing import Any, Iterator
 import torch
 import torch.distributed as dist
 
-from runtime import DistributedPipeline, GradScaler, package
+from runtime import DistributedPipeline, GradScaler, faults, package, restarts
 from runtime.checkpoint import run as checkpointing
 from runtime.errors import PipelineError
 from runtime.launch import add_training_arguments
@@ -72,6 +72,9 @@ def _train(ns: argparse.Namespace) -> None:
     first = checkpointing.resume(pipe, opt, ns) + 1
     data = itertools.islice(_batches(model_file), first - 1, None)  # a resumed run goes on with the next batch
     for k, (inputs, target) in zip(range(first, ns.steps + 1), data):
+        ns.step = k  # for the error report ([Note: restarts] in runtime/restarts.py)
+        restarts.report_step(pipe.rank, k)
+        faults.set_step(k)  # test hooks: [Note: injected faults]
         pipe.track_memory(k == first)  # the first step only: [Note: measured memory] in runtime/memory.py
         start = time.perf_counter()
         if opt is not None:
@@ -118,10 +121,13 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--trace")
     checkpointing.add_arguments(parser)
     ns = parser.parse_args(argv)
+    ns.step = 0
     try:
         _train(ns)
     except PipelineError as exc:
-        print(f"rank {os.environ.get('RANK', '?')}: error: {exc}", file=sys.stderr, flush=True)
+        rank = int(os.environ.get("RANK", "0"))
+        restarts.report_error(rank, ns.step, exc)
+        print(f"rank {rank}: error: {exc}", file=sys.stderr, flush=True)
         os._exit(2)  # do not wait on a process group whose peers are gone
     return 0
 

@@ -54,7 +54,7 @@ from .comm import guard, init_from_env, timeout_from_env, wait
 from .counts import Counts
 from .devices import CommStream
 from .edges import Edges
-from .faults import parse_fault
+from . import faults
 from .groups import Mesh, make_groups
 from .p2p import HandOvers, Receive, Sent
 from .pipeline import Batch, LossFn, Pipeline, named_once, share_tied
@@ -128,7 +128,7 @@ class DistributedPipeline(Pipeline[Rows]):
         self._counts = Counts(rows_builder(schedule, m, g, self.position, self._comm.stream is None, self.runners,
                                            plain), m.microbatches, fixed=isinstance(schedule, list))
         self.tracer = Tracer(trace or os.environ.get("PIPELINE_TRACE") or None, self.rank, self.stages)
-        self._fault = parse_fault(os.environ.get("PIPELINE_FAULT", ""))
+        self._fault = faults.from_env()  # test hooks: [Note: injected faults] in faults.py
         # the calls of train_step, evaluate and __call__, checked across ranks ([Note: step numbers] in steps.py)
         self._steps = StepGuard(self.groups.world, self.rank, self.world, self.device, self.timeout_s,
                                 self._describe("the step check", range(self.world)))
@@ -300,7 +300,7 @@ class DistributedPipeline(Pipeline[Rows]):
     def _execute(self, a: Action, step: _Step, mb_inputs: list[dict[str, Any]], targets: list[Any] | None,
                  loss_fn: LossFn | None) -> None:
         if self._fault is not None:
-            self._fault.check(self.rank, a)
+            self._fault.check(self.rank, a, self._steps.call)
         s, i = a.stage, a.microbatch
         self._now.action = a
         with self.tracer.span(repr(a), s, a.kind.value, i, **({"peer": a.peer} if a.peer is not None else {})):

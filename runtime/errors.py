@@ -19,6 +19,7 @@ __all__ = [
     "CheckpointNotFoundError",
     "CheckpointCorruptError",
     "NonFiniteError",
+    "CheckpointSpaceError",
 ]
 
 
@@ -64,6 +65,10 @@ class CheckpointCorruptError(CheckpointError):
     def __init__(self, message: str, file: object = None) -> None:
         super().__init__(message)
         self.file = file
+
+
+class CheckpointSpaceError(CheckpointError):
+    """A save found its disk full ([Note: a full disk at a save] in checkpoint/space.py); nothing was kept of it."""
 
 
 class NonFiniteError(PipelineError):

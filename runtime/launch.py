@@ -1,6 +1,6 @@
 """`partitioner run DIR --nproc N [--steps K] [--lr LR] [--trace FILE] [--on-nonfinite skip|stop]`
 (and the checkpoint options of checkpoint/run.py: --checkpoint DIR --save-every K --keep N --resume --init --load
-PATH): train a package for a few steps, one process per rank, through torchrun (the
+PATH --max-restarts R: a failed job restarts from its newest checkpoint, restarts.py): train a package for a few steps, one process per rank, through torchrun (the
 user-facing contract: README.md, "Use", and docs/checkpoints.md).
 
 The lead's command line calls `main(argv)` with the arguments after `run`; it turns a
@@ -16,7 +16,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from . import package
+from . import package, restarts
 from .checkpoint import run as checkpointing
 from .errors import ManifestError, MeshError, PipelineError
 from .manifest import Manifest
@@ -81,9 +81,17 @@ def main(argv: list[str]) -> int:
     root = str(Path(__file__).resolve().parents[1])  # so that every rank imports this runtime
     env["PYTHONPATH"] = os.pathsep.join([root] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
     trace = str(Path(ns.trace).resolve()) if ns.trace else None
-    rc = subprocess.call(torchrun_command(str(Path(ns.dir).resolve()), ns.nproc, ns.steps, ns.lr, trace,
-                                          training_arguments(ns) + checkpointing.worker_arguments(ns)), env=env)
-    return 0 if rc == 0 else 1
+
+    def command(attempt: int) -> list[str]:  # attempt > 1: resume ([Note: restarts] in restarts.py)
+        more = checkpointing.worker_arguments(ns)
+        if attempt > 1:
+            more = [a for a in more if a not in ("--resume", "--resume-if-any")] + ["--resume-if-any"]
+        return torchrun_command(str(Path(ns.dir).resolve()), ns.nproc, ns.steps, ns.lr, trace,
+                                training_arguments(ns) + more)
+
+    if ns.max_restarts:
+        return restarts.run_attempts(command, env, ns.max_restarts, Path(ns.checkpoint))
+    return 0 if subprocess.call(command(1), env=env) == 0 else 1
 
 
 def _check_model_file(manifest: Manifest, directory: str) -> None:

@@ -35,7 +35,8 @@ from typing import Any, Callable
 
 from ..errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError
 
-__all__ = ["MARKER", "partial_dir", "begin", "commit", "verify", "write_checksums", "check_checksums", "complete", "latest_checkpoint", "prune"]
+__all__ = ["MARKER", "partial_dir", "begin", "commit", "verify", "write_checksums", "check_checksums", "complete", "latest_checkpoint", "prune",
+           "clean_partial"]
 
 MARKER = "COMPLETE.json"
 FORMAT = 1
@@ -147,6 +148,17 @@ def latest_checkpoint(root: str | os.PathLike[str]) -> Path | None:
                                       f"saved them; step-NNNNNN folders are inside it).")
     found = _complete(path)
     return found[-1][1] if found else None
+
+
+def clean_partial(root: Path) -> list[Path]:
+    """Remove the .NAME.partial folders under `root` (saves that did not finish: [Note:
+    checkpoint commit]); the removed.  Only for a caller that knows no save is writing
+    there now (`partitioner run --max-restarts` holds the folder's lock: [Note: restarts])."""
+    found = sorted(p for p in root.glob(".*.partial") if p.is_dir() and not (p / MARKER).is_file()) \
+        if root.is_dir() else []
+    for path in found:
+        shutil.rmtree(path, ignore_errors=True)
+    return found
 
 
 def prune(root: Path, keep: int) -> list[Path]:

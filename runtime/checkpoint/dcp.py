@@ -29,17 +29,20 @@ import random
 import signal
 import warnings
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
 
 from ..comm import _short
 from ..errors import CheckpointError, PipelineError
 from ..weights import Held, _expected_keys, key_mismatch
+from .. import faults
 from . import commit as commits
+from . import space
 from .chunks import Chunked, boxes, collect, global_shape, is_sharded
 from .view import View
 
@@ -56,18 +59,26 @@ def save(view: View, path: str | os.PathLike[str], optimizer: torch.optim.Optimi
     """Write the checkpoint PATH from every rank (collective); returns PATH."""
     final = Path(path)
     coordinator = view.rank == 0
+    hooks = faults.from_env()  # test hooks: [Note: injected faults]
+    step = extra.get("step") if isinstance(extra, dict) else None
     try:
         tmp = commits.begin(final, coordinator, view.barrier)
         model = _model_state(view)
         _write(view, model, tmp)
         _fault_hook(view.rank)
-        _write(view, _train_state(view, optimizer, extra), tmp / "train")
+        hook = (lambda: hooks.at_save(view.rank, step, tmp / "train")) if isinstance(hooks, faults.StepFaults) else None
+        _write(view, _train_state(view, optimizer, extra), tmp / "train", hook)
         commits.commit(final, tmp, coordinator, view.barrier,
                        {"world": view.world, "manifest_hash": view.manifest.hash, "model_file": view.model_file(),
                         "entry": view.manifest.source.entry})
+        if isinstance(hooks, faults.StepFaults):
+            hooks.after_save(view.rank, step, final)
     except PipelineError:
         raise
-    except Exception as exc:
+    except (Exception, CheckpointException) as exc:  # DCP's CheckpointException is a BaseException
+        full = space.disk_full(exc)
+        if full is not None:  # [Note: a full disk at a save]
+            raise space.space_error(final, commits.partial_dir(final), full, coordinator) from None
         raise CheckpointError(f"rank {view.rank} failed saving checkpoint {final} ({_short(exc)}); if another rank "
                               f"stopped, look at its own error. {final} is as it was before this save.") from exc
     if keep is not None and coordinator:
@@ -83,9 +94,22 @@ def _quiet() -> Iterator[None]:
         yield
 
 
-def _write(view: View, state: dict[str, Any], where: Path) -> None:
+class _Writer(dcp.FileSystemWriter):
+    """DCP's file writer, calling `hook` first (the save-time faults of runtime/faults.py)."""
+
+    def __init__(self, where: Path, hook: Callable[[], None]) -> None:
+        super().__init__(where, sync_files=True)
+        self.hook = hook
+
+    def write_data(self, plan: Any, planner: Any) -> Any:
+        self.hook()
+        return super().write_data(plan, planner)
+
+
+def _write(view: View, state: dict[str, Any], where: Path, hook: Callable[[], None] | None = None) -> None:
+    writer = _Writer(where, hook) if hook else dcp.FileSystemWriter(where, sync_files=True)
     with _quiet():
-        dcp.save(state, storage_writer=dcp.FileSystemWriter(where, sync_files=True),
+        dcp.save(state, storage_writer=writer,
                  planner=DefaultSavePlanner(flatten_state_dict=False, flatten_sharded_tensors=False),
                  no_dist=not view.distributed, process_group=view.group)
 

@@ -1,15 +1,17 @@
-"""What `partitioner run --checkpoint DIR --save-every K --resume --init --load PATH` does on
-each rank (runtime/_worker.py calls these; docs/checkpoints.md)."""
+"""What `partitioner run --checkpoint DIR --save-every K --resume --init --load PATH
+--max-restarts R` does on each rank (runtime/_worker.py calls these; docs/checkpoints.md)."""
 
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from ..errors import CheckpointError
+from ..errors import CheckpointError, CheckpointSpaceError
+from ..restarts import announce_resume
 from .commit import latest_checkpoint
 
 __all__ = ["add_arguments", "check_arguments", "worker_arguments", "initial_weights", "resume", "resume_from",
@@ -26,6 +28,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        help="continue from the newest complete checkpoint under --checkpoint (an error if none)")
     again.add_argument("--resume-if-any", action="store_true",
                        help="continue from it if there is one, else start afresh (a job restarted in a loop)")
+    parser.add_argument("--max-restarts", type=int, default=0,
+                        help="a failed job starts again from the newest complete checkpoint, up to R times")
     start = parser.add_mutually_exclusive_group()
     start.add_argument("--init", action="store_true", help="initial weights by pipe.init_weights (no whole model)")
     start.add_argument("--load", help="initial weights from a checkpoint, .safetensors file or Hugging Face folder")
@@ -36,6 +40,11 @@ def check_arguments(ns: argparse.Namespace) -> None:
     if (ns.save_every or ns.resume or ns.resume_if_any or ns.keep is not None) and not ns.checkpoint:
         raise CheckpointError("--save-every, --keep and --resume need --checkpoint DIR: the folder the checkpoints "
                               "are saved in and resumed from.")
+    if ns.max_restarts and not ns.checkpoint:
+        raise CheckpointError(f"--max-restarts {ns.max_restarts} needs --checkpoint DIR (and --save-every K): a "
+                              f"restarted job resumes from the newest complete checkpoint saved there.")
+    if ns.max_restarts < 0:
+        raise CheckpointError(f"--max-restarts {ns.max_restarts}: give how many times to restart, 0 or more.")
     if ns.save_every < 0 or (ns.keep is not None and ns.keep < 1):
         raise CheckpointError(f"--save-every {ns.save_every} --keep {ns.keep}: give a step count >= 0 and keep >= 1.")
     if ns.load and not Path(ns.load).exists():
@@ -53,6 +62,8 @@ def worker_arguments(ns: argparse.Namespace) -> list[str]:
         out += ["--keep", str(ns.keep)]
     if ns.resume or ns.resume_if_any:
         out.append("--resume" if ns.resume else "--resume-if-any")
+    if ns.max_restarts:
+        out += ["--max-restarts", str(ns.max_restarts)]
     if ns.init:
         out.append("--init")
     if ns.load:
@@ -94,6 +105,7 @@ def resume(pipe: Any, optimizer: torch.optim.Optimizer | None, ns: argparse.Name
     """--resume / --resume-if-any: load the newest complete checkpoint under --checkpoint
     (`resume_from`; the one before it when a file of it is corrupt: `load_latest`); the step it was saved after (0 when starting afresh)."""
     if resume_from(ns) is None:
+        announce_resume(pipe.rank, None, 0)
         return 0
     from . import load_latest
 
@@ -103,14 +115,21 @@ def resume(pipe: Any, optimizer: torch.optim.Optimizer | None, ns: argparse.Name
     path, extra = loaded
     if pipe.rank == 0:
         print(f"resumed from {path} after step {extra['step']}", flush=True)
+    announce_resume(pipe.rank, path, int(extra["step"]))  # after a restart, every rank ([Note: restarts])
     return int(extra["step"])
 
 
 def maybe_save(pipe: Any, optimizer: torch.optim.Optimizer | None, ns: argparse.Namespace, step: int) -> None:
-    """Save CHECKPOINT/step-NNNNNN every --save-every steps and after the last."""
+    """Save CHECKPOINT/step-NNNNNN every --save-every steps and after the last; a full
+    disk is reported and training goes on ([Note: a full disk at a save])."""
     if not ns.checkpoint or not ((ns.save_every and step % ns.save_every == 0) or step == ns.steps):
         return
-    path = pipe.save_checkpoint(Path(ns.checkpoint) / f"step-{step:06d}", optimizer, extra={"step": step},
-                                keep=ns.keep)
+    try:
+        path = pipe.save_checkpoint(Path(ns.checkpoint) / f"step-{step:06d}", optimizer, extra={"step": step},
+                                    keep=ns.keep)
+    except CheckpointSpaceError as exc:  # [Note: a full disk at a save]: training goes on
+        if pipe.rank == 0:
+            print(f"warning: {exc} Training goes on; the next save tries again.", file=sys.stderr, flush=True)
+        return
     if pipe.rank == 0:
         print(f"saved {path}", flush=True)
