@@ -38,6 +38,7 @@ import sys
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from runtime.recompute import parse_policy
 from runtime.schedule import registry
 
 from partitioner.cost.hardware import Hardware, load_hardware
@@ -54,6 +55,7 @@ from .options import AUTO, CompileOptions, mesh_of, stages_per_rank
 from .package_info import model_flops
 from .phases import apply_tp, choose_split, finish, load_source, prepare
 from .prepared import Compiled, Prepared, Source
+from .recompute import LEVELS, cheapest_per_rank
 
 __all__ = ["Candidate", "search"]
 
@@ -79,7 +81,7 @@ class Candidate:
     mfu: float = 0.0
     fits: bool = True
     note: str = ""
-    recompute: bool = False
+    recompute: str | None = None  # the uniform policy solved ([Note: recomputation chosen per rank])
     schedule: str = ""
     zero: int = 0
 
@@ -129,8 +131,8 @@ def search(opts: CompileOptions, say: Callable[[str], None]) -> Compiled:
         raise InfeasiblePlanError(_nothing_fits(opts, failed))
     best, win = ranked[0]
     say(f"best mesh: pp={best.pp} tp={best.tp} dp={best.dp}, {best.microbatches} microbatches, {best.schedule}"
-        + (", activations recomputed" if best.recompute else "") + (", ZeRO-1" if best.zero else ""))
-    _say_checkpointing(win.prepared.traced.checkpointed, best.recompute, say)
+        + (f", recomputation {best.recompute}" if best.recompute else "") + (", ZeRO-1" if best.zero else ""))
+    _say_checkpointing(win.prepared.traced.checkpointed, bool(best.recompute), say)
     shown = [dataclasses.asdict(c) for c, _ in ranked[:SHOWN]]
     return finish(win.prepared, win.assignment, win.report, extra={"candidates": shown})
 
@@ -278,10 +280,12 @@ def _solve(base: Prepared, opts: CompileOptions, pp: int, microbatches: int,
     found: list[_Solved] = []
     note = ""
     for zero, recompute in _variants(opts, zeros):
-        if any(f.cand.zero <= zero and f.cand.recompute <= recompute for f in found):
+        if any(f.cand.zero <= zero and LEVELS.index(f.cand.recompute) <= LEVELS.index(recompute) for f in found):
             continue  # a variant that costs no more in either respect fits already
-        sub = dataclasses.replace(opts, zero=zero, recompute=recompute)
+        sub = dataclasses.replace(opts, zero=zero, recompute=recompute or "none")
         prepared = _repose(base, sub, pp, microbatches)
+        if opts.recompute_policy == AUTO:  # finish chooses per rank too ([Note: recomputation chosen per rank])
+            prepared = dataclasses.replace(prepared, opts=dataclasses.replace(prepared.opts, recompute=AUTO))
         try:
             assignment, report = solve(prepared.problem, time_limit_s=min(sub.time_limit, 5.0), explain=False)
         except InfeasiblePlanError as exc:
@@ -292,21 +296,23 @@ def _solve(base: Prepared, opts: CompileOptions, pp: int, microbatches: int,
         if interleaved(prepared.problem):  # [Note: splits chosen by the simulator]
             _, assignment, report = choose_split(prepared, assignment, report)
         plan = make_plan(prepared.problem, prepared.blocks, assignment, report, prepared.mesh)
+        if opts.recompute_policy == AUTO:
+            plan = cheapest_per_rank(prepared, plan, assignment)
         peak = max(r.memory_bytes for r in rank_costs(prepared.problem, assignment))  # a rank holds all its stages
         cand = Candidate(pp, opts.dp, opts.tp or 1, microbatches, memory_bytes=peak,
-                         recompute=sub.recompute, schedule=opts.schedule, zero=plan.zero)
+                         recompute=recompute, schedule=opts.schedule, zero=plan.zero)
         found.append(_Solved(cand, prepared, assignment, report, plan, _bound(prepared, assignment, plan)))
     return found or Candidate(pp, opts.dp, opts.tp or 1, microbatches, fits=False, note=note, schedule=opts.schedule)
 
 
-def _variants(opts: CompileOptions, zeros: tuple[int, ...]) -> list[tuple[int, bool]]:
-    """(ZeRO stage, recomputation) to try: each of `zeros` without, then with, recomputation
-    (only with, where --recompute asked for it), cheapest first.  `_solve` skips a variant
+def _variants(opts: CompileOptions, zeros: tuple[int, ...]) -> list[tuple[int, str | None]]:
+    """(ZeRO stage, recomputation) to try: each of `zeros` without, then with selective, then
+    full recomputation (only the policy --recompute names, where it names one), cheapest first.  `_solve` skips a variant
     where one that costs no more in either respect fits: ZeRO-1 (its parameter broadcast,
     `zero_broadcast_s`) and recomputation (a forward again per microbatch) each only where
     the mesh does not fit without it, and both where neither alone fits; ZeRO-1 and
     recomputation alone may both fit, and then the simulator decides between them."""
-    recomputes = (True,) if opts.recompute else (False, True)
+    recomputes = LEVELS if opts.recompute_policy == AUTO else (parse_policy(opts.recompute_policy),)
     return [(zero, recompute) for recompute in recomputes for zero in zeros]
 
 
@@ -377,11 +383,11 @@ class _Ranking:
                 continue
             cand = _simulated(item, self.devices)
             self.ranked.append((cand, item))
-            self.ranked.sort(key=lambda r: (r[0].step_time_s, r[0].tp, r[0].pp, r[0].microbatches, r[0].recompute,
+            self.ranked.sort(key=lambda r: (r[0].step_time_s, r[0].tp, r[0].pp, r[0].microbatches, LEVELS.index(r[0].recompute),
                                             r[0].zero))
             c = item.cand
             self.say(f"  mesh pp={c.pp} tp={c.tp} dp={c.dp} M={c.microbatches} {c.schedule}"
-                     f"{' recompute' if c.recompute else ''}{' zero-1' if c.zero else ''}: "
+                     f"{' recompute ' + c.recompute if c.recompute else ''}{' zero-1' if c.zero else ''}: "
                      f"{cand.step_time_s * 1e3:.3f} ms, MFU {cand.mfu * 100:.1f}%")
             bar.set_postfix_str(self.best_text(), refresh=False)
 
