@@ -225,7 +225,8 @@ class PartitionProblem:
         + received bytes * inflight(stage)          the values it receives from earlier stages
     and `block_time_s` already includes the forward run again (see `build_problem`).
     Selective recomputation adds `block_kept_bytes` * inflight(stage), the outputs of
-    the matmuls kept per microbatch in flight, and its `block_time_s` includes only the
+    the matmuls kept per microbatch in flight; its `block_activation_bytes` are the rest,
+    what one microbatch's backward rebuilds; and its `block_time_s` includes only the
     forward of the other ops again ([Note: recomputation policies] in runtime/recompute.py).
 
     A pipeline RANK runs its stages one after another and holds them all: `virtual_stages`

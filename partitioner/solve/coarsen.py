@@ -72,7 +72,8 @@ def build_problem(blocks: Sequence[BlockCost], edges: Sequence[Edge], stages: in
     return PartitionProblem(
         block_time_s=tuple(b.time_s + again(b) for b in blocks),
         block_param_bytes=tuple(b.param_bytes for b in blocks),
-        block_activation_bytes=tuple(b.activation_bytes for b in blocks),
+        block_activation_bytes=tuple(max(0, b.activation_bytes - b.kept_bytes) if policy == "selective"
+                                     else b.activation_bytes for b in blocks),
         edges=tuple(edges),
         stages=stages,
         microbatches=microbatches,
