@@ -13,6 +13,12 @@
       to redo, small to keep) and runs every other op again (softmax, dropout, the
       activation functions, elementwise ops, views, norms: cheap to redo, large to keep).
 
+    A selective region may run its backward once only (its kept outputs are handed over
+    once), so under a schedule that splits the backward ([Note: split backward] in
+    stage.py) a selective stage's I runs the whole backward, weights' gradients too, and
+    its W has nothing left to do: the same gradients, the weights' share of the time
+    moved from W to I.
+
     The ops are named by their base name (`op_name`): the planner classifies the traced
     graph's nodes by the same table (partitioner/cost/recompute.py), so what it counts as
     kept is what the runtime keeps.  Checkpointing keeps the RNG state its forward started
