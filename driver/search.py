@@ -101,6 +101,7 @@ class _Solved:
 def search(opts: CompileOptions, say: Callable[[str], None]) -> Compiled:
     """Compile the best mesh for `opts.devices` devices into `opts.out`."""
     assert opts.devices is not None
+    opts = dataclasses.replace(opts, recompute=opts.recompute_policy)  # kept by the meshes' options, without --devices
     hardware = load_hardware(opts.hardware)
     source = load_source(opts, say)
     meshes = _meshes(opts.devices, source.batch, opts, _tp_limit(hardware))
