@@ -90,7 +90,7 @@ def _render(entry: StageSpec, layout: StageLayout, plan: Plan, info: PackageInfo
         f"{plan.microbatches} microbatches of {rows} rows",
         f"# stage: {_count(entry.nodes, 'node')} ({', '.join(entry.modules) or 'no modules'})",
         f"# time:  {stage_plan.time_s * 1e3:.3f} ms predicted for one microbatch: forward+backward"
-        f"{_AGAIN.get(entry.recompute, '')} with its messages",
+        f"{_AGAIN.get(entry.recompute or '', '')} with its messages",
     ]
     last = k == S - 1
     lines = header + ["", "from __future__ import annotations", ""] + _imports(writer, bool(entry.buffers), last)

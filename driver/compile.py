@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from typing import Callable
 
@@ -40,7 +41,7 @@ def compile_model(opts: CompileOptions, log: Callable[[str], None] | None = None
     say = log or (lambda msg: None if opts.quiet else print(msg, file=sys.stderr))
     if opts.devices is not None and (opts.stages is None or opts.tp is None or opts.microbatches is None
                                      or opts.schedule == AUTO or opts.zero is None):
-        return search(opts, say)
+        return search(dataclasses.replace(opts, recompute=opts.recompute_policy), say)  # kept by each mesh's options
     opts = fixed_tp(opts)
     prepared = prepare(opts, say)  # 1. load, 2. trace, 3. cost, 4. tp, and the problem of 5 posed
     if opts.recompute_policy == AUTO:  # 5. solve, recomputing only where memory binds

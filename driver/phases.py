@@ -63,11 +63,11 @@ from runtime.precision import autocast, cast_inputs, cast_model
 
 from .check import calibration_block, check_plan
 from .costs import loss_costs, node_costs, calibrated_costs, stage_peaks
-from .options import (AUTO, CompileOptions, batch_size, check, default_microbatches, fixed_tp, mesh_of, rows_per_microbatch,
+from .options import (CompileOptions, batch_size, check, default_microbatches, fixed_tp, mesh_of, rows_per_microbatch,
                       split_batch)
 from .package_info import model_flops, package_info
 from .prepared import Compiled, Prepared, Source
-from .recompute import cheapest_per_rank
+from .recompute import planned
 
 __all__ = ["MAX_VIRTUAL", "apply_tp", "assign_nodes", "choose_split", "compile_device", "emit_plan", "finish",
            "keep_checkpointing", "load_source", "most_virtual", "prepare", "solve_interleaved", "solve_problem",
@@ -241,9 +241,7 @@ def finish(prepared: Prepared, assignment: tuple[int, ...], report: SolverReport
         report = dataclasses.replace(report, nodes=len(compute_nodes(p.traced.gm)), blocks=p.problem.num_blocks)
     # the stages timed as they run, buffers kept
     with autocast(p.opts.precision, p.timer.device.type), kept_buffers(p.model):
-        plan = make_plan(p.problem, p.blocks, assignment, report, p.mesh)
-        if p.opts.recompute_policy == AUTO:
-            plan = cheapest_per_rank(p, plan, assignment)  # [Note: recomputation chosen per rank]
+        plan = planned(p, assignment, report)  # [Note: recomputation chosen per rank]
         p, plan, resolved, calibrated = check_plan(p, plan)
     return emit_plan(p, plan, extra, resolved=resolved, calibrated=calibrated)
 

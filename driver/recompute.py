@@ -21,9 +21,10 @@ from partitioner.ir import Plan, SolverReport
 from partitioner.solve.model import rank_costs
 from partitioner.solve.problem import make_plan, pose
 
+from .options import AUTO
 from .prepared import Prepared
 
-__all__ = ["LEVELS", "cheapest_per_rank", "solve_cheapest_policy"]
+__all__ = ["LEVELS", "cheapest_per_rank", "planned", "solve_cheapest_policy", "with_policy"]
 
 #: the policies in order of the time they add ([Note: recomputation chosen per rank])
 LEVELS: tuple[str | None, ...] = (None, "selective", "full")
@@ -53,10 +54,10 @@ def solve_cheapest_policy(p: Prepared, solve_one: _Solve) -> tuple[Prepared, tup
 
 def cheapest_per_rank(p: Prepared, plan: Plan, assignment: tuple[int, ...]) -> Plan:
     """`plan` (the stage of each block of `p`: `assignment`) with each rank on the cheapest
-    of `LEVELS` that fits its memory, up to the plan's own ([Note: recomputation chosen
-    per rank])."""
+    of `LEVELS` that fits its memory, up to the plan's own, under `--recompute auto`
+    ([Note: recomputation chosen per rank]); else `plan` itself."""
     level = LEVELS.index(plan.policy(0))
-    if level == 0:
+    if level == 0 or p.opts.recompute_policy != AUTO:
         return plan
     limit = p.problem.memory_limit_bytes
     plans = [make_plan(with_policy(p, policy).problem, p.blocks, assignment, plan.report, p.mesh)
@@ -71,3 +72,9 @@ def cheapest_per_rank(p: Prepared, plan: Plan, assignment: tuple[int, ...]) -> P
     mixed = dataclasses.replace(plan, stages=tuple(stages), recompute=False)
     return dataclasses.replace(mixed, recompute=all(mixed.policy(k) == "full" for k in range(plan.num_stages)))
 
+
+
+def planned(p: Prepared, assignment: tuple[int, ...], report: SolverReport | None) -> Plan:
+    """The Plan of `assignment` (a stage per block of `p`), each rank on the cheapest policy
+    that fits under `--recompute auto` (`cheapest_per_rank`)."""
+    return cheapest_per_rank(p, make_plan(p.problem, p.blocks, assignment, report, p.mesh), assignment)

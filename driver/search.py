@@ -10,9 +10,9 @@
                  per split (`_Shapes`);
     3. solve:    each candidate's partition problem is posed and solved; one that does
                  not fit memory is solved again with ZeRO-1 (where dp > 1 and --zero
-                 was not given) and with activation recomputation (unless --recompute
-                 asked for it everywhere), and both then with both: every cheapest
-                 variant that fits is a candidate (`_variants`);
+                 was not given) and with selective, then full recomputation (under
+                 --recompute auto), then with both: every cheapest variant that fits is
+                 a candidate (`_variants`);
     4. simulate: candidates in order of a lower bound on their step, until the bound
                  passes the SHOWN-th best step found ([Note: the search's bounds]);
     5. emit the best; the best SHOWN are recorded in the manifest for `show`.
@@ -38,7 +38,6 @@ import sys
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from runtime.recompute import parse_policy
 from runtime.schedule import registry
 
 from partitioner.cost.hardware import Hardware, load_hardware
@@ -46,7 +45,7 @@ from partitioner.cost.roofline import BACKWARD_FLOP_FACTOR, mfu
 from partitioner.errors import InfeasiblePlanError, PlanError
 from partitioner.ir import Plan, SolverReport
 from partitioner.predict.predict import mfu_peak, simulate_plan
-from partitioner.solve.problem import coarse_graph, make_plan, pose
+from partitioner.solve.problem import coarse_graph, pose
 from partitioner.solve.model import interleaved
 from partitioner.solve.solve import rank_costs, solve
 from partitioner.trace.checkpointing import describe
@@ -55,7 +54,7 @@ from .options import AUTO, CompileOptions, mesh_of, stages_per_rank
 from .package_info import model_flops
 from .phases import apply_tp, choose_split, finish, load_source, prepare
 from .prepared import Compiled, Prepared, Source
-from .recompute import LEVELS, cheapest_per_rank
+from .recompute import LEVELS, planned, with_policy
 
 __all__ = ["Candidate", "search"]
 
@@ -101,7 +100,6 @@ class _Solved:
 def search(opts: CompileOptions, say: Callable[[str], None]) -> Compiled:
     """Compile the best mesh for `opts.devices` devices into `opts.out`."""
     assert opts.devices is not None
-    opts = dataclasses.replace(opts, recompute=opts.recompute_policy)  # kept by the meshes' options, without --devices
     hardware = load_hardware(opts.hardware)
     source = load_source(opts, say)
     meshes = _meshes(opts.devices, source.batch, opts, _tp_limit(hardware))
@@ -283,10 +281,8 @@ def _solve(base: Prepared, opts: CompileOptions, pp: int, microbatches: int,
     for zero, recompute in _variants(opts, zeros):
         if any(f.cand.zero <= zero and LEVELS.index(f.cand.recompute) <= LEVELS.index(recompute) for f in found):
             continue  # a variant that costs no more in either respect fits already
-        sub = dataclasses.replace(opts, zero=zero, recompute=recompute or "none")
-        prepared = _repose(base, sub, pp, microbatches)
-        if opts.recompute_policy == AUTO:  # finish chooses per rank too ([Note: recomputation chosen per rank])
-            prepared = dataclasses.replace(prepared, opts=dataclasses.replace(prepared.opts, recompute=AUTO))
+        sub = dataclasses.replace(opts, zero=zero)
+        prepared = with_policy(_repose(base, sub, pp, microbatches), recompute)
         try:
             assignment, report = solve(prepared.problem, time_limit_s=min(sub.time_limit, 5.0), explain=False)
         except InfeasiblePlanError as exc:
@@ -296,9 +292,7 @@ def _solve(base: Prepared, opts: CompileOptions, pp: int, microbatches: int,
             return None
         if interleaved(prepared.problem):  # [Note: splits chosen by the simulator]
             _, assignment, report = choose_split(prepared, assignment, report)
-        plan = make_plan(prepared.problem, prepared.blocks, assignment, report, prepared.mesh)
-        if opts.recompute_policy == AUTO:
-            plan = cheapest_per_rank(prepared, plan, assignment)
+        plan = planned(prepared, assignment, report)  # [Note: recomputation chosen per rank]
         peak = max(r.memory_bytes for r in rank_costs(prepared.problem, assignment))  # a rank holds all its stages
         cand = Candidate(pp, opts.dp, opts.tp or 1, microbatches, memory_bytes=peak,
                          recompute=recompute, schedule=opts.schedule, zero=plan.zero)
@@ -307,13 +301,12 @@ def _solve(base: Prepared, opts: CompileOptions, pp: int, microbatches: int,
 
 
 def _variants(opts: CompileOptions, zeros: tuple[int, ...]) -> list[tuple[int, str | None]]:
-    """(ZeRO stage, recomputation) to try: each of `zeros` without, then with selective, then
-    full recomputation (only the policy --recompute names, where it names one), cheapest first.  `_solve` skips a variant
-    where one that costs no more in either respect fits: ZeRO-1 (its parameter broadcast,
-    `zero_broadcast_s`) and recomputation (a forward again per microbatch) each only where
-    the mesh does not fit without it, and both where neither alone fits; ZeRO-1 and
-    recomputation alone may both fit, and then the simulator decides between them."""
-    recomputes = LEVELS if opts.recompute_policy == AUTO else (parse_policy(opts.recompute_policy),)
+    """(ZeRO stage, recomputation) to try: each of `zeros` without, then with selective, then full recomputation
+    (only the policy --recompute names, if not auto), cheapest first.  `_solve` skips a variant where one that costs
+    no more in either respect fits: ZeRO-1 (its parameter broadcast, `zero_broadcast_s`) and recomputation (a forward
+    again per microbatch) each only where the mesh does not fit without it, and both where neither alone fits; ZeRO-1
+    and recomputation alone may both fit, and then the simulator decides between them."""
+    recomputes = [p for p in LEVELS if opts.recompute_policy in (AUTO, p or "none")]
     return [(zero, recompute) for recompute in recomputes for zero in zeros]
 
 

@@ -31,7 +31,6 @@ from __future__ import annotations
 import functools
 from typing import Any, Callable
 
-import torch
 import torch.utils.checkpoint as checkpoint
 
 __all__ = ["POLICIES", "SAVED_OPS", "op_name", "parse_policy", "run_checkpointed", "saves"]

@@ -176,9 +176,9 @@ class StageRunner:
             raise PipelineError(f"stage {self.index}: I of microbatch {microbatch} "
                                 f"{'before its forward' if saved is None else 'twice'} (the schedule is wrong).")
         if self.recompute == "selective":  # recomputes once only: I runs all of B ([Note: recomputation policies])
-            got = self.backward(microbatch, grads)
+            whole = self.backward(microbatch, grads)
             self._saved[microbatch] = _Saved([], None, roots=[])  # W: nothing left to do
-            return got
+            return whole
         saved.roots, saved.root_grads = self._roots(microbatch, saved, grads)
         leaves = [a for a in saved.args if isinstance(a, torch.Tensor) and a.requires_grad]
         found: dict[int, torch.Tensor | None] = {}

@@ -15,7 +15,7 @@ from driver.cli import _parser
 from driver.options import CompileOptions
 from driver.phases import prepare
 from partitioner.cost.roofline import stage_memory_bytes
-from partitioner.ir import BlockCost, Edge
+from partitioner.ir import BlockCost
 from partitioner.solve.coarsen import build_problem
 from partitioner.solve.solve import evaluate, stage_costs
 from runtime.recompute import parse_policy, saves
