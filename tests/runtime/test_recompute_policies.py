@@ -143,3 +143,14 @@ def test_a_bad_policy_in_a_manifest_names_the_field(tmp_path: Path) -> None:
 def test_selective_on_two_gloo_ranks_trains_like_the_original(tmp_path: Path) -> None:
     compile_example(GPT, tmp_path / "pkg", stages=2, microbatches=4, recompute="selective")
     _ok(launch(2, "check", [tmp_path / "pkg"], Path(GPT).resolve()))
+
+
+@multiproc
+@pytest.mark.timeout(120)
+def test_auto_on_two_gloo_ranks_trains_like_the_original(tmp_path: Path) -> None:
+    mesh = dict(stages=2, microbatches=8, schedule="1f1b")
+    none = compile_example(GPT, tmp_path / "none", **mesh)
+    limit = max(none.plan.stages[1].memory_bytes, none.plan.stages[0].memory_bytes * 95 // 100)
+    auto = compile_example(GPT, tmp_path / "pkg", recompute="auto", memory=limit, **mesh)
+    assert auto.manifest.stages[0].recompute is not None and auto.manifest.stages[1].recompute is None
+    _ok(launch(2, "check", [tmp_path / "pkg"], Path(GPT).resolve()))
