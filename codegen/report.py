@@ -71,7 +71,7 @@ def format_plan(manifest: Manifest) -> str:
         f"model      {source.path} (sha256 {source.sha256[:16]}), traced with {manifest.tracer}",
         f"mesh       pp={mesh.pp} tp={mesh.tp} dp={mesh.dp}, schedule {manifest.schedule}, "
         f"{manifest.microbatches} microbatches, batch {manifest.batch_size}"
-        + (", activations recomputed" if any(s.recompute for s in manifest.stages) else "")
+        + _recompute_note([s.recompute for s in manifest.stages])
         + (", optimizer state sharded across the replicas (ZeRO-1)" if manifest.options.get("zero") and mesh.dp > 1 else ""),
         _predicted_line(predicted),
     ]
@@ -116,6 +116,16 @@ def format_plan(manifest: Manifest) -> str:
             )
         table = table + lines_c
     return "\n".join(lines + [""] + table) + "\n"
+
+
+def _recompute_note(policies: list[str | None]) -> str:
+    """The mesh line's note on recomputation: nothing where no stage recomputes, as before
+    where all recompute in full, else each stage's policy in stage order."""
+    if not any(policies):
+        return ""
+    if all(p == "full" for p in policies):
+        return ", activations recomputed"
+    return ", recomputation by stage: " + ", ".join(p or "none" for p in policies)
 
 
 def _checkpointing_line(manifest: Manifest) -> str:

@@ -62,9 +62,13 @@ def stage_entry(
         buffers=tuple(buffer_entries),
         nodes=len(layout.nodes),
         modules=tuple(_modules(layout.nodes)),
-        recompute=info.recompute,
+        recompute=plan.policy(k) or ("full" if info.recompute else None),
     )
     return entry, _render(entry, layout, plan, info, writer, body)
+
+
+#: what the header says a recomputing stage's backward runs again
+_AGAIN = {"full": " (the forward twice)", "selective": " (its ops but matmuls and attention twice: selective recomputation)"}
 
 
 def _clone_written_inputs(layout: StageLayout, names: dict[torch.fx.Node, str]) -> list[str]:
@@ -86,7 +90,7 @@ def _render(entry: StageSpec, layout: StageLayout, plan: Plan, info: PackageInfo
         f"{plan.microbatches} microbatches of {rows} rows",
         f"# stage: {_count(entry.nodes, 'node')} ({', '.join(entry.modules) or 'no modules'})",
         f"# time:  {stage_plan.time_s * 1e3:.3f} ms predicted for one microbatch: forward+backward"
-        f"{' (the forward twice)' if info.recompute else ''} with its messages",
+        f"{_AGAIN.get(entry.recompute or '', '')} with its messages",
     ]
     last = k == S - 1
     lines = header + ["", "from __future__ import annotations", ""] + _imports(writer, bool(entry.buffers), last)

@@ -24,7 +24,7 @@ from codegen import format_kept, format_plan
 from partitioner.errors import PackageError, PartitionerError, PlanError
 
 from .compile import compile_model
-from .options import AUTO, CompileOptions
+from .options import AUTO, RECOMPUTE_POLICIES, CompileOptions
 
 __all__ = ["main", "parse_size"]
 
@@ -75,9 +75,11 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--reprofile", action="store_true", help="measure node costs again, ignoring the cache")
     c.add_argument("--meta", action="store_true", default=None,
                    help="build the model on the meta device (implied by --analytic for models too big for this machine)")
-    c.add_argument("--recompute", action="store_true",
-                   help="recompute activations: each stage keeps only its inputs per microbatch in flight and runs "
-                        "its forward again in backward (less memory, one more forward)")
+    c.add_argument("--recompute", nargs="?", const="full", choices=RECOMPUTE_POLICIES, metavar="POLICY",
+                   help="auto | none | full | selective (alone: full; default: auto with --devices, else none): full "
+                        "keeps each stage's inputs per microbatch in flight and runs its forward again in backward; "
+                        "selective also keeps its matmuls' outputs and runs the rest again (softmax, dropout, "
+                        "activation functions); auto: per rank, the fastest that fits in memory")
     c.add_argument("--quiet", action="store_true")
     s = sub.add_parser("show", help="print a package's plan")
     s.add_argument("dir")

@@ -7,14 +7,17 @@
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from typing import Callable
 
+from partitioner.ir import SolverReport
 from partitioner.solve.model import interleaved
 
 from .options import AUTO, CompileOptions, fixed_tp
 from .phases import finish, prepare, solve_interleaved, solve_problem
-from .prepared import Compiled, Source
+from .prepared import Compiled, Prepared, Source
+from .recompute import solve_cheapest_policy
 from .search import search
 
 __all__ = ["compile_model"]
@@ -39,14 +42,22 @@ def compile_model(opts: CompileOptions, log: Callable[[str], None] | None = None
     say = log or (lambda msg: None if opts.quiet else print(msg, file=sys.stderr))
     if opts.devices is not None and (opts.stages is None or opts.tp is None or opts.microbatches is None
                                      or opts.schedule == AUTO or opts.zero is None):
-        return search(opts, say, source)
+        return search(dataclasses.replace(opts, recompute=opts.recompute_policy), say, source)  # kept by each mesh's options
     opts = fixed_tp(opts)
     prepared = prepare(opts, say, source)  # 1. load, 2. trace, 3. cost, 4. tp, and the problem of 5 posed
-    if interleaved(prepared.problem):  # 5. solve, each stage count per rank ([Note: splits chosen by the simulator])
-        prepared, assignment, report = solve_interleaved(prepared, solve_problem)
+    if opts.recompute_policy == AUTO:  # 5. solve, recomputing only where memory binds
+        prepared, assignment, report = solve_cheapest_policy(prepared, _solve)  # [Note: recomputation chosen per rank]
     else:
-        assignment, report = solve_problem(prepared)  # 5. solve
+        prepared, assignment, report = _solve(prepared)  # 5. solve
     compiled = finish(prepared, assignment, report)  # 6. predict, 7. emit
     say(f"wrote {opts.out}: {prepared.problem.stages} stages; {report.method}, gap {report.gap * 100:.1f}% against the cost model, "
         f"solver {report.wall_s:.2f} s, total {sum(compiled.timings.values()):.2f} s")
     return compiled
+
+
+def _solve(prepared: Prepared) -> tuple[Prepared, tuple[int, ...], SolverReport]:
+    """Phase 5: each stage count per rank where the schedule interleaves ([Note: splits
+    chosen by the simulator]), else the one problem posed."""
+    if interleaved(prepared.problem):
+        return solve_interleaved(prepared, solve_problem)
+    return (prepared, *solve_problem(prepared))

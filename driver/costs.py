@@ -141,7 +141,7 @@ def _calibrates(p: Prepared, plan: Plan) -> bool:
     """Whether `calibrated_costs` calibrates `plan`'s stages (else the model's costs stand)."""
     waits = p.hardware.idle_before_compute_s > 0  # the cpu profile: stages wait on the cores they compute on
     return (not p.opts.analytic and (waits or p.timer.is_cuda) and p.values is not None and plan.num_stages >= 2
-            and not plan.recompute)
+            and not plan.recomputes)
 
 
 def _stage_key(p: Prepared, plans: Sequence[Plan], rounds: int) -> str:
@@ -192,7 +192,7 @@ def stage_peaks(p: Prepared, plan: Plan) -> list[int] | None:
     """Each stage's peak memory over one microbatch's forward and backward, as the allocator
     counts it (`partitioner.cost.calibrate.stage_peak_bytes`), where the compile measures on a
     device that keeps a count (CUDA), cached per plan as `calibrated_costs` is; else None."""
-    if p.opts.analytic or not p.timer.counts_memory or p.values is None or plan.recompute:
+    if p.opts.analytic or not p.timer.counts_memory or p.values is None or plan.recomputes:
         return None
     stage_of = plan.stage_of()
     key = "peaks-" + hashlib.sha256(json.dumps(

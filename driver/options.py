@@ -20,11 +20,13 @@ from partitioner.trace import model_file
 from partitioner.trace.inputs import InputKey, flat_inputs, key_text, leaves_of
 from runtime.precision import PRECISIONS
 
-__all__ = ["AUTO", "CompileOptions", "batch_size", "check", "fixed_tp", "default_microbatches", "mesh_of",
+__all__ = ["AUTO", "RECOMPUTE_POLICIES", "CompileOptions", "batch_size", "check", "fixed_tp", "default_microbatches", "mesh_of",
            "rows_per_microbatch", "split_batch", "stages_per_rank"]
 
 #: `--schedule auto`: the search chooses among the registry's `AUTO_SCHEDULES`
 AUTO = "auto"
+#: --recompute's choices ([Note: recomputation policies] in runtime/recompute.py)
+RECOMPUTE_POLICIES = (AUTO, "none", "full", "selective")
 
 
 @dataclass
@@ -55,14 +57,24 @@ class CompileOptions:
     #: 1: optimizer state sharded across data-parallel replicas (ZeRO-1); None: 0, or with
     #: --devices chosen per mesh, 1 where the mesh fits in memory only so (driver/search.py)
     zero: int | None = None
-    recompute: bool = False  # activation recomputation: stages keep their inputs, run forward again in backward
+    #: activation recomputation ([Note: recomputation policies] in runtime/recompute.py): "none", "full",
+    #: "selective" or "auto" (per rank, the cheapest that fits: driver/recompute.py); True is "full";
+    #: None (not given): auto with --devices, else none (`recompute_policy`)
+    recompute: bool | str | None = None
     precision: str = "fp32"  # runtime.precision.PRECISIONS ([Note: mixed precision], [Note: bf16 with master weights])
 
     def __post_init__(self) -> None:
-        """The default schedule: auto (the fastest that fits) where --devices opens a search,
-        else 1f1b (docs/command-line.md)."""
+        """The default schedule and recomputation: auto (the fastest that fits) where
+        --devices opens a search, else 1f1b and none (docs/command-line.md)."""
         if not self.schedule:
             self.schedule = AUTO if self.devices is not None else DEFAULT_SCHEDULE
+        if isinstance(self.recompute, bool):
+            self.recompute = "full" if self.recompute else "none"
+
+    @property
+    def recompute_policy(self) -> str:
+        """--recompute as given, or its default: auto with --devices, else none."""
+        return str(self.recompute) if self.recompute is not None else AUTO if self.devices is not None else "none"
 
 
 def check(opts: CompileOptions) -> tuple[int, int, int]:
@@ -74,6 +86,9 @@ def check(opts: CompileOptions) -> tuple[int, int, int]:
                         f"--devices, or name a schedule ({', '.join(SCHEDULES)}).")
     if opts.schedule not in SCHEDULES:
         raise PlanError(f"unknown --schedule {opts.schedule!r}: choose one of {', '.join(SCHEDULES)} or auto.")
+    if opts.recompute_policy not in RECOMPUTE_POLICIES:
+        raise PlanError(f"unknown --recompute {opts.recompute_policy!r}: choose one of {', '.join(RECOMPUTE_POLICIES)} "
+                        f"(alone: full).")
     if opts.tp < 1:
         raise PlanError(f"--tp {opts.tp}: the tensor-parallel degree is at least 1 (1: no tensor parallelism).")
     pp = opts.stages if opts.stages is not None else 2
@@ -130,7 +145,8 @@ def mesh_of(opts: CompileOptions, pp: int, virtual: int, microbatches: int) -> S
     """What the solver's problem is posed for, out of the options (`tp` fixed): `pp`
     pipeline ranks of `virtual` stages each, `microbatches`, and the limits."""
     return Setting(pp=pp, microbatches=microbatches, schedule=opts.schedule, tp=opts.tp or 1, dp=opts.dp,
-                virtual_stages=virtual, memory=opts.memory, optimizer=opts.optimizer, recompute=opts.recompute,
+                virtual_stages=virtual, memory=opts.memory, optimizer=opts.optimizer,
+                recompute=None if opts.recompute_policy == AUTO else opts.recompute_policy,
                 zero=opts.zero or 0)
 
 

@@ -55,7 +55,7 @@ def package_info(p: Prepared, plan: Plan, predicted: dict[str, Any]) -> PackageI
     unused = {k: t for k, t in original.items() if storage_key(t) not in canonical and k not in aliases}
     options = {"stages": plan.pp, "tp": plan.tp, "microbatches": plan.microbatches, "schedule": plan.schedule,
                "memory": opts.memory, "hardware": hardware.name, "analytic": opts.analytic,
-               "optimizer": opts.optimizer} | ({"recompute": True} if plan.recompute else {}) \
+               "optimizer": opts.optimizer} | _recompute_option(plan) \
         | ({"zero": 1} if opts.zero else {}) | ({"precision": opts.precision} if opts.precision != "fp32" else {}) \
         | ({"checkpointing": list(traced.checkpointed)} if traced.checkpointed else {})
     return PackageInfo(
@@ -91,3 +91,12 @@ def _tp_summary(sharded: Sharded | None) -> dict[str, Any]:
             "method": report.method, "status": report.status, "objective_s": report.objective_s,
             "replicated_s": report.replicated_s, "lower_bound_s": report.lower_bound_s, "variables": report.variables}),
     }
+
+
+def _recompute_option(plan: Plan) -> dict[str, Any]:
+    """The manifest options' `recompute`: true where every stage recomputes in full (as
+    before policies), each stage's policy where they differ, absent where none does."""
+    if plan.recompute:
+        return {"recompute": True}
+    policies = [plan.policy(k) or "none" for k in range(plan.num_stages)]
+    return {"recompute": policies} if plan.recomputes else {}

@@ -67,6 +67,7 @@ from .options import (CompileOptions, batch_size, check, default_microbatches, f
                       split_batch)
 from .package_info import model_flops, package_info
 from .prepared import Compiled, Prepared, Source
+from .recompute import planned
 
 __all__ = ["MAX_VIRTUAL", "apply_tp", "assign_nodes", "choose_split", "compile_device", "emit_plan", "finish",
            "keep_checkpointing", "load_source", "most_virtual", "prepare", "solve_interleaved", "solve_problem",
@@ -181,13 +182,14 @@ def _trace(src: Source, margs: tuple[Any, ...], mkwargs: dict[str, Any], opts: C
 def keep_checkpointing(opts: CompileOptions, regions: tuple[str, ...], say: Callable[[str], None]) -> CompileOptions:
     """`opts` with recomputation on where the model checkpoints regions itself and no mesh is
     searched ([Note: the user's checkpointing] in partitioner/trace/checkpointing.py); under
-    a search (`--devices`) the planner chooses, and `driver.search` says so."""
-    if not regions or opts.devices is not None:
+    a search (`--devices`) the planner chooses, and `driver.search` says so; a --recompute
+    given stands."""
+    if not regions or opts.devices is not None or opts.recompute is not None:
         return opts
     say(f"the model's own gradient checkpointing (torch.utils.checkpoint around {describe(regions)}) is traced as the "
         f"ops it runs and kept as the plan's recomputation: every stage runs its forward again in backward "
         f"(--recompute)")
-    return dataclasses.replace(opts, recompute=True)
+    return dataclasses.replace(opts, recompute="full")
 
 
 def apply_tp(traced: Traced, costs: dict[str, NodeCost], tp: int, hardware: Hardware, opts: CompileOptions,
@@ -242,7 +244,8 @@ def finish(prepared: Prepared, assignment: tuple[int, ...], report: SolverReport
         report = dataclasses.replace(report, nodes=len(compute_nodes(p.traced.gm)), blocks=p.problem.num_blocks)
     # the stages timed as they run, buffers kept
     with autocast(p.opts.precision, p.timer.device.type), kept_buffers(p.model):
-        p, plan, resolved, calibrated = check_plan(p, make_plan(p.problem, p.blocks, assignment, report, p.mesh))
+        plan = planned(p, assignment, report)  # [Note: recomputation chosen per rank]
+        p, plan, resolved, calibrated = check_plan(p, plan)
     return emit_plan(p, plan, extra, resolved=resolved, calibrated=calibrated)
 
 

@@ -10,9 +10,9 @@
                  per split (`_Shapes`);
     3. solve:    each candidate's partition problem is posed and solved; one that does
                  not fit memory is solved again with ZeRO-1 (where dp > 1 and --zero
-                 was not given) and with activation recomputation (unless --recompute
-                 asked for it everywhere), and both then with both: every cheapest
-                 variant that fits is a candidate (`_variants`);
+                 was not given) and with selective, then full recomputation (under
+                 --recompute auto), then with both: every cheapest variant that fits is
+                 a candidate (`_variants`);
     4. simulate: candidates in order of a lower bound on their step, until the bound
                  passes the SHOWN-th best step found ([Note: the search's bounds]);
     5. emit the best; the best SHOWN are recorded in the manifest for `show`.
@@ -45,7 +45,7 @@ from partitioner.cost.roofline import BACKWARD_FLOP_FACTOR, mfu
 from partitioner.errors import InfeasiblePlanError, PlanError
 from partitioner.ir import Plan, SolverReport
 from partitioner.predict.predict import mfu_peak, simulate_plan
-from partitioner.solve.problem import coarse_graph, make_plan, pose
+from partitioner.solve.problem import coarse_graph, pose
 from partitioner.solve.model import interleaved
 from partitioner.solve.solve import rank_costs, solve
 from partitioner.trace.checkpointing import describe
@@ -54,6 +54,7 @@ from .options import AUTO, CompileOptions, mesh_of, stages_per_rank
 from .package_info import model_flops
 from .phases import apply_tp, choose_split, finish, load_source, prepare
 from .prepared import Compiled, Prepared, Source
+from .recompute import LEVELS, planned, with_policy
 
 __all__ = ["Candidate", "search"]
 
@@ -79,7 +80,7 @@ class Candidate:
     mfu: float = 0.0
     fits: bool = True
     note: str = ""
-    recompute: bool = False
+    recompute: str | None = None  # the uniform policy solved ([Note: recomputation chosen per rank])
     schedule: str = ""
     zero: int = 0
 
@@ -129,8 +130,8 @@ def search(opts: CompileOptions, say: Callable[[str], None], source: Source | No
         raise InfeasiblePlanError(_nothing_fits(opts, failed))
     best, win = ranked[0]
     say(f"best mesh: pp={best.pp} tp={best.tp} dp={best.dp}, {best.microbatches} microbatches, {best.schedule}"
-        + (", activations recomputed" if best.recompute else "") + (", ZeRO-1" if best.zero else ""))
-    _say_checkpointing(win.prepared.traced.checkpointed, best.recompute, say)
+        + (f", recomputation {best.recompute}" if best.recompute else "") + (", ZeRO-1" if best.zero else ""))
+    _say_checkpointing(win.prepared.traced.checkpointed, bool(best.recompute), say)
     shown = [dataclasses.asdict(c) for c, _ in ranked[:SHOWN]]
     return finish(win.prepared, win.assignment, win.report, extra={"candidates": shown})
 
@@ -278,10 +279,10 @@ def _solve(base: Prepared, opts: CompileOptions, pp: int, microbatches: int,
     found: list[_Solved] = []
     note = ""
     for zero, recompute in _variants(opts, zeros):
-        if any(f.cand.zero <= zero and f.cand.recompute <= recompute for f in found):
+        if any(f.cand.zero <= zero and LEVELS.index(f.cand.recompute) <= LEVELS.index(recompute) for f in found):
             continue  # a variant that costs no more in either respect fits already
-        sub = dataclasses.replace(opts, zero=zero, recompute=recompute)
-        prepared = _repose(base, sub, pp, microbatches)
+        sub = dataclasses.replace(opts, zero=zero)
+        prepared = with_policy(_repose(base, sub, pp, microbatches), recompute)
         try:
             assignment, report = solve(prepared.problem, time_limit_s=min(sub.time_limit, 5.0), explain=False)
         except InfeasiblePlanError as exc:
@@ -291,22 +292,21 @@ def _solve(base: Prepared, opts: CompileOptions, pp: int, microbatches: int,
             return None
         if interleaved(prepared.problem):  # [Note: splits chosen by the simulator]
             _, assignment, report = choose_split(prepared, assignment, report)
-        plan = make_plan(prepared.problem, prepared.blocks, assignment, report, prepared.mesh)
+        plan = planned(prepared, assignment, report)  # [Note: recomputation chosen per rank]
         peak = max(r.memory_bytes for r in rank_costs(prepared.problem, assignment))  # a rank holds all its stages
         cand = Candidate(pp, opts.dp, opts.tp or 1, microbatches, memory_bytes=peak,
-                         recompute=sub.recompute, schedule=opts.schedule, zero=plan.zero)
+                         recompute=recompute, schedule=opts.schedule, zero=plan.zero)
         found.append(_Solved(cand, prepared, assignment, report, plan, _bound(prepared, assignment, plan)))
     return found or Candidate(pp, opts.dp, opts.tp or 1, microbatches, fits=False, note=note, schedule=opts.schedule)
 
 
-def _variants(opts: CompileOptions, zeros: tuple[int, ...]) -> list[tuple[int, bool]]:
-    """(ZeRO stage, recomputation) to try: each of `zeros` without, then with, recomputation
-    (only with, where --recompute asked for it), cheapest first.  `_solve` skips a variant
-    where one that costs no more in either respect fits: ZeRO-1 (its parameter broadcast,
-    `zero_broadcast_s`) and recomputation (a forward again per microbatch) each only where
-    the mesh does not fit without it, and both where neither alone fits; ZeRO-1 and
-    recomputation alone may both fit, and then the simulator decides between them."""
-    recomputes = (True,) if opts.recompute else (False, True)
+def _variants(opts: CompileOptions, zeros: tuple[int, ...]) -> list[tuple[int, str | None]]:
+    """(ZeRO stage, recomputation) to try: each of `zeros` without, then with selective, then full recomputation
+    (only the policy --recompute names, if not auto), cheapest first.  `_solve` skips a variant where one that costs
+    no more in either respect fits: ZeRO-1 (its parameter broadcast, `zero_broadcast_s`) and recomputation (a forward
+    again per microbatch) each only where the mesh does not fit without it, and both where neither alone fits; ZeRO-1
+    and recomputation alone may both fit, and then the simulator decides between them."""
+    recomputes = [p for p in LEVELS if opts.recompute_policy in (AUTO, p or "none")]
     return [(zero, recompute) for recompute in recomputes for zero in zeros]
 
 
@@ -377,11 +377,11 @@ class _Ranking:
                 continue
             cand = _simulated(item, self.devices)
             self.ranked.append((cand, item))
-            self.ranked.sort(key=lambda r: (r[0].step_time_s, r[0].tp, r[0].pp, r[0].microbatches, r[0].recompute,
+            self.ranked.sort(key=lambda r: (r[0].step_time_s, r[0].tp, r[0].pp, r[0].microbatches, LEVELS.index(r[0].recompute),
                                             r[0].zero))
             c = item.cand
             self.say(f"  mesh pp={c.pp} tp={c.tp} dp={c.dp} M={c.microbatches} {c.schedule}"
-                     f"{' recompute' if c.recompute else ''}{' zero-1' if c.zero else ''}: "
+                     f"{' recompute ' + c.recompute if c.recompute else ''}{' zero-1' if c.zero else ''}: "
                      f"{cand.step_time_s * 1e3:.3f} ms, MFU {cand.mfu * 100:.1f}%")
             bar.set_postfix_str(self.best_text(), refresh=False)
 

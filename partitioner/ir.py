@@ -157,6 +157,9 @@ class GraphNode:
     #: the buffers written in place that it reads or writes: nodes that share one stay in
     #: one block ([Note: a mutated buffer lives on one stage] in trace/buffers.py)
     mutated: tuple[str, ...] = ()
+    #: selective recomputation keeps its output, and runs it again otherwise ([Note:
+    #: recomputation policies] in runtime/recompute.py)
+    saved: bool = True
 
 
 @dataclass(frozen=True)
@@ -177,6 +180,8 @@ class BlockCost:
     params: tuple[str, ...] = ()
     forward_s: float = 0.0  # the forward part of time_s (what recomputation repeats)
     computes: bool = True  # one of its nodes computes (`GraphNode.computes`)
+    kept_bytes: int = 0  # the outputs selective recomputation keeps per microbatch (`GraphNode.saved`)
+    recomputed_s: float = 0.0  # the forward that selective recomputation runs again
 
 
 @dataclass(frozen=True)
@@ -219,6 +224,10 @@ class PartitionProblem:
         + activation_bytes                         one microbatch's, during its backward
         + received bytes * inflight(stage)          the values it receives from earlier stages
     and `block_time_s` already includes the forward run again (see `build_problem`).
+    Selective recomputation adds `block_kept_bytes` * inflight(stage), the outputs of
+    the matmuls kept per microbatch in flight; its `block_activation_bytes` are the rest,
+    what one microbatch's backward rebuilds; and its `block_time_s` includes only the
+    forward of the other ops again ([Note: recomputation policies] in runtime/recompute.py).
 
     A pipeline RANK runs its stages one after another and holds them all: `virtual_stages`
     stages each (the interleaved schedule's, 2 for zb-v's V; 1 otherwise), so `stages` is
@@ -250,6 +259,9 @@ class PartitionProblem:
     virtual_stages: int = 1
     #: activation recomputation (see the memory model above)
     recompute: bool = False
+    #: with `recompute`, what each block keeps per microbatch in flight: selective
+    #: recomputation; empty: full
+    block_kept_bytes: tuple[int, ...] = ()
     #: whether each block computes ([Note: every stage computes] in solve/solve.py); empty:
     #: those of positive time do
     block_computes: tuple[bool, ...] = ()
@@ -257,6 +269,11 @@ class PartitionProblem:
     @property
     def num_blocks(self) -> int:
         return len(self.block_time_s)
+
+    @property
+    def policy(self) -> str | None:
+        """The recomputation policy every stage follows: "full", "selective" or None."""
+        return ("selective" if self.block_kept_bytes else "full") if self.recompute else None
 
     @property
     def ranks(self) -> int:
@@ -313,6 +330,8 @@ class StagePlan:
     activation_bytes: int = 0
     send_bytes: int = 0
     recv_bytes: int = 0
+    #: "full" | "selective" | None ([Note: recomputation policies] in runtime/recompute.py)
+    recompute: str | None = None
 
 
 @dataclass(frozen=True)
@@ -327,12 +346,22 @@ class Plan:
     dp: int = 1
     virtual_stages: int = 1
     report: SolverReport | None = None
-    recompute: bool = False  # every stage runs its forward again in backward
+    recompute: bool = False  # every stage runs its forward again in backward (else each stage's own policy)
     zero: int = 0  # 1: optimizer state sharded across the dp replicas ([Note: ZeRO-1] in runtime/optim.py)
 
     @property
     def num_stages(self) -> int:
         return len(self.stages)
+
+    def policy(self, stage: int) -> str | None:
+        """Stage `stage`'s recomputation policy: "full" (every stage's, with `recompute`),
+        "selective" or None."""
+        return "full" if self.recompute else self.stages[stage].recompute
+
+    @property
+    def recomputes(self) -> bool:
+        """Whether any stage recomputes."""
+        return any(self.policy(k) for k in range(self.num_stages))
 
     def stage_of(self) -> dict[str, int]:
         """fx node name -> stage index."""

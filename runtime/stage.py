@@ -34,10 +34,10 @@ from typing import Any, Callable
 
 import torch
 import torch.utils._pytree
-import torch.utils.checkpoint
 
 from . import modes, split_backward
 from .errors import PipelineError
+from .recompute import run_checkpointed
 from .manifest import StageSpec
 from .precision import autocast, cast_inputs, device_type, loss_input
 
@@ -92,8 +92,9 @@ class StageRunner:
         return [o.name for o in self.entry.outputs]
 
     @property
-    def recompute(self) -> bool:
-        """Whether the stage was compiled with activation recomputation (`--recompute`)."""
+    def recompute(self) -> str | None:
+        """The stage's recomputation policy: "full", "selective" or None ([Note: recomputation
+        policies] in recompute.py)."""
         return self.entry.recompute
 
     def forward(self, microbatch: int, args: list[Any], train: bool, seed: int | None = None) -> Any:
@@ -102,8 +103,9 @@ class StageRunner:
 
         [Note: recomputation] With `recompute`, a training forward runs under
         torch.utils.checkpoint (non-reentrant): autograd keeps only the stage's inputs
-        and runs the forward again (same RNG state) when this microbatch's backward
-        needs its activations, so gradients are those of the plain forward.
+        (and, "selective", the outputs of its matmuls) and runs the forward again (same
+        RNG state) when this microbatch's backward needs its activations, so gradients
+        are those of the plain forward ([Note: recomputation policies] in recompute.py).
 
         `seed`: in training mode, the forward draws from a generator seeded by it
         ([Note: dropout streams] in modes.py).  Under `bf16` the batch's float32 inputs are
@@ -130,7 +132,7 @@ class StageRunner:
 
     def _call(self, args: list[Any], train: bool) -> Any:
         if train and self.recompute and torch.is_grad_enabled():
-            return torch.utils.checkpoint.checkpoint(self.module, *args, use_reentrant=False)
+            return run_checkpointed(self.module, args, self.recompute)
         return self.module(*args)
 
     def loss(self, microbatch: int, output: Any, target: Any, loss_fn: Callable[[Any, Any], torch.Tensor],
@@ -173,6 +175,10 @@ class StageRunner:
         if saved is None or saved.roots is not None:
             raise PipelineError(f"stage {self.index}: I of microbatch {microbatch} "
                                 f"{'before its forward' if saved is None else 'twice'} (the schedule is wrong).")
+        if self.recompute == "selective":  # recomputes once only: I runs all of B ([Note: recomputation policies])
+            whole = self.backward(microbatch, grads)
+            self._saved[microbatch] = _Saved([], None, roots=[])  # W: nothing left to do
+            return whole
         saved.roots, saved.root_grads = self._roots(microbatch, saved, grads)
         leaves = [a for a in saved.args if isinstance(a, torch.Tensor) and a.requires_grad]
         found: dict[int, torch.Tensor | None] = {}

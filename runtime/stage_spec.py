@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from .recompute import POLICIES, parse_policy
 from ._fields import _bool, _count, _from, _index, _int, _ints, _Obj, _opt_int, _opt_str, _shape, _str, _strs, _to, _Bad
 
 __all__ = [
@@ -132,7 +133,7 @@ class StageSpec:
     buffers: tuple[BufferSpec, ...] = ()
     nodes: int = 0
     modules: tuple[str, ...] = ()
-    recompute: bool = False  # written only when True
+    recompute: str | None = None  # "full" | "selective", written only when set ([Note: recomputation policies])
 
     @property
     def is_last(self) -> bool:
@@ -143,7 +144,7 @@ class StageSpec:
                "inputs": [e.to_dict() for e in self.inputs], "outputs": [e.to_dict() for e in self.outputs],
                "parameters": [p.to_dict() for p in self.parameters], "buffers": [b.to_dict() for b in self.buffers],
                "nodes": self.nodes, "modules": list(self.modules)}
-        return {**out, "recompute": True} if self.recompute else out
+        return {**out, "recompute": self.recompute} if self.recompute else out
 
 
 
@@ -186,10 +187,17 @@ def _buffer(o: _Obj) -> BufferSpec:
                       o.get("dtype", _str, "float32"), o.get("persistent", _bool, True), o.get("meta", _bool, False))
 
 
+def _policy(value: Any, path: str) -> str | None:
+    """A stage's `recompute`: "full" | "selective" (an old package's `true` is "full")."""
+    if not isinstance(value, (bool, str)) or isinstance(value, str) and value not in POLICIES:
+        raise _Bad(f"{path}: expected one of {', '.join(POLICIES)} (or true), got {value!r}")
+    return parse_policy(value)
+
+
 def _stage(o: _Obj) -> StageSpec:
     return StageSpec(o.get("index", _int), o.get("module", _str), o.get("class", _str), tuple(o.get("ranks", _ints)),
                      o.each("inputs", _stage_input), o.each("outputs", _stage_output),
                      o.each("parameters", _param), o.each("buffers", _buffer, optional=True),
-                     o.get("nodes", _int, 0), tuple(o.get("modules", _strs, [])), o.get("recompute", _bool, False))
+                     o.get("nodes", _int, 0), tuple(o.get("modules", _strs, [])), o.get("recompute", _policy, None))
 
 

@@ -9,12 +9,21 @@ import torch
 import torch.fx
 from torch._subclasses.fake_tensor import FakeTensor
 
-__all__ = ["compute_dtype", "compute_nodes", "is_shape_only", "needs_grad", "nbytes", "param_names", "storage_key", "tensors",
+from runtime.recompute import saves
+
+__all__ = ["compute_dtype", "compute_nodes", "is_shape_only", "needs_grad", "nbytes", "param_names", "selective_keeps", "storage_key", "tensors",
            "total_bytes", "working_nodes"]
 
 
 def compute_nodes(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
     return [n for n in gm.graph.nodes if n.op in ("call_function", "call_method", "call_module")]
+
+
+def selective_keeps(node: torch.fx.Node) -> bool:
+    """Whether selective recomputation keeps the node's output rather than run it again
+    ([Note: recomputation policies] in runtime/recompute.py): a module kept whole counts
+    as kept, whatever runs inside it."""
+    return node.op == "call_module" or saves(node.target)
 
 
 def working_nodes(gm: torch.fx.GraphModule) -> set[torch.fx.Node]:

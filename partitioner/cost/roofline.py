@@ -39,16 +39,17 @@ def message_s(nbytes: float, alpha_s: float, beta_s_per_byte: float) -> float:
 
 
 def stage_memory_bytes(param_bytes: int, activation_bytes: int, inflight: int, optimizer_factor: float, *,
-                       recompute: bool = False, input_bytes: int = 0) -> int:
+                       recompute: bool = False, input_bytes: int = 0, kept_bytes: int = 0) -> int:
     """Peak bytes of a stage: weights + gradients + optimizer state + activations in flight.
 
     With activation recomputation (Chen et al., "Training deep nets with sublinear memory
     cost", 2016; Megatron-LM's full recomputation), a microbatch in flight keeps only the
     stage's inputs (`input_bytes`), and one microbatch's activations live while its
-    forward runs again in the backward.
+    forward runs again in the backward.  Selective recomputation (Korthikanti et al., 2023)
+    also keeps `kept_bytes` per microbatch in flight: the outputs of its matmuls.
     """
     if recompute:
-        return round(param_bytes * (2 + optimizer_factor)) + activation_bytes + input_bytes * inflight
+        return round(param_bytes * (2 + optimizer_factor)) + activation_bytes + (input_bytes + kept_bytes) * inflight
     return round(param_bytes * (2 + optimizer_factor)) + activation_bytes * inflight
 
 

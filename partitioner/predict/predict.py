@@ -20,7 +20,7 @@ import torch
 import torch.fx
 
 from ..cost.costmodel import message_s, pair_bytes
-from ..cost.nodes import compute_nodes, storage_key
+from ..cost.nodes import compute_nodes, selective_keeps, storage_key
 from ..cost.hardware import Hardware
 from ..ir import NodeCost, Plan
 from ..trace.passes import get_attr
@@ -102,6 +102,16 @@ def simulate_plan(gm: torch.fx.GraphModule, plan: Plan, costs: dict[str, NodeCos
     return simulate_step(step_inputs(gm, plan, costs, hardware, loss_cost))
 
 
+def _recomputed_s(gm: torch.fx.GraphModule, plan: Plan, costs: dict[str, NodeCost]) -> list[float]:
+    """The forward each stage's backward runs again first: all of it ("full"), that of the
+    ops selective recomputation does not keep, or none ([Note: recomputation policies] in
+    runtime/recompute.py)."""
+    nodes = {n.name: n for n in gm.graph.nodes}
+    return [sum(costs[n].forward_s for n in s.nodes
+                if plan.policy(k) == "full" or plan.policy(k) == "selective" and not selective_keeps(nodes[n]))
+            for k, s in enumerate(plan.stages)]
+
+
 def step_inputs(gm: torch.fx.GraphModule, plan: Plan, costs: dict[str, NodeCost], hardware: Hardware,
                 loss_cost: NodeCost | None = None) -> StepInputs:
     """What `simulate_step` takes for `plan` (see `simulate_plan`)."""
@@ -109,8 +119,7 @@ def step_inputs(gm: torch.fx.GraphModule, plan: Plan, costs: dict[str, NodeCost]
     forward = [sum(costs[n].forward_s for n in s.nodes) for s in plan.stages]
     backward = [sum(costs[n].backward_s for n in s.nodes) for s in plan.stages]
     weight = [sum(costs[n].weight_s for n in s.nodes) for s in plan.stages]  # what a zero-bubble W runs
-    if plan.recompute:  # the backward runs the stage's forward again first
-        backward = [b + f for f, b in zip(forward, backward)]
+    backward = [b + f for f, b in zip(_recomputed_s(gm, plan, costs), backward)]  # run again before the backward
     weight_share = [w / b if b > 0 else 0.0 for w, b in zip(weight, backward)]
     last = plan.num_stages - 1
     traffic = pair_bytes((stage_of[node.name],

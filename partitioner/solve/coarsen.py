@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import Mapping, Sequence
 
 from ..ir import DEFAULT_SCHEDULE, BlockCost, Edge, GraphNode, PartitionProblem
+from runtime.recompute import parse_policy
 
 __all__ = ["build_problem", "coarsen", "param_sizes"]
 
@@ -60,15 +61,19 @@ def build_problem(blocks: Sequence[BlockCost], edges: Sequence[Edge], stages: in
                   schedule: str = DEFAULT_SCHEDULE, memory_limit_bytes: int | None = None, optimizer_factor: float = 2,
                   comm_alpha_s: float = 0.0, comm_beta_s_per_byte: float = 0.0,
                   param_bytes: Mapping[str, int] | None = None, virtual_stages: int = 1,
-                  recompute: bool = False) -> PartitionProblem:
+                  recompute: bool | str | None = False) -> PartitionProblem:
     """The `PartitionProblem` of coarsened blocks; `param_bytes` lets a stage that holds
-    several blocks reading one (tied) parameter hold it once.  With `recompute`, a block's
-    time includes its forward run again in the backward."""
+    several blocks reading one (tied) parameter hold it once.  With `recompute` (True or
+    "full"), a block's time includes its forward run again in the backward; "selective",
+    the forward of the ops it does not keep, and it keeps its matmuls' outputs."""
     used = {name for b in blocks for name in b.params}
+    policy = parse_policy(recompute)
+    again = {None: lambda b: 0.0, "full": lambda b: b.forward_s, "selective": lambda b: b.recomputed_s}[policy]
     return PartitionProblem(
-        block_time_s=tuple(b.time_s + (b.forward_s if recompute else 0.0) for b in blocks),
+        block_time_s=tuple(b.time_s + again(b) for b in blocks),
         block_param_bytes=tuple(b.param_bytes for b in blocks),
-        block_activation_bytes=tuple(b.activation_bytes for b in blocks),
+        block_activation_bytes=tuple(max(0, b.activation_bytes - b.kept_bytes) if policy == "selective"
+                                     else b.activation_bytes for b in blocks),
         edges=tuple(edges),
         stages=stages,
         microbatches=microbatches,
@@ -81,7 +86,8 @@ def build_problem(blocks: Sequence[BlockCost], edges: Sequence[Edge], stages: in
         block_params=tuple(b.params for b in blocks),
         param_bytes_by_name=tuple(sorted((k, v) for k, v in (param_bytes or {}).items() if k in used)),
         virtual_stages=virtual_stages,
-        recompute=recompute,
+        recompute=policy is not None,
+        block_kept_bytes=tuple(b.kept_bytes for b in blocks) if policy == "selective" else (),
         block_computes=tuple(b.computes for b in blocks),
     )
 
@@ -338,7 +344,9 @@ def _blocks(order: Sequence[GraphNode], runs: Sequence[_Run], sizes: Mapping[str
             param_bytes=sum(sizes.get(p, 0) for p in params),
             activation_bytes=sum(n.cost.activation_bytes for n in nodes),
             flops=sum(n.cost.flops for n in nodes), params=params,
-            forward_s=sum(n.cost.forward_s for n in nodes), computes=any(n.computes for n in nodes)))
+            forward_s=sum(n.cost.forward_s for n in nodes), computes=any(n.computes for n in nodes),
+            kept_bytes=sum(n.cost.output_bytes for n in nodes if n.saved),
+            recomputed_s=sum(n.cost.forward_s for n in nodes if not n.saved)))
     return blocks
 
 

@@ -116,6 +116,7 @@ class Intervals:
         self.n, self.problem, self.upper_s = n, problem, upper_s * (1 + 1e-9)
         self.time = np.concatenate([[0.0], np.cumsum(p.block_time_s, dtype=np.float64)])
         self.acts = np.concatenate([[0], np.cumsum(p.block_activation_bytes, dtype=np.int64)])
+        self.kept = np.concatenate([[0], np.cumsum(p.block_kept_bytes or [0] * n, dtype=np.int64)])
         self.own = np.concatenate([[0], np.cumsum(own, dtype=np.int64)])
         placed = problem.placement
         span = max((v.readers[-1] - v.producer for v in values(problem)), default=0)  # the longest edge
@@ -188,8 +189,9 @@ class Intervals:
         held = _sum_corners(self.held, c0, c1, a0, np.int64)
         fixed = np.where(a < b, (self.own[b] - self.own[a] + held) * (2 + p.optimizer_factor), np.inf)
         acts = (self.acts[b] - self.acts[a]).astype(np.float64)
-        if p.recompute:  # one microbatch's activations, the inputs of those in flight
+        if p.recompute:  # one microbatch's activations, the inputs (and kept outputs) of those in flight
             inputs = _sum_corners(self.received, c0, c1, a0, np.int64).astype(np.float64)
+            inputs += (self.kept[b] - self.kept[a]).astype(np.float64)
             return lambda k: fixed + acts + inputs * p.inflight(k)
         return lambda k: fixed + acts * p.inflight(k)
 

@@ -74,11 +74,12 @@ class RankCost:
 def stage_costs(problem: PartitionProblem, assignment: Sequence[int]) -> tuple[StageCost, ...]:
     """Every stage's compute, traffic and memory under `assignment` (a stage per block)."""
     stages = problem.stages
-    compute, acts, weights = [0.0] * stages, [0] * stages, [0] * stages
+    compute, acts, weights, kept = [0.0] * stages, [0] * stages, [0] * stages, [0] * stages
     own, shared = shared_params(problem)
     for block, k in enumerate(assignment):
         compute[k] += problem.block_time_s[block]
         acts[k] += problem.block_activation_bytes[block]
+        kept[k] += problem.block_kept_bytes[block] if problem.block_kept_bytes else 0
         weights[k] += own[block]
     for size, blocks in shared:
         for k in {assignment[b] for b in blocks}:
@@ -99,7 +100,7 @@ def stage_costs(problem: PartitionProblem, assignment: Sequence[int]) -> tuple[S
         StageCost(compute[k], messages[k], traffic[k], weights[k], acts[k], problem.inflight(k),
                   compute[k] + comm_s[k],
                   stage_memory_bytes(weights[k], acts[k], problem.inflight(k), problem.optimizer_factor,
-                                     recompute=problem.recompute, input_bytes=received[k]),
+                                     recompute=problem.recompute, input_bytes=received[k], kept_bytes=kept[k]),
                   received[k], over_links[k])
         for k in range(stages)
     )

@@ -15,9 +15,11 @@ from typing import Any, Sequence
 
 import torch
 
+from runtime.recompute import parse_policy
+
 from ..cost.costmodel import pair_bytes, remote, values
 from ..cost.hardware import Hardware
-from ..cost.nodes import compute_nodes, param_names, working_nodes
+from ..cost.nodes import compute_nodes, param_names, selective_keeps, working_nodes
 from ..ir import (BlockCost, Edge, GraphNode, NodeCost, PartitionProblem, Plan, SolverReport, StagePlan,
                   optimizer_state_factor)
 from ..predict.predict import pipeline_link, stage_message_s
@@ -45,7 +47,7 @@ class Setting:
     virtual_stages: int = 1  # stages per pipeline rank (the interleaved schedule's, 2 for zb-v)
     memory: int | None = None  # bytes per device (a pipeline rank); None: the device's own (`device_memory`)
     optimizer: str = "adam"
-    recompute: bool = False
+    recompute: bool | str | None = False  # True or "full", "selective", False or None ([Note: recomputation policies])
     zero: int = 0  # 1: optimizer state sharded across the dp replicas (ZeRO-1), each keeps 1/dp of it
 
     @property
@@ -64,7 +66,7 @@ class Coarse:
     #: the parameters are mostly 16-bit: optimizer state is counted as mixed precision keeps it
     mixed_precision: bool
     #: the problem posed once (per recompute), that `pose` copies with other counts
-    templates: dict[bool, PartitionProblem] = field(default_factory=dict, compare=False, repr=False)
+    templates: dict[str | None, PartitionProblem] = field(default_factory=dict, compare=False, repr=False)
 
 
 def coarse_graph(traced: Traced, costs: dict[str, NodeCost], sharded: Sharded | None = None,
@@ -89,6 +91,7 @@ def coarse_graph(traced: Traced, costs: dict[str, NodeCost], sharded: Sharded | 
             tensor_output=is_tensor_node(n),
             computes=n in working,
             mutated=mutated.get(n.name, ()),
+            saved=selective_keeps(n),
         )
         for n in gm.graph.nodes if n in compute
     ]
@@ -121,12 +124,13 @@ def pose(coarse: Coarse, mesh: Setting, hardware: Hardware) -> PartitionProblem:
     )
 
 
-def _template(coarse: Coarse, recompute: bool) -> PartitionProblem:
-    """`coarse`'s problem for one stage, built once; every problem posed from it shares
-    its tuples, which the cost model's tables are cached by (`costmodel`)."""
+def _template(coarse: Coarse, recompute: bool | str | None) -> PartitionProblem:
+    """`coarse`'s problem for one stage, built once per policy; every problem posed from it
+    shares its tuples, which the cost model's tables are cached by (`costmodel`)."""
+    recompute = parse_policy(recompute)
     if recompute not in coarse.templates:
         made = build_problem(coarse.blocks, coarse.edges, 1, 1, param_bytes=coarse.param_bytes, recompute=recompute)
-        other = coarse.templates.get(not recompute)
+        other = next(iter(coarse.templates.values()), None)
         if other is not None:
             made = replace(made, edges=other.edges, block_params=other.block_params,
                            param_bytes_by_name=other.param_bytes_by_name, block_param_bytes=other.block_param_bytes)
@@ -155,9 +159,10 @@ def make_plan(problem: PartitionProblem, blocks: list[Any], assignment: tuple[in
     stage_plans = tuple(
         StagePlan(index=k, nodes=tuple(stage_nodes[k]), time_s=c.time_s, compute_s=c.compute_s,
                   comm_s=c.time_s - c.compute_s, memory_bytes=int(c.memory_bytes), param_bytes=c.weight_bytes,
-                  activation_bytes=c.activation_bytes, send_bytes=sent[k], recv_bytes=received[k])
+                  activation_bytes=c.activation_bytes, send_bytes=sent[k], recv_bytes=received[k],
+                  recompute=problem.policy)
         for k, c in enumerate(costs)
     )
     return Plan(stages=stage_plans, schedule=mesh.schedule, microbatches=mesh.microbatches, pp=mesh.pp,
-                tp=mesh.tp, dp=mesh.dp, virtual_stages=mesh.virtual_stages, report=report, recompute=problem.recompute,
+                tp=mesh.tp, dp=mesh.dp, virtual_stages=mesh.virtual_stages, report=report, recompute=problem.policy == "full",
                 zero=mesh.zero)

