@@ -49,7 +49,7 @@ from typing import Any, Iterator
 import torch
 import torch.distributed as dist
 
-from . import checkpoint, clip, local_rows, modes, optim, package, precision, tp, weights
+from . import checkpoint, clip, engines, local_rows, modes, optim, package, precision, tp, weights
 from .comm import guard, init_from_env, timeout_from_env, wait
 from .counts import Counts
 from .devices import CommStream
@@ -89,8 +89,11 @@ class _Step:
 class DistributedPipeline(Pipeline[Rows]):
     """Run this rank's stages of package DIR; every rank calls every method (collectively)."""
 
-    def __init__(self, directory: str | Path, *, schedule: str | Schedule | None = None,
-                 timeout_s: float | None = None, trace: str | Path | None = None) -> None:
+    def __new__(cls, directory: str | Path, *, engine: str = "partitioner", **options: Any) -> DistributedPipeline:
+        return super().__new__(engines.engine_class(cls, engine))  # engine="pipelining": engines/pipelining.py
+
+    def __init__(self, directory: str | Path, *, schedule: str | Schedule | None = None, timeout_s: float | None = None,
+                 trace: str | Path | None = None, engine: str = "partitioner") -> None:
         # 1. the manifest and the process group
         super().__init__(directory)
         m = self.manifest

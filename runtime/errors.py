@@ -19,6 +19,7 @@ __all__ = [
     "CheckpointNotFoundError",
     "CheckpointCorruptError",
     "NonFiniteError",
+    "EngineError",
 ]
 
 
@@ -68,3 +69,7 @@ class CheckpointCorruptError(CheckpointError):
 
 class NonFiniteError(PipelineError):
     """A step's loss or gradients are not finite under `--on-nonfinite stop` ([Note: non-finite steps])."""
+
+
+class EngineError(PipelineError):
+    """The engine asked for cannot run this package (a schedule it lacks, an edge it cannot carry)."""

@@ -356,9 +356,10 @@ def _rank(r: int, mode: str, pkg: str, model_path: str, outdir: Path) -> int:
     os.dup2(out, 1)
     os.dup2(err, 2)
     try:
+        import engine_worker  # beside this file: engine="pipelining"
         import local_rows_worker  # beside this file: the local=True modes
 
-        {**local_rows_worker.MODES, "check": _check, "fault": _fault, "tp": _tp, "train": _train, "drift": _drift,
+        {**local_rows_worker.MODES, **engine_worker.MODES, "check": _check, "fault": _fault, "tp": _tp, "train": _train, "drift": _drift,
          "short": _short, "amp": _amp, "scaler": _scaler, "dropout": _dropout, "memory": _memory}[mode](pkg, model_path)
     except PipelineError as exc:
         print(f"PipelineError: {exc}", file=sys.stderr, flush=True)

@@ -1,0 +1,157 @@
+"""The package's stages as torch.distributed.pipelining sees them: one module per stage that
+takes what the previous stage sends, the stage metadata, and the schedule classes.
+
+[Note: stages in a chain]
+    torch's PipelineStage receives from stage k-1 only and sends to stage k+1 only, every
+    output of stage k being the positional inputs of stage k+1 in order.  A package runs on
+    it when every value between stages goes from k to k+1 alone (`check_chain`); a value
+    that skips stages (a skip connection cut by the plan) cannot be carried and is refused
+    with the partitioner engine named.  Model inputs are not sent: each stage's `Adapter`
+    reads the ones it needs from the step's microbatches (`Feed`), as our runtime does.
+
+[Note: microbatch order]
+    torch calls a stage's forward, and the last stage's loss, with no microbatch index.
+    Every schedule torch has runs a stage's forwards in microbatch order 0, 1, ..., M-1, so
+    the `Feed` counts them per stage; the loss is given the microbatch index as its
+    "target" (torch splits `arange(M)` into M one-element chunks) and looks up the real
+    target and its weight ([Note: microbatch weights] in microbatches.py) from the `Feed`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+from torch.distributed import pipelining as pp
+
+from .. import modes
+from ..edges import dtype_of, edge_values, value_shape
+from ..errors import EngineError
+from ..manifest import Manifest
+from ..stage import StageRunner, to_device
+
+__all__ = ["SCHEDULE_CLASSES", "Feed", "Adapter", "StageLoss", "check_chain", "stage_metas", "schedule_class"]
+
+#: our schedule name -> torch's class; a multi-stage class takes the list of this rank's stages
+SCHEDULE_CLASSES: dict[str, tuple[type[Any], bool]] = {
+    "gpipe": (pp.ScheduleGPipe, False),
+    "1f1b": (pp.Schedule1F1B, False),
+    "interleaved": (pp.ScheduleInterleaved1F1B, True),
+    "zb-h1": (pp.ScheduleInterleavedZeroBubble, True),
+    "zb-v": (pp.ScheduleZBVZeroBubble, True),
+}
+
+
+def schedule_class(name: str) -> tuple[type[Any], bool]:
+    """torch's class for schedule `name`, and whether it takes several stages; an EngineError
+    naming the engine that runs the others."""
+    if name not in SCHEDULE_CLASSES:
+        raise EngineError(f"schedule {name!r} has no torch.distributed.pipelining class, so engine='pipelining' "
+                          f"cannot run this package (it runs {', '.join(SCHEDULE_CLASSES)}): run it with "
+                          f"engine='partitioner', or compile it with one of those schedules.")
+    return SCHEDULE_CLASSES[name]
+
+
+def check_chain(manifest: Manifest) -> None:
+    """Every value between stages goes from stage k to stage k+1 only ([Note: stages in a chain])."""
+    for stage in manifest.stages:
+        for out in stage.outputs:
+            if out.to != "output" and list(out.to) != [stage.index + 1]:
+                raise EngineError(
+                    f"stage {stage.index}'s output {out.name!r} goes to stages {list(out.to)}, but "
+                    f"torch.distributed.pipelining sends a stage's outputs to the next stage only, so "
+                    f"engine='pipelining' cannot carry it: run this package with engine='partitioner', or "
+                    f"compile the model with another number of stages.")
+        for spec in stage.inputs:
+            if spec.source != "input" and spec.source != stage.index - 1:
+                raise EngineError(
+                    f"stage {stage.index} reads {spec.name!r} from stage {spec.source}, which is not the "
+                    f"stage before it: engine='pipelining' cannot carry it ([Note: stages in a chain]); run this "
+                    f"package with engine='partitioner'.")
+
+
+def stage_metas(manifest: Manifest, s: int, rows: int) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
+    """Stage s's received values and sent values for a microbatch of `rows` rows, as meta
+    tensors (torch's static stage metadata: nothing inferred at run time)."""
+    def metas(specs: list[Any]) -> tuple[torch.Tensor, ...]:
+        return tuple(torch.empty(value_shape(spec, rows, manifest), dtype=dtype_of(spec), device="meta")
+                     .requires_grad_(bool(spec.requires_grad) and dtype_of(spec).is_floating_point) for spec in specs)
+    stage = manifest.stages[s]
+    received = metas(edge_values(manifest, s - 1, s)) if s > 0 else ()
+    sent = metas(edge_values(manifest, s, s + 1)) if not stage.is_last else (torch.empty(0, device="meta"),)
+    return received, sent
+
+
+@dataclass
+class Feed:
+    """What one step's stages read besides what they receive: this replica's microbatch
+    inputs and targets, their weights, the dropout seeds ([Note: microbatch order])."""
+
+    seed: int
+    replica: int
+    microbatches: int
+    call: int = 0
+    inputs: list[dict[str, Any]] = field(default_factory=list)
+    targets: list[Any] | None = None
+    scales: list[float] = field(default_factory=list)
+    loss_fn: Callable[[Any, Any], torch.Tensor] | None = None
+    outputs: list[Any] | None = None  # pipe(inputs): the last stage's outputs, kept by its Adapter
+    _next: dict[int, int] = field(default_factory=dict)
+
+    def start(self, call: int, inputs: list[dict[str, Any]], targets: list[Any] | None, scales: list[float],
+              loss_fn: Callable[[Any, Any], torch.Tensor] | None) -> None:
+        """A new step: its microbatches, and every stage's count back at 0."""
+        self.call, self.inputs, self.targets, self.scales, self.loss_fn = call, inputs, targets, scales, loss_fn
+        self._next.clear()
+
+    def take(self, stage: int) -> int:
+        """The microbatch of stage `stage`'s next forward."""
+        i = self._next.get(stage, 0)
+        self._next[stage] = i + 1
+        return i
+
+    def seed_of(self, stage: int, i: int) -> int:
+        """The dropout seed of stage `stage`, microbatch i ([Note: dropout streams] in modes.py)."""
+        return modes.microbatch_seed(self.seed, self.call, stage, self.replica * self.microbatches + i)
+
+
+class Adapter(torch.nn.Module):
+    """One generated stage as torch's PipelineStage calls it: positional received values in,
+    the stage's outputs (a tuple; the model's output on the last stage) out.  The stage module
+    is its child `stage`, so its parameters are this module's (for DDP)."""
+
+    def __init__(self, runner: StageRunner, received: list[str], feed: Feed, device: torch.device) -> None:
+        super().__init__()
+        self.stage = runner.module
+        self._runner, self._received, self._feed, self._device = runner, received, feed, device
+
+    def forward(self, *values: torch.Tensor) -> Any:
+        runner, feed = self._runner, self._feed
+        i = feed.take(runner.index)
+        got = dict(zip(self._received, values))
+        args = [to_device(feed.inputs[i][spec.name], self._device) if spec.source == "input" else got[spec.name]
+                for spec in runner.entry.inputs]
+        train = torch.is_grad_enabled()
+        out = runner.forward(i, args, train, feed.seed_of(runner.index, i))
+        runner.forget(i)  # torch keeps the graph
+        if runner.is_last and feed.outputs is not None:
+            feed.outputs.append(out)
+        return out
+
+
+@dataclass
+class StageLoss:
+    """The last stage's loss for torch's schedule: given the microbatch index as the target
+    ([Note: microbatch order]), `loss_fn(output, target_i) / scale_i` as our runtime's."""
+
+    runner: StageRunner | None  # None on a rank without the last stage (never called there)
+    feed: Feed
+    device: torch.device
+
+    def __call__(self, output: Any, index: torch.Tensor) -> torch.Tensor:
+        i, feed = int(index.reshape(-1)[0]), self.feed
+        if feed.loss_fn is None or feed.targets is None or self.runner is None:  # pipe(inputs): no loss
+            return torch.zeros((), device=self.device)
+        target = to_device(feed.targets[i], self.device)
+        return self.runner.scaled_loss(output, target, feed.loss_fn, feed.scales[i])
