@@ -36,9 +36,10 @@ from ..distributed import DistributedPipeline, _Step
 from ..edges import edge_values
 from ..errors import BatchError, EngineError
 from ..pipeline import Batch
-from ..schedule import Schedule
+from ..schedule import Schedule, make_schedule
 from ..stage import to_device
-from .torch_stages import Adapter, Feed, StageLoss, check_chain, schedule_class, stage_metas
+from .torch_stages import (LOWERED, SPLIT_BACKWARD, Adapter, Feed, StageLoss, check_chain, prepare_forward_only, schedule_class,
+                           stage_metas, torch_actions)
 
 __all__ = ["PipeliningPipeline"]
 
@@ -61,7 +62,7 @@ class PipeliningPipeline(DistributedPipeline):
         self._feed = Feed(m.source.seed, self.replica, m.microbatches)
         self._shared = self._shared_params()
         self._modules = {s: self._wrap(s) for s in self.stages}
-        self._schedules: dict[tuple[int, int], Any] = {}
+        self._schedules: dict[tuple[int, int, bool], Any] = {}
 
     # -- construction ----------------------------------------------------------------------------
 
@@ -91,7 +92,7 @@ class PipeliningPipeline(DistributedPipeline):
         less the parameters reduced elsewhere (tied across ranks, shared in this rank)."""
         runner = self.runners[s]
         received = [o.name for o in edge_values(self.manifest, s - 1, s)] if s > 0 else []
-        module = Adapter(runner, received, self._feed, self.device)
+        module = Adapter(runner, received, self._feed, self.device, self.manifest.schedule in SPLIT_BACKWARD)
         if self.dp == 1:
             return module
         elsewhere = {id(p) for p in self._shared} | {id(p) for n, p in self._module_named() if n in self.groups.ties}
@@ -101,32 +102,42 @@ class PipeliningPipeline(DistributedPipeline):
         DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(module, ignore)
         return DistributedDataParallel(module, process_group=self.groups.dp, broadcast_buffers=False, init_sync=False)
 
-    def _schedule(self, batch: Batch) -> Any:
-        """torch's schedule for this batch's microbatch count and size, made once."""
+    def _schedule(self, batch: Batch, forward: bool = False) -> Any:
+        """torch's schedule for this batch's microbatch count and size, made once (forward:
+        the one evaluate and pipe(inputs) run)."""
         rows = batch.rows[0]
         if any(r != rows for r in batch.rows):
             raise BatchError(f"this batch splits into microbatches of {batch.rows} rows, but "
                              f"torch.distributed.pipelining needs every microbatch the same size: give a batch that "
                              f"{batch.count} divides, or run it with engine='partitioner'.")
-        key = (batch.count, rows)
+        key = (batch.count, rows, forward)
         if key not in self._schedules:
-            self._schedules[key] = self._make_schedule(batch.count, rows)
+            self._schedules[key] = self._make_schedule(batch.count, rows, forward)
         return self._schedules[key]
 
-    def _make_schedule(self, count: int, rows: int) -> Any:
+    def _make_schedule(self, count: int, rows: int, forward: bool = False) -> Any:
+        """torch's schedule class over new PipelineStages; our action list on torch's runtime
+        where torch has no class (zb-h2).  Forward only (evaluate, pipe(inputs)): GPipe's
+        forwards, or on several stages per rank `prepare_forward_only` on torch's runtime."""
         m, num = self.manifest, len(self.manifest.stages)
         stages = [pp.PipelineStage(self._modules[s], s, num, self.device, *stage_metas(m, s, rows),
                                    group=self._pp_group) for s in self.stages]
-        loss = StageLoss(self.runners.get(num - 1), self._feed, self.device)
-        return self._schedule_cls(stages if self._multi else stages[0], n_microbatches=count, loss_fn=loss,
-                                  scale_grads=False)
+        loss = None if forward else StageLoss(self.runners.get(num - 1), self._feed, self.device)
+        cls = (LOWERED if self._multi else pp.ScheduleGPipe) if forward else self._schedule_cls
+        schedule = cls(stages if self._multi else stages[0], n_microbatches=count, loss_fn=loss, scale_grads=False)
+        if forward and self._multi:
+            prepare_forward_only(schedule, {s: self.graph.rank_of(s) for s in range(num)}, count)
+        elif cls is LOWERED:
+            ours = make_schedule(m.schedule, self.pp, count, m.virtual_stages)
+            schedule._prepare_schedule_with_comms(torch_actions(ours))
+        return schedule
 
     # -- the steps (hooks of pipeline.py) --------------------------------------------------------
 
-    def _start(self, batch: Batch, targets: bool) -> tuple[Any, torch.Tensor | None]:
+    def _start(self, batch: Batch, targets: bool, forward: bool = False) -> tuple[Any, torch.Tensor | None]:
         """This step's schedule, its microbatches given to the stages, and the target that
         carries each microbatch's index to the loss ([Note: microbatch order])."""
-        schedule = self._schedule(batch)
+        schedule = self._schedule(batch, forward)
         self._feed.start(self._steps.call, batch.inputs[self.replica],
                          batch.targets.get(self.replica) if targets else None, batch.scales,
                          batch.loss_fn if targets else None)
@@ -153,26 +164,39 @@ class PipeliningPipeline(DistributedPipeline):
         return loss
 
     def _run_evaluate(self, batch: Batch) -> torch.Tensor:
-        schedule, index = self._start(batch, True)
-        losses: list[torch.Tensor] = []
-        _forward_only(schedule, index, losses)
+        """The forwards, then the last stage's losses from its outputs."""
+        outputs = self._forward(batch, True)
+        last = self.runners.get(len(self.manifest.stages) - 1)
+        losses = []
+        if last is not None and outputs:
+            targets, fn = batch.targets[self.replica], batch.loss_fn
+            assert fn is not None
+            losses = [last.scaled_loss(o, to_device(targets[i], self.device), fn, batch.scales[i])
+                      for i, o in enumerate(outputs)]
         loss = self._reduce_loss(_Step(train=False, evaluate=True, loss=_summed(losses)))
         self.tracer.flush()
         return loss
 
     def _run_forward(self, batch: Batch) -> list[Any]:
         """Every replica's outputs (local rows: this replica's), from the last stage's ranks."""
-        schedule, index = self._start(batch, False)
-        self._feed.outputs = []
-        _forward_only(schedule, index, [])
+        outputs = self._forward(batch, False)
         last = self.graph.rank_of(self.graph.num_stages - 1)
-        mine = ([to_device(o, torch.device("cpu")) for o in self._feed.outputs]
+        mine = ([to_device(o, torch.device("cpu")) for o in outputs]
                 if self.position == last and self.tp_index == 0 else None)
-        self._feed.outputs = None
         gathered: list[Any] = [None] * self.world
         dist.all_gather_object(gathered, mine, group=self.groups.world)
         replicas = [self.replica] if batch.local else range(self.dp)
         return [o for r in replicas for o in gathered[self.mesh.rank(r, last, 0)]]
+
+    def _forward(self, batch: Batch, targets: bool) -> list[Any]:
+        """The forward-only schedule; the last stage's outputs ([] on other ranks)."""
+        schedule, _ = self._start(batch, targets, forward=True)
+        self._feed.outputs = []
+        try:
+            schedule.step(return_outputs=False)
+            return self._feed.outputs
+        finally:
+            self._feed.outputs = None
 
     def _average_shared(self) -> None:
         """Step 3: the shared parameters' gradients averaged over the replicas."""
@@ -183,16 +207,6 @@ class PipeliningPipeline(DistributedPipeline):
 
     def _dp_all_reduce(self, tensor: torch.Tensor) -> None:
         dist.all_reduce(tensor, group=self.groups.dp)
-
-
-def _forward_only(schedule: Any, index: torch.Tensor | None, losses: list[torch.Tensor]) -> None:
-    """The schedule's forwards alone (torch's `eval`), the last stage's outputs not merged."""
-    saved = schedule._has_backward  # what torch's own eval() sets; it cannot pass return_outputs
-    schedule._has_backward = False
-    try:
-        schedule.step(target=index, losses=losses, return_outputs=False)
-    finally:
-        schedule._has_backward = saved
 
 
 def _summed(losses: list[torch.Tensor]) -> torch.Tensor | None:

@@ -15,6 +15,13 @@ takes what the previous stage sends, the stage metadata, and the schedule classe
     the `Feed` counts them per stage; the loss is given the microbatch index as its
     "target" (torch splits `arange(M)` into M one-element chunks) and looks up the real
     target and its weight ([Note: microbatch weights] in microbatches.py) from the `Feed`.
+
+[Note: outputs under split backward]
+    torch's input-gradient step (I) ends by detaching the stage's outputs in place, to free
+    their graph; a view cannot be detached in place, and an output the stage also used
+    inside (a value saved for backward) would be lost to W.  Under the zero-bubble
+    schedules the Adapter therefore returns a copy of each output: the same values and
+    gradients, one copy per output and microbatch.
 """
 
 from __future__ import annotations
@@ -24,23 +31,52 @@ from typing import Any, Callable
 
 import torch
 from torch.distributed import pipelining as pp
+from torch.distributed.pipelining.schedules import (_Action, _add_send_recv, _ComputationType,
+                                                   _PipelineScheduleRuntime)
 
 from .. import modes
 from ..edges import dtype_of, edge_values, value_shape
 from ..errors import EngineError
 from ..manifest import Manifest
+from ..schedule import Kind, Schedule
 from ..stage import StageRunner, to_device
 
-__all__ = ["SCHEDULE_CLASSES", "Feed", "Adapter", "StageLoss", "check_chain", "stage_metas", "schedule_class"]
+__all__ = ["SCHEDULE_CLASSES", "SPLIT_BACKWARD", "LOWERED", "torch_actions", "prepare_forward_only", "Feed", "Adapter", "StageLoss", "check_chain", "stage_metas", "schedule_class"]
 
-#: our schedule name -> torch's class; a multi-stage class takes the list of this rank's stages
+#: our schedule name -> torch's class; a multi-stage class takes the list of this rank's stages.
+#: zb-h2 has none: our own action list runs on torch's `_PipelineScheduleRuntime` (`torch_actions`)
 SCHEDULE_CLASSES: dict[str, tuple[type[Any], bool]] = {
+    "zb-h2": (_PipelineScheduleRuntime, True),
     "gpipe": (pp.ScheduleGPipe, False),
     "1f1b": (pp.Schedule1F1B, False),
     "interleaved": (pp.ScheduleInterleaved1F1B, True),
     "zb-h1": (pp.ScheduleInterleavedZeroBubble, True),
     "zb-v": (pp.ScheduleZBVZeroBubble, True),
 }
+SPLIT_BACKWARD = ("zb-h1", "zb-h2", "zb-v")
+LOWERED = _PipelineScheduleRuntime  # the class that runs an action list given to it
+_KINDS = {Kind.F: _ComputationType.FORWARD, Kind.B: _ComputationType.FULL_BACKWARD,
+          Kind.I: _ComputationType.BACKWARD_INPUT, Kind.W: _ComputationType.BACKWARD_WEIGHT}
+
+
+def torch_actions(schedule: Schedule) -> dict[int, list[Any]]:
+    """Our compute schedule (one row per pipeline rank) as torch's actions; torch adds the
+    sends and receives (`_PipelineScheduleRuntime._prepare_schedule_with_comms`)."""
+    return {r: [_Action(a.stage, _KINDS[a.kind], a.microbatch) for a in row if a.kind in _KINDS]
+            for r, row in enumerate(schedule)}
+
+
+def prepare_forward_only(schedule: Any, rank_of: dict[int, int], count: int) -> None:
+    """Forward only on several stages per rank: each rank runs its stages in order, every
+    microbatch of one before the next, on torch's runtime (torch's eval of a V asks for a
+    backward, and its schedule check wants one: this order is set without that check)."""
+    ranks = sorted(set(rank_of.values()))
+    actions = {r: [_Action(s, _ComputationType.FORWARD, i) for s in sorted(rank_of) if rank_of[s] == r
+                   for i in range(count)] for r in ranks}
+    schedule.stage_index_to_group_rank = dict(rank_of)
+    for stage in schedule._stages:
+        stage.stage_index_to_group_rank = dict(rank_of)
+    schedule.pipeline_order_with_comms = _add_send_recv(actions, lambda s: rank_of[s], len(rank_of))
 
 
 def schedule_class(name: str) -> tuple[type[Any], bool]:
@@ -121,10 +157,12 @@ class Adapter(torch.nn.Module):
     the stage's outputs (a tuple; the model's output on the last stage) out.  The stage module
     is its child `stage`, so its parameters are this module's (for DDP)."""
 
-    def __init__(self, runner: StageRunner, received: list[str], feed: Feed, device: torch.device) -> None:
+    def __init__(self, runner: StageRunner, received: list[str], feed: Feed, device: torch.device,
+                 split: bool = False) -> None:
         super().__init__()
         self.stage = runner.module
         self._runner, self._received, self._feed, self._device = runner, received, feed, device
+        self._split = split  # the schedule splits backward in I and W
 
     def forward(self, *values: torch.Tensor) -> Any:
         runner, feed = self._runner, self._feed
@@ -135,9 +173,14 @@ class Adapter(torch.nn.Module):
         train = torch.is_grad_enabled()
         out = runner.forward(i, args, train, feed.seed_of(runner.index, i))
         runner.forget(i)  # torch keeps the graph
-        if runner.is_last and feed.outputs is not None:
-            feed.outputs.append(out)
-        return out
+        if runner.is_last:
+            if feed.outputs is not None:
+                feed.outputs.append(out)
+            return out
+        if not self._split:
+            return out
+        # [Note: outputs under split backward]
+        return tuple(o.clone() if isinstance(o, torch.Tensor) else o for o in out)
 
 
 @dataclass
