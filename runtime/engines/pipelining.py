@@ -100,7 +100,8 @@ class PipeliningPipeline(DistributedPipeline):
         if len(ignore) == len(list(runner.module.parameters())):
             return module
         DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(module, ignore)
-        return DistributedDataParallel(module, process_group=self.groups.dp, broadcast_buffers=False, init_sync=False)
+        return DistributedDataParallel(module, process_group=self.groups.dp, init_sync=False,
+                                       forward_sync_buffers=False)
 
     def _schedule(self, batch: Batch, forward: bool = False) -> Any:
         """torch's schedule for this batch's microbatch count and size, made once (forward:

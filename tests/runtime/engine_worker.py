@@ -1,6 +1,6 @@
 """The engine modes of dist_worker.py: engine="pipelining" against engine="partitioner" and the model.
 
-MODE engines: the original model and one pipeline per engine on the same package, 2 steps
+MODE engines (each package of ENGINE_RUNS in turn, or PKG): the original model and one pipeline per engine on the same package, 2 steps
 of SGD with momentum from the same weights: every step's loss and the weights after each
 equal the model's (rtol 1e-5) on both engines.  A checkpoint saved by each engine after
 step 1 (weights and optimizer state) is loaded by the other, which redoes step 2 and lands
@@ -13,6 +13,7 @@ MODE engine_refused: the torch engine on a package it cannot run raises an Engin
 from __future__ import annotations
 
 import importlib.util
+import os
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +22,7 @@ import torch
 import runtime
 
 RTOL, ATOL = 1e-5, 1e-6
+OUT_ATOL = 1e-5  # outputs near 0 against the whole-batch model (logits, not weights)
 ENGINES = ("partitioner", "pipelining")
 
 
@@ -43,6 +45,14 @@ def _same_weights(pipe: runtime.DistributedPipeline, want: dict[str, torch.Tenso
 
 
 def engines(pkg: str, model_path: str) -> None:
+    """Every package of ENGINE_RUNS ("PKG|MODEL;PKG|MODEL", one job for several), else PKG."""
+    runs = [tuple(run.split("|")) for run in os.environ.get("ENGINE_RUNS", "").split(";") if run]
+    for p, m in runs or [(pkg, model_path)]:
+        _engines(p, m)
+    print(f"{torch.distributed.get_rank()} ok", flush=True)
+
+
+def _engines(pkg: str, model_path: str) -> None:
     mf = _model_file(model_path)
     torch.manual_seed(0)
     model = mf.build_model()
@@ -81,10 +91,11 @@ def engines(pkg: str, model_path: str) -> None:
     with torch.no_grad():
         want_out = _call(model, inputs)
         torch.testing.assert_close(pipe.evaluate(inputs, target), mf.loss_fn(want_out, target), rtol=RTOL, atol=ATOL)
-        for got_leaf, want_leaf in zip(torch.utils._pytree.tree_leaves(pipe(inputs)),
-                                       torch.utils._pytree.tree_leaves(want_out)):
-            torch.testing.assert_close(got_leaf, want_leaf, rtol=RTOL, atol=ATOL)
-    print(f"{pipe.rank} ok", flush=True)
+        leaves = [torch.utils._pytree.tree_leaves(x) for x in (pipe(inputs), pipes["partitioner"](inputs), want_out)]
+        for got, ours, want in zip(*leaves):  # the engines: the same microbatches; the model: the whole batch
+            torch.testing.assert_close(got, ours, rtol=RTOL, atol=ATOL)
+            torch.testing.assert_close(got, want, rtol=RTOL, atol=OUT_ATOL)
+    print(f"{pipe.rank} {pipe.manifest.schedule} ok", flush=True)
 
 
 def engine_refused(pkg: str, model_path: str) -> None:
