@@ -124,8 +124,8 @@ class PipeliningPipeline(DistributedPipeline):
         stages = [pp.PipelineStage(self._modules[s], s, num, self.device, *stage_metas(m, s, rows),
                                    group=self._pp_group) for s in self.stages]
         loss = None if forward else StageLoss(self.runners.get(num - 1), self._feed, self.device)
-        cls = (LOWERED if self._multi else pp.ScheduleGPipe) if forward else self._schedule_cls
-        schedule = cls(stages if self._multi else stages[0], n_microbatches=count, loss_fn=loss, scale_grads=False)
+        cls: type[Any] = (LOWERED if self._multi else pp.ScheduleGPipe) if forward else self._schedule_cls
+        schedule: Any = cls(stages if self._multi else stages[0], n_microbatches=count, loss_fn=loss, scale_grads=False)
         if forward and self._multi:
             prepare_forward_only(schedule, {s: self.graph.rank_of(s) for s in range(num)}, count)
         elif cls is LOWERED:
@@ -150,7 +150,7 @@ class PipeliningPipeline(DistributedPipeline):
         snapshot = self._ties.snapshot()
         losses: list[torch.Tensor] = []
         try:
-            with self.tracer.span("torch schedule", self.stages[0], "F", 0):
+            with self.tracer.span("torch.distributed.pipelining step", self.stages[0], "schedule", 0):
                 schedule.step(target=index, losses=losses, return_outputs=False)
             self._average_shared()
             with self.tracer.collective("tied gradient all_reduce"):
@@ -166,7 +166,7 @@ class PipeliningPipeline(DistributedPipeline):
 
     def _run_evaluate(self, batch: Batch) -> torch.Tensor:
         """The forwards, then the last stage's losses from its outputs."""
-        outputs = self._forward(batch, True)
+        outputs = self._forward_only(batch, True)
         last = self.runners.get(len(self.manifest.stages) - 1)
         losses = []
         if last is not None and outputs:
@@ -180,7 +180,7 @@ class PipeliningPipeline(DistributedPipeline):
 
     def _run_forward(self, batch: Batch) -> list[Any]:
         """Every replica's outputs (local rows: this replica's), from the last stage's ranks."""
-        outputs = self._forward(batch, False)
+        outputs = self._forward_only(batch, False)
         last = self.graph.rank_of(self.graph.num_stages - 1)
         mine = ([to_device(o, torch.device("cpu")) for o in outputs]
                 if self.position == last and self.tp_index == 0 else None)
@@ -189,7 +189,7 @@ class PipeliningPipeline(DistributedPipeline):
         replicas = [self.replica] if batch.local else range(self.dp)
         return [o for r in replicas for o in gathered[self.mesh.rank(r, last, 0)]]
 
-    def _forward(self, batch: Batch, targets: bool) -> list[Any]:
+    def _forward_only(self, batch: Batch, targets: bool) -> list[Any]:
         """The forward-only schedule; the last stage's outputs ([] on other ranks)."""
         schedule, _ = self._start(batch, targets, forward=True)
         self._feed.outputs = []
@@ -203,11 +203,13 @@ class PipeliningPipeline(DistributedPipeline):
         """Step 3: the shared parameters' gradients averaged over the replicas."""
         for p in self._shared:
             if p.grad is not None:
-                self._dp_all_reduce(p.grad)
+                dist.all_reduce(p.grad, group=self.groups.dp)
                 p.grad.div_(self.dp)
 
-    def _dp_all_reduce(self, tensor: torch.Tensor) -> None:
-        dist.all_reduce(tensor, group=self.groups.dp)
+    def _recover_ranks(self) -> None:
+        """After a failed step: torch's schedules are made again (they keep a step's state)."""
+        self._schedules.clear()
+        super()._recover_ranks()
 
 
 def _summed(losses: list[torch.Tensor]) -> torch.Tensor | None:
