@@ -22,11 +22,14 @@ tests/precision_reference.py).
 MODE dropout: tp = 2 (tests/model_files/tp_dropout.py), train mode: the dropout of the
 replicated value draws the same mask on both tp ranks, that of the sharded value its own.
 MODE local, localnone: each replica given only its own rows (local_rows_worker.py).
+MODE engines, engine_refused: engine="pipelining" (engine_worker.py).  With PIPELINE_TEST_ENGINE=NAME set,
+every mode runs its DistributedPipelines on that engine.
 Once a rank fails, the others are killed after GRACE_S (as torchrun does).
 """
 
 from __future__ import annotations
 
+import functools
 import gc
 import importlib.util
 import os
@@ -355,6 +358,9 @@ def _rank(r: int, mode: str, pkg: str, model_path: str, outdir: Path) -> int:
     err = os.open(outdir / f"rank{r}.err", os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
     os.dup2(out, 1)
     os.dup2(err, 2)
+    if os.environ.get("PIPELINE_TEST_ENGINE"):  # every mode on that engine (test_engines.py)
+        runtime.DistributedPipeline = functools.partial(runtime.DistributedPipeline,  # type: ignore[misc]
+                                                        engine=os.environ["PIPELINE_TEST_ENGINE"])
     try:
         import engine_worker  # beside this file: engine="pipelining"
         import local_rows_worker  # beside this file: the local=True modes

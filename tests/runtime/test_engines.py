@@ -23,6 +23,7 @@ from runtime import package
 from ..conftest import compile_example
 from .conftest import Tiny
 from .test_distributed import _ok, launch, multiproc
+from .test_distributed_training import _with_zero
 
 ROOT = Path(__file__).resolve().parents[2]
 MODELS = {"gpt": ROOT / "examples" / "gpt.py", "tied-gpt": ROOT / "tests" / "model_files" / "gpt_bare_positions.py"}
@@ -117,6 +118,19 @@ def test_the_torch_engine_runs_every_schedule_it_has_on_two_ranks(tmp_path: Path
 def test_the_torch_engine_with_ddp_pp2_dp2(tmp_path: Path) -> None:
     """pp 2 x dp 2 on 4 ranks, the replicas by torch's DistributedDataParallel."""
     _launch(tmp_path, 4, {"pp2-dp2": dict(stages=2, dp=2, schedule="1f1b")}, 280)
+
+
+@multiproc
+@pytest.mark.slow
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("mode, n, dp", [("check", 2, 1), ("train", 4, 2), ("local", 4, 2)])
+def test_the_pipeline_api_on_the_torch_engine(make_tiny: Callable[..., Tiny], mode: str, n: int, dp: int) -> None:
+    """dist_worker's own modes on engine="pipelining": check (train_step's gradients, pipe(x),
+    evaluate, 3 SGD steps), train (clip_grad_norm_ and AdamW with ZeRO-1 at dp 2, tied across
+    ranks), local (each replica given its own rows)."""
+    t = make_tiny(stages=2, schedule="1f1b", microbatches=2, dp=dp)
+    pkg = _with_zero(t.dir) if mode == "train" else t.dir
+    _ok(launch(n, mode, [pkg], t.dir.parent / "tiny.py", deadline_s=180, env={"PIPELINE_TEST_ENGINE": "pipelining"}))
 
 
 def test_an_unknown_engine_is_refused_before_any_process_group(make_tiny: Callable[..., Tiny]) -> None:
