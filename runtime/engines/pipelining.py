@@ -7,8 +7,8 @@ DistributedPipeline (distributed.py), with steps 2-5 of its train_step done by t
     train_step on one rank:
       1. each of this rank's stages, wrapped (torch_stages.Adapter: [Note: stages in a
          chain]), and with dp > 1 in torch's DistributedDataParallel over its dp group, is a
-         `PipelineStage` with static metadata from the manifest (one set per microbatch count
-         and size: torch's receive buffers are fixed)
+         `PipelineStage` with static metadata from the manifest (torch_stages.RaggedStage: one
+         set per microbatch sizes, each microbatch's receive buffers its own shape)
       2. the package's schedule runs as torch's class (torch_stages.SCHEDULE_CLASSES):
          forward, loss (/ our microbatch weights, scale_grads=False), backward, sends and
          receives, and DDP's all-reduce after each stage's last backward (an average)
@@ -34,11 +34,11 @@ from torch.nn.parallel import DistributedDataParallel
 from .. import package
 from ..distributed import DistributedPipeline, _Step
 from ..edges import edge_values
-from ..errors import BatchError, EngineError
+from ..errors import EngineError
 from ..pipeline import Batch
 from ..schedule import Schedule, make_schedule
 from ..stage import to_device
-from .torch_stages import (LOWERED, SPLIT_BACKWARD, Adapter, Feed, StageLoss, check_chain, prepare_forward_only, schedule_class,
+from .torch_stages import (LOWERED, SPLIT_BACKWARD, Adapter, RaggedStage, Feed, StageLoss, check_chain, prepare_forward_only, schedule_class,
                            stage_metas, torch_actions)
 
 __all__ = ["PipeliningPipeline"]
@@ -62,7 +62,7 @@ class PipeliningPipeline(DistributedPipeline):
         self._feed = Feed(m.source.seed, self.replica, m.microbatches)
         self._shared = self._shared_params()
         self._modules = {s: self._wrap(s) for s in self.stages}
-        self._schedules: dict[tuple[int, int, bool], Any] = {}
+        self._schedules: dict[tuple[tuple[int, ...], bool], Any] = {}
 
     # -- construction ----------------------------------------------------------------------------
 
@@ -106,23 +106,18 @@ class PipeliningPipeline(DistributedPipeline):
     def _schedule(self, batch: Batch, forward: bool = False) -> Any:
         """torch's schedule for this batch's microbatch count and size, made once (forward:
         the one evaluate and pipe(inputs) run)."""
-        rows = batch.rows[0]
-        if any(r != rows for r in batch.rows):
-            raise BatchError(f"this batch splits into microbatches of {batch.rows} rows, but "
-                             f"torch.distributed.pipelining needs every microbatch the same size: give a batch that "
-                             f"{batch.count} divides, or run it with engine='partitioner'.")
-        key = (batch.count, rows, forward)
+        key = (tuple(batch.rows), forward)
         if key not in self._schedules:
-            self._schedules[key] = self._make_schedule(batch.count, rows, forward)
+            self._schedules[key] = self._make_schedule(batch.rows, forward)
         return self._schedules[key]
 
-    def _make_schedule(self, count: int, rows: int, forward: bool = False) -> Any:
+    def _make_schedule(self, rows: list[int], forward: bool = False) -> Any:
         """torch's schedule class over new PipelineStages; our action list on torch's runtime
         where torch has no class (zb-h2).  Forward only (evaluate, pipe(inputs)): GPipe's
         forwards, or on several stages per rank `prepare_forward_only` on torch's runtime."""
-        m, num = self.manifest, len(self.manifest.stages)
-        stages = [pp.PipelineStage(self._modules[s], s, num, self.device, *stage_metas(m, s, rows),
-                                   group=self._pp_group) for s in self.stages]
+        m, num, count = self.manifest, len(self.manifest.stages), len(rows)
+        stages = [RaggedStage(self._modules[s], s, num, self.device, group=self._pp_group,
+                              shapes=[stage_metas(m, s, r) for r in rows]) for s in self.stages]
         loss = None if forward else StageLoss(self.runners.get(num - 1), self._feed, self.device)
         cls: type[Any] = (LOWERED if self._multi else pp.ScheduleGPipe) if forward else self._schedule_cls
         schedule: Any = cls(stages if self._multi else stages[0], n_microbatches=count, loss_fn=loss, scale_grads=False)

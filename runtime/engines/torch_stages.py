@@ -41,7 +41,7 @@ from ..manifest import Manifest
 from ..schedule import Kind, Schedule
 from ..stage import StageRunner, to_device
 
-__all__ = ["SCHEDULE_CLASSES", "SPLIT_BACKWARD", "LOWERED", "torch_actions", "prepare_forward_only", "Feed", "Adapter", "StageLoss", "check_chain", "stage_metas", "schedule_class"]
+__all__ = ["RaggedStage", "SCHEDULE_CLASSES", "SPLIT_BACKWARD", "LOWERED", "torch_actions", "prepare_forward_only", "Feed", "Adapter", "StageLoss", "check_chain", "stage_metas", "schedule_class"]
 
 #: our schedule name -> torch's class; a multi-stage class takes the list of this rank's stages.
 #: zb-h2 has none: our own action list runs on torch's `_PipelineScheduleRuntime` (`torch_actions`)
@@ -117,6 +117,35 @@ def stage_metas(manifest: Manifest, s: int, rows: int) -> tuple[tuple[torch.Tens
     received = metas(edge_values(manifest, s - 1, s)) if s > 0 else ()
     sent = metas(edge_values(manifest, s, s + 1)) if not stage.is_last else (torch.empty(0, device="meta"),)
     return received, sent
+
+
+class RaggedStage(pp.PipelineStage):
+    """torch's PipelineStage whose receive buffers follow each microbatch's rows: torch makes
+    every microbatch's buffers from one shape, so a batch the count does not divide evenly
+    (a short last batch) gets each microbatch's own shapes here ([Note: free batch])."""
+
+    def __init__(self, module: torch.nn.Module, index: int, count: int, device: torch.device, *, group: Any,
+                 shapes: list[tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]]) -> None:
+        super().__init__(module, index, count, device, input_args=shapes[0][0], output_args=shapes[0][1], group=group)
+        self._shapes = shapes  # per microbatch: (received, sent) meta tensors (`stage_metas`)
+
+    def _setup_forward_recv_info(self, num_microbatches: int, has_backward: bool) -> None:
+        super()._setup_forward_recv_info(num_microbatches, has_backward)
+        if not self.is_first:
+            for i in range(num_microbatches):
+                _resize(self.args_recv_info[i], self._shapes[i][0], self.device)
+
+    def _setup_backward_recv_info(self, num_microbatches: int) -> None:
+        super()._setup_backward_recv_info(num_microbatches)
+        for i in range(num_microbatches):
+            _resize(self.grad_recv_info.get(i, ()), self._shapes[i][1], self.device)
+
+
+def _resize(infos: Any, metas: tuple[torch.Tensor, ...], device: torch.device) -> None:
+    """Each receive buffer of `infos` made anew with the shape of its meta tensor."""
+    for info, meta in zip(infos, metas):
+        if info.buffer is not None and tuple(info.buffer.shape) != tuple(meta.shape):
+            info.buffer = torch.empty(meta.shape, dtype=info.buffer.dtype, device=device)
 
 
 @dataclass

@@ -24,6 +24,7 @@ from ..conftest import compile_example
 from .conftest import Tiny
 from .test_distributed import _ok, launch, multiproc
 from .test_distributed_training import _with_zero
+from .test_local_rows import _free_batch
 
 ROOT = Path(__file__).resolve().parents[2]
 MODELS = {"gpt": ROOT / "examples" / "gpt.py", "tied-gpt": ROOT / "tests" / "model_files" / "gpt_bare_positions.py"}
@@ -129,7 +130,7 @@ def test_the_pipeline_api_on_the_torch_engine(make_tiny: Callable[..., Tiny], mo
     evaluate, 3 SGD steps), train (clip_grad_norm_ and AdamW with ZeRO-1 at dp 2, tied across
     ranks), local (each replica given its own rows)."""
     t = make_tiny(stages=2, schedule="1f1b", microbatches=2, dp=dp)
-    pkg = _with_zero(t.dir) if mode == "train" else t.dir
+    pkg = {"train": _with_zero, "local": _free_batch}.get(mode, lambda d: d)(t.dir)
     _ok(launch(n, mode, [pkg], t.dir.parent / "tiny.py", deadline_s=180, env={"PIPELINE_TEST_ENGINE": "pipelining"}))
 
 
