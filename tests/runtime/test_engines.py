@@ -124,14 +124,16 @@ def test_the_torch_engine_with_ddp_pp2_dp2(tmp_path: Path) -> None:
 @multiproc
 @pytest.mark.slow
 @pytest.mark.timeout(200)
-@pytest.mark.parametrize("mode, n, dp", [("check", 2, 1), ("train", 4, 2), ("local", 4, 2)])
+@pytest.mark.parametrize("mode, n, dp", [("check", 2, 1), ("short", 2, 1), ("train", 4, 2), ("local", 4, 2)])
 def test_the_pipeline_api_on_the_torch_engine(make_tiny: Callable[..., Tiny], mode: str, n: int, dp: int) -> None:
     """dist_worker's own modes on engine="pipelining": check (train_step's gradients, pipe(x),
-    evaluate, 3 SGD steps), train (clip_grad_norm_ and AdamW with ZeRO-1 at dp 2, tied across
-    ranks), local (each replica given its own rows)."""
+    evaluate, 3 SGD steps), short (the same on a batch of 7 rows: microbatches of 4 and 3),
+    train (clip_grad_norm_ and AdamW with ZeRO-1 at dp 2, tied across ranks), local (each
+    replica given its own rows, a short batch among them)."""
     t = make_tiny(stages=2, schedule="1f1b", microbatches=2, dp=dp)
-    pkg = {"train": _with_zero, "local": _free_batch}.get(mode, lambda d: d)(t.dir)
-    _ok(launch(n, mode, [pkg], t.dir.parent / "tiny.py", deadline_s=180, env={"PIPELINE_TEST_ENGINE": "pipelining"}))
+    pkg = {"train": _with_zero, "local": _free_batch, "short": _free_batch}.get(mode, lambda d: d)(t.dir)
+    env = {"PIPELINE_TEST_ENGINE": "pipelining", "SHORT_ROWS": "7"}
+    _ok(launch(n, mode, [pkg], t.dir.parent / "tiny.py", deadline_s=180, env=env))
 
 
 def test_an_unknown_engine_is_refused_before_any_process_group(make_tiny: Callable[..., Tiny]) -> None:
