@@ -21,8 +21,9 @@ H200 it should finish in a few minutes.  Checks:
                   its microbatches in flight; CUDA only)
   e  nccl         gpt, 2 stages on two GPUs, 3 SGD steps against the original: a LocalPipeline
                   with a stage on each GPU (runtime/devices.py StageStreams), and 2 ranks of
-                  DistributedPipeline over NCCL, messages on the communication stream
-                  ([Note: communication stream]); only with more than one GPU
+                  DistributedPipeline over NCCL on each engine (ours, messages on the
+                  communication stream; engine="pipelining", docs/engines.md: one stage set
+                  per rank, so it has no one-GPU form); only with more than one GPU
 
 It prints one table and writes benchmarks/results/gpu_check.json.
 """
@@ -348,16 +349,16 @@ def _nccl_rows(work: Path, timer: DeviceTimer, quick: bool) -> list[Row]:
                         "gpt 2 stages, 2 ranks over NCCL, engine=pipelining")]
     if not timer.is_cuda:
         return [{**row, "status": "not run", "value": "CUDA only"} for row in rows]
-    if torch.cuda.device_count() < 2:  # torch's pipelining: one stage set per rank, so no one-GPU form
+    if torch.cuda.device_count() < 2:
         return [{**row, "status": "not run", "value": "one GPU: this needs two"} for row in rows]
     out = _compile(work, timer, "gpt", 2)
-    errors = [_training_error(out, "examples/gpt.py", timer.device, ["cuda:0", "cuda:1"])]
-    errors += [_distributed_error(out, "examples/gpt.py", work, timer.device, e) for e in ("partitioner", "pipelining")]
+    errors = [_training_error(out, "examples/gpt.py", timer.device, ["cuda:0", "cuda:1"])] + [
+        _distributed_error(out, "examples/gpt.py", work, timer.device, e) for e in ("partitioner", "pipelining")]
     return [{**row, "status": "ok" if error <= 1e-5 else "FAIL", "value": error} for row, error in zip(rows, errors)]
 
 
-def _distributed_error(package: Path, path: str, work: Path, device: torch.device,
-                       engine: str = "partitioner") -> float:
+def _distributed_error(package: Path, path: str, work: Path, device: torch.device, engine: str = "partitioner"
+                       ) -> float:
     """`_training_error` of 2 ranks of DistributedPipeline, one process per GPU over NCCL
     (on the CPU, gloo: tests/test_gpu_check.py), against the original on `device`."""
     with socket.socket() as s:

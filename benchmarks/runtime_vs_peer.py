@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from .common import barrier_timed, free_port, publish, spawn_ranks
+from .common import ROOT, barrier_timed, free_port, publish, spawn_ranks, table, update_docs
 
 MODEL = "benchmarks/models/pyramid_mlp.py"
 ENGINES = ("partitioner", "pipelining")
@@ -65,9 +65,8 @@ def run(schedule: str, ranks: int, rounds: int, work: Path) -> dict[str, Any]:
     from driver.compile import compile_model
     from driver.options import CompileOptions
 
-    stages = ranks * PLANS[schedule].get("virtual_stages", 1) if schedule != "zb-v" else ranks
-    directory = work / f"{schedule}-{ranks}"
-    compile_model(CompileOptions(model=MODEL, out=str(directory), stages=stages, schedule=schedule, quiet=True,
+    directory = work / f"{schedule}-{ranks}"  # --stages: the pipeline ranks (virtual stages on top)
+    compile_model(CompileOptions(model=MODEL, out=str(directory), stages=ranks, schedule=schedule, quiet=True,
                                  analytic=True, hardware="a100", **PLANS[schedule]))
     out = work / f"{schedule}-{ranks}.pt"
     spawn_ranks(_worker, ranks, (ranks, free_port(), str(directory), rounds, str(out)), deadline_s=600)
@@ -89,8 +88,9 @@ def main(argv: list[str] | None = None) -> int:
             for schedule in PLANS:
                 rows.append(run(schedule, ranks, rounds, Path(tmp)))
                 print(rows[-1], file=sys.stderr)
-    publish("runtime_vs_peer", rows, ["schedule", "ranks", "rounds", "pipelining_vs_partitioner", "lowest_round",
-                                      "highest_round"])
+    columns = ["schedule", "ranks", "rounds", "pipelining_vs_partitioner", "lowest_round", "highest_round"]
+    publish("runtime_vs_peer", rows, columns)
+    update_docs("engines", table(rows, columns), page=ROOT / "docs" / "engines.md")  # the engines' own page
     return 0
 
 

@@ -22,6 +22,10 @@ takes what the previous stage sends, the stage metadata, and the schedule classe
     inside (a value saved for backward) would be lost to W.  Under the zero-bubble
     schedules the Adapter therefore returns a copy of each output: the same values and
     gradients, one copy per output and microbatch.
+
+Beside torch's public classes this module uses `_PipelineScheduleRuntime`, `_Action` and
+`_add_send_recv` (torch 2.13): where torch changes them, `torch_actions` and
+`prepare_forward_only` are the two places to follow it.
 """
 
 from __future__ import annotations
@@ -41,17 +45,18 @@ from ..manifest import Manifest
 from ..schedule import Kind, Schedule
 from ..stage import StageRunner, to_device
 
-__all__ = ["RaggedStage", "SCHEDULE_CLASSES", "SPLIT_BACKWARD", "LOWERED", "torch_actions", "prepare_forward_only", "Feed", "Adapter", "StageLoss", "check_chain", "stage_metas", "schedule_class"]
+__all__ = ["SCHEDULE_CLASSES", "SPLIT_BACKWARD", "LOWERED", "Adapter", "Feed", "RaggedStage", "StageLoss",
+           "check_chain", "prepare_forward_only", "schedule_class", "stage_metas", "torch_actions"]
 
 #: our schedule name -> torch's class; a multi-stage class takes the list of this rank's stages.
 #: zb-h2 has none: our own action list runs on torch's `_PipelineScheduleRuntime` (`torch_actions`)
 SCHEDULE_CLASSES: dict[str, tuple[type[Any], bool]] = {
-    "zb-h2": (_PipelineScheduleRuntime, True),
     "gpipe": (pp.ScheduleGPipe, False),
     "1f1b": (pp.Schedule1F1B, False),
     "interleaved": (pp.ScheduleInterleaved1F1B, True),
     "zb-h1": (pp.ScheduleInterleavedZeroBubble, True),
     "zb-v": (pp.ScheduleZBVZeroBubble, True),
+    "zb-h2": (_PipelineScheduleRuntime, True),
 }
 SPLIT_BACKWARD = ("zb-h1", "zb-h2", "zb-v")
 LOWERED = _PipelineScheduleRuntime  # the class that runs an action list given to it
