@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -134,6 +135,20 @@ def test_the_pipeline_api_on_the_torch_engine(make_tiny: Callable[..., Tiny], mo
     pkg = {"train": _with_zero, "local": _free_batch, "short": _free_batch}.get(mode, lambda d: d)(t.dir)
     env = {"PIPELINE_TEST_ENGINE": "pipelining", "SHORT_ROWS": "7"}
     _ok(launch(n, mode, [pkg], t.dir.parent / "tiny.py", deadline_s=180, env=env))
+
+
+@multiproc
+@pytest.mark.slow
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("precision, mode", [("bf16-mixed", "amp"), ("bf16", "amp"), ("fp16-mixed", "scaler")])
+def test_precisions_on_the_torch_engine(tmp_path: Path, precision: str, mode: str) -> None:
+    """The MLP on 2 ranks of engine="pipelining": bf16-mixed and bf16 (master weights) within the
+    precision's noise of the original, and fp16-mixed with runtime.GradScaler skipping an
+    overflowing step on every rank (dist_worker's amp and scaler modes)."""
+    compile_example(str(ROOT / "examples" / "mlp.py"), tmp_path / "pkg", stages=2, precision=precision)
+    copy = tmp_path / "mlp.py"
+    shutil.copy(ROOT / "examples" / "mlp.py", copy)
+    _ok(launch(2, mode, [tmp_path / "pkg"], copy, deadline_s=180, env={"PIPELINE_TEST_ENGINE": "pipelining"}))
 
 
 def test_an_unknown_engine_is_refused_before_any_process_group(make_tiny: Callable[..., Tiny]) -> None:
