@@ -26,6 +26,7 @@ from .conftest import Tiny
 from .test_distributed import _ok, launch, multiproc
 from .test_distributed_training import _with_zero
 from .test_local_rows import _free_batch
+from .tp_package import write_tp_package
 
 ROOT = Path(__file__).resolve().parents[2]
 MODELS = {"gpt": ROOT / "examples" / "gpt.py", "tied-gpt": ROOT / "tests" / "model_files" / "gpt_bare_positions.py"}
@@ -149,6 +150,16 @@ def test_precisions_on_the_torch_engine(tmp_path: Path, precision: str, mode: st
     copy = tmp_path / "mlp.py"
     shutil.copy(ROOT / "examples" / "mlp.py", copy)
     _ok(launch(2, mode, [tmp_path / "pkg"], copy, deadline_s=180, env={"PIPELINE_TEST_ENGINE": "pipelining"}))
+
+
+@multiproc
+@pytest.mark.slow
+@pytest.mark.timeout(200)
+def test_tensor_parallel_stages_on_the_torch_engine(tmp_path: Path) -> None:
+    """pp 2 x tp 2: the stages' own tp collectives inside torch's schedule, clip_grad_norm_ and
+    AdamW against the model (dist_worker's train mode)."""
+    pkg = write_tp_package(tmp_path, stages=2, tp=2, dp=1, microbatches=2, schedule="gpipe")
+    _ok(launch(4, "train", [pkg], tmp_path / "tp_net.py", deadline_s=180, env={"PIPELINE_TEST_ENGINE": "pipelining"}))
 
 
 def test_an_unknown_engine_is_refused_before_any_process_group(make_tiny: Callable[..., Tiny]) -> None:
