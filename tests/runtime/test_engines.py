@@ -41,14 +41,17 @@ TWO_RANKS: dict[str, dict[str, Any]] = {
 
 
 def _runs(tmp_path: Path, plans: dict[str, dict[str, Any]]) -> tuple[Path, str]:
-    """Every model compiled with every plan; (a model file, ENGINE_RUNS) for one job."""
+    """Every model compiled with every plan; (a model file, ENGINE_RUNS) for one job, the
+    model files copied into `tmp_path` (the ranks' output folders go beside the first)."""
     runs = []
     for model, path in MODELS.items():
+        copy = tmp_path / path.name
+        shutil.copy(path, copy)
         for name, options in plans.items():
             out = tmp_path / f"{model}-{name}"
-            compile_example(str(path), out, **options)
-            runs.append(f"{out}|{path}")
-    return MODELS["gpt"], ";".join(runs)
+            compile_example(str(copy), out, **options)
+            runs.append(f"{out}|{copy}")
+    return tmp_path / MODELS["gpt"].name, ";".join(runs)
 
 
 def _launch(tmp_path: Path, n: int, plans: dict[str, dict[str, Any]], deadline_s: float) -> None:
