@@ -38,8 +38,8 @@ from ..errors import EngineError
 from ..pipeline import Batch
 from ..schedule import Schedule, make_schedule
 from ..stage import to_device
-from .torch_stages import (LOWERED, SPLIT_BACKWARD, Adapter, RaggedStage, Feed, StageLoss, check_chain, prepare_forward_only, schedule_class,
-                           stage_metas, torch_actions)
+from .torch_stages import (LOWERED, SPLIT_BACKWARD, Adapter, Feed, RaggedStage, StageLoss, check_chain,
+                           prepare_forward_only, schedule_class, stage_metas, torch_actions)
 
 __all__ = ["PipeliningPipeline"]
 
