@@ -1,8 +1,10 @@
 """The engines that run a package under `runtime.DistributedPipeline(DIR, engine=NAME)`.
 
 "partitioner" (the default) is the runtime's own schedule interpreter (distributed.py);
-"pipelining" runs the same stages with torch.distributed.pipelining (pipelining.py).  Both
-give the same results through the same API (docs/engines.md).
+"pipelining" runs the same stages with torch.distributed.pipelining (pipelining.py, which
+registers its class in `CLASSES` when imported: `runtime.DistributedPipeline` is exported
+from there, so distributed.py needs no import of it).  Both give the same results through
+the same API (docs/engines.md).
 """
 
 from __future__ import annotations
@@ -11,10 +13,11 @@ from typing import Any
 
 from ..errors import EngineError
 
-__all__ = ["ENGINES", "DEFAULT_ENGINE", "check_engine", "engine_class"]
+__all__ = ["ENGINES", "DEFAULT_ENGINE", "CLASSES", "check_engine", "engine_class"]
 
 ENGINES = ("partitioner", "pipelining")
 DEFAULT_ENGINE = "partitioner"
+CLASSES: dict[str, type[Any]] = {}  # engine -> its DistributedPipeline subclass, registered by its module
 
 
 def check_engine(name: str) -> str:
@@ -26,9 +29,12 @@ def check_engine(name: str) -> str:
 
 
 def engine_class(base: type[Any], name: str) -> type[Any]:
-    """The DistributedPipeline class that runs engine `name` (`base` itself for the default)."""
-    if check_engine(name) == DEFAULT_ENGINE or base.__name__ != "DistributedPipeline":
+    """The DistributedPipeline class that runs engine `name`: `base` itself for the default,
+    else the class registered for it (`CLASSES`, filled when engines/pipelining.py is
+    imported, as `runtime.DistributedPipeline` does)."""
+    if check_engine(name) == DEFAULT_ENGINE or getattr(base, "engine", None) == name:
         return base
-    from .pipelining import PipeliningPipeline  # imports distributed.py: not at module level
-
-    return PipeliningPipeline
+    if name not in CLASSES:
+        raise EngineError(f"engine={name!r} is not loaded: make the pipeline as runtime.DistributedPipeline(DIR, "
+                          f"engine={name!r}) (importing runtime.engines.pipelining registers it).")
+    return CLASSES[name]

@@ -35,17 +35,20 @@ from .. import package
 from ..distributed import DistributedPipeline, _Step
 from ..edges import edge_values
 from ..errors import EngineError
+from . import CLASSES
 from ..pipeline import Batch
 from ..schedule import Schedule, make_schedule
 from ..stage import to_device
 from .torch_stages import (LOWERED, SPLIT_BACKWARD, Adapter, Feed, RaggedStage, StageLoss, check_chain,
                            prepare_forward_only, schedule_class, stage_metas, torch_actions)
 
-__all__ = ["PipeliningPipeline"]
+__all__ = ["PipeliningPipeline", "DistributedPipeline"]
 
 
 class PipeliningPipeline(DistributedPipeline):
     """DistributedPipeline whose schedule torch.distributed.pipelining runs (engine="pipelining")."""
+
+    engine = "pipelining"
 
     def __init__(self, directory: str | Path, *, engine: str = "pipelining", schedule: str | Schedule | None = None,
                  timeout_s: float | None = None, trace: str | Path | None = None) -> None:
@@ -56,7 +59,6 @@ class PipeliningPipeline(DistributedPipeline):
         self._schedule_cls, self._multi = schedule_class(m.schedule)  # before any rank joins a group
         check_chain(m)
         super().__init__(directory, timeout_s=timeout_s, trace=trace)
-        self.engine = engine
         self._buckets = None  # DDP reduces the replicas' gradients instead
         self._pp_group = self._make_pp_group()
         self._feed = Feed(m.source.seed, self.replica, m.microbatches)
@@ -205,6 +207,9 @@ class PipeliningPipeline(DistributedPipeline):
         """After a failed step: torch's schedules are made again (they keep a step's state)."""
         self._schedules.clear()
         super()._recover_ranks()
+
+
+CLASSES["pipelining"] = PipeliningPipeline
 
 
 def _summed(losses: list[torch.Tensor]) -> torch.Tensor | None:
