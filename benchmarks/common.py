@@ -149,17 +149,18 @@ def save(name: str, rows: Sequence[dict[str, Any]], **extra: Any) -> Path:
 DOCS_PAGE = ROOT / "docs" / "benchmarks.md"
 
 
-def update_docs(block: str, text: str, *, append: bool = False) -> None:
-    """Replace docs/benchmarks.md between `<!-- bench:block -->` and `<!-- /bench:block -->`
-    (with `append`, a page without the block gets it at its end)."""
-    content = DOCS_PAGE.read_text()
+def update_docs(block: str, text: str, *, append: bool = False, page: Path | None = None) -> None:
+    """Replace docs/benchmarks.md (or `page`) between `<!-- bench:block -->` and
+    `<!-- /bench:block -->` (with `append`, a page without the block gets it at its end)."""
+    page = page or DOCS_PAGE
+    content = page.read_text()
     start, end = f"<!-- bench:{block} -->", f"<!-- /bench:{block} -->"
     if start not in content and append:
         content = content.rstrip("\n") + f"\n\n{start}\n{end}\n"
     elif start not in content:
         return
     pattern = re.compile(re.escape(start) + ".*?" + re.escape(end), re.S)
-    DOCS_PAGE.write_text(pattern.sub(lambda _m: f"{start}\n{text}\n{end}", content))
+    page.write_text(pattern.sub(lambda _m: f"{start}\n{text}\n{end}", content))
 
 
 def stage_sweep(argv: list[str] | None, doc: str, models: Sequence[str], stage_counts: Sequence[int],

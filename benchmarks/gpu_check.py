@@ -21,8 +21,9 @@ H200 it should finish in a few minutes.  Checks:
                   its microbatches in flight; CUDA only)
   e  nccl         gpt, 2 stages on two GPUs, 3 SGD steps against the original: a LocalPipeline
                   with a stage on each GPU (runtime/devices.py StageStreams), and 2 ranks of
-                  DistributedPipeline over NCCL, messages on the communication stream
-                  ([Note: communication stream]); only with more than one GPU
+                  DistributedPipeline over NCCL on each engine (ours, messages on the
+                  communication stream; engine="pipelining", docs/engines.md: one stage set
+                  per rank, so it has no one-GPU form); only with more than one GPU
 
 It prints one table and writes benchmarks/results/gpu_check.json.
 """
@@ -344,37 +345,39 @@ def _nccl_rows(work: Path, timer: DeviceTimer, quick: bool) -> list[Row]:
     events), and 2 ranks of DistributedPipeline over NCCL (messages on the communication
     stream: [Note: communication stream] in runtime/devices.py)."""
     rows: list[Row] = [{"check": "e nccl", "case": case, "figure": "max rel. error", "goal": "<= 1e-5"} for case in
-                       ("gpt 2 stages LocalPipeline on cuda:0 and cuda:1", "gpt 2 stages, 2 ranks over NCCL")]
+                       ("gpt 2 stages LocalPipeline on cuda:0 and cuda:1", "gpt 2 stages, 2 ranks over NCCL",
+                        "gpt 2 stages, 2 ranks over NCCL, engine=pipelining")]
     if not timer.is_cuda:
         return [{**row, "status": "not run", "value": "CUDA only"} for row in rows]
     if torch.cuda.device_count() < 2:
         return [{**row, "status": "not run", "value": "one GPU: this needs two"} for row in rows]
     out = _compile(work, timer, "gpt", 2)
-    errors = [_training_error(out, "examples/gpt.py", timer.device, ["cuda:0", "cuda:1"]),
-              _distributed_error(out, "examples/gpt.py", work, timer.device)]
+    errors = [_training_error(out, "examples/gpt.py", timer.device, ["cuda:0", "cuda:1"])] + [
+        _distributed_error(out, "examples/gpt.py", work, timer.device, e) for e in ("partitioner", "pipelining")]
     return [{**row, "status": "ok" if error <= 1e-5 else "FAIL", "value": error} for row, error in zip(rows, errors)]
 
 
-def _distributed_error(package: Path, path: str, work: Path, device: torch.device) -> float:
+def _distributed_error(package: Path, path: str, work: Path, device: torch.device, engine: str = "partitioner"
+                       ) -> float:
     """`_training_error` of 2 ranks of DistributedPipeline, one process per GPU over NCCL
     (on the CPU, gloo: tests/test_gpu_check.py), against the original on `device`."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     result = work / "nccl.pt"
-    torch.multiprocessing.start_processes(_nccl_rank, args=(str(package), path, port, str(result)), nprocs=2,
+    torch.multiprocessing.start_processes(_nccl_rank, args=(str(package), path, port, str(result), engine), nprocs=2,
                                           start_method="spawn")
     got = torch.load(result)
     return _error(got["losses"], got["state"], *_original(model_file.load(path), device), device)
 
 
-def _nccl_rank(rank: int, package: str, path: str, port: int, result: str) -> None:
+def _nccl_rank(rank: int, package: str, path: str, port: int, result: str, engine: str) -> None:
     """One rank of `_distributed_error`, in its spawned process; rank 0 saves the losses and weights."""
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2",
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
-    pipe = runtime.DistributedPipeline(package)
+    pipe = runtime.DistributedPipeline(package, engine=engine)
     mf = model_file.load(path)
     pipe.load_state_dict(mf.build(0).state_dict())
     inputs, target = _batch(mf, torch.device("cpu"))

@@ -1,17 +1,15 @@
-"""Our runtime against torch.distributed.pipelining on the same generated stages.
+"""The two engines on the same package: our runtime against torch.distributed.pipelining.
 
-One package is compiled; then, in one gloo process group of S ranks, each rank runs its
-stage both ways, alternating step by step so both see the same machine state:
+For each schedule both engines run (gpipe, 1f1b, interleaved with 2 stages per rank, zb-h1,
+zb-v) and each rank count, one package of the pyramid MLP is compiled; then, in one gloo
+process group, every rank builds it twice, `runtime.DistributedPipeline(DIR)` (engine
+"partitioner") and `runtime.DistributedPipeline(DIR, engine="pipelining")`, from the same
+weights, and trains both on the same batch in rounds, the two engines alternating step by
+step so that both see the same machine state.  It reports the ratio of the median steps
+(pipelining / partitioner) and the range of the per-round ratios: ratios only, as the times
+themselves are those of a shared machine.
 
-- ours: `runtime.DistributedPipeline(DIR).train_step`
-- peer: `torch.distributed.pipelining.PipelineStage` around the same `Stage<k>` module,
-  driven by `ScheduleGPipe` / `Schedule1F1B` with the same microbatches and loss.
-
-It reports the median step time of each, their ratio, and the ideal step
-(slowest stage's forward+backward per microbatch x (M + S - 1)).  The model is a chain
-(each stage reads exactly the previous stage's outputs), as pipelining requires.
-
-    python -m benchmarks.runtime_vs_peer [--quick]
+    python -m benchmarks.runtime_vs_peer [--quick]      (--quick: 2 ranks, 3 rounds)
 """
 
 from __future__ import annotations
@@ -21,116 +19,78 @@ import os
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 
-from .common import load_package, save, table, update_docs
+from .common import ROOT, barrier_timed, free_port, publish, spawn_ranks, table, update_docs
 
 MODEL = "benchmarks/models/pyramid_mlp.py"
+ENGINES = ("partitioner", "pipelining")
+#: schedule -> compile options on R ranks
+PLANS = {"gpipe": {}, "1f1b": {}, "interleaved": {"virtual_stages": 2}, "zb-h1": {}, "zb-v": {}}
 
 
-def _worker(rank: int, world: int, port: int, directory: str, schedule: str, steps: int, out: str) -> None:
+def _worker(rank: int, world: int, port: int, directory: str, rounds: int, out: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
     import runtime
     from partitioner.trace import model_file
-    from runtime.manifest import read_manifest
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
     mf = model_file.load(MODEL)
     original = mf.build(0).state_dict()
-    ((x,), _), target, loss_fn = mf.example_inputs(), mf.example_target(), mf.loss_fn()
-    ours = runtime.DistributedPipeline(directory)
-    ours.load_state_dict(original)
-    pkg = load_package(directory)
-    module = pkg.load_stage(rank)
-    manifest = read_manifest(directory)
-    entry = manifest.stages[rank]
-    with torch.no_grad():
-        for p in entry.parameters:
-            getattr(module, p.name).copy_(original[p.source_name])
-    microbatches = manifest.microbatches
-    stage = PipelineStage(module, rank, world, torch.device("cpu"))
-    peer = (ScheduleGPipe if schedule == "gpipe" else Schedule1F1B)(stage, microbatches, loss_fn=loss_fn)
-    times: dict[str, list[float]] = {"ours": [], "peer": []}
-    for step in range(steps + 2):  # two warm-up steps
-        for name in ("ours", "peer"):
-            dist.barrier()
-            start = time.perf_counter()
-            if name == "ours":
-                ours.train_step((x,), target, loss_fn=loss_fn)
-            elif rank == 0:
-                peer.step(x)
-            elif rank == world - 1:
-                peer.step(target=target, losses=[])
-            else:
-                peer.step()
-            dist.barrier()
-            if step >= 2:
-                times[name].append(time.perf_counter() - start)
-    stage_time = _stage_time(module, entry, rank, microbatches, x, loss_fn, target)
-    gathered: list[Any] = [None] * world
-    dist.all_gather_object(gathered, stage_time)
+    (inputs, _), target = mf.example_inputs(), mf.example_target()
+    pipes = {e: runtime.DistributedPipeline(directory, engine=e) for e in ENGINES}
+    opts = {}
+    for e, pipe in pipes.items():
+        pipe.load_state_dict(original)
+        opts[e] = pipe.make_optimizer(torch.optim.SGD, lr=1e-4)
+    times: dict[str, list[float]] = {e: [] for e in ENGINES}
+    for step in range(rounds + 1):  # one warm-up round
+        for e, pipe in pipes.items():
+            def one() -> None:
+                opts[e].zero_grad()
+                pipe.train_step(inputs, target)
+                opts[e].step()
+            took = barrier_timed(one)
+            if step:
+                times[e].append(took)
     if rank == 0:
-        torch.save({"times": times, "stage_times": gathered}, out)
-    dist.destroy_process_group()
+        torch.save(times, out)
 
 
-def _stage_time(module: torch.nn.Module, entry: dict[str, Any], rank: int, microbatches: int,
-                x: torch.Tensor, loss_fn: Any, target: torch.Tensor) -> float:
-    """Median forward+backward of this rank's stage on one microbatch, alone."""
-    inputs = [torch.randn(i["shape"], requires_grad=i["requires_grad"]) if i["from"] != "input"
-              else x[: x.shape[0] // microbatches] for i in entry["inputs"]]
-    samples = []
-    for _ in range(7):
-        start = time.perf_counter()
-        out = module(*inputs)
-        outs = [out] if isinstance(out, torch.Tensor) else list(out)
-        torch.autograd.backward(outs, [torch.ones_like(o) for o in outs])
-        samples.append(time.perf_counter() - start)
-    return statistics.median(samples[2:])
-
-
-def run(schedule: str, stages: int, steps: int, work: Path) -> dict[str, Any]:
+def run(schedule: str, ranks: int, rounds: int, work: Path) -> dict[str, Any]:
     from driver.compile import compile_model
     from driver.options import CompileOptions
 
-    directory = work / f"{schedule}{stages}"
-    compile_model(CompileOptions(model=MODEL, out=str(directory), stages=stages, schedule=schedule, quiet=True))
-    out = work / f"{schedule}{stages}.pt"
-    port = 29600 + stages + (10 if schedule == "gpipe" else 0)
-    mp.spawn(_worker, args=(stages, port, str(directory), schedule, steps, str(out)), nprocs=stages, join=True)
-    result = torch.load(out)
-    ours, peer = statistics.median(result["times"]["ours"]), statistics.median(result["times"]["peer"])
-    from runtime.manifest import read_manifest
-
-    m = read_manifest(directory).microbatches
-    ideal = max(result["stage_times"]) * (m + stages - 1)
-    return {"schedule": schedule, "stages": stages, "microbatches": m, "ours_ms": ours * 1e3, "peer_ms": peer * 1e3,
-            "ours_vs_peer": ours / peer, "ideal_ms": ideal * 1e3, "ours_vs_ideal": ours / ideal}
+    directory = work / f"{schedule}-{ranks}"  # --stages: the pipeline ranks (virtual stages on top)
+    compile_model(CompileOptions(model=MODEL, out=str(directory), stages=ranks, schedule=schedule, quiet=True,
+                                 analytic=True, hardware="a100", **PLANS[schedule]))
+    out = work / f"{schedule}-{ranks}.pt"
+    spawn_ranks(_worker, ranks, (ranks, free_port(), str(directory), rounds, str(out)), deadline_s=600)
+    times = torch.load(out)
+    ratios = [t / o for t, o in zip(times["pipelining"], times["partitioner"])]
+    return {"schedule": schedule, "ranks": ranks, "rounds": rounds,
+            "pipelining_vs_partitioner": statistics.median(times["pipelining"]) / statistics.median(times["partitioner"]),
+            "lowest_round": min(ratios), "highest_round": max(ratios)}
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--quick", action="store_true", help="2 ranks only, 3 rounds")
     ns = parser.parse_args(argv)
-    steps = 5 if ns.quick else 15
+    rounds, counts = (3, (2,)) if ns.quick else (10, (2, 4))
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        for schedule in ("gpipe", "1f1b"):
-            rows.append(run(schedule, 2, steps, Path(tmp)))
-            print(rows[-1], file=sys.stderr)
-    text = table(rows, ["schedule", "stages", "microbatches", "ours_ms", "peer_ms", "ours_vs_peer", "ideal_ms", "ours_vs_ideal"])
-    print(text)
-    save("runtime_vs_peer", rows, model=MODEL)
-    update_docs("runtime_vs_peer", text)
+        for ranks in counts:
+            for schedule in PLANS:
+                rows.append(run(schedule, ranks, rounds, Path(tmp)))
+                print(rows[-1], file=sys.stderr)
+    columns = ["schedule", "ranks", "rounds", "pipelining_vs_partitioner", "lowest_round", "highest_round"]
+    publish("runtime_vs_peer", rows, columns)
+    update_docs("engines", table(rows, columns), page=ROOT / "docs" / "engines.md")  # the engines' own page
     return 0
 
 

@@ -60,7 +60,7 @@ __all__ = [
 #: each public name's module ([Note: lazy runtime])
 _EXPORTS = {
     "LocalPipeline": "local",
-    "DistributedPipeline": "distributed",
+    "DistributedPipeline": "engines.pipelining",  # the class of distributed.py, its engines registered
     "PipelineError": "errors",
     "latest_checkpoint": "checkpoint",
     "load_latest": "checkpoint",

@@ -57,7 +57,7 @@ def _finite(ns: argparse.Namespace, loss: torch.Tensor, opt: torch.optim.Optimiz
 
 
 def _train(ns: argparse.Namespace) -> None:
-    pipe = DistributedPipeline(ns.dir, trace=ns.trace)
+    pipe = DistributedPipeline(ns.dir, trace=ns.trace, engine=ns.engine)
     source = pipe.manifest.source
     model_file = package.load_model_file(pipe.manifest, ns.dir)
     if not checkpointing.initial_weights(pipe, ns, source.seed):

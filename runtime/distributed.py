@@ -32,10 +32,10 @@ its own stage files and interprets its own row of the lowered schedule:
       6. the trace, when asked for, is gathered on rank 0
       7. (sends are waited on before 3)
 
-Faults: every wait has a timeout (PIPELINE_TIMEOUT_S, default 60 s) and a failed or
-silent peer becomes a `PeerError` naming this rank, its stage, the action, the
-microbatch and the peer.  Test hook: PIPELINE_FAULT="RANK:ACTION[:exit|raise|hang]"
-(e.g. "1:1B0") makes rank RANK exit, raise or hang right before ACTION.
+Faults: every wait has a timeout (PIPELINE_TIMEOUT_S, default 60 s) and a failed or silent
+peer becomes a `PeerError` naming this rank, its stage, the action, the microbatch and the
+peer.  Test hook: PIPELINE_FAULT="RANK:ACTION[:exit|raise|hang]" (e.g. "1:1B0") makes rank
+RANK exit, raise or hang right before ACTION.  engine="pipelining": engines/pipelining.py.
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ from typing import Any, Iterator
 import torch
 import torch.distributed as dist
 
-from . import checkpoint, clip, local_rows, modes, optim, package, precision, tp, weights
+from . import checkpoint, clip, engines, local_rows, modes, optim, package, precision, tp, weights
 from .comm import guard, init_from_env, timeout_from_env, wait
 from .counts import Counts
 from .devices import CommStream
@@ -89,8 +89,11 @@ class _Step:
 class DistributedPipeline(Pipeline[Rows]):
     """Run this rank's stages of package DIR; every rank calls every method (collectively)."""
 
-    def __init__(self, directory: str | Path, *, schedule: str | Schedule | None = None,
-                 timeout_s: float | None = None, trace: str | Path | None = None) -> None:
+    def __new__(cls, directory: str | Path, *, engine: str = "partitioner", **options: Any) -> DistributedPipeline:
+        return super().__new__(engines.engine_class(cls, engine))
+
+    def __init__(self, directory: str | Path, *, schedule: str | Schedule | None = None, timeout_s: float | None = None,
+                 trace: str | Path | None = None, engine: str = "partitioner") -> None:
         # 1. the manifest and the process group
         super().__init__(directory)
         m = self.manifest
@@ -187,8 +190,7 @@ class DistributedPipeline(Pipeline[Rows]):
                                directory=self.directory, group=self.groups.world)
 
     def _replicas(self) -> list[int]:
-        """This rank's replica only."""
-        return [self.replica]
+        return [self.replica]  # this rank's replica only
 
     @contextlib.contextmanager
     def _stepping(self) -> Iterator[None]:

@@ -20,6 +20,7 @@ __all__ = [
     "CheckpointCorruptError",
     "NonFiniteError",
     "CheckpointSpaceError",
+    "EngineError",
 ]
 
 
@@ -73,3 +74,7 @@ class CheckpointSpaceError(CheckpointError):
 
 class NonFiniteError(PipelineError):
     """A step's loss or gradients are not finite under `--on-nonfinite stop` ([Note: non-finite steps])."""
+
+
+class EngineError(PipelineError):
+    """The engine asked for cannot run this package (a schedule it lacks, an edge it cannot carry)."""

@@ -18,6 +18,7 @@ from pathlib import Path
 
 from . import package, restarts
 from .checkpoint import run as checkpointing
+from .engines import DEFAULT_ENGINE, ENGINES
 from .errors import ManifestError, MeshError, PipelineError
 from .manifest import Manifest
 
@@ -42,12 +43,15 @@ def add_training_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--clip", type=float, help="clip the whole model's gradient norm to this (pipe.clip_grad_norm_)")
     parser.add_argument("--on-nonfinite", choices=["skip", "stop"],
                         help="a step whose loss or gradients are not finite: skip it on every rank, or stop the run")
+    parser.add_argument("--engine", choices=list(ENGINES), default=DEFAULT_ENGINE,
+                        help="what runs the schedule: our runtime, or torch.distributed.pipelining (docs/engines.md)")
 
 
 def training_arguments(ns: argparse.Namespace) -> list[str]:
     """The worker's arguments for `add_training_arguments`' choices."""
     return (["--optimizer", ns.optimizer] + (["--clip", repr(ns.clip)] if ns.clip is not None else [])
-            + (["--on-nonfinite", ns.on_nonfinite] if ns.on_nonfinite else []))
+            + (["--on-nonfinite", ns.on_nonfinite] if ns.on_nonfinite else [])
+            + (["--engine", ns.engine] if ns.engine != DEFAULT_ENGINE else []))
 
 
 def torchrun_command(directory: str, nproc: int, steps: int, lr: float, trace: str | None,

@@ -139,15 +139,24 @@ class StageRunner:
              scale: float, keep: bool = True) -> torch.Tensor:
         """`loss_fn(output, target) / scale` for the last stage; kept for backward (unless
         `keep` is false: evaluate), returned detached."""
+        scaled = self.scaled_loss(output, target, loss_fn, scale)
+        if keep:
+            self._saved[microbatch].loss = scaled
+        return scaled.detach()
+
+    def scaled_loss(self, output: Any, target: Any, loss_fn: Callable[[Any, Any], torch.Tensor],
+                    scale: float) -> torch.Tensor:
+        """`loss_fn(output, target) / scale` under the stage's precision, with its graph."""
         with autocast(self.precision, device_type(torch.utils._pytree.tree_leaves(output))):
             value = loss_fn(loss_input(output, self.precision), target)
         if not isinstance(value, torch.Tensor) or value.numel() != 1:
             what = f"shape {list(value.shape)}" if isinstance(value, torch.Tensor) else type(value).__name__
             raise PipelineError(f"loss_fn returned {what}, not a scalar tensor: reduce the loss over the batch (mean).")
-        scaled = value.reshape(()) / scale
-        if keep:
-            self._saved[microbatch].loss = scaled
-        return scaled.detach()
+        return value.reshape(()) / scale
+
+    def forget(self, microbatch: int) -> None:
+        """Drop what `forward` kept of one microbatch (an engine that keeps its own graph)."""
+        self._saved.pop(microbatch, None)
 
     def backward(self, microbatch: int, grads: list[torch.Tensor | None] | None) -> list[torch.Tensor | None]:
         """Backward of one microbatch from its output gradients (None on the last stage);

@@ -26,9 +26,10 @@ def test_the_device_check_runs_on_the_cpu(capsys: pytest.CaptureFixture[str], mo
     assert not any(s == "FAIL" for _, s in statuses)
 
 
-def test_the_distributed_row_trains_like_the_original_on_the_cpu(tmp_path: Path) -> None:
+@pytest.mark.parametrize("engine", ["partitioner", pytest.param("pipelining", marks=pytest.mark.slow)])
+def test_the_distributed_row_trains_like_the_original_on_the_cpu(tmp_path: Path, engine: str) -> None:
     """Row e's two spawned ranks, on gloo here (on two GPUs they meet over NCCL, their
-    messages on the communication stream): losses and weights as the original's."""
+    messages on the communication stream): losses and weights as the original's, on both engines."""
     compile_example("examples/gpt.py", tmp_path / "pkg", stages=2)
-    error = gpu_check._distributed_error(tmp_path / "pkg", "examples/gpt.py", tmp_path, torch.device("cpu"))
+    error = gpu_check._distributed_error(tmp_path / "pkg", "examples/gpt.py", tmp_path, torch.device("cpu"), engine)
     assert error <= 1e-5

@@ -23,11 +23,14 @@ MODE dropout: tp = 2 (tests/model_files/tp_dropout.py), train mode: the dropout 
 replicated value draws the same mask on both tp ranks, that of the sharded value its own.
 MODE local, localnone: each replica given only its own rows (local_rows_worker.py).
 MODE parallelize: partitioner.parallelize on every rank, PKG its out= (parallelize_worker.py).
+MODE engines, engine_refused: engine="pipelining" (engine_worker.py).  With PIPELINE_TEST_ENGINE=NAME set,
+every mode runs its DistributedPipelines on that engine.
 Once a rank fails, the others are killed after GRACE_S (as torchrun does).
 """
 
 from __future__ import annotations
 
+import functools
 import gc
 import importlib.util
 import os
@@ -356,11 +359,16 @@ def _rank(r: int, mode: str, pkg: str, model_path: str, outdir: Path) -> int:
     err = os.open(outdir / f"rank{r}.err", os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
     os.dup2(out, 1)
     os.dup2(err, 2)
+    if os.environ.get("PIPELINE_TEST_ENGINE"):  # every mode on that engine (test_engines.py)
+        runtime.DistributedPipeline = functools.partial(runtime.DistributedPipeline,  # type: ignore[misc]
+                                                        engine=os.environ["PIPELINE_TEST_ENGINE"])
     try:
+        import engine_worker  # beside this file: engine="pipelining"
         import local_rows_worker  # beside this file: the local=True modes
         import parallelize_worker  # beside this file: partitioner.parallelize on every rank
 
-        {**local_rows_worker.MODES, **parallelize_worker.MODES, "check": _check, "fault": _fault, "tp": _tp, "train": _train, "drift": _drift,
+        {**local_rows_worker.MODES, **parallelize_worker.MODES, **engine_worker.MODES,
+         "check": _check, "fault": _fault, "tp": _tp, "train": _train, "drift": _drift,
          "short": _short, "amp": _amp, "scaler": _scaler, "dropout": _dropout, "memory": _memory}[mode](pkg, model_path)
     except PipelineError as exc:
         print(f"PipelineError: {exc}", file=sys.stderr, flush=True)
