@@ -164,7 +164,7 @@ def _agreed(work: Callable[[], Path]) -> Path:
 
 
 def _distributed_pipeline(folder: Path, engine: str | None) -> Pipeline:
-    from runtime.distributed import DistributedPipeline
+    from runtime import DistributedPipeline  # through the package: every engine registered
 
     return DistributedPipeline(folder, **_engine(DistributedPipeline, engine))
 

@@ -124,6 +124,7 @@ def test_lambda_loss_fn_is_refused_with_the_fix(tmp_path: Path) -> None:
 
 CASES = {  # name: (ranks, model, options, local)
     "gpt-pp2": (2, "gpt", {"stages": 2}, False),
+    "gpt-pp2-pipelining": (2, "gpt", {"stages": 2, "engine": "pipelining"}, False),
     "llama-pp2": (2, "llama", {"stages": 2}, False),
     "gpt-pp2-dp2-local": (4, "gpt", {"stages": 2, "dp": 2}, True),
     "llama-pp2-dp2": (4, "llama", {"stages": 2, "dp": 2}, False),
