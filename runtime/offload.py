@@ -122,6 +122,7 @@ class Offloader:
 
     fraction: float
     _mbs: dict[int, _Forward] = field(default_factory=dict)
+    moved_bytes: int = 0  # copied to the host since it was made
     _budget: float | None = None  # bytes to offload per forward: the fraction of the last one's
     _stream: Any = None
 
@@ -193,6 +194,7 @@ class Offloader:
         held = self._to_host(storage, t.device)
         fwd.held[key] = ([weakref.ref(t)], held)
         fwd.offloaded_bytes += nbytes
+        self.moved_bytes += nbytes
         return held
 
     def _unpack(self, packed: tuple[bool, Any], outer: _Outer) -> torch.Tensor:

@@ -133,7 +133,7 @@ class _CpModel:
     def _memory(self, r: int) -> cp_model.LinearExprT:
         """Rank r's memory: its stages' blocks and inputs, each shared parameter once."""
         p, per = self.problem, 2 + self.problem.optimizer_factor
-        blocks = [(round(per * own) + (1 if p.recompute else p.inflight(k)) * act) * self.at[i][k]
+        blocks = [(round(per * own) + (1 if p.recompute else p.resident(k)) * act) * self.at[i][k]
                   for i, (own, act) in enumerate(zip(self.own, p.block_activation_bytes)) for k in self.on[r]]
         inputs = [p.inflight(k) * v.bytes * self.recv_any[j][k] for j, v in enumerate(self.values)
                   for k in self.on[r]] if p.recompute else []

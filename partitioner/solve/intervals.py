@@ -191,7 +191,7 @@ class Intervals:
         if p.recompute:  # one microbatch's activations, the inputs of those in flight
             inputs = _sum_corners(self.received, c0, c1, a0, np.int64).astype(np.float64)
             return lambda k: fixed + acts + inputs * p.inflight(k)
-        return lambda k: fixed + acts * p.inflight(k)
+        return lambda k: fixed + acts * p.resident(k)  # inflight(k), or fewer offloading
 
     def holds(self, blocks: Sequence[int], c0: int, c1: int, a0: int) -> np.ndarray:
         """Whether each run holds one of `blocks` (sorted): a parameter they read."""

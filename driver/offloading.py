@@ -1,0 +1,48 @@
+"""`--offload`: a fixed mesh solved again with offloading where it does not fit otherwise
+(`auto`), and each stage's share written into the plan and its prediction ([Note:
+offloaded activations] in partitioner/solve/offload.py)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+from partitioner.errors import InfeasiblePlanError
+from partitioner.ir import PartitionProblem, Plan, SolverReport
+from partitioner.solve.offload import choose, offloaded_plan, saved_bytes
+
+from .prepared import Prepared
+
+__all__ = ["offload", "offload_block", "solve_offloading"]
+
+Solve = Callable[..., tuple[tuple[int, ...], SolverReport]]
+
+
+def solve_offloading(p: Prepared, solve: Solve) -> tuple[tuple[int, ...], SolverReport]:
+    """`solve(p.problem)`; under `--offload auto`, where no plan fits, the problem posed
+    with offloading (`p.problem` and `p.mesh` then say so) solved instead."""
+    try:
+        return solve(p.problem, time_limit_s=p.opts.time_limit)
+    except InfeasiblePlanError:
+        if p.opts.offload != "auto" or p.problem.offload or p.problem.recompute:
+            raise
+    p.say("the mesh does not fit with every activation on the device: activations offloaded to the host where "
+          "the memory binds (--offload auto)")
+    p.problem, p.mesh = dataclasses.replace(p.problem, offload=True), dataclasses.replace(p.mesh, offload=True)
+    return solve(p.problem, time_limit_s=p.opts.time_limit)
+
+
+def offload(p: Prepared, plan: Plan) -> tuple[Plan, dict[str, Any]]:
+    """`plan` with the stages' shares of `--offload`, and the `predicted` entry saying so."""
+    shares = choose(p.opts.offload, plan, p.problem, p.problem.memory_limit_bytes)
+    out = offloaded_plan(plan, p.problem, shares, p.hardware)
+    return out, offload_block(out, p.problem)
+
+
+def offload_block(plan: Plan, problem: PartitionProblem) -> dict[str, Any]:
+    """The manifest's `predicted.offload`: per stage the share offloaded and the device
+    bytes it saves (nothing when no stage offloads)."""
+    if not plan.offload:
+        return {}
+    return {"offload": [{"stage": s.index, "fraction": f, "saved_bytes": saved_bytes(problem, s.index, s.activation_bytes, f)}
+                        for s, f in zip(plan.stages, plan.offload)]}
