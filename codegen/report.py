@@ -116,6 +116,7 @@ def format_plan(manifest: Manifest) -> str:
                 f"step {c['step_time_s'] * 1e3:9.3f} ms  MFU {c['mfu'] * 100:5.2f}%  peak {format_bytes(c['memory_bytes'])}"
                 + (f"  {c['schedule']}" if c.get("schedule") else "") + ("  recompute" if c.get("recompute") else "")
                 + ("  zero-1" if c.get("zero") else "")
+                + ("  offload" if c.get("offload") else "")
             )
         table = table + lines_c
     return "\n".join(lines + [""] + table) + "\n"

@@ -1,6 +1,7 @@
 """`--offload`: a fixed mesh solved again with offloading where it does not fit otherwise
-(`auto`), and each stage's share written into the plan and its prediction ([Note:
-offloaded activations] in partitioner/solve/offload.py)."""
+(`auto`), each stage's share written into the plan and its prediction ([Note: offloaded
+activations] in partitioner/solve/offload.py), and the memory variants (ZeRO-1,
+offloading, recomputation) that the mesh search tries."""
 
 from __future__ import annotations
 
@@ -11,9 +12,10 @@ from partitioner.errors import InfeasiblePlanError
 from partitioner.ir import PartitionProblem, Plan, SolverReport
 from partitioner.solve.offload import choose, offloaded_plan, saved_bytes
 
+from .options import CompileOptions
 from .prepared import Prepared
 
-__all__ = ["offload", "offload_block", "solve_offloading"]
+__all__ = ["offload", "offload_block", "solve_offloading", "variants"]
 
 Solve = Callable[..., tuple[tuple[int, ...], SolverReport]]
 
@@ -46,3 +48,15 @@ def offload_block(plan: Plan, problem: PartitionProblem) -> dict[str, Any]:
         return {}
     return {"offload": [{"stage": s.index, "fraction": f, "saved_bytes": saved_bytes(problem, s.index, s.activation_bytes, f)}
                         for s, f in zip(plan.stages, plan.offload)]}
+
+
+def variants(opts: CompileOptions, zeros: tuple[int, ...]) -> list[tuple[int, bool, bool]]:
+    """(ZeRO stage, recomputation, offloading) to try, cheapest first: each of `zeros`,
+    without then with offloading (--offload auto; only with under all), then with
+    recomputation (only with under --recompute).  `driver.search` skips a variant where one that
+    costs no more in any respect fits: ZeRO-1 (its parameter broadcast), offloading (the
+    copies) and recomputation (a forward again) each only where the mesh does not fit
+    without it; where several alone fit, the simulator decides between them."""
+    recomputes = (True,) if opts.recompute else (False, True)
+    offloads = {"auto": (False, True), "all": (True,)}.get(opts.offload, (False,))
+    return [(z, r, o) for r in recomputes for o in ((False,) if r else offloads) for z in zeros]

@@ -174,7 +174,7 @@ class Offloader:
         held = self._offload(t, fwd)
         if held is None:
             return (False, inner)
-        return (True, _View(held, t.dtype, t.storage_offset(), tuple(t.shape), tuple(t.stride())))
+        return (True, _View(held, t.dtype, int(t.storage_offset()), tuple(t.shape), tuple(t.stride())))
 
     def _offload(self, t: torch.Tensor, fwd: _Forward) -> _Held | None:
         """`t`'s storage on the host (copied once per forward), or None where it stays."""
