@@ -3,32 +3,34 @@ forward and brought back ahead of the backward that needs it (`--offload`).
 
 [Note: activation offloading]
     A stage whose manifest entry has `offload` f > 0 runs each training forward under
-    `torch.autograd.graph.saved_tensors_hooks`.  The pack hook copies each saved tensor
-    to a host buffer and hands autograd a handle instead, so the device tensor is freed
-    as soon as nothing else holds it; the unpack hook gives back a device copy.  Kept on
-    the device: leaves (parameters and the stage's inputs: held elsewhere anyway, and not
-    activations), tensors under `MIN_BYTES`, and
-    past the fraction f of the bytes the stage saved in its previous forward (the first
-    saved first: they are needed last, so they have the longest to come back; the first
-    forward offloads everything it may).  A tensor saved twice in one forward (by two
-    ops) is copied once.
-    On CUDA the copies run on a side stream into pinned buffers: the pack waits for the
-    compute stream, `record_stream` keeps the device tensor's memory from reuse until the
-    copy is done; `prefetch(microbatch)` starts the copies back on the side stream, and
-    the unpack makes the compute stream wait for them.  The pipelines call `prefetch`
+    `torch.autograd.graph.saved_tensors_hooks`.  The pack hook copies the STORAGE of each
+    saved tensor to a host buffer (once per storage and microbatch: a tensor and its
+    views, saved by several ops, share one copy) and hands autograd a handle instead, so
+    the device storage is freed as soon as nothing else holds it; the unpack hook gives
+    back the same view of a device copy of that storage.  Kept on the device: leaves and
+    the storages of the stage's parameters, buffers and inputs (held anyway, and not
+    activations), storages under `MIN_BYTES`, and past the fraction f of the bytes the
+    stage saved in its previous forward (the first saved first: needed last, they have
+    the longest to come back; the first forward offloads all it may).
+    On CUDA the copies run on a side stream into pinned buffers: the copy out waits for
+    the compute stream, and `record_stream` keeps the device storage from reuse until it
+    is done; `prefetch(microbatch)` starts the copies back on the side stream, and the
+    unpack makes the compute stream wait for them.  The pipelines call `prefetch`
     `PIPELINE_OFFLOAD_AHEAD` actions (default 2, the activation loading horizon) before
-    each B or I of an offloading stage; an unpack that finds nothing prefetched copies at
-    once.  On the CPU the same code runs without streams: the host buffer is a separate
-    tensor, and the device tensor's storage is really released.
-    A device copy brought back stays until the microbatch's backward is done; under a
-    split backward ([Note: split backward] in stage.py) the copies are dropped after I
-    (`evict`) and brought back again ahead of W, which reads what I did not.  The host
-    buffers go with the autograd graph that holds their handles.  Under `--recompute` autograd saves only what
-    torch.utils.checkpoint keeps outside its own hooks, so little is offloaded.
+    each B, I or W of an offloading stage; an unpack that finds nothing prefetched copies
+    at once.  On the CPU the same code runs without streams: the host buffer is a
+    separate tensor, and the saved storage is really released.
+    A copy brought back stays until the microbatch's backward is done; under a split
+    backward ([Note: split backward] in stage.py) the copies are dropped after I
+    (`evict`) and brought back again ahead of W.  The host buffers live as long as the
+    autograd graph holds their handles; the hooks, which that graph also holds, forget
+    the microbatch when its backward starts (`release`), so nothing outlives it.  Under
+    `--recompute` autograd saves only what torch.utils.checkpoint keeps outside its own
+    hooks, so little is offloaded.
     Hooks already in force when the stage's forward starts (the memory tracker's,
     runtime/memory.py) still see every saved tensor: the pack calls theirs first.  The
     host buffers are made outside any TorchDispatchMode, so the tracker counts what the
-    device holds, not the host.
+    device holds: the copies brought back count as "other".
 """
 
 from __future__ import annotations
