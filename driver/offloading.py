@@ -23,10 +23,11 @@ Solve = Callable[..., tuple[tuple[int, ...], SolverReport]]
 def solve_offloading(p: Prepared, solve: Solve) -> tuple[tuple[int, ...], SolverReport]:
     """`solve(p.problem)`; under `--offload auto`, where no plan fits, the problem posed
     with offloading (`p.problem` and `p.mesh` then say so) solved instead."""
+    retry = p.opts.offload == "auto" and not p.problem.offload and not p.problem.recompute
     try:
-        return solve(p.problem, time_limit_s=p.opts.time_limit)
+        return solve(p.problem, time_limit_s=p.opts.time_limit, explain=not retry)  # the retry's error explains
     except InfeasiblePlanError:
-        if p.opts.offload != "auto" or p.problem.offload or p.problem.recompute:
+        if not retry:
             raise
     p.say("the mesh does not fit with every activation on the device: activations offloaded to the host where "
           "the memory binds (--offload auto)")

@@ -105,31 +105,72 @@ def test_offloaded_variants_match_the_original(options: dict[str, Any], tmp_path
         assert all(_moved(pipe))
 
 
-def _planned(tmp_path: Path, name: str, **options: Any) -> Path:
-    compile_example(GPT, tmp_path / name, stages=2, microbatches=4, schedule="gpipe", **options)
+def _planned(tmp_path: Path, name: str, path: str = GPT, **options: Any) -> Path:
+    options = {"stages": 2, "microbatches": 4, "schedule": "gpipe", **options}
+    compile_example(path, tmp_path / name, **options)
     return tmp_path / name
 
 
+def _fullest_rank(m: Any) -> int:
+    """The predicted memory of the fullest pipeline rank (the sum of its stages)."""
+    assert m.predicted is not None
+    ranks: dict[int, int] = {}
+    for spec, stage in zip(m.stages, m.predicted.stages):
+        ranks[spec.ranks[0]] = ranks.get(spec.ranks[0], 0) + stage.memory_bytes
+    return max(ranks.values())
+
+
+def _binding(tmp_path: Path, path: str = GPT, **options: Any) -> tuple[Path, int]:
+    """A package compiled with `--offload auto` and a --memory at which auto offloads a share
+    (from midway between the fullest rank's need with every activation offloaded and
+    without, down to a little under the first), and that memory."""
+    need = _fullest_rank(read_manifest(_planned(tmp_path, "none", path, offload="none", **options)))
+    least = _fullest_rank(read_manifest(_planned(tmp_path, "all", path, offload="all", **options)))
+    assert least < need, "offloading all lowers the fullest stage's need"
+    for share in (0.5, 0.2, 0.05, 0.0, -0.1, -0.2):  # lower, until a plan that keeps every activation cannot fit by rebalancing
+        limit = least + int(share * (need - least))
+        pkg = _planned(tmp_path, f"auto{share}", path, memory=limit, **options)
+        if any(s.offload > 0 for s in read_manifest(pkg).stages):
+            return pkg, limit
+    raise AssertionError(f"no --memory around {least} (all offloaded) to {need} (none) made auto offload")
+
+
 def test_auto_offloads_where_the_memory_binds(tmp_path: Path) -> None:
-    """--memory between the plan's need with all activations offloaded and without: auto
-    offloads a share on the ranks over it (the plan then fits), none where it fits."""
-    full = read_manifest(_planned(tmp_path, "none", offload="none")).predicted
-    lean = read_manifest(_planned(tmp_path, "all", offload="all")).predicted
-    assert full is not None and lean is not None
-    need = [s.memory_bytes for s in full.stages]
-    least = [s.memory_bytes for s in lean.stages]
-    assert max(least) < max(need), "offloading all lowers the fuller stage's need"
-    limit = (max(least) + max(need)) // 2
-    pkg = _planned(tmp_path, "auto", memory=limit)
+    """auto offloads a share on the ranks over --memory (the plan then fits) and trains like
+    the original; nothing where nothing binds."""
+    pkg, limit = _binding(tmp_path)
     m = read_manifest(pkg)
     assert m.predicted is not None
     shares = [s.offload for s in m.stages]
     assert any(0 < f <= 1 for f in shares), shares
-    assert all(s.memory_bytes <= limit for s in m.predicted.stages), (limit, [s.memory_bytes for s in m.predicted.stages])
+    assert _fullest_rank(m) <= limit, (limit, [s.memory_bytes for s in m.predicted.stages])
     assert "offload    " in (pkg / "plan.txt").read_text()
     _trains_like_the_original(GPT, pkg)
     roomy = (_planned(tmp_path, "roomy") / "manifest.json").read_text()  # auto, the device's memory: nothing binds
     assert '"offload"' not in roomy
+
+
+_FOUR = {"stages": 4, "microbatches": 8}
+_SCHEDULES = [("gpipe", {}), ("1f1b", _FOUR), ("zb-h1", _FOUR), ("zb-h2", {}), ("zb-v", _FOUR)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model, schedule, options", [("gpt", s, o) for s, o in _SCHEDULES]
+                         + [("llama", s, o) for s, o in _SCHEDULES if s != "1f1b"])
+def test_auto_trains_like_the_original_on_every_schedule(model: str, schedule: str, options: dict[str, Any],
+                                                         tmp_path: Path) -> None:
+    """A share of the activations offloaded where the memory binds (1F1B, ZB-H1 and ZB-V hold
+    more than the two microbatches an offloading stage keeps only on 4 stages; on the Llama
+    under 1F1B a split that keeps every activation fits whatever --memory the offloaded plan
+    fits, and so does another count of virtual stages under interleaved, so auto never
+    offloads there: --offload all covers them above)."""
+    path = GPT
+    if model == "llama":
+        path = str(tmp_path / "llama_net.py")
+        Path(path).write_text(_LLAMA)
+    pkg, _ = _binding(tmp_path, path, schedule=schedule, hardware=FREE, **options)  # stages of like size
+    pipe = _trains_like_the_original(path, pkg)
+    assert any(_moved(pipe))
 
 
 def _activations(pkg: Path, schedule: str) -> tuple[int, int]:
@@ -198,12 +239,16 @@ def test_manifest_writes_offload_only_when_set(tmp_path: Path) -> None:
 
 @multiproc
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("schedule", ["1f1b", "zb-h1"])
-def test_two_gloo_ranks_train_the_same_offloaded(tmp_path: Path, schedule: str) -> None:
-    compile_example(GPT, tmp_path / "pkg", stages=2, microbatches=4, schedule=schedule, offload="all")
+@pytest.mark.parametrize("schedule, policy", [("1f1b", "all"), ("zb-h1", "all"), ("gpipe", "auto")])
+def test_two_gloo_ranks_train_the_same_offloaded(tmp_path: Path, schedule: str, policy: str) -> None:
+    if policy == "auto":
+        pkg, _ = _binding(tmp_path, schedule=schedule)
+    else:
+        pkg = _planned(tmp_path, "pkg", schedule=schedule, offload=policy)
+    assert all(s.offload > 0 for s in read_manifest(pkg).stages)
     model = tmp_path / "gpt.py"
     shutil.copy(ROOT / GPT, model)
-    _ok(launch(2, "check", [tmp_path / "pkg"], model, deadline_s=120))
+    _ok(launch(2, "check", [pkg], model, deadline_s=120))
 
 
 @multiproc
@@ -213,7 +258,7 @@ def test_each_rank_measures_fewer_activation_bytes(tmp_path: Path) -> None:
     shutil.copy(ROOT / GPT, model)
     found = {}
     for policy in ("none", "all"):
-        compile_example(GPT, tmp_path / policy, stages=2, microbatches=4, schedule="1f1b", offload=policy)
+        _planned(tmp_path, policy, schedule="1f1b", offload=policy)
         ranks = launch(2, "memory", [tmp_path / policy], model, deadline_s=120)
         _ok(ranks)
         found[policy] = [float(re.search(r"activations ([\d.]+) MiB", r.out).group(1)) for r in ranks]  # type: ignore[union-attr]
