@@ -24,6 +24,8 @@ H200 it should finish in a few minutes.  Checks:
                   DistributedPipeline over NCCL on each engine (ours, messages on the
                   communication stream; engine="pipelining", docs/engines.md: one stage set
                   per rank, so it has no one-GPU form); only with more than one GPU
+  f  offload      the GPT block of c, a GPipe step of 4 microbatches with and without every
+                  activation offloaded (benchmarks/gpu_offload.py; CUDA only)
 
 It prints one table and writes benchmarks/results/gpu_check.json.
 """
@@ -56,6 +58,7 @@ from runtime.manifest import read_manifest  # noqa: E402
 from runtime.stage import as_leaf  # noqa: E402
 
 from .common import save, table  # noqa: E402
+from .gpu_offload import Block as _Block, offload_row  # noqa: E402
 
 COLUMNS = ["check", "case", "status", "figure", "value", "goal"]
 H200_BF16_FLOPS = 790e12  # the dense bf16 matmul rate measured on this project's H200 (device KINDS.md)
@@ -77,7 +80,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     start = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
-        for check in (_compile_rows, _equivalence_rows, _mfu_rows, _prediction_rows, _nccl_rows):
+        for check in (_compile_rows, _equivalence_rows, _mfu_rows, _prediction_rows, _nccl_rows, _offload_rows):
             began = time.perf_counter()
             rows += check(work, timer, ns.quick)
             print(f"{check.__name__[1:-5]}: done in {time.perf_counter() - began:.1f} s", file=sys.stderr, flush=True)
@@ -209,25 +212,6 @@ def _relative(got: torch.Tensor, want: torch.Tensor) -> float:
 # -- c: mfu --------------------------------------------------------------------------------
 
 
-class _Block(torch.nn.Module):
-    """A GPT block (pre-norm attention and a 4x MLP), as examples/gpt.py writes one."""
-
-    def __init__(self, d: int, heads: int) -> None:
-        super().__init__()
-        self.heads = heads
-        self.ln_1, self.ln_2 = torch.nn.LayerNorm(d), torch.nn.LayerNorm(d)
-        self.qkv, self.proj = torch.nn.Linear(d, 3 * d), torch.nn.Linear(d, d)
-        self.fc, self.out = torch.nn.Linear(d, 4 * d), torch.nn.Linear(4 * d, d)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, d = x.shape
-        q, k, v = self.qkv(self.ln_1(x)).split(d, dim=2)
-        q, k, v = (z.view(b, t, self.heads, d // self.heads).transpose(1, 2) for z in (q, k, v))  # (B, nh, T, hs)
-        y = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.proj(y.transpose(1, 2).reshape(b, t, d))
-        return x + self.out(torch.nn.functional.gelu(self.fc(self.ln_2(x))))
-
-
 def _mfu_rows(work: Path, timer: DeviceTimer, quick: bool) -> list[Row]:
     row: Row = {"check": "c mfu", "case": "GPT block d=4096 bf16, 8 x 2048 tokens", "figure": "MFU", "goal": "> 0.5"}
     if not timer.is_cuda:
@@ -243,6 +227,13 @@ def _mfu_rows(work: Path, timer: DeviceTimer, quick: bool) -> list[Row]:
     seconds = timer.median(step, samples=10)
     mfu = counter.get_total_flops() / seconds / H200_BF16_FLOPS
     return [{**row, "status": "ok" if mfu > 0.5 else "below goal", "value": round(mfu, 3)}]
+
+
+# -- f: offload (benchmarks/gpu_offload.py) -----------------------------------------------
+
+
+def _offload_rows(work: Path, timer: DeviceTimer, quick: bool) -> list[Row]:
+    return [offload_row(timer, quick)]
 
 
 # -- d: prediction -------------------------------------------------------------------------

@@ -40,6 +40,7 @@ class PackageInfo:
     shards: dict[str, Layout] = field(default_factory=dict)  # parameter -> its tensor-parallel layout
     tensor_parallel: dict[str, Any] = field(default_factory=dict)  # the manifest's block (rules, collectives)
     recompute: bool = False  # every stage runs its forward again in backward (the stages' "recompute")
+    offload: tuple[float, ...] = ()  # each stage's share of its activations offloaded (the stages' "offload")
     free_batch: bool = False  # sizes that follow the batch are read from the inputs ([Note: free batch])
     #: each output leaf's batch dimension ([Note: input leaves] in partitioner/trace/inputs.py)
     output_batch_dims: tuple[int | None, ...] = ()

@@ -78,6 +78,9 @@ def format_plan(manifest: Manifest) -> str:
     checkpointing = _checkpointing_line(manifest)
     if checkpointing:
         lines.append(checkpointing)
+    offloaded = _offload_line(manifest)
+    if offloaded:
+        lines.append(offloaded)
     solver = predicted.solver if predicted is not None else {}
     if solver:
         lines.append(
@@ -113,6 +116,7 @@ def format_plan(manifest: Manifest) -> str:
                 f"step {c['step_time_s'] * 1e3:9.3f} ms  MFU {c['mfu'] * 100:5.2f}%  peak {format_bytes(c['memory_bytes'])}"
                 + (f"  {c['schedule']}" if c.get("schedule") else "") + ("  recompute" if c.get("recompute") else "")
                 + ("  zero-1" if c.get("zero") else "")
+                + ("  offload" if c.get("offload") else "")
             )
         table = table + lines_c
     return "\n".join(lines + [""] + table) + "\n"
@@ -139,6 +143,18 @@ def _checkpointing_line(manifest: Manifest) -> str:
             if any(s.recompute for s in manifest.stages) else
             "replaced by the planner's recompute choice: activations kept (--recompute to recompute them)")
     return f"checkpoint the model's gradient checkpointing ({shown}) is traced as the ops it runs and {kept}"
+
+
+def _offload_line(manifest: Manifest) -> str:
+    """Per stage, the share of its saved activations offloaded to the host and the device
+    bytes that saves ([Note: offloaded activations] in partitioner/solve/offload.py), or ''."""
+    if not any(s.offload for s in manifest.stages):
+        return ""
+    saved = {e["stage"]: e["saved_bytes"] for e in (manifest.predicted.extra.get("offload", [])
+                                                    if manifest.predicted is not None else [])}
+    parts = [f"stage {s.index} {s.offload * 100:.0f}%" + (f" ({format_bytes(saved[s.index])} less)" if s.index in saved else "")
+             for s in manifest.stages if s.offload]
+    return f"offload    activations saved for backward moved to the host after each forward: {', '.join(parts)}"
 
 
 def _ms(seconds: float) -> str:

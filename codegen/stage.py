@@ -63,6 +63,7 @@ def stage_entry(
         nodes=len(layout.nodes),
         modules=tuple(_modules(layout.nodes)),
         recompute=plan.policy(k) or ("full" if info.recompute else None),
+        offload=info.offload[k] if info.offload else 0.0,
     )
     return entry, _render(entry, layout, plan, info, writer, body)
 

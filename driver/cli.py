@@ -80,6 +80,10 @@ def _parser() -> argparse.ArgumentParser:
                         "keeps each stage's inputs per microbatch in flight and runs its forward again in backward; "
                         "selective also keeps its matmuls' outputs and runs the rest again (softmax, dropout, "
                         "activation functions); auto: per rank, the fastest that fits in memory")
+    c.add_argument("--offload", default="auto",
+                   help="move the activations each stage saves for backward to host memory after its forward and "
+                        "bring them back ahead of its backward: auto (where the mesh does not fit otherwise), none, "
+                        "all (default auto)")
     c.add_argument("--quiet", action="store_true")
     s = sub.add_parser("show", help="print a package's plan")
     s.add_argument("dir")
@@ -112,7 +116,7 @@ def _compile(ns: argparse.Namespace) -> int:
         memory=parse_size(ns.memory) if ns.memory else None, hardware=ns.hardware, analytic=ns.analytic,
         tracer=ns.tracer, time_limit=ns.time_limit, seed=ns.seed, entry=ns.entry, optimizer=ns.optimizer,
         reprofile=ns.reprofile, quiet=ns.quiet, meta=ns.meta, recompute=ns.recompute, zero=ns.zero,
-        precision=ns.precision,
+        precision=ns.precision, offload=ns.offload,
     )
     compile_model(opts)
     if not ns.quiet:

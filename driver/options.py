@@ -15,6 +15,7 @@ import torch.utils._pytree as pytree
 
 from partitioner.errors import PlanError
 from partitioner.ir import DEFAULT_SCHEDULE, SCHEDULES, schedule_spec
+from partitioner.solve.offload import POLICIES as OFFLOAD_POLICIES
 from partitioner.solve.problem import Setting
 from partitioner.trace import model_file
 from partitioner.trace.inputs import InputKey, flat_inputs, key_text, leaves_of
@@ -61,6 +62,9 @@ class CompileOptions:
     #: "selective" or "auto" (per rank, the cheapest that fits: driver/recompute.py); True is "full";
     #: None (not given): auto with --devices, else none (`recompute_policy`)
     recompute: bool | str | None = None
+    #: activation offloading: auto (where the memory binds), none, all ([Note: offloaded
+    #: activations] in partitioner/solve/offload.py)
+    offload: str = "auto"
     precision: str = "fp32"  # runtime.precision.PRECISIONS ([Note: mixed precision], [Note: bf16 with master weights])
 
     def __post_init__(self) -> None:
@@ -124,6 +128,9 @@ def check(opts: CompileOptions) -> tuple[int, int, int]:
         raise PlanError(f"--precision {opts.precision} is unknown: the precisions available are {', '.join(PRECISIONS)} "
                         f"(the -mixed ones: torch.autocast around every stage's forward; bf16: bfloat16 weights with "
                         f"float32 masters).")
+    if opts.offload not in OFFLOAD_POLICIES:
+        raise PlanError(f"--offload {opts.offload}: choose auto (offload activations to the host only where the mesh "
+                        f"does not fit otherwise), none or all.")
     if opts.optimizer not in ("adam", "adamw", "sgd", "momentum"):
         raise PlanError(f"unknown --optimizer {opts.optimizer!r}: choose adam, sgd or momentum.")
     return pp, virtual, microbatches
@@ -147,7 +154,7 @@ def mesh_of(opts: CompileOptions, pp: int, virtual: int, microbatches: int) -> S
     return Setting(pp=pp, microbatches=microbatches, schedule=opts.schedule, tp=opts.tp or 1, dp=opts.dp,
                 virtual_stages=virtual, memory=opts.memory, optimizer=opts.optimizer,
                 recompute=None if opts.recompute_policy == AUTO else opts.recompute_policy,
-                zero=opts.zero or 0)
+                zero=opts.zero or 0, offload=opts.offload == "all")
 
 
 def batch_size(mf: model_file.ModelFile, args: tuple[Any, ...], kwargs: dict[str, Any],

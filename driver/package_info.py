@@ -57,7 +57,8 @@ def package_info(p: Prepared, plan: Plan, predicted: dict[str, Any]) -> PackageI
                "memory": opts.memory, "hardware": hardware.name, "analytic": opts.analytic,
                "optimizer": opts.optimizer} | _recompute_option(plan) \
         | ({"zero": 1} if opts.zero else {}) | ({"precision": opts.precision} if opts.precision != "fp32" else {}) \
-        | ({"checkpointing": list(traced.checkpointed)} if traced.checkpointed else {})
+        | ({"checkpointing": list(traced.checkpointed)} if traced.checkpointed else {}) \
+        | ({"offload": opts.offload} if opts.offload != "auto" else {})
     return PackageInfo(
         source_path=Path(opts.model).name, source_sha256=mf.sha256, source_text=mf.text,
         source_modules=sibling_modules(opts.model), entry=opts.entry, seed=opts.seed, tracer=traced.tracer,
@@ -66,7 +67,7 @@ def package_info(p: Prepared, plan: Plan, predicted: dict[str, Any]) -> PackageI
         unused_params={k for k, t in unused.items() if isinstance(t, torch.nn.Parameter)},
         predicted=Predicted.from_dict(predicted) if predicted else None, options=options, tp=plan.tp,
         shards=dict(sharded.params) if sharded is not None else {},
-        tensor_parallel=_tp_summary(sharded), recompute=plan.recompute, free_batch=p.free_batch,
+        tensor_parallel=_tp_summary(sharded), recompute=plan.recompute, offload=plan.offload, free_batch=p.free_batch,
         precision=opts.precision,
         output_batch_dims=output_batch_dims(traced.output_leaves, p.rows, _input_dims_by_shape(inputs)),
     )

@@ -61,6 +61,7 @@ from partitioner.trace.passes import probe, propagate, specialize
 from partitioner.trace.trace import Traced, by_input_key, check_autocast, copy_traced, trace
 from runtime.precision import autocast, cast_inputs, cast_model
 
+from . import offloading
 from .check import calibration_block, check_plan
 from .costs import loss_costs, node_costs, calibrated_costs, stage_peaks
 from .options import (CompileOptions, batch_size, check, default_microbatches, fixed_tp, mesh_of, rows_per_microbatch,
@@ -231,7 +232,7 @@ def solve_problem(p: Prepared) -> tuple[tuple[int, ...], SolverReport]:
               f"and constant masks do not), in {len(computing_blocks(p.problem))} blocks, fewer than the "
               f"{p.problem.stages} stages: some stage will only pass values on; use fewer stages to give every rank "
               f"work.")
-    assignment, report = solve(p.problem, time_limit_s=p.opts.time_limit)
+    assignment, report = offloading.solve_offloading(p, solve)
     p.timings["solve"] = time.perf_counter() - start
     return assignment, report
 
@@ -246,7 +247,8 @@ def finish(prepared: Prepared, assignment: tuple[int, ...], report: SolverReport
     with autocast(p.opts.precision, p.timer.device.type), kept_buffers(p.model):
         plan = planned(p, assignment, report)  # [Note: recomputation chosen per rank]
         p, plan, resolved, calibrated = check_plan(p, plan)
-    return emit_plan(p, plan, extra, resolved=resolved, calibrated=calibrated)
+    plan, offloaded = offloading.offload(p, plan)
+    return emit_plan(p, plan, {**offloaded, **(extra or {})}, resolved=resolved, calibrated=calibrated)
 
 
 def emit_plan(p: Prepared, plan: Plan, extra: dict[str, Any] | None = None, *, resolved: bool = False,

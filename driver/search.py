@@ -10,9 +10,9 @@
                  per split (`_Shapes`);
     3. solve:    each candidate's partition problem is posed and solved; one that does
                  not fit memory is solved again with ZeRO-1 (where dp > 1 and --zero
-                 was not given) and with selective, then full recomputation (under
-                 --recompute auto), then with both: every cheapest variant that fits is
-                 a candidate (`_variants`);
+                 was not given), with offloading (--offload auto) and with selective,
+                 then full recomputation (--recompute auto), then with several: every
+                 cheapest variant that fits is a candidate (`offloading.variants`);
     4. simulate: candidates in order of a lower bound on their step, until the bound
                  passes the SHOWN-th best step found ([Note: the search's bounds]);
     5. emit the best; the best SHOWN are recorded in the manifest for `show`.
@@ -51,6 +51,7 @@ from partitioner.solve.solve import rank_costs, solve
 from partitioner.trace.checkpointing import describe
 
 from .options import AUTO, CompileOptions, mesh_of, stages_per_rank
+from . import offloading
 from .package_info import model_flops
 from .phases import apply_tp, choose_split, finish, load_source, prepare
 from .prepared import Compiled, Prepared, Source
@@ -83,6 +84,7 @@ class Candidate:
     recompute: str | None = None  # the uniform policy solved ([Note: recomputation chosen per rank])
     schedule: str = ""
     zero: int = 0
+    offload: bool = False  # activations offloaded where the mesh binds ([Note: offloaded activations])
 
 
 @dataclass
@@ -130,7 +132,8 @@ def search(opts: CompileOptions, say: Callable[[str], None], source: Source | No
         raise InfeasiblePlanError(_nothing_fits(opts, failed))
     best, win = ranked[0]
     say(f"best mesh: pp={best.pp} tp={best.tp} dp={best.dp}, {best.microbatches} microbatches, {best.schedule}"
-        + (f", recomputation {best.recompute}" if best.recompute else "") + (", ZeRO-1" if best.zero else ""))
+        + (f", recomputation {best.recompute}" if best.recompute else "") + (", ZeRO-1" if best.zero else "")
+        + (", activations offloaded" if best.offload else ""))
     _say_checkpointing(win.prepared.traced.checkpointed, bool(best.recompute), say)
     shown = [dataclasses.asdict(c) for c, _ in ranked[:SHOWN]]
     return finish(win.prepared, win.assignment, win.report, extra={"candidates": shown})
@@ -274,15 +277,16 @@ def _split(base: Prepared, opts: CompileOptions, tp: int) -> Prepared | None:
 
 def _solve(base: Prepared, opts: CompileOptions, pp: int, microbatches: int,
            zeros: tuple[int, ...]) -> list[_Solved] | Candidate | None:
-    """The candidate solved in each cheapest variant that fits (`_variants`); a Candidate
+    """The candidate solved in each cheapest variant that fits (`offloading.variants`); a Candidate
     that fits in none; None when the stage count cannot be filled."""
     found: list[_Solved] = []
     note = ""
-    for zero, recompute in _variants(opts, zeros):
-        if any(f.cand.zero <= zero and LEVELS.index(f.cand.recompute) <= LEVELS.index(recompute) for f in found):
-            continue  # a variant that costs no more in either respect fits already
+    for zero, recompute, offload in offloading.variants(opts, zeros):
+        if any(f.cand.zero <= zero and LEVELS.index(f.cand.recompute) <= LEVELS.index(recompute)
+               and f.cand.offload <= offload for f in found):
+            continue  # a variant that costs no more in any respect fits already
         sub = dataclasses.replace(opts, zero=zero)
-        prepared = with_policy(_repose(base, sub, pp, microbatches), recompute)
+        prepared = with_policy(_repose(base, sub, pp, microbatches, offload), recompute)
         try:
             assignment, report = solve(prepared.problem, time_limit_s=min(sub.time_limit, 5.0), explain=False)
         except InfeasiblePlanError as exc:
@@ -293,27 +297,18 @@ def _solve(base: Prepared, opts: CompileOptions, pp: int, microbatches: int,
         if interleaved(prepared.problem):  # [Note: splits chosen by the simulator]
             _, assignment, report = choose_split(prepared, assignment, report)
         plan = planned(prepared, assignment, report)  # [Note: recomputation chosen per rank]
+        plan = offloading.offload(prepared, plan)[0]  # the copies' time, for the simulator
         peak = max(r.memory_bytes for r in rank_costs(prepared.problem, assignment))  # a rank holds all its stages
         cand = Candidate(pp, opts.dp, opts.tp or 1, microbatches, memory_bytes=peak,
-                         recompute=recompute, schedule=opts.schedule, zero=plan.zero)
+                         recompute=recompute, schedule=opts.schedule, zero=plan.zero, offload=bool(plan.offload))
         found.append(_Solved(cand, prepared, assignment, report, plan, _bound(prepared, assignment, plan)))
     return found or Candidate(pp, opts.dp, opts.tp or 1, microbatches, fits=False, note=note, schedule=opts.schedule)
 
 
-def _variants(opts: CompileOptions, zeros: tuple[int, ...]) -> list[tuple[int, str | None]]:
-    """(ZeRO stage, recomputation) to try: each of `zeros` without, then with selective, then full recomputation
-    (only the policy --recompute names, if not auto), cheapest first.  `_solve` skips a variant where one that costs
-    no more in either respect fits: ZeRO-1 (its parameter broadcast, `zero_broadcast_s`) and recomputation (a forward
-    again per microbatch) each only where the mesh does not fit without it, and both where neither alone fits; ZeRO-1
-    and recomputation alone may both fit, and then the simulator decides between them."""
-    recomputes = [p for p in LEVELS if opts.recompute_policy in (AUTO, p or "none")]
-    return [(zero, recompute) for recompute in recomputes for zero in zeros]
-
-
-def _repose(base: Prepared, opts: CompileOptions, pp: int, microbatches: int) -> Prepared:
-    """`base` posed for another stage and microbatch count (same trace, costs, blocks)."""
+def _repose(base: Prepared, opts: CompileOptions, pp: int, microbatches: int, offload: bool = False) -> Prepared:
+    """`base` posed for another stage and microbatch count (same trace, costs, blocks), `offload`ing or not."""
     assert base.coarse is not None
-    mesh = mesh_of(opts, pp, stages_per_rank(opts), microbatches)
+    mesh = dataclasses.replace(mesh_of(opts, pp, stages_per_rank(opts), microbatches), offload=offload)
     problem = pose(base.coarse, mesh, base.hardware)
     return dataclasses.replace(base, opts=opts, problem=problem, blocks=base.coarse.blocks, mesh=mesh,
                                rows=base.batch // (microbatches * opts.dp))

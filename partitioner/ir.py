@@ -39,9 +39,14 @@ __all__ = [
     "ScheduleSpec",
     "schedule_spec",
     "optimizer_state_factor",
+    "OFFLOAD_RESIDENT",
 ]
 
 # SCHEDULES (imported above): the pipeline schedules the runtime can interpret.
+
+#: microbatches whose activations an offloading stage still holds on the device: the one
+#: being copied out after its forward and the one brought back ahead of its backward
+OFFLOAD_RESIDENT = 2
 
 
 def optimizer_state_factor(optimizer: str, mixed_precision: bool = False) -> int:
@@ -262,6 +267,9 @@ class PartitionProblem:
     #: with `recompute`, what each block keeps per microbatch in flight: selective
     #: recomputation; empty: full
     block_kept_bytes: tuple[int, ...] = ()
+    #: activation offloading: a stage holds `resident(k)` microbatches' activations, not
+    #: inflight(k) ([Note: offloaded activations] in partitioner/solve/offload.py)
+    offload: bool = False
     #: whether each block computes ([Note: every stage computes] in solve/solve.py); empty:
     #: those of positive time do
     block_computes: tuple[bool, ...] = ()
@@ -295,6 +303,13 @@ class PartitionProblem:
         """Microbatches whose activations stage `stage` holds at its peak ([Note: activations
         in flight] in runtime/schedule/registry.py)."""
         return self.spec.inflight(self.ranks, self.stages, stage, self.microbatches)
+
+    def resident(self, stage: int) -> int:
+        """Microbatches whose activations stage `stage` holds on the device at its peak:
+        `inflight`, or with offloading at most the `OFFLOAD_RESIDENT` being copied
+        ([Note: offloaded activations] in partitioner/solve/offload.py)."""
+        held = self.inflight(stage)
+        return min(held, OFFLOAD_RESIDENT) if self.offload and not self.recompute else held
 
 
 @dataclass(frozen=True)
@@ -347,6 +362,8 @@ class Plan:
     virtual_stages: int = 1
     report: SolverReport | None = None
     recompute: bool = False  # every stage runs its forward again in backward (else each stage's own policy)
+    #: the fraction of each stage's saved activations offloaded to the host (empty: none)
+    offload: tuple[float, ...] = ()
     zero: int = 0  # 1: optimizer state sharded across the dp replicas ([Note: ZeRO-1] in runtime/optim.py)
 
     @property

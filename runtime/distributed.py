@@ -49,7 +49,7 @@ from typing import Any, Iterator
 import torch
 import torch.distributed as dist
 
-from . import checkpoint, clip, engines, local_rows, modes, optim, package, precision, tp, weights
+from . import checkpoint, clip, engines, local_rows, modes, offload, optim, package, precision, tp, weights
 from .comm import guard, init_from_env, timeout_from_env, wait
 from .counts import Counts
 from .devices import CommStream
@@ -292,11 +292,13 @@ class DistributedPipeline(Pipeline[Rows]):
         """Run this rank's row of actions; before each compute, post the receives of the
         next (`ahead`: [Note: receives posted ahead] in schedule/lowering.py); before the last B (or
         W) of each stage, arm its gradient buckets (`arm_at`)."""
+        horizon = offload.ahead()
         for t, a in enumerate(actions):
             if arm_at and t in arm_at and self._buckets is not None:
                 self._buckets.arm(arm_at[t])
             for j in ahead.get(t, ()):
                 step.posted[actions[j]] = self._post_recv(actions[j], step)
+            offload.prefetch_ahead(actions, t, lambda b: self.runners[b.stage].prefetch(b.microbatch), horizon)
             self._execute(a, step, mb_inputs, targets, loss_fn)
 
     def _execute(self, a: Action, step: _Step, mb_inputs: list[dict[str, Any]], targets: list[Any] | None,

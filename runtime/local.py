@@ -35,7 +35,7 @@ from typing import Any, Iterator, Sequence
 import torch
 import torch.utils._pytree as pytree
 
-from . import checkpoint, clip, modes, package, precision, tp
+from . import checkpoint, clip, modes, offload, package, precision, tp
 from .comm import timeout_from_env
 from .counts import Counts
 from .devices import DeviceLike, StageStreams, resolve_devices
@@ -245,7 +245,9 @@ class LocalPipeline(Pipeline[_Orders]):
         with self.streams.on(len(lane.runners) - 1):
             total = torch.zeros((), device=self.devices[-1])
         train = targets is not None
-        for _, a in order:
+        row, horizon = [a for _, a in order], offload.ahead()
+        for t, a in enumerate(row):
+            offload.prefetch_ahead(row, t, lambda b: lane.runners[b.stage].prefetch(b.microbatch), horizon)
             s, i, runner = a.stage, a.microbatch, lane.runners[a.stage]
             if a.kind == Kind.F:
                 args = [self._arg(spec, s, i, mb_inputs, outputs) for spec in runner.entry.inputs]

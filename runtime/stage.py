@@ -36,6 +36,7 @@ import torch
 import torch.utils._pytree
 
 from . import modes, split_backward
+from .offload import Offloader
 from .errors import PipelineError
 from .recompute import run_checkpointed
 from .manifest import StageSpec
@@ -78,6 +79,11 @@ class StageRunner:
     precision: str = "fp32"  # the manifest's: forward and loss under its autocast ([Note: mixed precision])
     #                          or in bfloat16 ([Note: bf16 with master weights])
     _saved: dict[int, _Saved] = field(default_factory=dict)
+    offloader: Offloader | None = None  # with the manifest's `offload` ([Note: activation offloading])
+
+    def __post_init__(self) -> None:
+        if self.entry.offload > 0:
+            self.offloader = Offloader(self.entry.offload)
 
     @property
     def index(self) -> int:
@@ -116,9 +122,9 @@ class StageRunner:
             if seed is not None and self.module.training:
                 device = next((a.device for a in args if isinstance(a, torch.Tensor)), torch.device("cpu"))
                 with modes.seeded(seed, device):
-                    out = self._call(args, train)
+                    out = self._call(microbatch, args, train)
             else:
-                out = self._call(args, train)
+                out = self._call(microbatch, args, train)
         if not self.is_last:
             n = len(self.entry.outputs)
             if not isinstance(out, (tuple, list)) or len(out) != n:
@@ -130,7 +136,15 @@ class StageRunner:
             self._saved[microbatch] = _Saved(args, out)
         return out
 
-    def _call(self, args: list[Any], train: bool) -> Any:
+    def _call(self, microbatch: int, args: list[Any], train: bool) -> Any:
+        if train and self.offloader is not None and torch.is_grad_enabled():
+            kept = [*self.module.parameters(), *self.module.buffers(),
+                    *(a for a in torch.utils._pytree.tree_leaves(args) if isinstance(a, torch.Tensor))]
+            with self.offloader.forward(microbatch, kept):
+                return self._run(args, train)
+        return self._run(args, train)
+
+    def _run(self, args: list[Any], train: bool) -> Any:
         if train and self.recompute and torch.is_grad_enabled():
             return run_checkpointed(self.module, args, self.recompute)
         return self.module(*args)
@@ -162,6 +176,7 @@ class StageRunner:
         """Backward of one microbatch from its output gradients (None on the last stage);
         returns each input's gradient (None where the input needs none)."""
         saved = self._saved.pop(microbatch, None)
+        self._release(microbatch)
         if saved is None:
             raise PipelineError(f"stage {self.index}: backward of microbatch {microbatch} before its forward "
                                 f"(the schedule is wrong).")
@@ -203,6 +218,8 @@ class StageRunner:
                 if saved.seeds is not None:
                     saved.seeds.unhook()
             found = {id(leaf): g for leaf, g in zip(leaves, got)}
+        if self.offloader is not None:
+            self.offloader.evict(microbatch)  # brought back again ahead of W
         return [found.get(id(a)) if isinstance(a, torch.Tensor) else None for a in saved.args]
 
     def backward_weight(self, microbatch: int) -> None:
@@ -211,6 +228,7 @@ class StageRunner:
         if saved is None or saved.roots is None:
             raise PipelineError(f"stage {self.index}: W of microbatch {microbatch} before its I (the schedule is wrong).")
         del self._saved[microbatch]
+        self._release(microbatch)
         if saved.seeds is not None and saved.seeds.complete():
             saved.seeds.run()  # only the weights' own edges: [Note: weight-gradient seeds] in split_backward.py
             return
@@ -230,6 +248,19 @@ class StageRunner:
                  if isinstance(o, torch.Tensor) and o.requires_grad and g is not None]
         return [o for o, _ in pairs], [g for _, g in pairs]
 
+    def prefetch(self, microbatch: int) -> None:
+        """Start bringing back what this microbatch's forward offloaded (ahead of its B or I)."""
+        if self.offloader is not None:
+            self.offloader.prefetch(microbatch)
+
+    def _release(self, microbatch: int) -> None:
+        """The offloader forgets a microbatch whose backward has begun: its handles live on in
+        the autograd graph as long as that needs them."""
+        if self.offloader is not None:
+            self.offloader.release(microbatch)
+
     def clear(self) -> None:
         """Forget every microbatch in flight (after a failed step)."""
         self._saved.clear()
+        if self.offloader is not None:
+            self.offloader.clear()

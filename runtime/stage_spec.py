@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from .recompute import POLICIES, parse_policy
-from ._fields import _bool, _count, _from, _index, _int, _ints, _Obj, _opt_int, _opt_str, _shape, _str, _strs, _to, _Bad
+from ._fields import _bool, _check, _count, _from, _index, _int, _ints, _Obj, _opt_int, _opt_str, _shape, _str, _strs, _to, _Bad
 
 __all__ = [
     "TensorSpec",
@@ -134,6 +134,8 @@ class StageSpec:
     nodes: int = 0
     modules: tuple[str, ...] = ()
     recompute: str | None = None  # "full" | "selective", written only when set ([Note: recomputation policies])
+    offload: float = 0.0  # the fraction of its saved activations offloaded ([Note: activation
+    #                       offloading] in offload.py); written only when above 0
 
     @property
     def is_last(self) -> bool:
@@ -144,7 +146,8 @@ class StageSpec:
                "inputs": [e.to_dict() for e in self.inputs], "outputs": [e.to_dict() for e in self.outputs],
                "parameters": [p.to_dict() for p in self.parameters], "buffers": [b.to_dict() for b in self.buffers],
                "nodes": self.nodes, "modules": list(self.modules)}
-        return {**out, "recompute": self.recompute} if self.recompute else out
+        out = {**out, "recompute": self.recompute} if self.recompute else out
+        return {**out, "offload": self.offload} if self.offload > 0 else out
 
 
 
@@ -198,6 +201,11 @@ def _stage(o: _Obj) -> StageSpec:
     return StageSpec(o.get("index", _int), o.get("module", _str), o.get("class", _str), tuple(o.get("ranks", _ints)),
                      o.each("inputs", _stage_input), o.each("outputs", _stage_output),
                      o.each("parameters", _param), o.each("buffers", _buffer, optional=True),
-                     o.get("nodes", _int, 0), tuple(o.get("modules", _strs, [])), o.get("recompute", _policy, None))
+                     o.get("nodes", _int, 0), tuple(o.get("modules", _strs, [])), o.get("recompute", _policy, None),
+                     float(o.get("offload", _fraction, 0.0)))
+
+
+_fraction = _check("a fraction from 0 to 1 (of the stage's saved activations offloaded)",
+                   lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and 0 <= v <= 1)
 
 

@@ -33,3 +33,21 @@ def test_the_distributed_row_trains_like_the_original_on_the_cpu(tmp_path: Path,
     compile_example("examples/gpt.py", tmp_path / "pkg", stages=2)
     error = gpu_check._distributed_error(tmp_path / "pkg", "examples/gpt.py", tmp_path, torch.device("cpu"), engine)
     assert error <= 1e-5
+
+
+def test_the_offload_row_steps_like_the_plain_one_on_the_cpu() -> None:
+    """Row f's offloaded GPipe step (benchmarks/gpu_offload.py) on the CPU: the same input
+    gradients as the plain step, every activation having gone through the host copy."""
+    from benchmarks.gpu_offload import Block, offloaded_step
+    from runtime.offload import Offloader
+
+    torch.manual_seed(0)
+    block = Block(32, 4)
+    grads = []
+    for offloader in (None, Offloader(1.0)):
+        inputs = [torch.randn(2, 8, 32, generator=torch.Generator().manual_seed(i), requires_grad=True) for i in range(3)]
+        offloaded_step(block, inputs, offloader)()
+        grads.append([x.grad for x in inputs])
+        assert offloader is None or offloader.moved_bytes > 0
+    for got, want in zip(grads[1], grads[0]):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)

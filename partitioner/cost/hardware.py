@@ -72,7 +72,15 @@ class Hardware:
     #: (0: a send costs the link's alpha, a receive nothing); see `measure._loaded_exchange`
     p2p_send_post_s: float = 0.0
     p2p_recv_post_s: float = 0.0
+    #: bytes/s, one direction, between a device and its host's memory (activation
+    #: offloading); 0: unknown, a copy within memory (`memory_bandwidth`: the cpu's)
+    host_link_bandwidth: float = 0.0
     sources: tuple[str, ...] = field(default_factory=tuple)
+
+    @property
+    def host_bandwidth(self) -> float:
+        """Bytes/s of an activation's copy to the host or back (`host_link_bandwidth`)."""
+        return self.host_link_bandwidth or self.memory_bandwidth
 
     def peak_for(self, dtype: torch.dtype | None) -> float:
         """The peak FLOP/s of a matmul computing in `dtype` ([Note: a peak per dtype])."""

@@ -25,6 +25,7 @@ from ..cost.hardware import Hardware
 from ..ir import NodeCost, Plan
 from ..trace.passes import get_attr
 from ..cost.roofline import BACKWARD_FLOP_FACTOR, mfu, ring_allreduce_s, ring_broadcast_s
+from ..solve.offload import exposed_s
 from .simulate import Simulation
 from .step import StepInputs, simulate_step
 
@@ -120,6 +121,9 @@ def step_inputs(gm: torch.fx.GraphModule, plan: Plan, costs: dict[str, NodeCost]
     backward = [sum(costs[n].backward_s for n in s.nodes) for s in plan.stages]
     weight = [sum(costs[n].weight_s for n in s.nodes) for s in plan.stages]  # what a zero-bubble W runs
     backward = [b + f for f, b in zip(_recomputed_s(gm, plan, costs), backward)]  # run again before the backward
+    for s, share in zip(plan.stages, plan.offload):  # [Note: offloaded activations] in solve/offload.py
+        out, back = exposed_s(s.activation_bytes, share, forward[s.index], backward[s.index], hardware)
+        forward[s.index], backward[s.index] = forward[s.index] + out, backward[s.index] + back
     weight_share = [w / b if b > 0 else 0.0 for w, b in zip(weight, backward)]
     last = plan.num_stages - 1
     traffic = pair_bytes((stage_of[node.name],

@@ -134,7 +134,7 @@ class _CpModel:
         """Rank r's memory: its stages' blocks and inputs, each shared parameter once."""
         p, per = self.problem, 2 + self.problem.optimizer_factor
         kept = p.block_kept_bytes or (0,) * p.num_blocks  # selective recomputation's, per microbatch in flight
-        blocks = [(round(per * own) + (1 if p.recompute else p.inflight(k)) * act + p.inflight(k) * keep) * self.at[i][k]
+        blocks = [(round(per * own) + (1 if p.recompute else p.resident(k)) * act + p.inflight(k) * keep) * self.at[i][k]
                   for i, (own, act, keep) in enumerate(zip(self.own, p.block_activation_bytes, kept)) for k in self.on[r]]
         inputs = [p.inflight(k) * v.bytes * self.recv_any[j][k] for j, v in enumerate(self.values)
                   for k in self.on[r]] if p.recompute else []

@@ -193,7 +193,7 @@ class Intervals:
             inputs = _sum_corners(self.received, c0, c1, a0, np.int64).astype(np.float64)
             inputs += (self.kept[b] - self.kept[a]).astype(np.float64)
             return lambda k: fixed + acts + inputs * p.inflight(k)
-        return lambda k: fixed + acts * p.inflight(k)
+        return lambda k: fixed + acts * p.resident(k)  # inflight(k), or fewer offloading
 
     def holds(self, blocks: Sequence[int], c0: int, c1: int, a0: int) -> np.ndarray:
         """Whether each run holds one of `blocks` (sorted): a parameter they read."""

@@ -99,7 +99,7 @@ def stage_costs(problem: PartitionProblem, assignment: Sequence[int]) -> tuple[S
     return tuple(
         StageCost(compute[k], messages[k], traffic[k], weights[k], acts[k], problem.inflight(k),
                   compute[k] + comm_s[k],
-                  stage_memory_bytes(weights[k], acts[k], problem.inflight(k), problem.optimizer_factor,
+                  stage_memory_bytes(weights[k], acts[k], problem.resident(k), problem.optimizer_factor,
                                      recompute=problem.recompute, input_bytes=received[k], kept_bytes=kept[k]),
                   received[k], over_links[k])
         for k in range(stages)

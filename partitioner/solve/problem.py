@@ -49,6 +49,7 @@ class Setting:
     optimizer: str = "adam"
     recompute: bool | str | None = False  # True or "full", "selective", False or None ([Note: recomputation policies])
     zero: int = 0  # 1: optimizer state sharded across the dp replicas (ZeRO-1), each keeps 1/dp of it
+    offload: bool = False  # activations may go to the host ([Note: offloaded activations] in solve/offload.py)
 
     @property
     def stages(self) -> int:
@@ -121,6 +122,7 @@ def pose(coarse: Coarse, mesh: Setting, hardware: Hardware) -> PartitionProblem:
         comm_alpha_s=stage_message_s(hardware, mesh.pp, mesh.tp),
         comm_beta_s_per_byte=beta,
         virtual_stages=mesh.virtual_stages,
+        offload=mesh.offload,
     )
 
 

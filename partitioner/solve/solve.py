@@ -282,9 +282,12 @@ def _fits(problem: PartitionProblem, limit: int) -> bool:
 
 def _stages_that_fit(problem: PartitionProblem, limit: int, most: int = 64) -> int | None:
     """The smallest stage count above the problem's whose leanest contiguous plan fits,
-    among the multiples of its virtual stages (those a --stages value can ask for)."""
+    among the multiples of its virtual stages that the schedule can run its microbatches on
+    (those a --stages value can ask for)."""
     v = problem.virtual_stages
     for stages in range(problem.stages + v, min(problem.num_blocks, problem.stages + most * v) + 1, v):
+        if problem.microbatches % problem.spec.microbatch_multiple(stages // v):
+            continue  # a stage count the schedule cannot run these microbatches on (interleaved)
         if _fits(replace(problem, stages=stages), limit):
             return stages
     return None

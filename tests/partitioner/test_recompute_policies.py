@@ -25,7 +25,7 @@ from .test_solve import _random_problem, solve_or_refuse
 
 GPT = "examples/gpt.py"
 #: one stage of GPipe: the split is the whole graph, each policy's memory is exact
-ONE_STAGE = dict(stages=1, microbatches=4, schedule="gpipe")
+ONE_STAGE = dict(stages=1, microbatches=4, schedule="gpipe", offload="none")  # recomputation alone binds
 
 
 @pytest.mark.parametrize("target, kept", [
@@ -109,7 +109,7 @@ def test_auto_picks_selective_where_the_limit_lies_between_selective_and_none(tm
 def test_auto_recomputes_only_on_the_ranks_where_memory_binds(tmp_path: Path) -> None:
     """1F1B of 8 microbatches: rank 0 holds two in flight, rank 1 one; under a limit that
     only rank 0 misses without recomputation, rank 1 keeps its activations."""
-    mesh = dict(stages=2, microbatches=8, schedule="1f1b")
+    mesh = dict(stages=2, microbatches=8, schedule="1f1b", offload="none")
     none = compile_example(GPT, tmp_path / "none", recompute="none", **mesh)
     limit = max(none.plan.stages[1].memory_bytes, none.plan.stages[0].memory_bytes * 95 // 100)
     auto = compile_example(GPT, tmp_path / "auto", recompute="auto", memory=limit, **mesh)

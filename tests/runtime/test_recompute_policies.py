@@ -52,7 +52,7 @@ def test_selective_training_matches_the_original(options: dict[str, Any], tmp_pa
 
 def test_auto_training_matches_the_original(tmp_path: Path) -> None:
     """A limit that only rank 0 misses without recomputation: rank 0 recomputes, rank 1 not."""
-    mesh = dict(stages=2, microbatches=8, schedule="1f1b")
+    mesh = dict(stages=2, microbatches=8, schedule="1f1b", offload="none")  # recomputation alone binds
     none = compile_example(GPT, tmp_path / "none", **mesh)
     limit = max(none.plan.stages[1].memory_bytes, none.plan.stages[0].memory_bytes * 95 // 100)
     pipe = _trains_like_original(GPT, tmp_path / "pkg", recompute="auto", memory=limit, **mesh)
@@ -66,7 +66,7 @@ def test_a_zoo_llama_trains_like_the_original_selective(tmp_path: Path) -> None:
 
 def test_a_zoo_llama_trains_like_the_original_auto(tmp_path: Path) -> None:
     """One stage of GPipe, a byte short of what keeping every activation needs."""
-    mesh = dict(tracer="export", stages=1, microbatches=4, schedule="gpipe")
+    mesh = dict(tracer="export", stages=1, microbatches=4, schedule="gpipe", offload="none")
     none = trains_like_original("hf_llama", tmp_path / "none", **mesh)
     need = none.manifest.predicted.stages[0].memory_bytes
     pipe = trains_like_original("hf_llama", tmp_path / "pkg", recompute="auto", memory=need - 1, **mesh)
@@ -149,7 +149,7 @@ def test_selective_on_two_gloo_ranks_trains_like_the_original(tmp_path: Path) ->
 @multiproc
 @pytest.mark.timeout(120)
 def test_auto_on_two_gloo_ranks_trains_like_the_original(tmp_path: Path) -> None:
-    mesh = dict(stages=2, microbatches=8, schedule="1f1b")
+    mesh = dict(stages=2, microbatches=8, schedule="1f1b", offload="none")  # recomputation alone binds
     none = compile_example(GPT, tmp_path / "none", **mesh)
     limit = max(none.plan.stages[1].memory_bytes, none.plan.stages[0].memory_bytes * 95 // 100)
     auto = compile_example(GPT, tmp_path / "pkg", recompute="auto", memory=limit, **mesh)
