@@ -91,7 +91,9 @@ def test_offloaded_training_matches_the_original(schedule: str, options: dict[st
     {"stages": 2, "schedule": "zb-h1"},
     {"stages": 2, "tp": 2, "hardware": FREE},  # two tensor-parallel lanes
     {"stages": 2, "schedule": "1f1b", "recompute": True},  # only what checkpoint keeps outside its hooks
-], ids=["llama-1f1b", "llama-zb-h1", "gpt-tp2", "gpt-recompute"])
+    {"stages": 2, "schedule": "1f1b", "recompute": "selective"},
+    {"stages": 2, "schedule": "zb-h1", "recompute": "selective"},
+], ids=["llama-1f1b", "llama-zb-h1", "gpt-tp2", "gpt-recompute", "gpt-selective", "gpt-selective-zb-h1"])
 def test_offloaded_variants_match_the_original(options: dict[str, Any], tmp_path: Path) -> None:
     path = GPT
     if "tp" not in options and "recompute" not in options:
