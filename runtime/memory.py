@@ -176,6 +176,7 @@ class MemoryTracker:
     def _optimizer_state(self) -> Iterator[torch.Tensor]:
         for ref in self._optimizers:
             opt = ref()
+            opt = getattr(opt, "optim", opt)  # ZeroRedundancyOptimizer keeps this rank's part in .optim
             for state in (opt.state.values() if opt is not None else ()):
                 yield from (v for v in state.values() if isinstance(v, torch.Tensor))
 
