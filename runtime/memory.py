@@ -202,10 +202,15 @@ class MemoryTracker:
             self._by_kind[entry[1]] -= entry[0]
 
     def _saved(self, t: torch.Tensor) -> torch.Tensor:
-        """The pack hook: `t`'s storage is an activation (unless a parameter's)."""
+        """The pack hook: `t`'s storage is an activation (unless a parameter's).  It packs
+        `t.detach()` (the same storage and version counter): a pack hook that returns an
+        op's own output makes output -> node -> output a cycle that Python's collector
+        cannot see, and under `retain_graph=True` (the split backward's I) the nodes W
+        does not run would then never free what they saved."""
         if isinstance(t, torch.Tensor):
             self._see(t)
             self._kind(t, _ACT)
+            return t.detach()
         return t
 
     def _kind(self, t: torch.Tensor, kind: int) -> None:
