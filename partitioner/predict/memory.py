@@ -18,12 +18,11 @@
     - between a split backward's I and its W, the gradients I keeps for W at each
       node that reads a weight ([Note: weight-gradient seeds] in
       runtime/split_backward.py): the outputs' size of those nodes;
-    - the transient of the action: a forward's working set (twice its largest node
-      output); a backward's output gradient received, its input gradient made, the
-      gradients' first allocation beyond the activations it frees meanwhile (made
-      node by node as the saved tensors go), and the gradients flowing through
-      the stage, counted as three times its largest node output (the gradient of an
-      op's output, of its input, and the running sum of a residual stream); under
+    - the transient of the action: a forward's working set (its largest node output);
+      a backward's output gradient received, its input gradient made, the gradients'
+      first allocation beyond the activations it frees meanwhile (made node by node
+      as the saved tensors go), and the gradient flowing through the stage, counted
+      as its largest node output; under
       --recompute the backward's second forward, which holds one microbatch's
       activations again; on the last stage the loss's logits gradient.
 
@@ -59,6 +58,9 @@ class StageBytes:
     backward: int
     seeds: int = 0  # kept from a split backward's I to its W: [Note: weight-gradient seeds]
     forward: int = 0  # the working set of a forward beyond what it keeps
+    #: whether I computes anything: a stage none of whose inputs needs a gradient (the
+    #: first) has I do nothing and W run the whole backward ([Note: split backward])
+    splits: bool = True
 
 
 def rank_peaks(schedule: str, pp: int, microbatches: int, virtual_stages: int,
@@ -83,11 +85,15 @@ def _walk(row: Sequence[Action], stages: Sequence[StageBytes], step_transient: i
         if a.kind == Kind.F:
             held[k] += 1
             peak = max(peak, now + stages[k].held + stages[k].forward)
+        elif a.kind == Kind.I and not stages[k].splits:
+            continue
         elif a.kind in (Kind.B, Kind.I, Kind.W):
+            whole = a.kind == Kind.B or not stages[k].splits
             fresh = stages[k].gradients if k not in grads and a.kind != Kind.I else 0
             # the gradients are made as the microbatch's activations are freed, node by node
-            peak = max(peak, now + max(0, fresh - stages[k].held) + (stages[k].backward if a.kind != Kind.W else 0))
-            seeded[k] += {Kind.I: 1, Kind.W: -1}.get(a.kind, 0)
+            peak = max(peak, now + max(0, fresh - stages[k].held) + (stages[k].backward if a.kind != Kind.W or whole else 0))
+            if not whole:
+                seeded[k] += 1 if a.kind == Kind.I else -1
             if a.kind != Kind.I:
                 grads.add(k)
                 held[k] -= 1

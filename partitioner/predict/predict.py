@@ -35,13 +35,15 @@ __all__ = ["mfu_peak", "pipeline_link", "pipeline_posts", "predict", "rounded", 
 
 def predict(gm: torch.fx.GraphModule, plan: Plan, costs: dict[str, NodeCost], hardware: Hardware,
             cost_source: str, model_flops: int | None = None, loss: NodeCost | None = None,
-            precision: str = "fp32", optimizer_factor: float | None = None) -> dict[str, Any]:
+            precision: str = "fp32", optimizer_factor: float | None = None,
+            values: dict[torch.fx.Node, Any] | None = None) -> dict[str, Any]:
     """The manifest's `predicted` block for `plan`; `model_flops` is one microbatch's
     forward of the whole model (default: the sum over `costs`, right when tp = 1); `loss`
     the loss_fn's cost per microbatch (`partitioner.cost.loss`); the MFU is of the peak
     `mfu_peak` finds, which the block names.  With `optimizer_factor` (optimizer-state bytes
     per parameter byte) each stage's `memory_bytes` is its part of its rank's peak walked
-    over the schedule ([Note: the memory walk] in memory.py); else the plan's own."""
+    over the schedule ([Note: the memory walk] in memory.py), what each stage saves counted
+    on `values` where given (one microbatch's value of every node); else the plan's own."""
     inputs = step_inputs(gm, plan, costs, hardware, loss)
     sim = simulate_step(inputs)  # [Note: one predicted step]
     forward = model_flops if model_flops is not None else sum(c.flops for c in costs.values())
@@ -49,7 +51,7 @@ def predict(gm: torch.fx.GraphModule, plan: Plan, costs: dict[str, NodeCost], ha
     report = plan.report
     peak_name, peak = mfu_peak(gm, costs, hardware, precision)
     memory = ([s.memory_bytes for s in plan.stages] if optimizer_factor is None
-              else plan_memory(gm, plan, costs, loss, optimizer_factor))
+              else plan_memory(gm, plan, costs, loss, optimizer_factor, values))
     block = rounded({
         "step_time_s": sim.step_time_s,
         "mfu": mfu(flops, sim.step_time_s, plan.pp * plan.tp * plan.dp, peak),

@@ -1,0 +1,82 @@
+"""What each pipeline stage keeps for backward per microbatch, counted once per storage.
+
+[Note: saved bytes per stage]
+    A node's `activation_bytes` counts what autograd saves running that node alone, by
+    the size of each saved view; summed over a stage it misses that the stage keeps
+    the whole storage a view lies in (`q`, `k` and `v`, views of one qkv projection,
+    keep all of it) and counts twice what two nodes save.  `stage_saved_bytes` runs each
+    node of the stage again on its values under `saved_tensors_hooks` and keeps a set of
+    storages per stage: a saved tensor that is a node's value (an input, or the node's
+    own output) stands for the storage of the node that made it (views followed back
+    through `node.meta["aliases"]`), at that storage's full size; anything else the op
+    saves (a softmax's statistics) is its own.  Parameters are left out.  Attention on
+    the meta device counts what a fused kernel saves, as `annotate` does.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable
+
+import torch
+import torch.fx
+
+from .nodes import compute_nodes, storage_key, tensors
+from .profile import _bind, _flash_saved
+
+__all__ = ["stage_saved_bytes"]
+
+
+def stage_saved_bytes(gm: torch.fx.GraphModule, values: dict[torch.fx.Node, Any], stage_of: dict[str, int],
+                      stages: int) -> list[int]:
+    """Bytes each stage keeps for backward per microbatch ([Note: saved bytes per stage])."""
+    params = {storage_key(p) for p in gm.parameters()} | {storage_key(b) for b in gm.buffers()}
+    kept: list[dict[Any, int]] = [{} for _ in range(stages)]
+    for node in compute_nodes(gm):
+        if node.name in stage_of:
+            kept[stage_of[node.name]].update(_saved(node, values, params))
+    return [sum(k.values()) for k in kept]
+
+
+def _saved(node: torch.fx.Node, values: dict[torch.fx.Node, Any], params: set[int]) -> dict[Any, int]:
+    """What `node` saves: {the storage it stands for: bytes}."""
+    fn, args, kwargs = _bind(node, values)
+    flash = _flash_saved(node, args, values.get(node))
+    if flash is not None:
+        return {("flash", node.name): flash}
+    owner = {storage_key(t): x for x in node.all_input_nodes for t in tensors(values.get(x))}
+    found: dict[Any, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        found[storage_key(t)] = t.untyped_storage().nbytes()
+        return t.detach()  # not `t`: an op's own output would hold its node in a cycle
+
+    with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn(*args, **kwargs)
+    mine = {storage_key(t) for t in tensors(out)}
+    result: dict[Any, int] = {}
+    for key, nbytes in found.items():
+        if key in params:
+            continue
+        maker = owner.get(key) if key not in mine else node
+        if maker is None:
+            result[("own", node.name, key)] = nbytes
+        else:
+            base = _base(maker)
+            result[("value", base.name)] = max(nbytes, _bytes(values.get(base)))
+    return result
+
+
+def _base(node: torch.fx.Node) -> torch.fx.Node:
+    """The node whose storage `node`'s value lies in (views followed back)."""
+    seen = {node}
+    while node.meta.get("aliases"):
+        parent = next((x for x in node.all_input_nodes if x.name in node.meta["aliases"]), None)
+        if parent is None or parent in seen or parent.op == "get_attr":
+            break
+        node = parent
+        seen.add(node)
+    return node
+
+
+def _bytes(value: Any) -> int:
+    return max((t.untyped_storage().nbytes() for t in tensors(value)), default=0)
