@@ -61,6 +61,9 @@ class StageBytes:
     #: whether I computes anything: a stage none of whose inputs needs a gradient (the
     #: first) has I do nothing and W run the whole backward ([Note: split backward])
     splits: bool = True
+    sent_forward: int = 0  # what a forward sends, kept until the step waits on its sends
+    sent_backward: int = 0  # what a backward (I) sends back, likewise
+    ahead: int = 0  # receive buffers posted ahead of the action that needs them
 
 
 def rank_peaks(schedule: str, pp: int, microbatches: int, virtual_stages: int,
@@ -74,7 +77,7 @@ def rank_peaks(schedule: str, pp: int, microbatches: int, virtual_stages: int,
 def _walk(row: Sequence[Action], stages: Sequence[StageBytes], step_transient: int) -> int:
     """One rank's peak: its row of compute actions walked in order."""
     mine = sorted({a.stage for a in row})
-    base = sum(stages[k].persistent for k in mine)
+    base = sum(stages[k].persistent + stages[k].ahead for k in mine)
     held, seeded = {k: 0 for k in mine}, {k: 0 for k in mine}
     grads: set[int] = set()
     peak = base
@@ -84,11 +87,13 @@ def _walk(row: Sequence[Action], stages: Sequence[StageBytes], step_transient: i
                + sum(held[s] * stages[s].held + seeded[s] * stages[s].seeds for s in mine))
         if a.kind == Kind.F:
             held[k] += 1
+            base += stages[k].sent_forward
             peak = max(peak, now + stages[k].held + stages[k].forward)
         elif a.kind == Kind.I and not stages[k].splits:
             continue
         elif a.kind in (Kind.B, Kind.I, Kind.W):
             whole = a.kind == Kind.B or not stages[k].splits
+            base += stages[k].sent_backward if a.kind != Kind.W else 0
             fresh = stages[k].gradients if k not in grads and a.kind != Kind.I else 0
             # the gradients are made as the microbatch's activations are freed, node by node
             peak = max(peak, now + max(0, fresh - stages[k].held) + (stages[k].backward if a.kind != Kind.W or whole else 0))
@@ -97,7 +102,7 @@ def _walk(row: Sequence[Action], stages: Sequence[StageBytes], step_transient: i
             if a.kind != Kind.I:
                 grads.add(k)
                 held[k] -= 1
-    final = base + sum(stages[k].gradients for k in mine)
+    final = base + sum(stages[k].gradients for k in mine)  # the sends waited on after the optimizer step
     return max(peak, final + step_transient)
 
 

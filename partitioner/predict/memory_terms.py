@@ -47,15 +47,16 @@ def stage_bytes(gm: torch.fx.GraphModule, plan: Plan, costs: dict[str, NodeCost]
     for s in plan.stages:
         weights = s.param_bytes - params[s.index]  # the plan's own bytes (tensor-parallel shards)
         saved = saved_bytes[s.index]  # a received input a node saves among them
-        outputs = s.send_bytes if s.index != last else out_bytes
-        loss_saved = (loss.activation_bytes if loss is not None else out_bytes) if s.index == last else 0
-        held = (s.recv_bytes if plan.recompute else saved) + outputs + loss_saved
+        loss_saved = (out_bytes + (loss.activation_bytes if loss is not None else out_bytes)
+                      if s.index == last else 0)  # the model's output and what the loss saves
+        held = (s.recv_bytes if plan.recompute else saved) + loss_saved
         largest = max((costs[n].output_bytes for n in s.nodes), default=0)
         grad_in = s.send_bytes if s.index != last else 0  # the output gradient received
         backward = grad_in + s.recv_bytes + _FLOWING * largest + (saved if plan.recompute else 0)
         seeds = 0 if plan.recompute else sum(costs[n].output_bytes for n in s.nodes if costs[n].param_bytes)
         result.append(StageBytes(round(weights * (1 + optimizer_factor)) + buffers[s.index], weights, held, backward, seeds,
-                                 _WORKING * largest, splits=s.recv_bytes > 0))
+                                 _WORKING * largest, splits=s.recv_bytes > 0, sent_forward=s.send_bytes,
+                                 sent_backward=s.recv_bytes, ahead=s.send_bytes + s.recv_bytes))
     return result
 
 
