@@ -36,6 +36,11 @@ CASES: tuple[tuple[str, str, dict[str, Any], int], ...] = (
     ("gpt pp2 dp2 zero1", "examples/gpt.py", {"stages": 2, "dp": 2, "zero": 1}, 4),
     ("gpt tp2", "examples/gpt.py", {"stages": 1, "tp": 2}, 2),
     ("gpt bf16-mixed", "examples/gpt.py", {"stages": 2, "precision": "bf16-mixed"}, 2),
+    ("mlp 1f1b", "examples/mlp.py", {"stages": 2}, 2),
+    ("bert 1f1b", "examples/bert.py", {"stages": 2}, 2),
+    ("hf llama 1f1b", "tests/zoo/models/hf_llama.py", {"stages": 2}, 2),
+    ("hf llama gpipe", "tests/zoo/models/hf_llama.py", {"stages": 2, "schedule": "gpipe"}, 2),
+    ("hf llama zb-h1", "tests/zoo/models/hf_llama.py", {"stages": 2, "schedule": "zb-h1"}, 2),
 )
 
 
@@ -43,6 +48,7 @@ def _worker(rank: int, world: int, port: int, directory: str, model: str, out: s
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
+    sys.path.insert(0, str(Path(model).parent))  # a zoo model file's helpers beside it
     import torch.distributed as dist
 
     import runtime
