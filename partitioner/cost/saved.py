@@ -8,8 +8,10 @@
     node of the stage again on its values under `saved_tensors_hooks` and keeps a set of
     storages per stage: a saved tensor that is a node's value (an input, or the node's
     own output) stands for the storage of the node that made it (views followed back
-    through `node.meta["aliases"]`), at that storage's full size; anything else the op
-    saves (a softmax's statistics) is its own.  Parameters are left out.  Attention on
+    through `node.meta["aliases"]`), at that storage's full size (a microbatch of the
+    batch is a view of the whole), except a value that another stage made, which
+    arrives in a buffer of its own size;
+    anything else the op saves (a softmax's statistics) is its own.  Parameters are left out.  Attention on
     the meta device counts what a fused kernel saves, as `annotate` does.
 """
 
@@ -33,11 +35,12 @@ def stage_saved_bytes(gm: torch.fx.GraphModule, values: dict[torch.fx.Node, Any]
     kept: list[dict[Any, int]] = [{} for _ in range(stages)]
     for node in compute_nodes(gm):
         if node.name in stage_of:
-            kept[stage_of[node.name]].update(_saved(node, values, params))
+            kept[stage_of[node.name]].update(_saved(node, values, params, stage_of))
     return [sum(k.values()) for k in kept]
 
 
-def _saved(node: torch.fx.Node, values: dict[torch.fx.Node, Any], params: set[int]) -> dict[Any, int]:
+def _saved(node: torch.fx.Node, values: dict[torch.fx.Node, Any], params: set[int],
+           stage_of: dict[str, int]) -> dict[Any, int]:
     """What `node` saves: {the storage it stands for: bytes}."""
     fn, args, kwargs = _bind(node, values)
     flash = _flash_saved(node, args, values.get(node))
@@ -60,6 +63,8 @@ def _saved(node: torch.fx.Node, values: dict[torch.fx.Node, Any], params: set[in
         maker = owner.get(key) if key not in mine else node
         if maker is None:
             result[("own", node.name, key)] = nbytes
+        elif maker.op != "placeholder" and stage_of.get(maker.name, -1) != stage_of[node.name]:  # received
+            result[("input", maker.name)] = sum(t.numel() * t.element_size() for t in tensors(values.get(maker)))
         else:
             base = _base(maker)
             result[("value", base.name)] = max(nbytes, _bytes(values.get(base)))

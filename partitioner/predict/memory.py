@@ -58,8 +58,8 @@ class StageBytes:
     backward: int
     seeds: int = 0  # kept from a split backward's I to its W: [Note: weight-gradient seeds]
     forward: int = 0  # the working set of a forward beyond what it keeps
-    #: whether I computes anything: a stage none of whose inputs needs a gradient (the
-    #: first) has I do nothing and W run the whole backward ([Note: split backward])
+    #: whether I computes anything: the first stage, none of whose inputs needs a
+    #: gradient, has I do nothing and W run the whole backward ([Note: split backward])
     splits: bool = True
     sent_forward: int = 0  # what a forward sends, kept until the step waits on its sends
     sent_backward: int = 0  # what a backward (I) sends back, likewise

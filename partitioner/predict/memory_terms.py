@@ -27,8 +27,10 @@ def plan_memory(gm: torch.fx.GraphModule, plan: Plan, costs: dict[str, NodeCost]
                 optimizer_factor: float, values: dict[torch.fx.Node, Any] | None = None) -> list[int]:
     """Each stage's part of its rank's walked peak ([Note: the memory walk]); `values`
     (one microbatch's value of every node) counts what each stage saves once per storage
-    ([Note: saved bytes per stage] in cost/saved.py), else the nodes' own counts are summed."""
-    saved = (stage_saved_bytes(gm, values, plan.stage_of(), plan.num_stages) if values is not None
+    ([Note: saved bytes per stage] in cost/saved.py) where they are this graph's, else the
+    nodes' own counts are summed."""
+    ran = values is not None and all(n in values for n in compute_nodes(gm))  # not a graph a tp split rewrote
+    saved = (stage_saved_bytes(gm, values, plan.stage_of(), plan.num_stages) if ran and values is not None
              else [sum(costs[n].activation_bytes for n in s.nodes) for s in plan.stages])
     stages = stage_bytes(gm, plan, costs, loss, optimizer_factor, saved)
     peaks = rank_peaks(plan.schedule, plan.pp, plan.microbatches, plan.virtual_stages, stages,
@@ -55,7 +57,7 @@ def stage_bytes(gm: torch.fx.GraphModule, plan: Plan, costs: dict[str, NodeCost]
         backward = grad_in + s.recv_bytes + _FLOWING * largest + (saved if plan.recompute else 0)
         seeds = 0 if plan.recompute else sum(costs[n].output_bytes for n in s.nodes if costs[n].param_bytes)
         result.append(StageBytes(round(weights * (1 + optimizer_factor)) + buffers[s.index], weights, held, backward, seeds,
-                                 _WORKING * largest, splits=s.recv_bytes > 0, sent_forward=s.send_bytes,
+                                 _WORKING * largest, splits=s.index > 0, sent_forward=s.send_bytes,
                                  sent_backward=s.recv_bytes, ahead=s.send_bytes + s.recv_bytes))
     return result
 

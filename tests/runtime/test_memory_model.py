@@ -30,19 +30,18 @@ def _off(ratios: str) -> Any:
 
 
 CASES = [
-    pytest.param(GPT, {"schedule": "1f1b"}, 2, id="gpt-1f1b", marks=_off("1.01, 0.948")),
+    pytest.param(GPT, {"schedule": "1f1b"}, 2, id="gpt-1f1b"),
     pytest.param(GPT, {"schedule": "gpipe"}, 2, id="gpt-gpipe"),
-    pytest.param(GPT, {"schedule": "interleaved", "virtual_stages": 2}, 2, id="gpt-interleaved",
-                 marks=_off("1.12, 1.12")),
-    pytest.param(GPT, {"schedule": "zb-h1"}, 2, id="gpt-zb-h1", marks=_off("0.949, 1.23")),
-    pytest.param(GPT, {"schedule": "zb-h2"}, 2, id="gpt-zb-h2", marks=_off("0.933, 1.01")),
-    pytest.param(GPT, {"schedule": "zb-v"}, 2, id="gpt-zb-v", marks=_off("1.39, 1.25")),
-    pytest.param(GPT, {"schedule": "1f1b", "recompute": "full"}, 2, id="gpt-recompute", marks=_off("1.00, 0.94")),
+    pytest.param(GPT, {"schedule": "interleaved", "virtual_stages": 2}, 2, id="gpt-interleaved"),
+    pytest.param(GPT, {"schedule": "zb-h1"}, 2, id="gpt-zb-h1"),
+    pytest.param(GPT, {"schedule": "zb-h2"}, 2, id="gpt-zb-h2"),
+    pytest.param(GPT, {"schedule": "zb-v"}, 2, id="gpt-zb-v", marks=_off("1.00, 1.06")),
+    pytest.param(GPT, {"schedule": "1f1b", "recompute": "full"}, 2, id="gpt-recompute"),
     pytest.param(GPT, {"schedule": "1f1b", "dp": 2, "zero": 1}, 4, id="gpt-pp2-dp2-zero1"),
     pytest.param(GPT, {"schedule": "1f1b", "tp": 2, "stages": 1}, 2, id="gpt-tp2"),
     pytest.param(GPT, {"schedule": "1f1b", "precision": "bf16-mixed"}, 2, id="gpt-bf16-mixed"),
     pytest.param(LLAMA, {"schedule": "1f1b"}, 2, id="llama-1f1b"),
-    pytest.param(LLAMA, {"schedule": "gpipe"}, 2, id="llama-gpipe", marks=_off("0.955, 0.920")),
+    pytest.param(LLAMA, {"schedule": "zb-h1"}, 2, id="llama-zb-h1"),
 ]
 
 
