@@ -74,6 +74,7 @@ def format_plan(manifest: Manifest) -> str:
         + (", activations recomputed" if any(s.recompute for s in manifest.stages) else "")
         + (", optimizer state sharded across the replicas (ZeRO-1)" if manifest.options.get("zero") and mesh.dp > 1 else ""),
         _predicted_line(predicted),
+        _MEMORY_LINE,
     ]
     checkpointing = _checkpointing_line(manifest)
     if checkpointing:
@@ -116,6 +117,11 @@ def format_plan(manifest: Manifest) -> str:
             )
         table = table + lines_c
     return "\n".join(lines + [""] + table) + "\n"
+
+
+#: what the memory column counts and what it cannot ([Note: the memory walk] in partitioner/predict/memory.py)
+_MEMORY_LINE = ("memory     each rank's peak walked over its schedule (stages on one rank sum to it); not predicted: "
+                "an operator's own workspace, a GPU allocator's caching and fragmentation, NCCL buffers")
 
 
 def _checkpointing_line(manifest: Manifest) -> str:
