@@ -83,3 +83,32 @@ def test_split_backward_keeps_seeds_until_w() -> None:
     stage = StageBytes(persistent=0, gradients=0, held=10, backward=0, seeds=1000)
     peaks = rank_peaks("zb-h1", 2, 4, 1, [stage, stage])
     assert peaks[1] >= 1000 + 2 * 10
+
+
+def test_tracking_frees_what_a_retained_graph_saved() -> None:
+    """A split backward's I runs with retain_graph=True; what the nodes W never runs saved
+    must still be freed with the graph while memory is tracked (the pack hook must not
+    hold an op's own output: [Note: measured memory] in runtime/memory.py)."""
+    import weakref
+
+    import torch
+
+    from runtime.memory import MemoryTracker
+
+    params: list[torch.nn.Parameter] = []
+
+    class Holder:
+        def parameters(self) -> list[torch.nn.Parameter]:
+            return params
+
+    holder = Holder()
+    tracker = MemoryTracker(holder.parameters)
+    tracker.on = True
+    freed: list[int] = []
+    with tracker.window():
+        x = torch.randn(64, 64, requires_grad=True)
+        y = torch.exp(x)  # saves its own output
+        weakref.finalize(y.untyped_storage(), freed.append, 1)
+        torch.autograd.grad(y.sum(), x, retain_graph=True)
+        del y
+    assert freed == [1]
