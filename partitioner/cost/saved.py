@@ -17,6 +17,7 @@
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import torch
@@ -28,26 +29,51 @@ from .profile import _bind, _flash_saved
 __all__ = ["stage_saved_bytes"]
 
 
+#: a saved tensor of one node: (its maker's name or None, the maker's base's name, the
+#: storage key where no node made it, the storage's bytes, the value's own bytes, whether
+#: the maker is a placeholder)
+Entry = tuple[str | None, str | None, int, int, int, bool]
+#: per graph: (id of the values it was run on, what each node saves); names and numbers only
+_CACHE: "weakref.WeakKeyDictionary[torch.fx.GraphModule, tuple[int, dict[str, list[Entry]]]]" = (
+    weakref.WeakKeyDictionary())
+
+
 def stage_saved_bytes(gm: torch.fx.GraphModule, values: dict[torch.fx.Node, Any], stage_of: dict[str, int],
                       stages: int) -> list[int]:
     """Bytes each stage keeps for backward per microbatch ([Note: saved bytes per stage])."""
-    params = {storage_key(p) for p in gm.parameters()} | {storage_key(b) for b in gm.buffers()}
     kept: list[dict[Any, int]] = [{} for _ in range(stages)]
-    for node in compute_nodes(gm):
-        if node.name in stage_of:
-            kept[stage_of[node.name]].update(_saved(node, values, params, stage_of))
+    for name, entries in _per_node(gm, values).items():
+        if name in stage_of:
+            k = stage_of[name]
+            for maker, base, key, full, own, batch in entries:
+                if maker is None:
+                    kept[k][("own", name, key)] = full
+                elif not batch and stage_of.get(maker, -1) != k:  # received: a buffer of its own
+                    kept[k][("input", maker)] = own
+                else:
+                    kept[k][("value", base)] = max(full, kept[k].get(("value", base), 0))
     return [sum(k.values()) for k in kept]
 
 
-def _saved(node: torch.fx.Node, values: dict[torch.fx.Node, Any], params: set[int],
-           stage_of: dict[str, int]) -> dict[Any, int]:
-    """What `node` saves: {the storage it stands for: bytes}."""
+def _per_node(gm: torch.fx.GraphModule, values: dict[torch.fx.Node, Any]) -> dict[str, list[Entry]]:
+    """What each compute node saves, run once per graph and values (a search asks for many plans)."""
+    cached = _CACHE.get(gm)
+    if cached is not None and cached[0] == id(values):
+        return cached[1]
+    params = {storage_key(p) for p in gm.parameters()} | {storage_key(b) for b in gm.buffers()}
+    table = {node.name: _saved(node, values, params) for node in compute_nodes(gm)}
+    _CACHE[gm] = (id(values), table)
+    return table
+
+
+def _saved(node: torch.fx.Node, values: dict[torch.fx.Node, Any], params: set[int]) -> list[Entry]:
+    """What `node` saves."""
     fn, args, kwargs = _bind(node, values)
     flash = _flash_saved(node, args, values.get(node))
     if flash is not None:
-        return {("flash", node.name): flash}
+        return [(None, None, -1, flash, flash, False)]
     owner = {storage_key(t): x for x in node.all_input_nodes for t in tensors(values.get(x))}
-    found: dict[Any, int] = {}
+    found: dict[int, int] = {}
 
     def pack(t: torch.Tensor) -> torch.Tensor:
         found[storage_key(t)] = t.untyped_storage().nbytes()
@@ -56,18 +82,18 @@ def _saved(node: torch.fx.Node, values: dict[torch.fx.Node, Any], params: set[in
     with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         out = fn(*args, **kwargs)
     mine = {storage_key(t) for t in tensors(out)}
-    result: dict[Any, int] = {}
+    result: list[Entry] = []
     for key, nbytes in found.items():
+        maker = owner.get(key) if key not in mine else node
         if key in params:
             continue
-        maker = owner.get(key) if key not in mine else node
         if maker is None:
-            result[("own", node.name, key)] = nbytes
-        elif maker.op != "placeholder" and stage_of.get(maker.name, -1) != stage_of[node.name]:  # received
-            result[("input", maker.name)] = sum(t.numel() * t.element_size() for t in tensors(values.get(maker)))
+            result.append((None, None, key, nbytes, nbytes, False))
         else:
             base = _base(maker)
-            result[("value", base.name)] = max(nbytes, _bytes(values.get(base)))
+            own = sum(t.numel() * t.element_size() for t in tensors(values.get(maker)))
+            result.append((maker.name, base.name, key, max(nbytes, _bytes(values.get(base))), own,
+                           maker.op == "placeholder"))
     return result
 
 
