@@ -74,6 +74,7 @@ def format_plan(manifest: Manifest) -> str:
         + _recompute_note([s.recompute for s in manifest.stages])
         + (", optimizer state sharded across the replicas (ZeRO-1)" if manifest.options.get("zero") and mesh.dp > 1 else ""),
         _predicted_line(predicted),
+        _MEMORY_LINE,
     ]
     checkpointing = _checkpointing_line(manifest)
     if checkpointing:
@@ -130,6 +131,11 @@ def _recompute_note(policies: list[str | None]) -> str:
     if all(p == "full" for p in policies):
         return ", activations recomputed"
     return ", recomputation by stage: " + ", ".join(p or "none" for p in policies)
+
+
+#: what the memory column counts and what it cannot ([Note: the memory walk] in partitioner/predict/memory.py)
+_MEMORY_LINE = ("memory     each rank's peak walked over its schedule (stages on one rank sum to it); not predicted: "
+                "an operator's own workspace, a GPU allocator's caching and fragmentation, NCCL buffers")
 
 
 def _checkpointing_line(manifest: Manifest) -> str:

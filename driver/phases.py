@@ -261,8 +261,10 @@ def emit_plan(p: Prepared, plan: Plan, extra: dict[str, Any] | None = None, *, r
     with autocast(p.opts.precision, p.timer.device.type), kept_buffers(p.model):
         costs = calibrated if calibrated is not None else calibrated_costs(p, plan)
         peaks = stage_peaks(p, plan)
-    predicted = predict(p.traced.gm, plan, costs, p.hardware, cost_source="analytic" if p.opts.analytic else "measured",
-                        model_flops=model_flops(p), loss=p.loss, precision=p.opts.precision)
+        # under the same autocast: what each stage saves is counted on its nodes run again
+        predicted = predict(p.traced.gm, plan, costs, p.hardware, cost_source="analytic" if p.opts.analytic else "measured",
+                            model_flops=model_flops(p), loss=p.loss, precision=p.opts.precision,
+                            optimizer_factor=p.problem.optimizer_factor, values=p.values)
     predicted.update(rounded({**calibration_block(p, plan, costs, resolved, peaks), **(extra or {})}))
     # 7. emit the package's files (codegen).
     manifest = emit(p.opts.out, p.traced.gm, plan, package_info(p, plan, predicted))

@@ -8,8 +8,9 @@
     2. prepare:  the model is built once, traced and costed once per microbatch shape,
                  split for tensor parallelism once per (shape, tp) and coarsened once
                  per split (`_Shapes`);
-    3. solve:    each candidate's partition problem is posed and solved; one that does
-                 not fit memory is solved again with ZeRO-1 (where dp > 1 and --zero
+    3. solve:    each candidate's problem is posed and solved; one that does not fit
+                 memory (the solver's bound, then the peak walked over the schedule:
+                 driver/memory.py) is solved again with ZeRO-1 (where dp > 1 and --zero
                  was not given), with offloading (--offload auto) and with selective,
                  then full recomputation (--recompute auto), then with several: every
                  cheapest variant that fits is a candidate (`offloading.variants`);
@@ -19,15 +20,12 @@
 
 [Note: the search's bounds]
     Every candidate is solved (the DPs make that cheap), then simulated in order of a
-    lower bound on its step (`_bound`: the busiest rank's compute, pipeline fill and
-    drain) until the bound passes the SHOWN-th best step found: the SHOWN fastest are those
-    simulating every candidate would rank.  Bars on stderr show the candidates solved and
-    simulated of their total, the time left, and the best so far.
+    lower bound on its step (`_bound`: the busiest rank's compute, fill and drain) until
+    the bound passes the SHOWN-th best step found: the SHOWN fastest are those simulating
+    every candidate would rank.  Bars on stderr show the candidates solved and simulated.
 
-With `--schedule auto` every mesh is also tried under each schedule of AUTO_SCHEDULES
-(the zero-bubble ones only with 2 stages or more), each posed with its own memory (ZB-H2
-holds twice the microbatches; ZB-V splits the model in two stages per rank), so the
-fastest predicted schedule that fits wins.
+With `--schedule auto` every mesh is also tried under each schedule of AUTO_SCHEDULES (the
+zero-bubble ones only with 2 stages or more), each with its own memory: the fastest that fits wins.
 """
 
 from __future__ import annotations
@@ -47,9 +45,10 @@ from partitioner.ir import Plan, SolverReport
 from partitioner.predict.predict import mfu_peak, simulate_plan
 from partitioner.solve.problem import coarse_graph, pose
 from partitioner.solve.model import interleaved
-from partitioner.solve.solve import rank_costs, solve
+from partitioner.solve.solve import solve
 from partitioner.trace.checkpointing import describe
 
+from .memory import rank_peaks
 from .options import AUTO, CompileOptions, mesh_of, stages_per_rank
 from . import offloading
 from .package_info import model_flops
@@ -298,7 +297,9 @@ def _solve(base: Prepared, opts: CompileOptions, pp: int, microbatches: int,
             _, assignment, report = choose_split(prepared, assignment, report)
         plan = planned(prepared, assignment, report)  # [Note: recomputation chosen per rank]
         plan = offloading.offload(prepared, plan)[0]  # the copies' time, for the simulator
-        peak = max(r.memory_bytes for r in rank_costs(prepared.problem, assignment))  # a rank holds all its stages
+        peak = max(rank_peaks(prepared, plan))  # walked over the schedule, as the manifest says
+        if peak > (prepared.problem.memory_limit_bytes or peak):  # the solver's bound fits, the walk does not
+            continue
         cand = Candidate(pp, opts.dp, opts.tp or 1, microbatches, memory_bytes=peak,
                          recompute=recompute, schedule=opts.schedule, zero=plan.zero, offload=bool(plan.offload))
         found.append(_Solved(cand, prepared, assignment, report, plan, _bound(prepared, assignment, plan)))

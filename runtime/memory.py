@@ -176,6 +176,7 @@ class MemoryTracker:
     def _optimizer_state(self) -> Iterator[torch.Tensor]:
         for ref in self._optimizers:
             opt = ref()
+            opt = getattr(opt, "optim", opt)  # ZeroRedundancyOptimizer keeps this rank's part in .optim
             for state in (opt.state.values() if opt is not None else ()):
                 yield from (v for v in state.values() if isinstance(v, torch.Tensor))
 
@@ -201,10 +202,15 @@ class MemoryTracker:
             self._by_kind[entry[1]] -= entry[0]
 
     def _saved(self, t: torch.Tensor) -> torch.Tensor:
-        """The pack hook: `t`'s storage is an activation (unless a parameter's)."""
+        """The pack hook: `t`'s storage is an activation (unless a parameter's).  It packs
+        `t.detach()` (the same storage and version counter): a pack hook that returns an
+        op's own output makes output -> node -> output a cycle that Python's collector
+        cannot see, and under `retain_graph=True` (the split backward's I) the nodes W
+        does not run would then never free what they saved."""
         if isinstance(t, torch.Tensor):
             self._see(t)
             self._kind(t, _ACT)
+            return t.detach()
         return t
 
     def _kind(self, t: torch.Tensor, kind: int) -> None:

@@ -26,6 +26,7 @@ from ..ir import NodeCost, Plan
 from ..trace.passes import get_attr
 from ..cost.roofline import BACKWARD_FLOP_FACTOR, mfu, ring_allreduce_s, ring_broadcast_s
 from ..solve.offload import exposed_s
+from .memory_terms import plan_memory
 from .simulate import Simulation
 from .step import StepInputs, simulate_step
 
@@ -35,17 +36,23 @@ __all__ = ["mfu_peak", "pipeline_link", "pipeline_posts", "predict", "rounded", 
 
 def predict(gm: torch.fx.GraphModule, plan: Plan, costs: dict[str, NodeCost], hardware: Hardware,
             cost_source: str, model_flops: int | None = None, loss: NodeCost | None = None,
-            precision: str = "fp32") -> dict[str, Any]:
+            precision: str = "fp32", optimizer_factor: float | None = None,
+            values: dict[torch.fx.Node, Any] | None = None) -> dict[str, Any]:
     """The manifest's `predicted` block for `plan`; `model_flops` is one microbatch's
     forward of the whole model (default: the sum over `costs`, right when tp = 1); `loss`
     the loss_fn's cost per microbatch (`partitioner.cost.loss`); the MFU is of the peak
-    `mfu_peak` finds, which the block names."""
+    `mfu_peak` finds, which the block names.  With `optimizer_factor` (optimizer-state bytes
+    per parameter byte) each stage's `memory_bytes` is its part of its rank's peak walked
+    over the schedule ([Note: the memory walk] in memory.py), what each stage saves counted
+    on `values` where given (one microbatch's value of every node); else the plan's own."""
     inputs = step_inputs(gm, plan, costs, hardware, loss)
     sim = simulate_step(inputs)  # [Note: one predicted step]
     forward = model_flops if model_flops is not None else sum(c.flops for c in costs.values())
     flops = forward * (1 + BACKWARD_FLOP_FACTOR) * plan.microbatches * plan.dp
     report = plan.report
     peak_name, peak = mfu_peak(gm, costs, hardware, precision)
+    memory = ([s.memory_bytes for s in plan.stages] if optimizer_factor is None
+              else plan_memory(gm, plan, costs, loss, optimizer_factor, values))
     block = rounded({
         "step_time_s": sim.step_time_s,
         "mfu": mfu(flops, sim.step_time_s, plan.pp * plan.tp * plan.dp, peak),
@@ -53,7 +60,7 @@ def predict(gm: torch.fx.GraphModule, plan: Plan, costs: dict[str, NodeCost], ha
         "mfu_peak_flops": peak,
         "cost_source": cost_source,
         "hardware": hardware.name,
-        "stages": [{"time_s": s.time_s, "compute_s": s.compute_s, "memory_bytes": s.memory_bytes,
+        "stages": [{"time_s": s.time_s, "compute_s": s.compute_s, "memory_bytes": memory[s.index],
                     "param_bytes": s.param_bytes, "send_bytes": s.send_bytes, "recv_bytes": s.recv_bytes,
                     "peak_inflight": sim.peak_inflight[s.index]}
                    for s in plan.stages],

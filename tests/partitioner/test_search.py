@@ -94,17 +94,17 @@ def test_one_row_per_microbatch_is_a_candidate() -> None:
 
 
 def test_the_search_recomputes_activations_when_nothing_else_fits(tmp_path: Path) -> None:
-    # examples/gpt.py on 2 devices: every plan of one stage per rank needs over 490 kB without
-    # recomputation; 2 stages of 24 microbatches need 475 kB with it.  Only zb-v fits without:
-    # its V puts the tied embedding's two readers on rank 0, which holds the parameter once
-    compiled = compile_example("examples/gpt.py", tmp_path / "pkg", devices=2, stages=None, tp=1, memory=490_000)
+    # examples/gpt.py on 2 devices: every plan needs over 530 kB on its fullest rank without
+    # recomputation (the peak walked over its schedule: [Note: the memory walk]); 2 stages of
+    # 24 microbatches need 511-521 kB with it
+    compiled = compile_example("examples/gpt.py", tmp_path / "pkg", devices=2, stages=None, tp=1, memory=530_000)
     manifest = compiled.manifest
     assert (manifest.mesh.pp, manifest.microbatches) == (2, 24)
     assert any(s.recompute for s in manifest.stages)  # where memory binds: [Note: recomputation chosen per rank]
     candidates = manifest.predicted.extra["candidates"]
-    assert all(c["recompute"] or c["schedule"] == "zb-v" for c in candidates)
-    assert all(c["memory_bytes"] <= 490_000 for c in candidates)
-    assert max(s.memory_bytes for s in manifest.predicted.stages) <= 490_000
+    assert all(c["recompute"] for c in candidates)
+    assert all(c["memory_bytes"] <= 530_000 for c in candidates)
+    assert max(s.memory_bytes for s in manifest.predicted.stages) <= 530_000
 
 
 @pytest.mark.slow

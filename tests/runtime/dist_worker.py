@@ -12,6 +12,8 @@ MODE train: clip_grad_norm_ and AdamW through make_optimizer (5 steps) against t
 reference, then eval() and evaluate().  MODE drift: step safety (runtime/steps.py).  MODE fault: trains (PIPELINE_FAULT stops one rank); a PipelineError prints its message
 and exits 3.  MODE tp: the unit checks of runtime/tp.py (tp_checks.py; PKG unused).
 MODE memory: pipe.memory_stats() on this rank's stages (memory_checks.py); prints "RANK ok".
+MODE peak: AdamW, a warm-up step, then one tracked step and opt.step(): prints "RANK peak TOTAL
+PREDICTED" (memory_checks.tracked_step) and "RANK ok".
 MODE short: as check, on the example batch's first SHORT_ROWS rows (a short last batch).
 MODE scaler: an fp16-mixed package with runtime.GradScaler: a step with an inf gradient on the
 last stage's rank is skipped on every rank, and every rank's scale halves (also when the
@@ -353,6 +355,19 @@ def _memory(pkg: str, model_path: str) -> None:
     print(f"{pipe.rank} ok", flush=True)
 
 
+def _peak(pkg: str, model_path: str) -> None:
+    import memory_checks  # beside this file
+
+    sys.path.insert(0, str(Path(model_path).parent))  # a zoo model file's helpers beside it
+    mf = _model_file(model_path)
+    torch.manual_seed(0)
+    pipe = runtime.DistributedPipeline(pkg)
+    pipe.load_state_dict(mf.build_model().state_dict())
+    stats = memory_checks.tracked_step(pipe, mf.example_inputs(), mf.example_target())
+    print(f"{pipe.rank} peak {stats.total} {stats.predicted}", flush=True)
+    print(f"{pipe.rank} ok", flush=True)
+
+
 def _rank(r: int, mode: str, pkg: str, model_path: str, outdir: Path) -> int:
     os.environ["RANK"] = os.environ["LOCAL_RANK"] = str(r)
     out = os.open(outdir / f"rank{r}.out", os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
@@ -369,7 +384,8 @@ def _rank(r: int, mode: str, pkg: str, model_path: str, outdir: Path) -> int:
 
         {**local_rows_worker.MODES, **parallelize_worker.MODES, **engine_worker.MODES,
          "check": _check, "fault": _fault, "tp": _tp, "train": _train, "drift": _drift,
-         "short": _short, "amp": _amp, "scaler": _scaler, "dropout": _dropout, "memory": _memory}[mode](pkg, model_path)
+         "short": _short, "amp": _amp, "scaler": _scaler, "dropout": _dropout, "memory": _memory,
+         "peak": _peak}[mode](pkg, model_path)
     except PipelineError as exc:
         print(f"PipelineError: {exc}", file=sys.stderr, flush=True)
         return 3

@@ -1,0 +1,121 @@
+"""Each pipeline rank's peak bytes in one training step, walked over its schedule.
+
+[Note: the memory walk]
+    A rank's peak is found by walking its row of the schedule's own compute actions
+    (`runtime.schedule.registry`: the same list the runtime runs, so gpipe, 1F1B,
+    interleaved and the zero-bubble orders each keep in flight what they really do, on
+    each rank).  At every action the rank holds:
+
+    - its parameters and optimizer state (alive across steps; Adam's moments made by the
+      first step; 1/dp of them with ZeRO-1), once per rank where its stages share a
+      tied weight;
+    - its gradients, from the first backward of each stage on (`optimizer.zero_grad()`
+      sets them to None between steps, so none is alive during gpipe's forwards);
+    - per microbatch in flight on each stage (forward done, backward not yet: W for the
+      split backward of zb-*), what the stage keeps for it: the tensors autograd saved
+      (only the stage's inputs under --recompute), the inputs it received or took from
+      the batch, the outputs it sent, and on the last stage the loss's own saved tensors;
+    - between a split backward's I and its W, the gradients I keeps for W at each
+      node that reads a weight ([Note: weight-gradient seeds] in
+      runtime/split_backward.py): the outputs' size of those nodes;
+    - the transient of the action: a forward's working set (its largest node output);
+      a backward's output gradient received, its input gradient made, the gradients'
+      first allocation beyond the activations it frees meanwhile (made node by node
+      as the saved tensors go), and the gradient flowing through the stage, counted
+      as its largest node output; under
+      --recompute the backward's second forward, which holds one microbatch's
+      activations again; on the last stage the loss's logits gradient.
+
+    The optimizer's step runs after the last action, with every gradient alive; its
+    temporaries are those of one parameter at a time (torch's per-parameter loop on the
+    CPU) and are counted as the largest parameter twice.  Not predicted: the memory an
+    operator uses inside itself, the allocator's fragmentation and caching on a GPU, and
+    what the loss function allocates beyond what it saves (see docs/memory.md).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+from runtime.schedule.actions import Action, Kind
+from runtime.schedule.registry import schedule_spec
+
+__all__ = ["StageBytes", "rank_peaks", "stage_shares"]
+
+
+@dataclass(frozen=True)
+class StageBytes:
+    """What one stage holds, in bytes ([Note: the memory walk]): `persistent` (parameters
+    and optimizer state), `gradients`, per microbatch in flight `held`, and the transient
+    of its backward (`backward`: output and input gradients, the second forward).  A
+    weight that an earlier stage of the same rank holds too (tied) is left out of the
+    later stage's `persistent` and `gradients`: the rank holds it once."""
+
+    persistent: int
+    gradients: int
+    held: int
+    backward: int
+    seeds: int = 0  # kept from a split backward's I to its W: [Note: weight-gradient seeds]
+    forward: int = 0  # the working set of a forward beyond what it keeps
+    #: whether I computes anything: the first stage, none of whose inputs needs a
+    #: gradient, has I do nothing and W run the whole backward ([Note: split backward])
+    splits: bool = True
+    sent_forward: int = 0  # what a forward sends, kept until the step waits on its sends
+    sent_backward: int = 0  # what a backward (I) sends back, likewise
+    ahead: int = 0  # receive buffers posted ahead of the action that needs them
+
+
+def rank_peaks(schedule: str, pp: int, microbatches: int, virtual_stages: int,
+               stages: Sequence[StageBytes], step_transient: int = 0) -> tuple[int, ...]:
+    """The peak bytes of each pipeline rank over one step and its optimizer step."""
+    spec = schedule_spec(schedule)
+    rows = spec.make(pp, microbatches, virtual_stages)
+    return tuple(_walk(row, stages, step_transient) for row in rows)
+
+
+def _walk(row: Sequence[Action], stages: Sequence[StageBytes], step_transient: int) -> int:
+    """One rank's peak: its row of compute actions walked in order."""
+    mine = sorted({a.stage for a in row})
+    base = sum(stages[k].persistent + stages[k].ahead for k in mine)
+    held, seeded = {k: 0 for k in mine}, {k: 0 for k in mine}
+    grads: set[int] = set()
+    peak = base
+    for a in row:
+        k = a.stage
+        now = (base + sum(stages[s].gradients for s in grads)
+               + sum(held[s] * stages[s].held + seeded[s] * stages[s].seeds for s in mine))
+        if a.kind == Kind.F:
+            held[k] += 1
+            base += stages[k].sent_forward
+            peak = max(peak, now + stages[k].held + stages[k].forward)
+        elif a.kind == Kind.I and not stages[k].splits:
+            continue
+        elif a.kind in (Kind.B, Kind.I, Kind.W):
+            whole = a.kind == Kind.B or not stages[k].splits
+            base += stages[k].sent_backward if a.kind != Kind.W else 0
+            fresh = stages[k].gradients if k not in grads and a.kind != Kind.I else 0
+            # the gradients are made as the microbatch's activations are freed, node by node
+            peak = max(peak, now + max(0, fresh - stages[k].held) + (stages[k].backward if a.kind != Kind.W or whole else 0))
+            if not whole:
+                seeded[k] += 1 if a.kind == Kind.I else -1
+            if a.kind != Kind.I:
+                grads.add(k)
+                held[k] -= 1
+    final = base + sum(stages[k].gradients for k in mine)  # the sends waited on after the optimizer step
+    return max(peak, final + step_transient)
+
+
+def stage_shares(peaks: Sequence[int], placement: Sequence[int], stages: Sequence[StageBytes]) -> list[int]:
+    """Each stage's part of its rank's peak, for the manifest's per-stage `memory_bytes`:
+    its own persistent bytes and gradients, and of the rest a part in proportion to what
+    it holds per microbatch; the parts of a rank's stages sum to the rank's peak."""
+    out = [0] * len(stages)
+    for r, peak in enumerate(peaks):
+        mine = [k for k, p in enumerate(placement) if p == r]
+        own = [stages[k].persistent + stages[k].gradients for k in mine]
+        rest, weight = peak - sum(own), sum(stages[k].held for k in mine) or 1
+        for k, mine_own in zip(mine, own):
+            out[k] = mine_own + rest * stages[k].held // weight
+        out[mine[-1]] += peak - sum(out[k] for k in mine)
+    return out

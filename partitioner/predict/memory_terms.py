@@ -1,0 +1,108 @@
+"""The terms of [Note: the memory walk] for each stage of a plan, from the traced graph
+and its node costs: what `partitioner.predict.memory.rank_peaks` walks."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.fx
+
+from ..cost.nodes import compute_nodes, storage_key
+from ..cost.saved import stage_saved_bytes
+from ..ir import NodeCost, Plan
+from ..trace.passes import get_attr
+from .memory import StageBytes, rank_peaks, stage_shares
+
+__all__ = ["plan_memory", "stage_bytes"]
+
+#: gradients alive at once in a backward, in units of the stage's largest node output
+#: ([Note: the memory walk] in memory.py)
+_FLOWING = 1
+#: a forward's working set beyond what it keeps, likewise
+_WORKING = 1
+
+
+def plan_memory(gm: torch.fx.GraphModule, plan: Plan, costs: dict[str, NodeCost], loss: NodeCost | None,
+                optimizer_factor: float, values: dict[torch.fx.Node, Any] | None = None) -> list[int]:
+    """Each stage's part of its rank's walked peak ([Note: the memory walk]); `values`
+    (one microbatch's value of every node) counts what each stage saves once per storage
+    ([Note: saved bytes per stage] in cost/saved.py) where they are this graph's, else the
+    nodes' own counts are summed."""
+    ran = values is not None and all(n in values for n in compute_nodes(gm))  # not a graph a tp split rewrote
+    saved = (stage_saved_bytes(gm, values, plan.stage_of(), plan.num_stages) if ran and values is not None
+             else [sum(costs[n].activation_bytes for n in s.nodes) for s in plan.stages])
+    stages = stage_bytes(gm, plan, costs, loss, optimizer_factor, saved)
+    peaks = rank_peaks(plan.schedule, plan.pp, plan.microbatches, plan.virtual_stages, stages,
+                       step_transient=2 * _largest_param(gm))
+    return stage_shares(peaks, [plan.rank_of(k) for k in range(plan.num_stages)], stages)
+
+
+def stage_bytes(gm: torch.fx.GraphModule, plan: Plan, costs: dict[str, NodeCost], loss: NodeCost | None,
+                optimizer_factor: float, saved_bytes: list[int]) -> list[StageBytes]:
+    """What each stage of `plan` holds ([Note: the memory walk]); `saved_bytes`: what each
+    keeps for backward per microbatch."""
+    params, buffers = _stage_params(gm, plan), _stage_buffers(gm, plan)
+    out_bytes = _output_bytes(gm, costs)
+    last = plan.num_stages - 1
+    result = []
+    for s in plan.stages:
+        weights = s.param_bytes - params[s.index]  # the plan's own bytes (tensor-parallel shards)
+        saved = saved_bytes[s.index]  # a received input a node saves among them
+        loss_saved = (out_bytes + (loss.activation_bytes if loss is not None else out_bytes)
+                      if s.index == last else 0)  # the model's output and what the loss saves
+        held = (s.recv_bytes if plan.recompute else saved) + loss_saved
+        largest = max((costs[n].output_bytes for n in s.nodes), default=0)
+        grad_in = s.send_bytes if s.index != last else 0  # the output gradient received
+        backward = grad_in + s.recv_bytes + _FLOWING * largest + (saved if plan.recompute else 0)
+        seeds = 0 if plan.recompute else sum(costs[n].output_bytes for n in s.nodes if costs[n].param_bytes)
+        result.append(StageBytes(round(weights * (1 + optimizer_factor)) + buffers[s.index], weights, held, backward, seeds,
+                                 _WORKING * largest, splits=s.index > 0, sent_forward=s.send_bytes,
+                                 sent_backward=s.recv_bytes, ahead=s.send_bytes + s.recv_bytes))
+    return result
+
+
+def _stage_params(gm: torch.fx.GraphModule, plan: Plan) -> list[int]:
+    """Per stage, the bytes of the parameters an earlier stage of the same rank reads too
+    (a tied weight, which the rank holds once), a tensor-parallel shard of them where the
+    plan shards the stage."""
+    stage_of = plan.stage_of()
+    per_stage: list[dict[int, int]] = [{} for _ in plan.stages]
+    for node in compute_nodes(gm):
+        for x in node.all_input_nodes:
+            t = get_attr(gm, str(x.target)) if x.op == "get_attr" else None
+            if isinstance(t, torch.nn.Parameter):
+                per_stage[stage_of[node.name]][storage_key(t)] = t.numel() * t.element_size()
+    seen: dict[int, set[int]] = {}
+    twice = []
+    for k, found in enumerate(per_stage):
+        rank = seen.setdefault(plan.rank_of(k), set())
+        twice.append(sum(n for key, n in found.items() if key in rank) // plan.tp)
+        rank.update(found)
+    return twice
+
+
+def _stage_buffers(gm: torch.fx.GraphModule, plan: Plan) -> list[int]:
+    """Per stage, the bytes of the buffers it reads (a causal mask, running statistics),
+    those an earlier stage of the same rank reads left out."""
+    stage_of, buffers = plan.stage_of(), {id(b) for b in gm.buffers()}
+    seen: dict[int, set[int]] = {}
+    out = [0] * plan.num_stages
+    for node in compute_nodes(gm):
+        for x in node.all_input_nodes:
+            t = get_attr(gm, str(x.target)) if x.op == "get_attr" else None
+            k = stage_of[node.name]
+            held = seen.setdefault(plan.rank_of(k), set())
+            if isinstance(t, torch.Tensor) and id(t) in buffers and id(t) not in held:
+                held.add(id(t))
+                out[k] += t.untyped_storage().nbytes()
+    return out
+
+
+def _output_bytes(gm: torch.fx.GraphModule, costs: dict[str, NodeCost]) -> int:
+    """The model's output per microbatch: the last stage's outputs (the logits)."""
+    return sum(costs[n.name].output_bytes for n in compute_nodes(gm) if any(u.op == "output" for u in n.users))
+
+
+def _largest_param(gm: torch.fx.GraphModule) -> int:
+    return max((p.numel() * p.element_size() for p in gm.parameters()), default=0)

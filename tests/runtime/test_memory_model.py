@@ -1,0 +1,114 @@
+"""The memory model against the measured peak of every rank ([Note: the memory walk] in
+partitioner/predict/memory.py, [Note: measured memory] in runtime/memory.py): each case
+is compiled (analytic costs), trained one tracked step on 2 or 4 gloo ranks
+(memory_checks.tracked_step), and each rank's `memory_stats().total` must be within 5% of
+its prediction.  Cases the model does not reach yet are strict xfails that name the
+measured/predicted ratios."""
+
+from __future__ import annotations
+
+import re
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from partitioner.predict.memory import StageBytes, rank_peaks
+
+from ..conftest import compile_example
+from .test_distributed import _ok, launch, multiproc
+
+ROOT = Path(__file__).resolve().parents[2]
+GPT = "examples/gpt.py"  # its lm_head is tied to the token embedding
+LLAMA = "tests/zoo/models/hf_llama.py"
+TOLERANCE = 0.05
+
+
+def _off(ratios: str) -> Any:
+    return pytest.mark.xfail(strict=True, reason=f"measured/predicted per rank {ratios}: not within 5% yet")
+
+
+CASES = [
+    pytest.param(GPT, {"schedule": "1f1b"}, 2, id="gpt-1f1b"),
+    pytest.param(GPT, {"schedule": "gpipe"}, 2, id="gpt-gpipe"),
+    pytest.param(GPT, {"schedule": "interleaved", "virtual_stages": 2}, 2, id="gpt-interleaved"),
+    pytest.param(GPT, {"schedule": "zb-h1"}, 2, id="gpt-zb-h1"),
+    pytest.param(GPT, {"schedule": "zb-h2"}, 2, id="gpt-zb-h2"),
+    pytest.param(GPT, {"schedule": "zb-v"}, 2, id="gpt-zb-v", marks=_off("1.00, 1.06")),
+    pytest.param(GPT, {"schedule": "1f1b", "recompute": "full"}, 2, id="gpt-recompute"),
+    pytest.param(GPT, {"schedule": "1f1b", "dp": 2, "zero": 1}, 4, id="gpt-pp2-dp2-zero1"),
+    pytest.param(GPT, {"schedule": "1f1b", "tp": 2, "stages": 1}, 2, id="gpt-tp2"),
+    pytest.param(GPT, {"schedule": "1f1b", "precision": "bf16-mixed"}, 2, id="gpt-bf16-mixed"),
+    pytest.param(LLAMA, {"schedule": "1f1b"}, 2, id="llama-1f1b"),
+    pytest.param(LLAMA, {"schedule": "zb-h1"}, 2, id="llama-zb-h1"),
+]
+
+
+def _measure(tmp_path: Path, model: str, options: dict[str, Any], ranks: int) -> list[float]:
+    """measured / predicted of each rank."""
+    compile_example(model, tmp_path / "pkg", **{"stages": 2, "microbatches": 4, **options})
+    local = tmp_path / Path(model).name
+    shutil.copy(ROOT / model, local)
+    if "zoo" in model:
+        shutil.copy(ROOT / "tests/zoo/models/zoo_hf.py", tmp_path / "zoo_hf.py")
+    found = launch(ranks, "peak", [tmp_path / "pkg"], local, deadline_s=180)
+    _ok(found)
+    peaks = [re.search(rf"^{r} peak (\d+) (\d+)$", rank.out, re.M) for r, rank in enumerate(found)]
+    assert all(peaks), [rank.out for rank in found]
+    return [int(m.group(1)) / int(m.group(2)) for m in peaks if m]
+
+
+@multiproc
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize(("model", "options", "ranks"), CASES)
+def test_each_rank_within_five_percent(tmp_path: Path, model: str, options: dict[str, Any], ranks: int) -> None:
+    ratios = _measure(tmp_path, model, options, ranks)
+    assert all(abs(r - 1) <= TOLERANCE for r in ratios), f"measured/predicted per rank: {ratios}"
+
+
+def test_gpipe_holds_no_gradient_during_its_forwards() -> None:
+    """GPipe's peak is at the end of its forwards: every microbatch held, no gradient yet;
+    1F1B's first rank holds two microbatches and then the gradients."""
+    stage = StageBytes(persistent=100, gradients=30, held=40, backward=0)
+    gpipe = rank_peaks("gpipe", 2, 4, 1, [stage, stage])
+    assert gpipe == (100 + 4 * 40, 100 + 4 * 40)
+    one = rank_peaks("1f1b", 2, 4, 1, [stage, stage])
+    assert one[0] == 100 + 30 + 2 * 40 and one[1] == 100 + 30 + 40
+
+
+def test_split_backward_keeps_seeds_until_w() -> None:
+    """zb-h1's last rank runs I0 then F1 before W0: microbatch 0's seeds are held then."""
+    stage = StageBytes(persistent=0, gradients=0, held=10, backward=0, seeds=1000)
+    peaks = rank_peaks("zb-h1", 2, 4, 1, [stage, stage])
+    assert peaks[1] >= 1000 + 2 * 10
+
+
+def test_tracking_frees_what_a_retained_graph_saved() -> None:
+    """A split backward's I runs with retain_graph=True; what the nodes W never runs saved
+    must still be freed with the graph while memory is tracked (the pack hook must not
+    hold an op's own output: [Note: measured memory] in runtime/memory.py)."""
+    import weakref
+
+    import torch
+
+    from runtime.memory import MemoryTracker
+
+    params: list[torch.nn.Parameter] = []
+
+    class Holder:
+        def parameters(self) -> list[torch.nn.Parameter]:
+            return params
+
+    holder = Holder()
+    tracker = MemoryTracker(holder.parameters)
+    tracker.on = True
+    freed: list[int] = []
+    with tracker.window():
+        x = torch.randn(64, 64, requires_grad=True)
+        y = torch.exp(x)  # saves its own output
+        weakref.finalize(y.untyped_storage(), freed.append, 1)
+        torch.autograd.grad(y.sum(), x, retain_graph=True)
+        del y
+    assert freed == [1]
