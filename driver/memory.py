@@ -11,15 +11,19 @@ from runtime.precision import autocast
 
 from .prepared import Prepared
 
-__all__ = ["rank_peaks"]
+__all__ = ["rank_peaks", "stage_parts"]
+
+
+def stage_parts(p: Prepared, plan: Plan) -> list[int]:
+    """Each stage's part of its rank's walked peak, counted under the compile's autocast,
+    as the manifest's `memory_bytes` are."""
+    with autocast(p.opts.precision, p.timer.device.type), kept_buffers(p.model):
+        return plan_memory(p.traced.gm, plan, p.costs, p.loss, p.problem.optimizer_factor, p.values)
 
 
 def rank_peaks(p: Prepared, plan: Plan) -> list[int]:
-    """The walked peak of each pipeline rank of `plan` (its stages' parts summed), counted
-    under the compile's autocast as the manifest's `memory_bytes` are."""
-    with autocast(p.opts.precision, p.timer.device.type), kept_buffers(p.model):
-        parts = plan_memory(p.traced.gm, plan, p.costs, p.loss, p.problem.optimizer_factor, p.values)
+    """The walked peak of each pipeline rank of `plan` (its stages' parts summed)."""
     peaks = [0] * plan.pp
-    for k, part in enumerate(parts):
+    for k, part in enumerate(stage_parts(p, plan)):
         peaks[plan.rank_of(k)] += part
     return peaks

@@ -6,12 +6,14 @@ offloading, recomputation) that the mesh search tries."""
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any, Callable
 
 from partitioner.errors import InfeasiblePlanError
-from partitioner.ir import PartitionProblem, Plan, SolverReport
-from partitioner.solve.offload import choose, offloaded_plan, saved_bytes
+from partitioner.ir import Plan, SolverReport
+from partitioner.solve.offload import offloaded_plan
 
+from .memory import rank_peaks, stage_parts
 from .options import AUTO, CompileOptions
 from .prepared import Prepared
 from .recompute import LEVELS
@@ -38,18 +40,35 @@ def solve_offloading(p: Prepared, solve: Solve) -> tuple[tuple[int, ...], Solver
 
 def offload(p: Prepared, plan: Plan) -> tuple[Plan, dict[str, Any]]:
     """`plan` with the stages' shares of `--offload`, and the `predicted` entry saying so."""
-    shares = choose(p.opts.offload, plan, p.problem, p.problem.memory_limit_bytes)
-    out = offloaded_plan(plan, p.problem, shares, p.hardware)
-    return out, offload_block(out, p.problem)
+    out = offloaded_plan(plan, p.problem, _shares(p, plan), p.hardware)
+    return out, offload_block(p, plan, out)
 
 
-def offload_block(plan: Plan, problem: PartitionProblem) -> dict[str, Any]:
+def _shares(p: Prepared, plan: Plan) -> tuple[float, ...]:
+    """Each stage's fraction offloaded (empty: none): `all` 1 everywhere; `auto`, per rank
+    the least that brings its walked peak under the limit ([Note: offloaded activations]),
+    so later ranks offload less (the solver's own bound may have found the split fitting
+    without offloading where the walk, which the manifest reports, does not)."""
+    limit, every = p.problem.memory_limit_bytes, (1.0,) * plan.num_stages
+    if p.opts.offload == "all":
+        return every
+    if p.opts.offload != "auto" or limit is None:
+        return ()
+    keep, away = rank_peaks(p, dataclasses.replace(plan, offload=())), rank_peaks(p, dataclasses.replace(plan, offload=every))
+    share = [min(1.0, math.ceil(100 * (k - limit) / (k - a)) / 100) if k > limit and k > a else 0.0
+             for k, a in zip(keep, away)]
+    out = tuple(share[plan.rank_of(k)] for k in range(plan.num_stages))
+    return out if any(out) else ()
+
+
+def offload_block(p: Prepared, before: Plan, after: Plan) -> dict[str, Any]:
     """The manifest's `predicted.offload`: per stage the share offloaded and the device
-    bytes it saves (nothing when no stage offloads)."""
-    if not plan.offload:
+    bytes it saves of its walked part (nothing when no stage offloads)."""
+    if not after.offload:
         return {}
-    return {"offload": [{"stage": s.index, "fraction": f, "saved_bytes": saved_bytes(problem, s.index, s.activation_bytes, f)}
-                        for s, f in zip(plan.stages, plan.offload)]}
+    saved = [a - b for a, b in zip(stage_parts(p, dataclasses.replace(before, offload=())), stage_parts(p, after))]
+    return {"offload": [{"stage": s.index, "fraction": f, "saved_bytes": saved[s.index]}
+                        for s, f in zip(after.stages, after.offload)]}
 
 
 def variants(opts: CompileOptions, zeros: tuple[int, ...]) -> list[tuple[int, str | None, bool]]:

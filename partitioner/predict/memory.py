@@ -13,8 +13,11 @@
       sets them to None between steps, so none is alive during gpipe's forwards);
     - per microbatch in flight on each stage (forward done, backward not yet: W for the
       split backward of zb-*), what the stage keeps for it: the tensors autograd saved
-      (only the stage's inputs under --recompute), the inputs it received or took from
-      the batch, the outputs it sent, and on the last stage the loss's own saved tensors;
+      (only the stage's inputs under --recompute full; those and the kept ops' outputs
+      under selective; with --offload, of the microbatches beyond the two resident, the
+      offloaded share lives on the host), the inputs
+      it received or took from the batch, the outputs it sent, and on the last stage the
+      loss's own saved tensors;
     - between a split backward's I and its W, the gradients I keeps for W at each
       node that reads a weight ([Note: weight-gradient seeds] in
       runtime/split_backward.py): the outputs' size of those nodes;
@@ -23,8 +26,9 @@
       first allocation beyond the activations it frees meanwhile (made node by node
       as the saved tensors go), and the gradient flowing through the stage, counted
       as its largest node output; under
-      --recompute the backward's second forward, which holds one microbatch's
-      activations again; on the last stage the loss's logits gradient.
+      --recompute the backward's second forward, which holds what the policy did not
+      keep of one microbatch's activations; on the last stage the loss's logits
+      gradient.
 
     The optimizer's step runs after the last action, with every gradient alive; its
     temporaries are those of one parameter at a time (torch's per-parameter loop on the
@@ -40,6 +44,8 @@ from typing import Sequence
 
 from runtime.schedule.actions import Action, Kind
 from runtime.schedule.registry import schedule_spec
+
+from ..ir import OFFLOAD_RESIDENT
 
 __all__ = ["StageBytes", "rank_peaks", "stage_shares"]
 
@@ -64,6 +70,9 @@ class StageBytes:
     sent_forward: int = 0  # what a forward sends, kept until the step waits on its sends
     sent_backward: int = 0  # what a backward (I) sends back, likewise
     ahead: int = 0  # receive buffers posted ahead of the action that needs them
+    #: of `held`, what lives on the host for each microbatch in flight beyond the
+    #: `OFFLOAD_RESIDENT` on the device ([Note: offloaded activations] in solve/offload.py)
+    offloaded: int = 0
 
 
 def rank_peaks(schedule: str, pp: int, microbatches: int, virtual_stages: int,
@@ -84,7 +93,7 @@ def _walk(row: Sequence[Action], stages: Sequence[StageBytes], step_transient: i
     for a in row:
         k = a.stage
         now = (base + sum(stages[s].gradients for s in grads)
-               + sum(held[s] * stages[s].held + seeded[s] * stages[s].seeds for s in mine))
+               + sum(_holding(stages[s], held[s]) + seeded[s] * stages[s].seeds for s in mine))
         if a.kind == Kind.F:
             held[k] += 1
             base += stages[k].sent_forward
@@ -104,6 +113,12 @@ def _walk(row: Sequence[Action], stages: Sequence[StageBytes], step_transient: i
                 held[k] -= 1
     final = base + sum(stages[k].gradients for k in mine)  # the sends waited on after the optimizer step
     return max(peak, final + step_transient)
+
+
+def _holding(stage: StageBytes, inflight: int) -> int:
+    """What a stage holds on the device for `inflight` microbatches: all of each, but what
+    it offloads of those beyond the resident ones."""
+    return inflight * stage.held - max(0, inflight - OFFLOAD_RESIDENT) * stage.offloaded
 
 
 def stage_shares(peaks: Sequence[int], placement: Sequence[int], stages: Sequence[StageBytes]) -> list[int]:

@@ -8,9 +8,9 @@ from typing import Any
 import torch
 import torch.fx
 
-from ..cost.nodes import compute_nodes, storage_key
+from ..cost.nodes import compute_nodes, selective_keeps, storage_key
 from ..cost.saved import stage_saved_bytes
-from ..ir import NodeCost, Plan
+from ..ir import NodeCost, Plan, StagePlan
 from ..trace.passes import get_attr
 from .memory import StageBytes, rank_peaks, stage_shares
 
@@ -44,22 +44,40 @@ def stage_bytes(gm: torch.fx.GraphModule, plan: Plan, costs: dict[str, NodeCost]
     keeps for backward per microbatch."""
     params, buffers = _stage_params(gm, plan), _stage_buffers(gm, plan)
     out_bytes = _output_bytes(gm, costs)
+    nodes = {n.name: n for n in gm.graph.nodes}
     last = plan.num_stages - 1
     result = []
     for s in plan.stages:
         weights = s.param_bytes - params[s.index]  # the plan's own bytes (tensor-parallel shards)
+        policy = plan.policy(s.index)
         saved = saved_bytes[s.index]  # a received input a node saves among them
+        kept = _kept(s, policy, saved, costs, nodes)
+        away = round(max(0, saved - s.recv_bytes) * plan.offload[s.index]) if plan.offload and policy is None else 0
         loss_saved = (out_bytes + (loss.activation_bytes if loss is not None else out_bytes)
                       if s.index == last else 0)  # the model's output and what the loss saves
-        held = (s.recv_bytes if plan.recompute else saved) + loss_saved
+        held = kept + loss_saved
         largest = max((costs[n].output_bytes for n in s.nodes), default=0)
         grad_in = s.send_bytes if s.index != last else 0  # the output gradient received
-        backward = grad_in + s.recv_bytes + _FLOWING * largest + (saved if plan.recompute else 0)
-        seeds = 0 if plan.recompute else sum(costs[n].output_bytes for n in s.nodes if costs[n].param_bytes)
+        backward = (grad_in + s.recv_bytes + _FLOWING * largest
+                    + (saved - kept + s.recv_bytes if policy else 0))  # the second forward: what it keeps not
+        seeds = 0 if policy else sum(costs[n].output_bytes for n in s.nodes if costs[n].param_bytes)
         result.append(StageBytes(round(weights * (1 + optimizer_factor)) + buffers[s.index], weights, held, backward, seeds,
-                                 _WORKING * largest, splits=s.index > 0, sent_forward=s.send_bytes,
-                                 sent_backward=s.recv_bytes, ahead=s.send_bytes + s.recv_bytes))
+                                 _WORKING * largest, splits=s.index > 0 and policy != "selective", offloaded=away,
+                                 sent_forward=s.send_bytes, sent_backward=s.recv_bytes, ahead=s.send_bytes + s.recv_bytes))
     return result
+
+
+def _kept(s: StagePlan, policy: str | None, saved: int, costs: dict[str, NodeCost],
+          nodes: dict[str, torch.fx.Node]) -> int:
+    """What stage `s` keeps per microbatch in flight under its recomputation policy: all it
+    saves (none), its inputs (full), or its inputs and the outputs of the ops selective
+    recomputation keeps, no more than it saves ([Note: recomputation policies] in
+    runtime/recompute.py)."""
+    if policy is None:
+        return saved
+    if policy == "full":
+        return s.recv_bytes
+    return min(saved, s.recv_bytes + sum(costs[n].output_bytes for n in s.nodes if selective_keeps(nodes[n])))
 
 
 def _stage_params(gm: torch.fx.GraphModule, plan: Plan) -> list[int]:

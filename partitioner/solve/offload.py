@@ -13,27 +13,23 @@
     link (`Hardware.host_bandwidth`): the copy out against the forward, the copy back
     against the backward; only what exceeds the compute it runs beside adds to the stage
     (`exposed_s`).  `auto` offloads only where the mesh does not fit otherwise: each
-    rank the least fraction that brings it under the memory limit, so the later ranks,
-    which hold fewer microbatches in flight, offload less (nothing where they fit).
+    rank the least fraction that brings its peak walked over the schedule ([Note: the
+    memory walk] in predict/memory.py, which counts the same resident microbatches)
+    under the memory limit (driver/offloading.py), so the later ranks, which hold fewer
+    microbatches in flight, offload less (nothing where they fit).
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import replace
 
 from ..cost.hardware import Hardware
 from ..cost.roofline import BACKWARD_FLOP_FACTOR
 from ..ir import PartitionProblem, Plan, StagePlan
 
-__all__ = ["POLICIES", "choose", "exposed_s", "offloaded_plan", "saved_bytes"]
+__all__ = ["POLICIES", "exposed_s", "offloaded_plan"]
 
 POLICIES = ("auto", "none", "all")
-
-
-def saved_bytes(problem: PartitionProblem, stage: int, activation_bytes: int, fraction: float) -> int:
-    """The device bytes stage `stage` saves by offloading `fraction` of its activations."""
-    return round(fraction * activation_bytes * (problem.inflight(stage) - _resident(problem, stage)))
 
 
 def _resident(problem: PartitionProblem, stage: int) -> int:
@@ -47,25 +43,6 @@ def exposed_s(activation_bytes: int, fraction: float, forward_s: float, backward
     part of each copy longer than the compute beside it ([Note: offloaded activations])."""
     copy = fraction * activation_bytes / hardware.host_bandwidth
     return max(0.0, copy - forward_s), max(0.0, copy - backward_s)
-
-
-def choose(policy: str, plan: Plan, problem: PartitionProblem, limit: int | None) -> tuple[float, ...]:
-    """Each stage's fraction offloaded under `policy` (empty: none): `all` 1 everywhere,
-    `auto`, where `problem` was posed with offloading, per rank the least that fits."""
-    if policy == "all":
-        return (1.0,) * plan.num_stages
-    if policy != "auto" or not problem.offload or problem.recompute or limit is None:
-        return ()
-    spare = [saved_bytes(problem, s.index, s.activation_bytes, 1.0) for s in plan.stages]
-    out = [0.0] * plan.num_stages
-    for r in range(problem.ranks):
-        mine = [s.index for s in plan.stages if plan.rank_of(s.index) == r]
-        most = sum(spare[k] for k in mine)  # what offloading all of this rank's saves
-        need = sum(plan.stages[k].memory_bytes for k in mine) + most - limit
-        share = min(1.0, math.ceil(100 * need / most) / 100) if need > 0 and most > 0 else 0.0
-        for k in mine:
-            out[k] = share
-    return tuple(out) if any(out) else ()
 
 
 def offloaded_plan(plan: Plan, problem: PartitionProblem, fractions: tuple[float, ...], hardware: Hardware) -> Plan:
