@@ -9,13 +9,14 @@ import pytest
 import torch
 
 import runtime
-from driver import search
+from driver import ranking, search
 from driver.cli import main
 from partitioner.trace import model_file
 from runtime.manifest import read_manifest
 from driver.options import CompileOptions
 from partitioner.cost.hardware import load_hardware
 from partitioner.errors import PlanError
+from partitioner.solve.solve import is_chain
 from driver.search import _meshes, _tp_limit
 
 from ..conftest import compile_example
@@ -107,38 +108,52 @@ def test_the_search_recomputes_activations_when_nothing_else_fits(tmp_path: Path
     assert max(s.memory_bytes for s in manifest.predicted.stages) <= 490_000
 
 
-@pytest.mark.slow
-def test_pruned_simulation_keeps_the_exhaustive_ranking(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def _unpruned(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Neither bound prunes: every candidate is solved and simulated."""
+    monkeypatch.setattr(search, "bound", lambda *_a: 0.0)
+    monkeypatch.setattr(search, "floor", lambda *_a: 0.0)
+
+
+@pytest.mark.parametrize("schedule", ["auto", "1f1b"])
+def test_pruning_never_drops_the_best_mesh(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, schedule: str) -> None:
     # both compiles pose the same problems: each is solved once (test_solve checks that solving is deterministic)
     solved: dict[Any, Any] = {}
     real = search.solve
     monkeypatch.setattr(search, "solve", lambda problem, **kw: solved[problem] if problem in solved
                         else solved.setdefault(problem, real(problem, **kw)))
-    pruned = compile_example("tests/model_files/gpt_wide.py", tmp_path / "a", devices=8, stages=None, hardware="h100")
-    monkeypatch.setattr(search, "_bound", lambda *_a: 0.0)  # nothing skipped
-    full = compile_example("tests/model_files/gpt_wide.py", tmp_path / "b", devices=8, stages=None, hardware="h100")
-    assert pruned.manifest.predicted.extra["candidates"] == full.manifest.predicted.extra["candidates"]
+    sims: list[int] = []
+    real_sim = ranking.simulated
+    monkeypatch.setattr(ranking, "simulated", lambda *a: sims.append(1) or real_sim(*a))
+    options = dict(devices=4, stages=None, tp=1, hardware="h100", schedule=schedule)
+    pruned = compile_example("examples/gpt.py", tmp_path / "a", **options).manifest.predicted.extra["candidates"]
+    simulated_pruned = len(sims)
+    _unpruned(monkeypatch)
+    full = compile_example("examples/gpt.py", tmp_path / "b", **options).manifest.predicted.extra["candidates"]
+    assert pruned[0] == full[0]
+    assert simulated_pruned < len(sims), "the bounds skip some candidates"
+    assert [c["step_time_s"] for c in pruned] == sorted(c["step_time_s"] for c in pruned)
 
 
 @pytest.mark.slow
-def test_the_bound_is_below_every_simulated_step(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    seen: list[tuple[float, float]] = []
-    real = search.simulate_plan
+def test_the_bounds_are_below_every_simulated_step(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    seen: list[tuple[float, float, float]] = []
+    real = ranking.simulated
 
-    def check(gm: Any, plan: Any, costs: Any, hardware: Any, loss: Any = None) -> Any:
-        sim = real(gm, plan, costs, hardware, loss)
-        seen.append((sim.step_time_s, plan.microbatches))
-        return sim
+    def check(item: Any, devices: int) -> Any:
+        cand = real(item, devices)
+        problem = item.prepared.problem
+        seen.append((ranking.bound(item.prepared, item.assignment, item.plan),
+                     ranking.floor(problem, is_chain(problem)), cand.step_time_s))
+        return cand
 
-    bounds: list[float] = []
-    real_bound = search._bound
-    monkeypatch.setattr(search, "_bound", lambda *a: bounds.append(real_bound(*a)) or 0.0)
-    monkeypatch.setattr(search, "simulate_plan", check)
+    _unpruned(monkeypatch)
+    monkeypatch.setattr(ranking, "simulated", check)
     for schedule, devices in (("1f1b", 4), ("gpipe", 2), ("interleaved", 2), ("auto", 2)):  # auto: zb-* too
         compile_example("examples/gpt.py", tmp_path / schedule, devices=devices, stages=None, hardware="h100",
                         schedule=schedule)
-    assert len(seen) == len(bounds) > 10
-    assert all(b <= step for b, (step, _) in zip(bounds, seen))
+    assert len(seen) > 10
+    assert all(b <= step and f <= step for b, f, step in seen)
+    assert any(f > b for b, f, _ in seen), "the floor of fill and drain is sometimes the higher"
 
 
 def test_auto_schedule_keeps_the_fastest_predicted_schedule(tmp_path: Path) -> None:
