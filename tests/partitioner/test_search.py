@@ -187,3 +187,18 @@ def test_auto_is_the_default_schedule_with_devices_and_1f1b_without(tmp_path: Pa
 def test_auto_schedule_needs_devices(tmp_path: Path) -> None:
     with pytest.raises(PlanError, match="--schedule auto chooses the schedule while searching"):
         compile_example("examples/mlp.py", tmp_path / "pkg", stages=2, schedule="auto")
+
+
+def test_the_published_megatron_meshes_are_candidates() -> None:
+    """Every row of Megatron-LM's table (benchmarks/published.py): its mesh, one row per
+    microbatch and its schedule are among what `--devices` searches, so the search is never
+    predicted slower than the published configuration."""
+    from benchmarks.published import ROWS
+    from driver.search import _interleaved, _schedules
+
+    for row in ROWS:
+        opts = CompileOptions(model="m.py", out="o", devices=row.gpus)
+        dp = row.gpus // (row.tp * row.pp)
+        mesh = (row.pp, row.tp, dp, row.batch // dp)
+        assert mesh in _meshes(row.gpus, row.batch, opts, tp_limit=8), row
+        assert row.schedule in _schedules(opts.schedule, row.pp) + _interleaved(opts, row.pp, mesh[3], 1), row
