@@ -38,7 +38,8 @@ def test_a_given_tp_or_stage_count_narrows_the_search() -> None:
     assert {(pp, tp, dp) for pp, tp, dp, _ in meshes} == {(2, 1, 4), (2, 2, 2), (2, 4, 1)}
 
 
-def test_search_over_tp_keeps_the_fastest_predicted_mesh(tmp_path: Path) -> None:
+def test_search_over_tp_keeps_the_fastest_predicted_mesh(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    _unpruned(monkeypatch)  # every mesh simulated: the tp ones lose, and are shown
     compiled = compile_example("tests/model_files/gpt_wide.py", tmp_path / "pkg", devices=4, stages=None)
     manifest = compiled.manifest
     candidates = manifest.predicted.extra["candidates"]
