@@ -7,8 +7,11 @@ one `python -m partitioner compile benchmarks/models/megatron_gpt.py --analytic 
 a100 --memory 80GiB --precision bf16 --recompute` run as its own process with the row's
 mesh, schedule and batch (interleaved rows with their stages per rank searched), and its
 TFLOP/s per GPU counted as the paper counts them, 96 B s l h^2 (1 + s/6h + V/16lh) per step.
+Then the planner's own search for the same GPUs and batch (`--devices`, the mesh, schedule,
+microbatches and recomputation its choice): its predicted speedup over the published step,
+its plan, its peak memory per rank and the search's wall time.
 
-    python -m benchmarks.published [--rows 0,1,6] [--no-docs]
+    python -m benchmarks.published [--rows 0,1,6] [--no-search] [--no-docs]
 """
 
 from __future__ import annotations
@@ -25,7 +28,8 @@ from .common import compile_process, rank_peak_bytes, save, table, update_docs
 
 MODEL = "benchmarks/models/megatron_gpt.py"
 SEQ, VOCAB, GIB = 2048, 51200, 1 << 30
-OPTIONS = ["--analytic", "--meta", "--hardware", "a100", "--memory", "80GiB", "--precision", "bf16", "--recompute", "--quiet"]
+COMMON = ["--analytic", "--meta", "--hardware", "a100", "--memory", "80GiB", "--precision", "bf16", "--quiet"]
+OPTIONS = [*COMMON, "--recompute"]
 
 
 class Row(NamedTuple):
@@ -66,16 +70,36 @@ def plan(row: Row, out: Path) -> dict[str, Any]:
     dp = row.gpus // (row.tp * row.pp)
     mesh = ["--stages", str(row.pp), "--tp", str(row.tp), "--dp", str(dp), "--microbatches", str(row.batch // dp),
             "--schedule", row.schedule]
-    env = dict(MEG_H=str(row.hidden), MEG_L=str(row.layers), MEG_HEADS=str(row.heads), MEG_B=str(row.batch),
-               MEG_SEQ=str(SEQ), MEG_VOCAB=str(VOCAB))
-    m, wall, _ = compile_process(MODEL, out, [*mesh, *OPTIONS], env)
+    m, wall, _ = compile_process(MODEL, out, [*mesh, *OPTIONS], _env(row))
     assert m.predicted is not None
     peak = rank_peak_bytes(m)
     predicted = step_flops(row) / (m.predicted.step_time_s * row.gpus) / 1e12
-    return {"params": row.params, "mesh": f"{row.tp} x {row.pp} x {dp}",
-            "schedule": m.schedule + (f" x{m.virtual_stages}" if m.virtual_stages > 1 else ""),
+    return {"params": row.params, "mesh": f"{row.tp} x {row.pp} x {dp}", "schedule": _schedule(m),
             "predicted_tflops": predicted, "published_tflops": row.published_tflops,
-            "ratio": predicted / row.published_tflops, "peak_gib": peak / GIB, "compile_s": wall}
+            "ratio": predicted / row.published_tflops, "peak_gib": peak / GIB, "compile_s": wall,
+            "step_s": m.predicted.step_time_s}
+
+
+def search(row: Row, out: Path) -> dict[str, Any]:
+    """The planner's own search for the row's GPUs and batch, in its own process."""
+    m, wall, _ = compile_process(MODEL, out, ["--devices", str(row.gpus), *COMMON], _env(row))
+    assert m.predicted is not None
+    published_step = step_flops(row) / (row.published_tflops * 1e12 * row.gpus)
+    return {"search_mesh": f"{m.mesh.tp} x {m.mesh.pp} x {m.mesh.dp}", "search_schedule": _schedule(m),
+            "search_microbatches": m.microbatches, "search_recompute": any(s.recompute for s in m.stages),
+            "search_step_s": m.predicted.step_time_s, "speedup": published_step / m.predicted.step_time_s,
+            "search_peak_gib": rank_peak_bytes(m) / GIB, "search_s": wall}
+
+
+def _env(row: Row) -> dict[str, str]:
+    """The model file's size for `row`."""
+    return dict(MEG_H=str(row.hidden), MEG_L=str(row.layers), MEG_HEADS=str(row.heads), MEG_B=str(row.batch),
+                MEG_SEQ=str(SEQ), MEG_VOCAB=str(VOCAB))
+
+
+def _schedule(m: Any) -> str:
+    """A manifest's schedule, with its stages per rank where it runs several."""
+    return m.schedule + (f" x{m.virtual_stages}" if m.virtual_stages > 1 and m.schedule == "interleaved" else "")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -83,17 +107,25 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rows", default=",".join(str(k) for k in range(len(ROWS))),
                         help="the table's rows to plan, e.g. 0,1,6 (default: all ten)")
     parser.add_argument("--no-docs", dest="no_docs", action="store_true", help="do not rewrite docs/benchmarks.md")
+    parser.add_argument("--no-search", dest="no_search", action="store_true", help="plan Megatron-LM's meshes only")
     ns = parser.parse_args(argv)
     rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory() as tmp:
         for k in (int(x) for x in ns.rows.split(",")):
             rows.append({"row": k, **plan(ROWS[k], Path(tmp) / f"row{k}")})
-            print(f"row {k}: {rows[-1]['compile_s']:.1f} s", file=sys.stderr, flush=True)
+            if not ns.no_search:
+                rows[-1].update(search(ROWS[k], Path(tmp) / f"search{k}"))
+            print(f"row {k}: compile {rows[-1]['compile_s']:.1f} s, search {rows[-1].get('search_s', 0):.1f} s",
+                  file=sys.stderr, flush=True)
     text = table(rows, ["row", "params", "mesh", "schedule", "predicted_tflops", "published_tflops", "ratio",
                         "peak_gib", "compile_s"])
+    if not ns.no_search:
+        text += "\n\n" + table(rows, ["row", "params", "search_mesh", "search_schedule", "search_microbatches",
+                                      "search_recompute", "speedup", "search_peak_gib", "search_s"])
     text += (f"\n\nmesh = tp x pp x dp, Megatron-LM's (SC'21, table 1); TFLOP/s per GPU as the paper counts them; "
-             f"predicted from the analytic a100 profile with `{' '.join(OPTIONS[:-1])}`; compile_s is one run on "
-             f"{os.cpu_count()} shared CPUs.")
+             f"predicted from the analytic a100 profile with `{' '.join(OPTIONS)}` (less --quiet); compile_s is one "
+             f"run on {os.cpu_count()} shared CPUs.  The second table: `--devices` = the row's GPUs, same batch; "
+             f"speedup = the published step over the search's predicted step; search_s its wall time.")
     print(text)
     save("published", rows, model=MODEL, hardware="a100", memory_gib=80)
     if not ns.no_docs:

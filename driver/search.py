@@ -8,24 +8,33 @@
     2. prepare:  the model is built once, traced and costed once per microbatch shape,
                  split for tensor parallelism once per (shape, tp) and coarsened once
                  per split (`_Shapes`);
-    3. solve:    each candidate's problem is posed and solved; one that does not fit
-                 memory (the solver's bound, then the peak walked over the schedule:
-                 driver/memory.py) is solved again with ZeRO-1 (where dp > 1 and --zero
-                 was not given), with offloading (--offload auto) and with selective,
-                 then full recomputation (--recompute auto), then with several: every
-                 cheapest variant that fits is a candidate (`offloading.variants`);
-    4. simulate: candidates in order of a lower bound on their step, until the bound
-                 passes the SHOWN-th best step found ([Note: the search's bounds]);
+    3. solve:    each candidate's partition problem is posed and solved, in order of a
+                 floor under its step; one that does not fit memory (the solver's
+                 bound, then the peak walked over the schedule: driver/memory.py) is
+                 solved again with ZeRO-1 (where dp > 1 and --zero was not given), with
+                 offloading (--offload auto) and with selective, then full recomputation
+                 (--recompute auto), then with several: every cheapest variant that fits
+                 is a candidate (`offloading.variants`).  Solved by the exact DPs over
+                 contiguous plans alone (`_solve_one`);
+    4. simulate: each solved candidate, unless its bound shows it cannot be among the
+                 SHOWN fastest ([Note: the search's bounds]);
     5. emit the best; the best SHOWN are recorded in the manifest for `show`.
 
 [Note: the search's bounds]
-    Every candidate is solved (the DPs make that cheap), then simulated in order of a
-    lower bound on its step (`_bound`: the busiest rank's compute, fill and drain) until
-    the bound passes the SHOWN-th best step found: the SHOWN fastest are those simulating
-    every candidate would rank.  Bars on stderr show the candidates solved and simulated.
+    Two lower bounds on the simulated step prune the search (driver/ranking.py): `floor`,
+    known once a candidate is posed (every microbatch's compute spread evenly over the
+    ranks), and `bound`, once it is solved (the busiest rank's compute, pipeline fill and
+    drain).  Candidates are taken in order of floor; one whose floor passes the SHOWN-th
+    best step simulated so far is skipped unsolved, a solved one whose bound passes it is
+    not simulated.  Neither bound exceeds a step, so the SHOWN fastest are those that
+    solving and simulating every candidate would rank.  A bar on stderr shows the
+    candidates done of their total, the time left, and the best so far.
 
-With `--schedule auto` every mesh is also tried under each schedule of AUTO_SCHEDULES (the
-zero-bubble ones only with 2 stages or more), each with its own memory: the fastest that fits wins.
+With `--schedule auto` every mesh is also tried under each schedule of AUTO_SCHEDULES
+(the zero-bubble ones only with 2 stages or more), each posed with its own memory (ZB-H2
+holds twice the microbatches; ZB-V splits the model in two stages per rank), and under
+interleaved 1F1B where a microbatch is one row (`_interleaved`), so the fastest predicted
+schedule that fits wins.
 """
 
 from __future__ import annotations
@@ -33,69 +42,33 @@ from __future__ import annotations
 import dataclasses
 import math
 import sys
-from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 from runtime.schedule import registry
 
 from partitioner.cost.hardware import Hardware, load_hardware
-from partitioner.cost.roofline import BACKWARD_FLOP_FACTOR, mfu
 from partitioner.errors import InfeasiblePlanError, PlanError
-from partitioner.ir import Plan, SolverReport
-from partitioner.predict.predict import mfu_peak, simulate_plan
+from partitioner.ir import PartitionProblem, SolverReport
 from partitioner.solve.problem import coarse_graph, pose
 from partitioner.solve.model import interleaved
-from partitioner.solve.solve import solve
+from partitioner.solve.solve import even_split, is_chain, objective, solve
 from partitioner.trace.checkpointing import describe
 
+from . import offloading
 from .memory import rank_peaks
 from .options import AUTO, CompileOptions, mesh_of, stages_per_rank
-from . import offloading
-from .package_info import model_flops
-from .phases import apply_tp, choose_split, finish, load_source, prepare
+from .phases import apply_tp, finish, load_source, prepare, virtual_counts
 from .prepared import Compiled, Prepared, Source
+from .ranking import SHOWN, Candidate, Ranking, Solved, bound, floor
 from .recompute import LEVELS, planned, with_policy
 
 __all__ = ["Candidate", "search"]
 
-SHOWN = 5
 #: what `--schedule auto` tries: the registry's schedules marked `auto` (interleaved is left
 #: out: its stage count is its own choice); zb-v splits the model in 2 stages per rank, each
 #: rank's two held to its memory together
 AUTO_SCHEDULES = registry.AUTO_SCHEDULES
-#: a bound this close to a step time still gets simulated (float sums in another order)
-_BOUND_SLACK = 1e-9
-
-
-@dataclass(frozen=True)
-class Candidate:
-    """One mesh and microbatch count, and what the simulator predicts for it."""
-
-    pp: int
-    dp: int
-    tp: int
-    microbatches: int
-    step_time_s: float = float("inf")
-    memory_bytes: int = 0
-    mfu: float = 0.0
-    fits: bool = True
-    note: str = ""
-    recompute: str | None = None  # the uniform policy solved ([Note: recomputation chosen per rank])
-    schedule: str = ""
-    zero: int = 0
-    offload: bool = False  # activations offloaded where the mesh binds ([Note: offloaded activations])
-
-
-@dataclass
-class _Solved:
-    """A candidate solved but not yet simulated."""
-
-    cand: Candidate
-    prepared: Prepared
-    assignment: tuple[int, ...]
-    report: SolverReport
-    plan: Plan
-    bound_s: float
+INTERLEAVED = "interleaved"
 
 
 def search(opts: CompileOptions, say: Callable[[str], None], source: Source | None = None) -> Compiled:
@@ -108,29 +81,18 @@ def search(opts: CompileOptions, say: Callable[[str], None], source: Source | No
         raise PlanError(f"no mesh stages x tp x dp = {opts.devices} devices suits the options and a batch of "
                         f"{source.batch} rows: change --devices, or drop --stages/--tp/--dp to let the search choose.")
     say(f"searching {len(meshes)} meshes of {opts.devices} devices (stages x tp x dp, microbatches)")
-    shapes = _Shapes(source)
-    posed = _posed(meshes, opts, shapes, source.batch)
-    failed: list[Candidate] = []
-    solved: list[_Solved] = []
-    with _progress(opts, len(posed), "solving") as bar:
-        for sub, base, pp, m in posed:
-            found = _solve(base, sub, pp, m, _zeros(opts, sub.dp))
-            if isinstance(found, Candidate):
-                failed.append(found)
-            elif found is not None:
-                solved.extend(found)
-            bar.update(1)
-    ranking = _Ranking(opts.devices, say)
-    with _progress(opts, len(solved), "simulating") as bar:
-        ranking.add(solved, bar)  # [Note: the search's bounds]
+    posed = sorted(_posed(meshes, opts, _Shapes(source), source.batch), key=_order)
+    ranking = Ranking(opts.devices, say)
+    failed = _rank(posed, opts, ranking)
     if ranking.skipped:
         say(f"  {ranking.skipped} candidates skipped: a lower bound on their step (the busiest rank's compute, "
-            f"pipeline fill and drain) exceeds the {SHOWN}th best")
+            f"pipeline fill and drain) exceeds the best step found")
     ranked = ranking.ranked
     if not ranked:
         raise InfeasiblePlanError(_nothing_fits(opts, failed))
     best, win = ranked[0]
-    say(f"best mesh: pp={best.pp} tp={best.tp} dp={best.dp}, {best.microbatches} microbatches, {best.schedule}"
+    virtual = f" x{best.virtual_stages}" if best.schedule == "interleaved" else ""
+    say(f"best mesh: pp={best.pp} tp={best.tp} dp={best.dp}, {best.microbatches} microbatches, {best.schedule}{virtual}"
         + (f", recomputation {best.recompute}" if best.recompute else "") + (", ZeRO-1" if best.zero else "")
         + (", activations offloaded" if best.offload else ""))
     _say_checkpointing(win.prepared.traced.checkpointed, bool(best.recompute), say)
@@ -138,20 +100,71 @@ def search(opts: CompileOptions, say: Callable[[str], None], source: Source | No
     return finish(win.prepared, win.assignment, win.report, extra={"candidates": shown})
 
 
+class _Posed(NamedTuple):
+    """One mesh, microbatch count and schedule to solve, and a floor under its step."""
+
+    opts: CompileOptions
+    base: Prepared
+    pp: int
+    microbatches: int
+    floor_s: float
+
+
 def _posed(meshes: list[tuple[int, int, int, int]], opts: CompileOptions, shapes: "_Shapes", batch: int
-           ) -> list[tuple[CompileOptions, Prepared, int, int]]:
-    """(options, split model, pp, microbatches) of every mesh and schedule to solve; a tp
-    degree that splits nothing is left out."""
+           ) -> list[_Posed]:
+    """Every mesh and schedule to solve, each with `floor` of its problem; a tp degree that
+    splits nothing is left out."""
     out = []
     for pp, tp, dp, m in meshes:
-        for schedule in _schedules(opts.schedule, pp):
+        for schedule in _schedules(opts.schedule, pp) + _interleaved(opts, pp, m, batch // (m * dp)):
             sub = dataclasses.replace(opts, devices=None, stages=pp, tp=tp, dp=dp, microbatches=m, quiet=True,
                                       schedule=schedule)
             base = shapes.split(sub, batch // (m * dp), tp)
             if base is None:
                 break  # the solver split nothing: tp ranks would only repeat each other's work
-            out.append((sub, base, pp, m))
+            for v in _virtual(sub, pp, base):
+                each = dataclasses.replace(sub, virtual_stages=v) if v else sub
+                out.append(_Posed(each, base, pp, m, _floor(_repose(base, each, pp, m).problem)))
     return out
+
+
+def _virtual(opts: CompileOptions, pp: int, base: Prepared) -> tuple[int | None, ...]:
+    """The stages per rank to pose: under interleaved 1F1B each count `virtual_counts` tries
+    (the layers per stage a consequence of the split), else the schedule's own (None)."""
+    if registry.schedule_spec(opts.schedule).stages_per_rank is not None:
+        return (None,)
+    assert base.coarse is not None
+    return virtual_counts(opts.virtual_stages, pp, len(base.coarse.blocks))
+
+
+def _floor(problem: PartitionProblem) -> float:
+    return floor(problem, is_chain(problem))
+
+
+def _order(item: "_Posed") -> float:
+    """The order candidates are tried in: the floor, times a 1F1B bubble of (pp - 1) / (M v),
+    so that a good step is found early and prunes the rest (any order ranks the same)."""
+    v = item.opts.virtual_stages or 1
+    return item.floor_s * (1 + (item.pp - 1) / (item.microbatches * v))
+
+
+def _rank(posed: list[_Posed], opts: CompileOptions, ranking: Ranking) -> list[Candidate]:
+    """Solve and simulate each of `posed` (in order of floor) that may be among the SHOWN
+    fastest into `ranking` ([Note: the search's bounds]); the candidates that fit nowhere."""
+    failed: list[Candidate] = []
+    with _progress(opts, len(posed), "meshes") as bar:
+        for item in posed:
+            bar.update(1)
+            if ranking.beaten(item.floor_s):
+                ranking.skipped += 1
+                continue
+            found = _solve(item.base, item.opts, item.pp, item.microbatches, _zeros(opts, item.opts.dp))
+            if isinstance(found, Candidate):
+                failed.append(found)
+            elif found is not None:
+                ranking.add(found)
+            bar.set_postfix_str(ranking.best_text(), refresh=False)
+    return failed
 
 
 def _progress(opts: CompileOptions, total: int, doing: str) -> Any:
@@ -212,6 +225,15 @@ def _schedules(schedule: str, pp: int) -> tuple[str, ...]:
     if schedule != AUTO:
         return (schedule,)
     return tuple(s for s in AUTO_SCHEDULES if pp > 1 or not registry.schedule_spec(s).splits_backward)
+
+
+def _interleaved(opts: CompileOptions, pp: int, microbatches: int, rows: int) -> tuple[str, ...]:
+    """Interleaved 1F1B under auto, its stages per rank searched (`solve_interleaved`): where
+    there is a pipeline, one row per microbatch (Megatron-LM's recipe, microbatch 1) and
+    the microbatches a multiple of the ranks; left out elsewhere to keep the search short."""
+    spec = registry.schedule_spec(INTERLEAVED)
+    wanted = opts.schedule == AUTO and pp > 1 and rows == 1 and microbatches % spec.microbatch_multiple(pp) == 0
+    return (INTERLEAVED,) if wanted else ()
 
 
 def _microbatch_multiple(schedule: str, pp: int) -> int:
@@ -275,10 +297,10 @@ def _split(base: Prepared, opts: CompileOptions, tp: int) -> Prepared | None:
 
 
 def _solve(base: Prepared, opts: CompileOptions, pp: int, microbatches: int,
-           zeros: tuple[int, ...]) -> list[_Solved] | Candidate | None:
+           zeros: tuple[int, ...]) -> list[Solved] | Candidate | None:
     """The candidate solved in each cheapest variant that fits (`offloading.variants`); a Candidate
     that fits in none; None when the stage count cannot be filled."""
-    found: list[_Solved] = []
+    found: list[Solved] = []
     note = ""
     for zero, recompute, offload in offloading.variants(opts, zeros):
         if any(f.cand.zero <= zero and LEVELS.index(f.cand.recompute) <= LEVELS.index(recompute)
@@ -287,23 +309,48 @@ def _solve(base: Prepared, opts: CompileOptions, pp: int, microbatches: int,
         sub = dataclasses.replace(opts, zero=zero)
         prepared = with_policy(_repose(base, sub, pp, microbatches, offload), recompute)
         try:
-            assignment, report = solve(prepared.problem, time_limit_s=min(sub.time_limit, 5.0), explain=False)
+            assignment, report = _solve_one(prepared)
         except InfeasiblePlanError as exc:
             note = note or str(exc)
             continue
         except PlanError:
             return None
-        if interleaved(prepared.problem):  # [Note: splits chosen by the simulator]
-            _, assignment, report = choose_split(prepared, assignment, report)
-        plan = planned(prepared, assignment, report)  # [Note: recomputation chosen per rank]
-        plan = offloading.offload(prepared, plan)[0]  # the copies' time, for the simulator
-        peak = max(rank_peaks(prepared, plan))  # walked over the schedule, as the manifest says
-        if peak > (prepared.problem.memory_limit_bytes or peak):  # the solver's bound fits, the walk does not
-            continue
-        cand = Candidate(pp, opts.dp, opts.tp or 1, microbatches, memory_bytes=peak,
-                         recompute=recompute, schedule=opts.schedule, zero=plan.zero, offload=bool(plan.offload))
-        found.append(_Solved(cand, prepared, assignment, report, plan, _bound(prepared, assignment, plan)))
+        for split in _splits(prepared, assignment):  # [Note: splits chosen by the simulator]
+            solved = _solved(prepared, split, report)
+            found += [solved] if solved else []
     return found or Candidate(pp, opts.dp, opts.tp or 1, microbatches, fits=False, note=note, schedule=opts.schedule)
+
+
+def _splits(p: Prepared, assignment: tuple[int, ...]) -> list[tuple[int, ...]]:
+    """The solver's split, and under interleaved 1F1B also the even one where it fits, each
+    then simulated unless its bound is beaten ([Note: splits chosen by the simulator])."""
+    if not interleaved(p.problem):
+        return [assignment]
+    even = even_split(p.problem)
+    return [assignment] + ([even] if even != assignment and math.isfinite(objective(p.problem, even)) else [])
+
+
+def _solved(p: Prepared, assignment: tuple[int, ...], report: SolverReport) -> Solved | None:
+    """A candidate of `p` solved into `assignment`, with its memory and its bound; None
+    where the solver's bound fits the memory but the peak walked over the schedule, which
+    the manifest reports, does not."""
+    plan = planned(p, assignment, report)  # [Note: recomputation chosen per rank]
+    plan = offloading.offload(p, plan)[0]  # the copies' time, for the simulator
+    peak = max(rank_peaks(p, plan))
+    if peak > (p.problem.memory_limit_bytes or peak):
+        return None
+    cand = Candidate(p.mesh.pp, p.opts.dp, p.opts.tp or 1, p.mesh.microbatches, memory_bytes=peak,
+                     recompute=p.problem.policy, schedule=p.opts.schedule, zero=plan.zero,
+                     virtual_stages=p.mesh.virtual_stages, offload=bool(plan.offload))
+    return Solved(cand, p, assignment, report, plan, bound(p, assignment, plan))
+
+
+def _solve_one(p: Prepared) -> tuple[tuple[int, ...], SolverReport]:
+    """`p`'s problem solved by the exact DPs over contiguous plans alone (on a chain they
+    are every plan): CP-SAT, which may refine a plan of a graph that is not a chain, takes
+    seconds a candidate, most of them on candidates that then lose or do not fit at all;
+    a mesh given with --stages/--tp/--dp gets it."""
+    return solve(p.problem, time_limit_s=0.0, explain=False)
 
 
 def _repose(base: Prepared, opts: CompileOptions, pp: int, microbatches: int, offload: bool = False) -> Prepared:
@@ -313,84 +360,3 @@ def _repose(base: Prepared, opts: CompileOptions, pp: int, microbatches: int, of
     problem = pose(base.coarse, mesh, base.hardware)
     return dataclasses.replace(base, opts=opts, problem=problem, blocks=base.coarse.blocks, mesh=mesh,
                                rows=base.batch // (microbatches * opts.dp))
-
-
-def _bound(prepared: Prepared, assignment: tuple[int, ...], plan: Plan) -> float:
-    """A step no shorter than the simulator's: the most, over pipeline ranks r, of
-
-        forward of microbatch 0 along the longest path of stages into stage r
-        + every microbatch's forward and backward of every stage on rank r
-        + backward of the last microbatch along the longest path out of stage r
-
-    (rank r starts with stage r's first forward and ends with its last backward in
-    every schedule; links, the loss and the data-parallel all-reduce only add).  For
-    equal stages and free links it is (M + S - 1) x stage time, the step itself.  Under a
-    zero-bubble schedule a rank's last action may be a W that waits for nobody: the
-    backward path out is left out there."""
-    costs = prepared.costs
-    forward = [sum(costs[n].forward_s for n in s.nodes) for s in plan.stages]
-    backward = [s.compute_s - f for s, f in zip(plan.stages, forward)]  # recomputation included
-    producers: dict[int, set[int]] = {k: set() for k in range(plan.num_stages)}
-    for e in prepared.problem.edges:
-        a, b = assignment[e.src], assignment[e.dst]
-        if a != b:
-            producers[b].add(a)
-    into, out = [0.0] * plan.num_stages, [0.0] * plan.num_stages  # stages are numbered in a topological order
-    for k in range(plan.num_stages):
-        into[k] = max((into[p] + forward[p] for p in producers[k]), default=0.0)
-        out[k] = max((backward[p] + out[p] for p in producers[k]), default=0.0)
-    work = [0.0] * plan.pp
-    for s in plan.stages:
-        work[plan.rank_of(s.index)] += s.compute_s
-    if plan.spec.splits_backward:
-        out = [0.0] * plan.num_stages
-    return max(into[r] + plan.microbatches * work[r] + out[r] for r in range(plan.pp)) * (1 - _BOUND_SLACK)
-
-
-# -- 4. simulate -----------------------------------------------------------------------------------------
-
-
-class _Ranking:
-    """The candidates simulated so far, fastest first: each is simulated unless its bound
-    shows that it cannot be among the SHOWN fastest ([Note: the search's bounds])."""
-
-    def __init__(self, devices: int, say: Callable[[str], None]) -> None:
-        self.devices, self.say = devices, say
-        self.ranked: list[tuple[Candidate, _Solved]] = []
-        self.skipped = 0
-
-    def beaten(self, bound_s: float) -> bool:
-        """Whether a candidate of step at least `bound_s` cannot be among the SHOWN fastest."""
-        return len(self.ranked) >= SHOWN and bound_s > self.ranked[SHOWN - 1][0].step_time_s
-
-    def add(self, solved: list[_Solved], bar: Any) -> None:
-        """Simulate each of `solved` (in order of bound) that may be among the SHOWN fastest,
-        showing on `bar` how many are done and the best so far."""
-        for item in sorted(solved, key=lambda x: x.bound_s):  # sorted is stable: mesh order breaks ties
-            bar.update(1)
-            if self.beaten(item.bound_s):
-                self.skipped += 1
-                continue
-            cand = _simulated(item, self.devices)
-            self.ranked.append((cand, item))
-            self.ranked.sort(key=lambda r: (r[0].step_time_s, r[0].tp, r[0].pp, r[0].microbatches, LEVELS.index(r[0].recompute),
-                                            r[0].zero))
-            c = item.cand
-            self.say(f"  mesh pp={c.pp} tp={c.tp} dp={c.dp} M={c.microbatches} {c.schedule}"
-                     f"{' recompute ' + c.recompute if c.recompute else ''}{' zero-1' if c.zero else ''}: "
-                     f"{cand.step_time_s * 1e3:.3f} ms, MFU {cand.mfu * 100:.1f}%")
-            bar.set_postfix_str(self.best_text(), refresh=False)
-
-    def best_text(self) -> str:
-        """The best so far, for the progress bar."""
-        c = self.ranked[0][0] if self.ranked else None
-        return "best: none yet" if c is None else f"best {c.step_time_s * 1e3:.1f} ms pp{c.pp} tp{c.tp} dp{c.dp} M{c.microbatches} {c.schedule}"
-
-
-def _simulated(item: _Solved, devices: int) -> Candidate:
-    """`item`'s candidate with the simulator's step and MFU."""
-    p, c = item.prepared, item.cand
-    sim = simulate_plan(p.traced.gm, item.plan, p.costs, p.hardware, p.loss)
-    flops = model_flops(p) * (1 + BACKWARD_FLOP_FACTOR) * c.microbatches * c.dp
-    peak = mfu_peak(p.traced.gm, p.costs, p.hardware, p.opts.precision)[1]  # [Note: a peak per dtype]
-    return dataclasses.replace(c, step_time_s=sim.step_time_s, mfu=mfu(flops, sim.step_time_s, devices, peak))

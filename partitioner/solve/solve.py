@@ -55,7 +55,7 @@ from .model import (RankCost, StageCost, evaluate, fills_with_compute, interleav
 from .vee import vee_memory, vee_plans
 from ..ir import PartitionProblem, SolverReport
 
-__all__ = ["CpResult", "RankCost", "StageCost", "even_split", "evaluate", "fills_with_compute", "objective", "plan_key",
+__all__ = ["CpResult", "RankCost", "StageCost", "even_split", "evaluate", "fills_with_compute", "is_chain", "objective", "plan_key",
            "rank_costs", "solve", "solve_cpsat", "stage_costs", "violations"]
 
 
@@ -151,8 +151,9 @@ def even_split(problem: PartitionProblem) -> tuple[int, ...]:
     return tuple(plan)
 
 
-def _exact(problem: PartitionProblem) -> bool:
-    """Whether every valid plan is contiguous: one stage, or each block feeds the next."""
+def is_chain(problem: PartitionProblem) -> bool:
+    """Whether every valid plan is contiguous: one stage, or each block feeds the next (the
+    DPs of step 1 then search every plan, and CP-SAT only polishes what memory left over)."""
     linked = {e.src for e in problem.edges if e.dst == e.src + 1}
     return problem.stages == 1 or all(i in linked for i in range(problem.num_blocks - 1))
 
@@ -172,7 +173,7 @@ def solve(problem: PartitionProblem, time_limit_s: float = 30.0, *, seed: int = 
     start = time.perf_counter()
     _check(problem)
     dp, dp_bound, summed, settled = _contiguous(problem)
-    exact = summed and _exact(problem)  # every valid plan is contiguous: the DP's bound holds for all of them
+    exact = summed and is_chain(problem)  # every valid plan is contiguous: the DP's bound holds for all of them
     report = SolverReport(method="dp", objective_s=0.0, lower_bound_s=0.0, wall_s=0.0, status="OPTIMAL",
                           blocks=problem.num_blocks, nodes=nodes)
     best, bound = dp, max(_trivial_bound(problem), dp_bound if exact else 0.0)

@@ -9,13 +9,14 @@ import pytest
 import torch
 
 import runtime
-from driver import search
+from driver import ranking, search
 from driver.cli import main
 from partitioner.trace import model_file
 from runtime.manifest import read_manifest
 from driver.options import CompileOptions
 from partitioner.cost.hardware import load_hardware
 from partitioner.errors import PlanError
+from partitioner.solve.solve import is_chain
 from driver.search import _meshes, _tp_limit
 
 from ..conftest import compile_example
@@ -37,7 +38,8 @@ def test_a_given_tp_or_stage_count_narrows_the_search() -> None:
     assert {(pp, tp, dp) for pp, tp, dp, _ in meshes} == {(2, 1, 4), (2, 2, 2), (2, 4, 1)}
 
 
-def test_search_over_tp_keeps_the_fastest_predicted_mesh(tmp_path: Path) -> None:
+def test_search_over_tp_keeps_the_fastest_predicted_mesh(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    _unpruned(monkeypatch)  # every mesh simulated: the tp ones lose, and are shown
     compiled = compile_example("tests/model_files/gpt_wide.py", tmp_path / "pkg", devices=4, stages=None)
     manifest = compiled.manifest
     candidates = manifest.predicted.extra["candidates"]
@@ -107,38 +109,52 @@ def test_the_search_recomputes_activations_when_nothing_else_fits(tmp_path: Path
     assert max(s.memory_bytes for s in manifest.predicted.stages) <= 530_000
 
 
-@pytest.mark.slow
-def test_pruned_simulation_keeps_the_exhaustive_ranking(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def _unpruned(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Neither bound prunes: every candidate is solved and simulated."""
+    monkeypatch.setattr(search, "bound", lambda *_a: 0.0)
+    monkeypatch.setattr(search, "floor", lambda *_a: 0.0)
+
+
+@pytest.mark.parametrize("schedule", ["auto", "1f1b"])
+def test_pruning_never_drops_the_best_mesh(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, schedule: str) -> None:
     # both compiles pose the same problems: each is solved once (test_solve checks that solving is deterministic)
     solved: dict[Any, Any] = {}
     real = search.solve
     monkeypatch.setattr(search, "solve", lambda problem, **kw: solved[problem] if problem in solved
                         else solved.setdefault(problem, real(problem, **kw)))
-    pruned = compile_example("tests/model_files/gpt_wide.py", tmp_path / "a", devices=8, stages=None, hardware="h100")
-    monkeypatch.setattr(search, "_bound", lambda *_a: 0.0)  # nothing skipped
-    full = compile_example("tests/model_files/gpt_wide.py", tmp_path / "b", devices=8, stages=None, hardware="h100")
-    assert pruned.manifest.predicted.extra["candidates"] == full.manifest.predicted.extra["candidates"]
+    sims: list[int] = []
+    real_sim = ranking.simulated
+    monkeypatch.setattr(ranking, "simulated", lambda *a: sims.append(1) or real_sim(*a))
+    options = dict(devices=4, stages=None, tp=1, hardware="h100", schedule=schedule)
+    pruned = compile_example("examples/gpt.py", tmp_path / "a", **options).manifest.predicted.extra["candidates"]
+    simulated_pruned = len(sims)
+    _unpruned(monkeypatch)
+    full = compile_example("examples/gpt.py", tmp_path / "b", **options).manifest.predicted.extra["candidates"]
+    assert pruned[0] == full[0]
+    assert simulated_pruned < len(sims), "the bounds skip some candidates"
+    assert [c["step_time_s"] for c in pruned] == sorted(c["step_time_s"] for c in pruned)
 
 
 @pytest.mark.slow
-def test_the_bound_is_below_every_simulated_step(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    seen: list[tuple[float, float]] = []
-    real = search.simulate_plan
+def test_the_bounds_are_below_every_simulated_step(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    seen: list[tuple[float, float, float]] = []
+    real = ranking.simulated
 
-    def check(gm: Any, plan: Any, costs: Any, hardware: Any, loss: Any = None) -> Any:
-        sim = real(gm, plan, costs, hardware, loss)
-        seen.append((sim.step_time_s, plan.microbatches))
-        return sim
+    def check(item: Any, devices: int) -> Any:
+        cand = real(item, devices)
+        problem = item.prepared.problem
+        seen.append((ranking.bound(item.prepared, item.assignment, item.plan),
+                     ranking.floor(problem, is_chain(problem)), cand.step_time_s))
+        return cand
 
-    bounds: list[float] = []
-    real_bound = search._bound
-    monkeypatch.setattr(search, "_bound", lambda *a: bounds.append(real_bound(*a)) or 0.0)
-    monkeypatch.setattr(search, "simulate_plan", check)
+    _unpruned(monkeypatch)
+    monkeypatch.setattr(ranking, "simulated", check)
     for schedule, devices in (("1f1b", 4), ("gpipe", 2), ("interleaved", 2), ("auto", 2)):  # auto: zb-* too
         compile_example("examples/gpt.py", tmp_path / schedule, devices=devices, stages=None, hardware="h100",
                         schedule=schedule)
-    assert len(seen) == len(bounds) > 10
-    assert all(b <= step for b, (step, _) in zip(bounds, seen))
+    assert len(seen) > 10
+    assert all(b <= step and f <= step for b, f, step in seen)
+    assert any(f > b for b, f, _ in seen), "the floor of fill and drain is sometimes the higher"
 
 
 def test_auto_schedule_keeps_the_fastest_predicted_schedule(tmp_path: Path) -> None:
@@ -172,3 +188,18 @@ def test_auto_is_the_default_schedule_with_devices_and_1f1b_without(tmp_path: Pa
 def test_auto_schedule_needs_devices(tmp_path: Path) -> None:
     with pytest.raises(PlanError, match="--schedule auto chooses the schedule while searching"):
         compile_example("examples/mlp.py", tmp_path / "pkg", stages=2, schedule="auto")
+
+
+def test_the_published_megatron_meshes_are_candidates() -> None:
+    """Every row of Megatron-LM's table (benchmarks/published.py): its mesh, one row per
+    microbatch and its schedule are among what `--devices` searches, so the search is never
+    predicted slower than the published configuration."""
+    from benchmarks.published import ROWS
+    from driver.search import _interleaved, _schedules
+
+    for row in ROWS:
+        opts = CompileOptions(model="m.py", out="o", devices=row.gpus)
+        dp = row.gpus // (row.tp * row.pp)
+        mesh = (row.pp, row.tp, dp, row.batch // dp)
+        assert mesh in _meshes(row.gpus, row.batch, opts, tp_limit=8), row
+        assert row.schedule in _schedules(opts.schedule, row.pp) + _interleaved(opts, row.pp, mesh[3], 1), row

@@ -1,0 +1,149 @@
+"""The search's candidates ranked by the simulator, each simulated only where a lower bound on
+its step leaves it a chance among the SHOWN fastest ([Note: the search's bounds] in
+driver/search.py): `floor` before a candidate is solved, `bound` after."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Callable
+
+from partitioner.cost.roofline import BACKWARD_FLOP_FACTOR, mfu
+from partitioner.ir import PartitionProblem, Plan, SolverReport
+from partitioner.predict.predict import mfu_peak, simulate_plan
+
+from .package_info import model_flops
+from .prepared import Prepared
+from .recompute import LEVELS
+
+__all__ = ["Candidate", "Ranking", "SHOWN", "Solved", "bound", "describe", "floor", "simulated"]
+
+SHOWN = 5
+#: a bound this close to a step time still gets simulated (float sums in another order)
+_BOUND_SLACK = 1e-9
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One mesh and microbatch count, and what the simulator predicts for it."""
+
+    pp: int
+    dp: int
+    tp: int
+    microbatches: int
+    step_time_s: float = float("inf")
+    memory_bytes: int = 0
+    mfu: float = 0.0
+    fits: bool = True
+    note: str = ""
+    recompute: str | None = None  # the uniform policy solved ([Note: recomputation chosen per rank])
+    schedule: str = ""
+    zero: int = 0
+    virtual_stages: int = 1
+    offload: bool = False  # activations offloaded where the mesh binds ([Note: offloaded activations])
+
+
+@dataclass
+class Solved:
+    """A candidate solved but not yet simulated."""
+
+    cand: Candidate
+    prepared: Prepared
+    assignment: tuple[int, ...]
+    report: SolverReport
+    plan: Plan
+    bound_s: float
+
+
+def floor(problem: PartitionProblem, chain: bool) -> float:
+    """A step no shorter than the simulator's for any plan of `problem`, known before it is
+    solved, from C, one microbatch's forward and backward of the whole model, M microbatches
+    and p ranks: the busiest rank runs at least M C / p (`bound`).  Under a schedule of one
+    stage per rank whose backward is whole (gpipe, 1f1b) on a chain, `bound` is the most
+    over ranks r of S_r + M W_r, with W_r rank r's work and S_r all work before it; the
+    least that can be over splits of C is C / (1 - (1 - 1/M)^p), where every rank's is
+    equal (W_r = T/M of what is left), the pipeline's fill and drain."""
+    total, m, p = sum(problem.block_time_s), problem.microbatches, problem.ranks
+    if chain and problem.virtual_stages == 1 and not problem.spec.splits_backward:
+        return total / (1 - (1 - 1 / m) ** p) * (1 - _BOUND_SLACK)
+    return m * total / p * (1 - _BOUND_SLACK)
+
+
+def bound(prepared: Prepared, assignment: tuple[int, ...], plan: Plan) -> float:
+    """A step no shorter than the simulator's: the most, over pipeline ranks r, of
+
+        forward of microbatch 0 along the longest path of stages into stage r
+        + every microbatch's forward and backward of every stage on rank r
+        + backward of the last microbatch along the longest path out of stage r
+
+    (rank r starts with stage r's first forward and ends with its last backward in
+    every schedule; links, the loss and the data-parallel all-reduce only add).  For
+    equal stages and free links it is (M + S - 1) x stage time, the step itself.  Under a
+    zero-bubble schedule a rank's last action may be a W that waits for nobody: the
+    backward path out is left out there."""
+    costs = prepared.costs
+    forward = [sum(costs[n].forward_s for n in s.nodes) for s in plan.stages]
+    backward = [s.compute_s - f for s, f in zip(plan.stages, forward)]  # recomputation included
+    producers: dict[int, set[int]] = {k: set() for k in range(plan.num_stages)}
+    for e in prepared.problem.edges:
+        a, b = assignment[e.src], assignment[e.dst]
+        if a != b:
+            producers[b].add(a)
+    into, out = [0.0] * plan.num_stages, [0.0] * plan.num_stages  # stages are numbered in a topological order
+    for k in range(plan.num_stages):
+        into[k] = max((into[p] + forward[p] for p in producers[k]), default=0.0)
+        out[k] = max((backward[p] + out[p] for p in producers[k]), default=0.0)
+    work = [0.0] * plan.pp
+    for s in plan.stages:
+        work[plan.rank_of(s.index)] += s.compute_s
+    if plan.spec.splits_backward:
+        out = [0.0] * plan.num_stages
+    return max(into[r] + plan.microbatches * work[r] + out[r] for r in range(plan.pp)) * (1 - _BOUND_SLACK)
+
+
+class Ranking:
+    """The candidates simulated so far, fastest first: each is simulated unless its bound
+    shows that it cannot be the fastest ([Note: the search's bounds])."""
+
+    def __init__(self, devices: int, say: Callable[[str], None]) -> None:
+        self.devices, self.say = devices, say
+        self.ranked: list[tuple[Candidate, Solved]] = []
+        self.skipped = 0
+
+    def beaten(self, bound_s: float) -> bool:
+        """Whether a candidate of step at least `bound_s` cannot be the fastest."""
+        return bool(self.ranked) and bound_s > self.ranked[0][0].step_time_s
+
+    def add(self, solved: list[Solved]) -> None:
+        """Simulate each of `solved` (in order of bound) that may be the fastest."""
+        for item in sorted(solved, key=lambda x: x.bound_s):  # sorted is stable: mesh order breaks ties
+            if self.beaten(item.bound_s):
+                self.skipped += 1
+                continue
+            cand = simulated(item, self.devices)
+            self.ranked.append((cand, item))
+            self.ranked.sort(key=lambda r: (r[0].step_time_s, r[0].tp, r[0].pp, r[0].microbatches,
+                                            LEVELS.index(r[0].recompute), r[0].zero, r[0].offload, r[0].virtual_stages))
+            self.say(f"  {describe(item.cand)}: {cand.step_time_s * 1e3:.3f} ms, MFU {cand.mfu * 100:.1f}%")
+
+    def best_text(self) -> str:
+        """The best so far, for the progress bar."""
+        c = self.ranked[0][0] if self.ranked else None
+        return "best: none yet" if c is None else f"best {c.step_time_s * 1e3:.1f} ms {describe(c)}"
+
+
+def simulated(item: Solved, devices: int) -> Candidate:
+    """`item`'s candidate with the simulator's step and MFU."""
+    p, c = item.prepared, item.cand
+    sim = simulate_plan(p.traced.gm, item.plan, p.costs, p.hardware, p.loss)
+    flops = model_flops(p) * (1 + BACKWARD_FLOP_FACTOR) * c.microbatches * c.dp
+    peak = mfu_peak(p.traced.gm, p.costs, p.hardware, p.opts.precision)[1]  # [Note: a peak per dtype]
+    return dataclasses.replace(c, step_time_s=sim.step_time_s, mfu=mfu(flops, sim.step_time_s, devices, peak))
+
+
+def describe(c: Candidate) -> str:
+    """A candidate in one line: its mesh, microbatches, schedule and variant."""
+    virtual = f" x{c.virtual_stages}" if c.virtual_stages > 1 and not c.schedule.startswith("zb") else ""
+    return (f"pp={c.pp} tp={c.tp} dp={c.dp} M={c.microbatches} {c.schedule}{virtual}"
+            f"{' recompute ' + c.recompute if c.recompute else ''}{' zero-1' if c.zero else ''}"
+            f"{' offload' if c.offload else ''}")
