@@ -34,8 +34,7 @@ its own stage files and interprets its own row of the lowered schedule:
 
 Faults: every wait has a timeout (PIPELINE_TIMEOUT_S, default 60 s) and a failed or silent
 peer becomes a `PeerError` naming this rank, its stage, the action, the microbatch and the
-peer.  Test hook: PIPELINE_FAULT="RANK:ACTION[:exit|raise|hang]" (e.g. "1:1B0") makes rank
-RANK exit, raise or hang right before ACTION.  engine="pipelining": engines/pipelining.py.
+peer ([Note: injected faults] in faults.py: the test hooks).  engine="pipelining": engines/pipelining.py.
 """
 
 from __future__ import annotations
@@ -49,12 +48,11 @@ from typing import Any, Iterator
 import torch
 import torch.distributed as dist
 
-from . import checkpoint, clip, engines, local_rows, modes, offload, optim, package, precision, tp, weights
+from . import checkpoint, clip, engines, faults, local_rows, modes, offload, optim, package, precision, tp, weights
 from .comm import guard, init_from_env, timeout_from_env, wait
 from .counts import Counts
 from .devices import CommStream
 from .edges import Edges
-from . import faults
 from .groups import Mesh, make_groups
 from .p2p import HandOvers, Receive, Sent
 from .pipeline import Batch, LossFn, Pipeline, named_once, share_tied
