@@ -12,7 +12,7 @@ $(STAMP): setup.cfg pyproject.toml
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(PY) -m partitioner compile examples/gpt.py --out build/gpt --stages 2 --schedule 1f1b
+	$(PY) -m partitioner compile examples/gpt.py --out build/gpt --stages 2 --schedule 1f1b --optimizer sgd
 	$(PY) -m partitioner show build/gpt
 	$(PY) -m partitioner run build/gpt --nproc 2 --steps 5
 

@@ -9,9 +9,9 @@ scale the loss ([Note: a global loss scale]) and, with --clip, unscale the gradi
 clipping them; --on-nonfinite skip|stop skips a step whose loss or gradients are not
 finite on every rank, or stops there ([Note: non-finite steps]). Rank 0 prints
 `step k  loss X.XXXXXX  time Y ms` (with --clip, `step k  loss X.XXXXXX  norm N.NNNNNN  time
-Y ms`: the gradient norm before clipping), and after the first step `memory rank r
-measured ...; predicted ...` for each rank (its peak bytes by kind in that step beside the
-plan's prediction: runtime/memory.py).
+Y ms`: the gradient norm before clipping), and after the run's second step (its first when
+it runs one) `memory rank r  measured ...; predicted ...` for each rank (its peak bytes by
+kind in that step beside the plan's prediction: runtime/memory.py).
 """
 
 from __future__ import annotations
@@ -70,12 +70,13 @@ def _train(ns: argparse.Namespace) -> None:
     scaler = GradScaler(pipe.device.type, enabled=pipe.manifest.precision == "fp16-mixed")
     loss_fn = scaler.loss_fn(model_file.loss_fn)
     first = checkpointing.resume(pipe, opt, ns) + 1
+    measured = min(first + 1, ns.steps)  # the steady state the plan predicts: optimizer state made by the step before
     data = itertools.islice(_batches(model_file), first - 1, None)  # a resumed run goes on with the next batch
     for k, (inputs, target) in zip(range(first, ns.steps + 1), data):
         ns.step = k  # for the error report ([Note: restarts] in runtime/restarts.py)
         restarts.report_step(pipe.rank, k)
         faults.set_step(k)  # test hooks: [Note: injected faults]
-        pipe.track_memory(k == first)  # the first step only: [Note: measured memory] in runtime/memory.py
+        pipe.track_memory(k == measured)  # that step only: [Note: measured memory] in runtime/memory.py
         start = time.perf_counter()
         if opt is not None:
             opt.zero_grad()
@@ -94,22 +95,33 @@ def _train(ns: argparse.Namespace) -> None:
         ms = (time.perf_counter() - start) * 1e3
         if pipe.rank == 0:
             print(f"step {k}  loss {loss.item():.6f}{norm}  time {ms:.1f} ms", flush=True)
-        if k == first:
-            _print_memory(pipe)
+        if k == measured:
+            _print_memory(pipe, ns.optimizer)
         checkpointing.maybe_save(pipe, opt, ns, k)
     pipe.tracer.flush()  # the last optimizer step's event (collective; nothing without --trace)
     dist.barrier()
     dist.destroy_process_group()
 
 
-def _print_memory(pipe: DistributedPipeline) -> None:
+def _print_memory(pipe: DistributedPipeline, optimizer: str) -> None:
     """Rank 0 prints every rank's measured memory of the step just run, beside the plan's
-    prediction: `memory rank r  measured ...; predicted ...` (collective)."""
+    prediction: `memory rank r  measured ...; predicted ...` (collective), and a line where
+    the plan counted another optimizer's state than this run's keeps."""
     lines: list[Any] = [None] * pipe.world
     dist.all_gather_object(lines, str(pipe.memory_stats()), group=pipe.groups.world)
-    if pipe.rank == 0:
-        for r, line in enumerate(lines):
-            print(f"memory rank {r}  {line}", flush=True)
+    if pipe.rank != 0:
+        return
+    for r, line in enumerate(lines):
+        print(f"memory rank {r}  {line}", flush=True)
+    planned = str(pipe.manifest.options.get("optimizer", "adam"))
+    if _STATE.get(planned, planned) != _STATE[optimizer]:
+        print(f"memory     the plan counts {planned}'s optimizer state; this run's {optimizer} keeps "
+              f"{'none' if optimizer == 'sgd' else 'two moments per parameter'} (compile --optimizer {optimizer} "
+              f"plans for it)", flush=True)
+
+
+#: optimizers by the state they keep per parameter (compile's names and run's)
+_STATE = {"sgd": "none", "adamw": "adam", "adam": "adam", "momentum": "momentum"}
 
 
 def main(argv: list[str]) -> int:

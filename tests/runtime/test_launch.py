@@ -16,6 +16,7 @@ import torch
 
 from runtime import launch
 from runtime.errors import ManifestError, MeshError
+from runtime.manifest import read_manifest
 from runtime.tracing import COLLECTIVES, OPTIMIZER
 
 from .conftest import Tiny
@@ -70,9 +71,13 @@ def test_run_trains_and_traces(make_tiny: Callable[..., Tiny]) -> None:
         opt.step()
         want.append(loss.item())
     assert got == pytest.approx(want, rel=1e-5, abs=2e-6), out
-    # after the first step only, each rank's measured memory beside the plan's (runtime/memory.py)
+    # after the second step only (the steady state), each rank's measured memory beside the plan's
+    # (runtime/memory.py), and a line where the plan counted another optimizer's state
     memory = re.findall(r"^memory rank (\d)  measured .* \(parameters .*\); predicted .*$", out, re.M)
     assert memory == ["0", "1"], out
+    assert out.index("step 2 ") < out.index("memory rank 0"), out
+    planned = read_manifest(t.dir).options.get("optimizer", "adam")  # a package made without the driver: adam
+    assert (f"the plan counts {planned}'s optimizer state; this run's sgd keeps none" in out) == (planned != "sgd"), out
     events = json.loads(trace.read_text())["traceEvents"]
     spans = [e for e in events if e["ph"] == "X"]
     assert {e["pid"] for e in spans} == {0, 1}
