@@ -125,8 +125,9 @@ def test_the_distributed_runtime_posts_them_there() -> None:
 
     row = lower(one_f_one_b(2, 3), StageGraph.chain(2))[0]
     log: list[str] = []
+    runner = SimpleNamespace(prefetch=lambda microbatch: None)  # nothing offloaded
     rank = SimpleNamespace(_buckets=None, _post_recv=lambda a, step: log.append(f"post {a!r}"),
-                           _execute=lambda a, *rest: log.append(repr(a)))
+                           _execute=lambda a, *rest: log.append(repr(a)), runners={0: runner, 1: runner})
     DistributedPipeline._run(rank, row, receives_ahead(row), _Step(train=True), [], None, None)  # type: ignore[arg-type]
     assert log == ["0F0", "0SEND_F0>1", "post 0RECV_B0<1", "0F1", "0SEND_F1>1", "0RECV_B0<1", "0B0",
                    "post 0RECV_B1<1", "0F2", "0SEND_F2>1", "0RECV_B1<1", "post 0RECV_B2<1", "0B1", "0RECV_B2<1", "0B2"]
