@@ -23,6 +23,12 @@ takes what the previous stage sends, the stage metadata, and the schedule classe
     schedules the Adapter therefore returns a copy of each output: the same values and
     gradients, one copy per output and microbatch.
 
+[Note: structured model outputs]
+    torch's stage handles tensors and tuples of them; a model's output may be a structure (a
+    Hugging Face `ModelOutput`, a dict).  The last stage's Adapter returns its leaves as a
+    tuple and keeps the structure in the `Feed`; the `StageLoss` puts it back together, so
+    `loss_fn` sees the output the original model returns.
+
 Beside torch's public classes this module uses `_PipelineScheduleRuntime`, `_Action` and
 `_add_send_recv` (torch 2.13): where torch changes them, `torch_actions` and
 `prepare_forward_only` are the two places to follow it.
@@ -34,6 +40,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
+import torch.utils._pytree as pytree
 from torch.distributed import pipelining as pp
 from torch.distributed.pipelining.schedules import (_Action, _add_send_recv, _ComputationType,
                                                    _PipelineScheduleRuntime)
@@ -167,6 +174,7 @@ class Feed:
     scales: list[float] = field(default_factory=list)
     loss_fn: Callable[[Any, Any], torch.Tensor] | None = None
     outputs: list[Any] | None = None  # pipe(inputs): the last stage's outputs, kept by its Adapter
+    output_spec: pytree.TreeSpec | None = None  # the model output's structure ([Note: structured model outputs])
     _next: dict[int, int] = field(default_factory=dict)
 
     def start(self, call: int, inputs: list[dict[str, Any]], targets: list[Any] | None, scales: list[float],
@@ -210,7 +218,10 @@ class Adapter(torch.nn.Module):
         if runner.is_last:
             if feed.outputs is not None:
                 feed.outputs.append(out)
-            return out
+            if isinstance(out, torch.Tensor):
+                return out
+            leaves, feed.output_spec = pytree.tree_flatten(out)  # [Note: structured model outputs]
+            return tuple(leaves)
         if not self._split:
             return out
         # [Note: outputs under split backward]
@@ -231,4 +242,6 @@ class StageLoss:
         if feed.loss_fn is None or feed.targets is None or self.runner is None:  # pipe(inputs): no loss
             return torch.zeros((), device=self.device)
         target = to_device(feed.targets[i], self.device)
+        if not isinstance(output, torch.Tensor) and feed.output_spec is not None:  # [Note: structured model outputs]
+            output = pytree.tree_unflatten(list(output), feed.output_spec)
         return self.runner.scaled_loss(output, target, feed.loss_fn, feed.scales[i])

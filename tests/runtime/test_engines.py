@@ -40,22 +40,27 @@ TWO_RANKS: dict[str, dict[str, Any]] = {
 }
 
 
-def _runs(tmp_path: Path, plans: dict[str, dict[str, Any]]) -> tuple[Path, str]:
+#: the other examples, each under 1F1B on 2 ranks
+OTHER_EXAMPLES = {name: ROOT / "examples" / f"{name}.py" for name in ("mlp", "bert", "ncf", "skip", "hf_gpt2", "hf_llama")}
+
+
+def _runs(tmp_path: Path, plans: dict[str, dict[str, Any]], models: dict[str, Path] = MODELS) -> tuple[Path, str]:
     """Every model compiled with every plan; (a model file, ENGINE_RUNS) for one job, the
     model files copied into `tmp_path` (the ranks' output folders go beside the first)."""
     runs = []
-    for model, path in MODELS.items():
+    for model, path in models.items():
         copy = tmp_path / path.name
         shutil.copy(path, copy)
         for name, options in plans.items():
             out = tmp_path / f"{model}-{name}"
             compile_example(str(copy), out, **options)
             runs.append(f"{out}|{copy}")
-    return tmp_path / MODELS["gpt"].name, ";".join(runs)
+    return tmp_path / next(iter(models.values())).name, ";".join(runs)
 
 
-def _launch(tmp_path: Path, n: int, plans: dict[str, dict[str, Any]], deadline_s: float) -> None:
-    model, runs = _runs(tmp_path, plans)
+def _launch(tmp_path: Path, n: int, plans: dict[str, dict[str, Any]], deadline_s: float,
+            models: dict[str, Path] = MODELS) -> None:
+    model, runs = _runs(tmp_path, plans, models)
     first = Path(runs.split(";")[0].split("|")[0])
     ranks = launch(n, "engines", [first], model, deadline_s=deadline_s, env={"ENGINE_RUNS": runs})
     _ok(ranks)
@@ -106,6 +111,15 @@ def test_partitioner_run_engine_pipelining(make_tiny: Callable[..., Tiny]) -> No
 def test_the_torch_engine_runs_1f1b_on_the_gpts(tmp_path: Path) -> None:
     """gpt and the tied GPT, 1f1b on 2 ranks, in one job."""
     _launch(tmp_path, 2, {"1f1b": TWO_RANKS["1f1b"]}, 380)
+
+
+@multiproc
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_the_torch_engine_runs_the_other_examples(tmp_path: Path) -> None:
+    """The MLP, BERT, NCF, the skip-connection model, HF GPT-2 and HF Llama, 1f1b on 2 ranks,
+    in one job."""
+    _launch(tmp_path, 2, {"1f1b": TWO_RANKS["1f1b"]}, 380, OTHER_EXAMPLES)
 
 
 @multiproc
