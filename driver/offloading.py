@@ -18,7 +18,7 @@ from .options import AUTO, CompileOptions
 from .prepared import Prepared
 from .recompute import LEVELS
 
-__all__ = ["offload", "offload_block", "solve_offloading", "variants"]
+__all__ = ["offload", "offload_block", "offloaded", "solve_offloading", "variants"]
 
 Solve = Callable[..., tuple[tuple[int, ...], SolverReport]]
 
@@ -40,8 +40,13 @@ def solve_offloading(p: Prepared, solve: Solve) -> tuple[tuple[int, ...], Solver
 
 def offload(p: Prepared, plan: Plan) -> tuple[Plan, dict[str, Any]]:
     """`plan` with the stages' shares of `--offload`, and the `predicted` entry saying so."""
-    out = offloaded_plan(plan, p.problem, _shares(p, plan), p.hardware)
+    out = offloaded(p, plan)
     return out, offload_block(p, plan, out)
+
+
+def offloaded(p: Prepared, plan: Plan) -> Plan:
+    """`plan` with the stages' shares of `--offload` (what the search simulates)."""
+    return offloaded_plan(plan, p.problem, _shares(p, plan), p.hardware)
 
 
 def _shares(p: Prepared, plan: Plan) -> tuple[float, ...]:
@@ -54,7 +59,10 @@ def _shares(p: Prepared, plan: Plan) -> tuple[float, ...]:
         return every
     if p.opts.offload != "auto" or limit is None:
         return ()
-    keep, away = rank_peaks(p, dataclasses.replace(plan, offload=())), rank_peaks(p, dataclasses.replace(plan, offload=every))
+    keep = rank_peaks(p, dataclasses.replace(plan, offload=()))
+    if max(keep) <= limit:
+        return ()
+    away = rank_peaks(p, dataclasses.replace(plan, offload=every))
     share = [min(1.0, math.ceil(100 * (k - limit) / (k - a)) / 100) if k > limit and k > a else 0.0
              for k, a in zip(keep, away)]
     out = tuple(share[plan.rank_of(k)] for k in range(plan.num_stages))

@@ -335,7 +335,8 @@ def _solved(p: Prepared, assignment: tuple[int, ...], report: SolverReport) -> S
     where the solver's bound fits the memory but the peak walked over the schedule, which
     the manifest reports, does not."""
     plan = planned(p, assignment, report)  # [Note: recomputation chosen per rank]
-    plan = offloading.offload(p, plan)[0]  # the copies' time, for the simulator
+    if p.problem.offload or p.opts.offload == "all":  # the offloading variant only (`offloading.variants`)
+        plan = offloading.offloaded(p, plan)  # its shares, and the copies' time for the simulator
     peak = max(rank_peaks(p, plan))
     if peak > (p.problem.memory_limit_bytes or peak):
         return None

@@ -39,6 +39,7 @@
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -78,23 +79,29 @@ class StageBytes:
 def rank_peaks(schedule: str, pp: int, microbatches: int, virtual_stages: int,
                stages: Sequence[StageBytes], step_transient: int = 0) -> tuple[int, ...]:
     """The peak bytes of each pipeline rank over one step and its optimizer step."""
-    spec = schedule_spec(schedule)
-    rows = spec.make(pp, microbatches, virtual_stages)
+    rows = _rows(schedule, pp, microbatches, virtual_stages)
     return tuple(_walk(row, stages, step_transient) for row in rows)
+
+
+@functools.lru_cache(maxsize=64)
+def _rows(schedule: str, pp: int, microbatches: int, virtual_stages: int) -> tuple[tuple[Action, ...], ...]:
+    """The schedule's compute rows, made once per shape (the search walks hundreds of plans)."""
+    return tuple(tuple(row) for row in schedule_spec(schedule).make(pp, microbatches, virtual_stages))
 
 
 def _walk(row: Sequence[Action], stages: Sequence[StageBytes], step_transient: int) -> int:
     """One rank's peak: its row of compute actions walked in order."""
     mine = sorted({a.stage for a in row})
     base = sum(stages[k].persistent + stages[k].ahead for k in mine)
-    held, seeded = {k: 0 for k in mine}, {k: 0 for k in mine}
+    held = {k: 0 for k in mine}
     grads: set[int] = set()
+    kept = 0  # gradients, activations in flight and seeds, kept as they change (`now` below)
     peak = base
     for a in row:
         k = a.stage
-        now = (base + sum(stages[s].gradients for s in grads)
-               + sum(_holding(stages[s], held[s]) + seeded[s] * stages[s].seeds for s in mine))
+        now = base + kept
         if a.kind == Kind.F:
+            kept += _holding(stages[k], held[k] + 1) - _holding(stages[k], held[k])
             held[k] += 1
             base += stages[k].sent_forward
             peak = max(peak, now + stages[k].held + stages[k].forward)
@@ -107,8 +114,9 @@ def _walk(row: Sequence[Action], stages: Sequence[StageBytes], step_transient: i
             # the gradients are made as the microbatch's activations are freed, node by node
             peak = max(peak, now + max(0, fresh - stages[k].held) + (stages[k].backward if a.kind != Kind.W or whole else 0))
             if not whole:
-                seeded[k] += 1 if a.kind == Kind.I else -1
+                kept += stages[k].seeds if a.kind == Kind.I else -stages[k].seeds
             if a.kind != Kind.I:
+                kept += fresh + _holding(stages[k], held[k] - 1) - _holding(stages[k], held[k])
                 grads.add(k)
                 held[k] -= 1
     final = base + sum(stages[k].gradients for k in mine)  # the sends waited on after the optimizer step

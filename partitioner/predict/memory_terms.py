@@ -3,6 +3,8 @@ and its node costs: what `partitioner.predict.memory.rank_peaks` walks."""
 
 from __future__ import annotations
 
+import weakref
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -86,11 +88,8 @@ def _stage_params(gm: torch.fx.GraphModule, plan: Plan) -> list[int]:
     plan shards the stage."""
     stage_of = plan.stage_of()
     per_stage: list[dict[int, int]] = [{} for _ in plan.stages]
-    for node in compute_nodes(gm):
-        for x in node.all_input_nodes:
-            t = get_attr(gm, str(x.target)) if x.op == "get_attr" else None
-            if isinstance(t, torch.nn.Parameter):
-                per_stage[stage_of[node.name]][storage_key(t)] = t.numel() * t.element_size()
+    for name, reads in _reads(gm).items():
+        per_stage[stage_of[name]].update(reads.params)
     seen: dict[int, set[int]] = {}
     twice = []
     for k, found in enumerate(per_stage):
@@ -103,18 +102,48 @@ def _stage_params(gm: torch.fx.GraphModule, plan: Plan) -> list[int]:
 def _stage_buffers(gm: torch.fx.GraphModule, plan: Plan) -> list[int]:
     """Per stage, the bytes of the buffers it reads (a causal mask, running statistics),
     those an earlier stage of the same rank reads left out."""
-    stage_of, buffers = plan.stage_of(), {id(b) for b in gm.buffers()}
+    stage_of = plan.stage_of()
     seen: dict[int, set[int]] = {}
     out = [0] * plan.num_stages
-    for node in compute_nodes(gm):
-        for x in node.all_input_nodes:
-            t = get_attr(gm, str(x.target)) if x.op == "get_attr" else None
-            k = stage_of[node.name]
-            held = seen.setdefault(plan.rank_of(k), set())
-            if isinstance(t, torch.Tensor) and id(t) in buffers and id(t) not in held:
-                held.add(id(t))
-                out[k] += t.untyped_storage().nbytes()
+    for name, reads in _reads(gm).items():
+        k = stage_of[name]
+        held = seen.setdefault(plan.rank_of(k), set())
+        for key, nbytes in reads.buffers.items():
+            if key not in held:
+                held.add(key)
+                out[k] += nbytes
     return out
+
+
+@dataclass(frozen=True)
+class _Reads:
+    """What one compute node reads of the model's state: parameters by storage and buffers
+    by identity, each with its bytes."""
+
+    params: dict[int, int]
+    buffers: dict[int, int]
+
+
+#: per graph, what each compute node reads, in graph order: made once, read by every plan of
+#: the graph (the search walks hundreds)
+_READS: weakref.WeakKeyDictionary[torch.fx.GraphModule, dict[str, _Reads]] = weakref.WeakKeyDictionary()
+
+
+def _reads(gm: torch.fx.GraphModule) -> dict[str, _Reads]:
+    if gm not in _READS:
+        buffers = {id(b) for b in gm.buffers()}
+        found = {}
+        for node in compute_nodes(gm):
+            params, bufs = {}, {}
+            for x in node.all_input_nodes:
+                t = get_attr(gm, str(x.target)) if x.op == "get_attr" else None
+                if isinstance(t, torch.nn.Parameter):
+                    params[storage_key(t)] = t.numel() * t.element_size()
+                elif isinstance(t, torch.Tensor) and id(t) in buffers:
+                    bufs[id(t)] = t.untyped_storage().nbytes()
+            found[node.name] = _Reads(params, bufs)
+        _READS[gm] = found
+    return _READS[gm]
 
 
 def _output_bytes(gm: torch.fx.GraphModule, costs: dict[str, NodeCost]) -> int:

@@ -93,9 +93,7 @@ class ScheduleSpec:
 
     def placement(self, num_stages: int, ranks: int) -> tuple[int, ...]:
         """The pipeline rank of each stage ([Note: V placement])."""
-        if self.vee:
-            return tuple(s if s < ranks else 2 * ranks - 1 - s for s in range(num_stages))
-        return tuple(s % ranks for s in range(num_stages))
+        return _placement(self.vee, num_stages, ranks)
 
     def make(self, ranks: int, microbatches: int, virtual_stages: int = 1) -> Schedule:
         """The compute schedule of a package of `ranks` ranks, `virtual_stages` stages each."""
@@ -105,6 +103,15 @@ class ScheduleSpec:
                 f"per rank but the package has {virtual_stages}: run the package with the schedule it was compiled "
                 f"for, or compile with --schedule {self.name}.")
         return self.build(ranks, microbatches, virtual_stages)
+
+
+@functools.lru_cache(maxsize=256)
+def _placement(vee: bool, num_stages: int, ranks: int) -> tuple[int, ...]:
+    """`ScheduleSpec.placement`, made once per shape: the planner asks for a stage's rank
+    once per node and walk step."""
+    if vee:
+        return tuple(s if s < ranks else 2 * ranks - 1 - s for s in range(num_stages))
+    return tuple(s % ranks for s in range(num_stages))
 
 
 def _every_microbatch(ranks: int, stages: int, stage: int, microbatches: int) -> int:
