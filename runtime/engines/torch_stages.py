@@ -209,7 +209,7 @@ class Adapter(torch.nn.Module):
     def forward(self, *values: torch.Tensor) -> Any:
         runner, feed = self._runner, self._feed
         i = feed.take(runner.index)
-        got = dict(zip(self._received, values))
+        got = dict(zip(self._received, (_Contiguous.apply(v) if v.requires_grad else v for v in values)))
         args = [to_device(feed.inputs[i][spec.name], self._device) if spec.source == "input" else got[spec.name]
                 for spec in runner.entry.inputs]
         train = torch.is_grad_enabled()
@@ -226,6 +226,20 @@ class Adapter(torch.nn.Module):
             return out
         # [Note: outputs under split backward]
         return tuple(o.clone() if isinstance(o, torch.Tensor) else o for o in out)
+
+
+class _Contiguous(torch.autograd.Function):
+    """The identity, whose gradient is made contiguous: torch's stage sends a received value's
+    gradient as autograd made it, and a send takes only a contiguous tensor (a transposed or
+    expanded use of the value gives a strided gradient)."""
+
+    @staticmethod
+    def forward(ctx: Any, value: torch.Tensor) -> torch.Tensor:
+        return value.view_as(value)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        return grad.contiguous()
 
 
 @dataclass
