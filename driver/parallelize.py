@@ -28,6 +28,7 @@ from typing import Any, Callable
 import torch
 
 from partitioner.errors import ParallelizeError
+from partitioner.trace.model_file import split_example
 from runtime.pipeline import Pipeline
 
 from .compile import compile_model
@@ -69,12 +70,9 @@ def cache_folder(model: torch.nn.Module, key: str) -> Path:
 
 def _as_args(example: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
     """The example batch as (args, kwargs), as a model file's example_inputs() is read."""
-    if isinstance(example, dict):
-        return (), dict(example)
-    if isinstance(example, torch.Tensor):
-        return (example,), {}
-    if isinstance(example, (tuple, list)):
-        return tuple(example), {}
+    split = split_example(example)
+    if split is not None:
+        return split
     raise ParallelizeError(f"parallelize() got example_inputs of type {type(example).__name__}: give one whole batch "
                            f"as a tuple of positional arguments, a dict of keyword arguments, or a tensor.")
 

@@ -23,7 +23,19 @@ import torch
 from ..errors import ModelFileError
 from .inputs import InputKey, forward_names, leaf_batch_dims
 
-__all__ = ["ModelFile", "load", "user_frame"]
+__all__ = ["ModelFile", "load", "split_example", "user_frame"]
+
+
+def split_example(value: Any) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
+    """One example batch as (args, kwargs): a dict of keyword arguments, a tuple or list of
+    positional ones, or one tensor; None for anything else (the caller says what it wanted)."""
+    if isinstance(value, dict):
+        return (), dict(value)
+    if isinstance(value, torch.Tensor):
+        return (value,), {}
+    if isinstance(value, (tuple, list)):
+        return tuple(value), {}
+    return None
 
 
 @dataclass
@@ -68,12 +80,9 @@ class ModelFile:
         """The example batch as (args, kwargs)."""
         fn = self._function("example_inputs", "must return one example batch")
         value = self._call(fn, "example_inputs")
-        if isinstance(value, dict):
-            return (), dict(value)
-        if isinstance(value, torch.Tensor):
-            return (value,), {}
-        if isinstance(value, (tuple, list)):
-            return tuple(value), {}
+        split = split_example(value)
+        if split is not None:
+            return split
         raise ModelFileError(
             f"{self.path}: example_inputs() returned {type(value).__name__}; return a "
             f"tuple of positional arguments or a dict of keyword arguments."
