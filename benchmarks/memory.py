@@ -22,7 +22,7 @@ import torch
 
 from .common import free_port, save, spawn_ranks, table, update_docs
 
-__all__ = ["CASES", "measure", "main"]
+__all__ = ["CASES", "measure", "main", "tracked_step"]
 
 #: (name, model file, compile options, ranks)
 CASES: tuple[tuple[str, str, dict[str, Any], int], ...] = (
@@ -44,6 +44,19 @@ CASES: tuple[tuple[str, str, dict[str, Any], int], ...] = (
 )
 
 
+def tracked_step(pipe: Any, inputs: Any, target: Any) -> Any:
+    """The step [Note: the memory walk] (partitioner/predict/memory.py) predicts: AdamW,
+    one warm-up step (its state made), `zero_grad()` (gradients None), then one tracked
+    `train_step` and `opt.step()`; that step's `memory_stats()`."""
+    opt = pipe.make_optimizer(torch.optim.AdamW, lr=1e-4)
+    for tracked in (False, True):
+        opt.zero_grad()
+        pipe.track_memory(tracked)
+        pipe.train_step(inputs, target)
+        opt.step()
+    return pipe.memory_stats()
+
+
 def _worker(rank: int, world: int, port: int, directory: str, model: str, out: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank))
@@ -59,13 +72,7 @@ def _worker(rank: int, world: int, port: int, directory: str, model: str, out: s
     inputs, target = (kwargs if kwargs else args), mf.example_target()
     pipe = runtime.DistributedPipeline(directory)
     pipe.load_state_dict(mf.build(0).state_dict())
-    opt = pipe.make_optimizer(torch.optim.AdamW, lr=1e-4)
-    for tracked in (False, True):
-        opt.zero_grad()
-        pipe.track_memory(tracked)
-        pipe.train_step(inputs, target)
-        opt.step()
-    s = pipe.memory_stats()
+    s = tracked_step(pipe, inputs, target)
     gathered: list[Any] = [None] * world
     dist.all_gather_object(gathered, {k: getattr(s, k) for k in
                                       ("parameters", "gradients", "optimizer", "activations", "other", "total",

@@ -2,7 +2,7 @@
 one process's pipeline, shared by tests/runtime/test_memory.py (LocalPipeline) and the
 ranks of dist_worker.py (MODE memory): SGD with momentum, one warm-up step, then a
 tracked step with the gradients kept (zeroed in place), then a tracked evaluate; and the
-training loop the memory model predicts (`tracked_step`)."""
+training loop the memory model predicts (`tracked_step`, the one benchmarks/memory.py runs)."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from benchmarks.memory import tracked_step  # the benchmark's step, measured alike here
 from runtime.memory import MemoryStats, NotTrackedError
 
 __all__ = ["check_memory", "tracked_step"]
@@ -46,16 +47,3 @@ def check_memory(pipe: Any, inputs: Any, target: Any) -> MemoryStats:
     assert evaluated.activations == 0 and evaluated.parameters == params, evaluated
     pipe.track_memory(False)
     return stats
-
-
-def tracked_step(pipe: Any, inputs: Any, target: Any) -> MemoryStats:
-    """The step [Note: the memory walk] (partitioner/predict/memory.py) predicts: AdamW,
-    one warm-up step (its state made), `zero_grad()` (gradients None), then one tracked
-    `train_step` and `opt.step()`; that step's stats."""
-    opt = pipe.make_optimizer(torch.optim.AdamW, lr=1e-4)
-    for tracked in (False, True):
-        opt.zero_grad()
-        pipe.track_memory(tracked)
-        pipe.train_step(inputs, target)
-        opt.step()
-    return pipe.memory_stats()
