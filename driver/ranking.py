@@ -10,13 +10,14 @@ from typing import Callable
 
 from partitioner.cost.roofline import BACKWARD_FLOP_FACTOR, mfu
 from partitioner.ir import PartitionProblem, Plan, SolverReport
-from partitioner.predict.predict import mfu_peak, simulate_plan
+from partitioner.predict.predict import mfu_peak, simulate_plan, step_inputs
+from partitioner.predict.step import StepInputs, simulate_step
 
 from .package_info import model_flops
 from .prepared import Prepared
 from .recompute import LEVELS
 
-__all__ = ["Candidate", "Ranking", "SHOWN", "Solved", "bound", "describe", "floor", "simulated"]
+__all__ = ["Candidate", "Ranking", "SHOWN", "Solved", "bound", "describe", "floor", "simulated", "step_bound"]
 
 SHOWN = 5
 #: a bound this close to a step time still gets simulated (float sums in another order)
@@ -53,6 +54,7 @@ class Solved:
     report: SolverReport
     plan: Plan
     bound_s: float
+    inputs: StepInputs | None = None  # the simulator's, where known (`step_bound`)
 
 
 def floor(problem: PartitionProblem, chain: bool) -> float:
@@ -69,7 +71,7 @@ def floor(problem: PartitionProblem, chain: bool) -> float:
     return m * total / p * (1 - _BOUND_SLACK)
 
 
-def bound(prepared: Prepared, assignment: tuple[int, ...], plan: Plan) -> float:
+def bound(prepared: Prepared, assignment: tuple[int, ...], plan: Plan, inputs: StepInputs | None = None) -> float:
     """A step no shorter than the simulator's: the most, over pipeline ranks r, of
 
         forward of microbatch 0 along the longest path of stages into stage r
@@ -77,13 +79,21 @@ def bound(prepared: Prepared, assignment: tuple[int, ...], plan: Plan) -> float:
         + backward of the last microbatch along the longest path out of stage r
 
     (rank r starts with stage r's first forward and ends with its last backward in
-    every schedule; links, the loss and the data-parallel all-reduce only add).  For
-    equal stages and free links it is (M + S - 1) x stage time, the step itself.  Under a
-    zero-bubble schedule a rank's last action may be a W that waits for nobody: the
-    backward path out is left out there."""
+    every schedule; links only add).  For equal stages and free links it is (M + S - 1)
+    x stage time, the step itself.  Under a zero-bubble schedule a rank's last action may
+    be a W that waits for nobody: the backward path out is left out there.  With the
+    simulator's own `inputs` (`step_inputs` of the plan, or of one that only adds to
+    it) the stages' times are those it walks, the last stage's loss is on its rank, and
+    what follows the walk (the loss all-reduce, the gradients' all-reduces, ZeRO-1's
+    broadcast) is added: the tighter bound, which costs more to know."""
     costs = prepared.costs
-    forward = [sum(costs[n].forward_s for n in s.nodes) for s in plan.stages]
-    backward = [s.compute_s - f for s, f in zip(plan.stages, forward)]  # recomputation included
+    if inputs is None:
+        forward = [sum(costs[n].forward_s for n in s.nodes) for s in plan.stages]
+        backward = [s.compute_s - f for s, f in zip(plan.stages, forward)]  # recomputation included
+        loss, after = 0.0, 0.0
+    else:
+        forward, backward = list(inputs.forward_s), list(inputs.backward_s)
+        loss, after = sum(inputs.loss_s), inputs.final_s + inputs.after_s
     producers: dict[int, set[int]] = {k: set() for k in range(plan.num_stages)}
     for e in prepared.problem.edges:
         a, b = assignment[e.src], assignment[e.dst]
@@ -94,11 +104,18 @@ def bound(prepared: Prepared, assignment: tuple[int, ...], plan: Plan) -> float:
         into[k] = max((into[p] + forward[p] for p in producers[k]), default=0.0)
         out[k] = max((backward[p] + out[p] for p in producers[k]), default=0.0)
     work = [0.0] * plan.pp
-    for s in plan.stages:
-        work[plan.rank_of(s.index)] += s.compute_s
+    for k in range(plan.num_stages):
+        work[plan.rank_of(k)] += forward[k] + backward[k]
+    work[plan.rank_of(plan.num_stages - 1)] += loss  # a microbatch's loss, forward and backward
     if plan.spec.splits_backward:
         out = [0.0] * plan.num_stages
-    return max(into[r] + plan.microbatches * work[r] + out[r] for r in range(plan.pp)) * (1 - _BOUND_SLACK)
+    return (max(into[r] + plan.microbatches * work[r] + out[r] for r in range(plan.pp)) + after) * (1 - _BOUND_SLACK)
+
+
+def step_bound(prepared: Prepared, assignment: tuple[int, ...], plan: Plan) -> tuple[float, StepInputs]:
+    """`bound` with the simulator's inputs for `plan`, and those inputs."""
+    inputs = step_inputs(prepared.traced.gm, plan, prepared.costs, prepared.hardware, prepared.loss)
+    return bound(prepared, assignment, plan, inputs), inputs
 
 
 class Ranking:
@@ -135,7 +152,8 @@ class Ranking:
 def simulated(item: Solved, devices: int) -> Candidate:
     """`item`'s candidate with the simulator's step and MFU."""
     p, c = item.prepared, item.cand
-    sim = simulate_plan(p.traced.gm, item.plan, p.costs, p.hardware, p.loss)
+    sim = simulate_step(item.inputs) if item.inputs is not None else \
+        simulate_plan(p.traced.gm, item.plan, p.costs, p.hardware, p.loss)
     flops = model_flops(p) * (1 + BACKWARD_FLOP_FACTOR) * c.microbatches * c.dp
     peak = mfu_peak(p.traced.gm, p.costs, p.hardware, p.opts.precision)[1]  # [Note: a peak per dtype]
     return dataclasses.replace(c, step_time_s=sim.step_time_s, mfu=mfu(flops, sim.step_time_s, devices, peak))

@@ -48,7 +48,8 @@ from runtime.schedule import registry
 
 from partitioner.cost.hardware import Hardware, load_hardware
 from partitioner.errors import InfeasiblePlanError, PlanError
-from partitioner.ir import PartitionProblem, SolverReport
+from partitioner.ir import PartitionProblem, Plan, SolverReport
+from partitioner.predict.step import StepInputs
 from partitioner.solve.problem import coarse_graph, pose
 from partitioner.solve.model import interleaved
 from partitioner.solve.solve import even_split, is_chain, objective, solve
@@ -59,7 +60,7 @@ from .memory import rank_peaks
 from .options import AUTO, CompileOptions, mesh_of, stages_per_rank
 from .phases import apply_tp, finish, load_source, prepare, virtual_counts
 from .prepared import Compiled, Prepared, Source
-from .ranking import SHOWN, Candidate, Ranking, Solved, bound, floor
+from .ranking import SHOWN, Candidate, Ranking, Solved, bound, floor, step_bound
 from .recompute import LEVELS, planned, with_policy
 
 __all__ = ["Candidate", "search"]
@@ -158,7 +159,7 @@ def _rank(posed: list[_Posed], opts: CompileOptions, ranking: Ranking) -> list[C
             if ranking.beaten(item.floor_s):
                 ranking.skipped += 1
                 continue
-            found = _solve(item.base, item.opts, item.pp, item.microbatches, _zeros(opts, item.opts.dp))
+            found = _solve(item.base, item.opts, item.pp, item.microbatches, _zeros(opts, item.opts.dp), ranking.beaten)
             if isinstance(found, Candidate):
                 failed.append(found)
             elif found is not None:
@@ -296,15 +297,16 @@ def _split(base: Prepared, opts: CompileOptions, tp: int) -> Prepared | None:
 # -- 3. solve ------------------------------------------------------------------------------------------
 
 
-def _solve(base: Prepared, opts: CompileOptions, pp: int, microbatches: int,
-           zeros: tuple[int, ...]) -> list[Solved] | Candidate | None:
-    """The candidate solved in each cheapest variant that fits (`offloading.variants`); a Candidate
-    that fits in none; None when the stage count cannot be filled."""
-    found: list[Solved] = []
+def _solve(base: Prepared, opts: CompileOptions, pp: int, microbatches: int, zeros: tuple[int, ...],
+           beaten: Callable[[float], bool]) -> list[Solved] | Candidate | None:
+    """The candidate solved in each cheapest variant that fits (`offloading.variants`), less
+    those whose bound is `beaten`; a Candidate that fits in none; None when the stage count
+    cannot be filled.  A split's peak is walked only where it matters ([Note: walked only
+    where it matters])."""
+    tried: list[_Tried] = []
     note = ""
     for zero, recompute, offload in offloading.variants(opts, zeros):
-        if any(f.cand.zero <= zero and LEVELS.index(f.cand.recompute) <= LEVELS.index(recompute)
-               and f.cand.offload <= offload for f in found):
+        if any(t.dominates(zero, recompute, offload) for t in tried if t.walked):
             continue  # a variant that costs no more in any respect fits already
         sub = dataclasses.replace(opts, zero=zero)
         prepared = with_policy(_repose(base, sub, pp, microbatches, offload), recompute)
@@ -315,10 +317,58 @@ def _solve(base: Prepared, opts: CompileOptions, pp: int, microbatches: int,
             continue
         except PlanError:
             return None
-        for split in _splits(prepared, assignment):  # [Note: splits chosen by the simulator]
-            solved = _solved(prepared, split, report)
-            found += [solved] if solved else []
+        splits = [_Tried(prepared, split, report, beaten) for split in _splits(prepared, assignment)]
+        if all(beaten(t.bound_s) for t in splits):
+            tried += splits
+            continue
+        if any(t.dominates(zero, recompute, offload) for t in tried if t.may_dominate(zero, recompute) and t.walk()):
+            continue
+        tried += [t for t in splits if beaten(t.bound_s) or t.walk()]
+    found = [t.solved for t in tried if t.walked and t.solved is not None]
     return found or Candidate(pp, opts.dp, opts.tp or 1, microbatches, fits=False, note=note, schedule=opts.schedule)
+
+
+class _Tried:
+    """One split of one variant of a candidate, solved; its peak walked (`walk`) only where
+    it matters.
+
+    [Note: walked only where it matters]
+        Walking a split's peak over its schedule costs more than solving it, and most of
+        a large search's candidates are beaten before they are simulated.  A split whose
+        bound is beaten is walked only when a costlier variant of the same candidate is
+        not beaten and could be dominated by it (a variant is skipped where one that
+        costs no more in any respect fits): the search then keeps exactly the candidates
+        it would keep walking every split."""
+
+    def __init__(self, p: Prepared, assignment: tuple[int, ...], report: SolverReport,
+                 beaten: Callable[[float], bool]) -> None:
+        self.prepared, self.assignment, self.report = p, assignment, report
+        self.plan = planned(p, assignment, report)  # [Note: recomputation chosen per rank]
+        self.bound_s = bound(p, assignment, self.plan)  # the copies offloading adds only lengthen it
+        self.inputs: StepInputs | None = None
+        if not beaten(self.bound_s):  # the tighter bound, from the simulator's inputs
+            self.bound_s, self.inputs = step_bound(p, assignment, self.plan)
+        self.walked = False
+        self.solved: Solved | None = None
+
+    def walk(self) -> bool:
+        """Walk the peak (once): whether the split fits."""
+        if not self.walked:
+            self.walked, self.solved = True, _solved(self.prepared, self.assignment, self.report, self.plan,
+                                                     self.bound_s, self.inputs)
+        return self.solved is not None
+
+    def may_dominate(self, zero: int, recompute: str | None) -> bool:
+        """Whether, fitting, this split could dominate the variant (offloading's share is
+        known only once walked: none where the split fits without it)."""
+        p = self.prepared
+        return p.opts.zero <= zero and LEVELS.index(p.problem.policy) <= LEVELS.index(recompute)
+
+    def dominates(self, zero: int, recompute: str | None, offload: bool) -> bool:
+        """Whether this split, walked and fitting, costs no more than the variant in any respect."""
+        c = self.solved.cand if self.solved is not None else None
+        return c is not None and c.zero <= zero and LEVELS.index(c.recompute) <= LEVELS.index(recompute) \
+            and c.offload <= offload
 
 
 def _splits(p: Prepared, assignment: tuple[int, ...]) -> list[tuple[int, ...]]:
@@ -330,20 +380,21 @@ def _splits(p: Prepared, assignment: tuple[int, ...]) -> list[tuple[int, ...]]:
     return [assignment] + ([even] if even != assignment and math.isfinite(objective(p.problem, even)) else [])
 
 
-def _solved(p: Prepared, assignment: tuple[int, ...], report: SolverReport) -> Solved | None:
-    """A candidate of `p` solved into `assignment`, with its memory and its bound; None
-    where the solver's bound fits the memory but the peak walked over the schedule, which
-    the manifest reports, does not."""
-    plan = planned(p, assignment, report)  # [Note: recomputation chosen per rank]
+def _solved(p: Prepared, assignment: tuple[int, ...], report: SolverReport, plan: Plan, bound_s: float,
+            inputs: StepInputs | None) -> Solved | None:
+    """A candidate of `p` solved into `assignment` (`plan`, of step at least `bound_s`, its
+    simulator's `inputs` where known), with its memory; None where the solver's bound fits
+    the memory but the peak walked over the schedule, which the manifest reports, does not."""
     if p.problem.offload or p.opts.offload == "all":  # the offloading variant only (`offloading.variants`)
         plan = offloading.offloaded(p, plan)  # its shares, and the copies' time for the simulator
+        inputs = None
     peak = max(rank_peaks(p, plan))
     if peak > (p.problem.memory_limit_bytes or peak):
         return None
     cand = Candidate(p.mesh.pp, p.opts.dp, p.opts.tp or 1, p.mesh.microbatches, memory_bytes=peak,
                      recompute=p.problem.policy, schedule=p.opts.schedule, zero=plan.zero,
                      virtual_stages=p.mesh.virtual_stages, offload=bool(plan.offload))
-    return Solved(cand, p, assignment, report, plan, bound(p, assignment, plan))
+    return Solved(cand, p, assignment, report, plan, bound_s, inputs)
 
 
 def _solve_one(p: Prepared) -> tuple[tuple[int, ...], SolverReport]:

@@ -48,6 +48,7 @@ from typing import Sequence
 import numpy as np
 
 from ..errors import InfeasiblePlanError, PlanError
+from ..cost.costmodel import shared_params
 from .cpsat import CpResult, solve_cpsat
 from .intervals import dp_balanced, dp_memory, dp_time
 from .model import (RankCost, StageCost, evaluate, fills_with_compute, interleaved, memory_unit, objective, plan_key,
@@ -172,6 +173,11 @@ def solve(problem: PartitionProblem, time_limit_s: float = 30.0, *, seed: int = 
     """
     start = time.perf_counter()
     _check(problem)
+    limit = problem.memory_limit_bytes
+    if not explain and limit is not None and _held_alone(problem) > limit * problem.ranks + problem.stages:
+        raise InfeasiblePlanError(f"no plan into {problem.stages} stages fits {_size(limit)} per "
+                                  f"{memory_unit(problem)}: the weights, gradients and optimizer state alone need "
+                                  f"{_size(_held_alone(problem) // problem.ranks)} per rank")
     dp, dp_bound, summed, settled = _contiguous(problem)
     exact = summed and is_chain(problem)  # every valid plan is contiguous: the DP's bound holds for all of them
     report = SolverReport(method="dp", objective_s=0.0, lower_bound_s=0.0, wall_s=0.0, status="OPTIMAL",
@@ -212,6 +218,14 @@ def _check(problem: PartitionProblem) -> None:
                         f"stage needs at least one block: {fix}.")
     if problem.microbatches < 1:
         raise PlanError(f"--microbatches {problem.microbatches}: need at least one microbatch.")
+
+
+def _held_alone(problem: PartitionProblem) -> int:
+    """The weights, gradients and optimizer state of every parameter, each held once: the
+    ranks hold at least this together, whatever the plan (a rank's is its stages' rounded
+    sum, less the copies of a shared parameter: at most a byte a stage more)."""
+    own, shared = shared_params(problem)
+    return round((sum(own) + sum(size for size, _ in shared)) * (2 + problem.optimizer_factor))
 
 
 def _trivial_bound(problem: PartitionProblem) -> float:

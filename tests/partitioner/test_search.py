@@ -113,6 +113,7 @@ def _unpruned(monkeypatch: pytest.MonkeyPatch) -> None:
     """Neither bound prunes: every candidate is solved and simulated."""
     monkeypatch.setattr(search, "bound", lambda *_a: 0.0)
     monkeypatch.setattr(search, "floor", lambda *_a: 0.0)
+    monkeypatch.setattr(search, "step_bound", lambda *_a: (0.0, None))
 
 
 @pytest.mark.parametrize("schedule", ["auto", "1f1b"])
@@ -137,14 +138,14 @@ def test_pruning_never_drops_the_best_mesh(tmp_path: Path, monkeypatch: pytest.M
 
 @pytest.mark.slow
 def test_the_bounds_are_below_every_simulated_step(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    seen: list[tuple[float, float, float]] = []
+    seen: list[tuple[float, float, float, float]] = []
     real = ranking.simulated
 
     def check(item: Any, devices: int) -> Any:
         cand = real(item, devices)
-        problem = item.prepared.problem
-        seen.append((ranking.bound(item.prepared, item.assignment, item.plan),
-                     ranking.floor(problem, is_chain(problem)), cand.step_time_s))
+        problem, args = item.prepared.problem, (item.prepared, item.assignment, item.plan)
+        seen.append((ranking.bound(*args), ranking.floor(problem, is_chain(problem)), ranking.step_bound(*args)[0],
+                     cand.step_time_s))
         return cand
 
     _unpruned(monkeypatch)
@@ -153,8 +154,9 @@ def test_the_bounds_are_below_every_simulated_step(tmp_path: Path, monkeypatch: 
         compile_example("examples/gpt.py", tmp_path / schedule, devices=devices, stages=None, hardware="h100",
                         schedule=schedule)
     assert len(seen) > 10
-    assert all(b <= step and f <= step for b, f, step in seen)
-    assert any(f > b for b, f, _ in seen), "the floor of fill and drain is sometimes the higher"
+    assert all(b <= tight <= step and f <= step for b, f, tight, step in seen)
+    assert any(f > b for b, f, _, _ in seen), "the floor of fill and drain is sometimes the higher"
+    assert all(tight > 1.01 * b for b, _, tight, _ in seen), "the simulator's inputs tighten the bound"
 
 
 def test_auto_schedule_keeps_the_fastest_predicted_schedule(tmp_path: Path) -> None:
