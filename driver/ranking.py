@@ -17,7 +17,7 @@ from .package_info import model_flops
 from .prepared import Prepared
 from .recompute import LEVELS
 
-__all__ = ["Candidate", "Ranking", "SHOWN", "Solved", "bound", "describe", "floor", "simulated", "step_bound"]
+__all__ = ["Candidate", "Ranking", "SHOWN", "Solved", "bound", "describe", "floor", "simulate_fastest", "simulated", "step_bound"]
 
 SHOWN = 5
 #: a bound this close to a step time still gets simulated (float sums in another order)
@@ -125,28 +125,44 @@ class Ranking:
     def __init__(self, devices: int, say: Callable[[str], None]) -> None:
         self.devices, self.say = devices, say
         self.ranked: list[tuple[Candidate, Solved]] = []
+        self._orders: dict[int, int] = {}  # each ranked item's candidate order (`insert`)
         self.skipped = 0
 
     def beaten(self, bound_s: float) -> bool:
         """Whether a candidate of step at least `bound_s` cannot be the fastest."""
         return bool(self.ranked) and bound_s > self.ranked[0][0].step_time_s
 
-    def add(self, solved: list[Solved]) -> None:
+    def add(self, solved: list[Solved], order: int = 0) -> None:
         """Simulate each of `solved` (in order of bound) that may be the fastest."""
-        for item in sorted(solved, key=lambda x: x.bound_s):  # sorted is stable: mesh order breaks ties
-            if self.beaten(item.bound_s):
-                self.skipped += 1
-                continue
-            cand = simulated(item, self.devices)
-            self.ranked.append((cand, item))
-            self.ranked.sort(key=lambda r: (r[0].step_time_s, r[0].tp, r[0].pp, r[0].microbatches,
-                                            LEVELS.index(r[0].recompute), r[0].zero, r[0].offload, r[0].virtual_stages))
-            self.say(f"  {describe(item.cand)}: {cand.step_time_s * 1e3:.3f} ms, MFU {cand.mfu * 100:.1f}%")
+        self.skipped += simulate_fastest(solved, self.beaten, self.devices, lambda c, s: self.insert(c, s, order))
+
+    def insert(self, cand: Candidate, item: Solved, order: int = 0) -> None:
+        """`cand`, simulated from `item`, in its place; `order`, the candidate's in the
+        search, breaks the ties left (in one process or several alike)."""
+        self.ranked.append((cand, item))
+        self._orders[id(item)] = order
+        self.ranked.sort(key=lambda r: (r[0].step_time_s, r[0].tp, r[0].pp, r[0].microbatches,
+                                        LEVELS.index(r[0].recompute), r[0].zero, r[0].offload, r[0].virtual_stages,
+                                        self._orders[id(r[1])]))
+        self.say(f"  {describe(item.cand)}: {cand.step_time_s * 1e3:.3f} ms, MFU {cand.mfu * 100:.1f}%")
 
     def best_text(self) -> str:
         """The best so far, for the progress bar."""
         c = self.ranked[0][0] if self.ranked else None
         return "best: none yet" if c is None else f"best {c.step_time_s * 1e3:.1f} ms {describe(c)}"
+
+
+def simulate_fastest(solved: list[Solved], beaten: Callable[[float], bool], devices: int,
+                     found: Callable[[Candidate, Solved], None]) -> int:
+    """Simulate each of `solved` (in order of bound) that may still be the fastest, handing
+    each simulated candidate to `found`; how many a bound skipped."""
+    skipped = 0
+    for item in sorted(solved, key=lambda x: x.bound_s):  # sorted is stable: mesh order breaks ties
+        if beaten(item.bound_s):
+            skipped += 1
+            continue
+        found(simulated(item, devices), item)
+    return skipped
 
 
 def simulated(item: Solved, devices: int) -> Candidate:

@@ -62,6 +62,7 @@ from .phases import apply_tp, finish, load_source, prepare, virtual_counts
 from .prepared import Compiled, Prepared, Source
 from .ranking import SHOWN, Candidate, Ranking, Solved, bound, floor, step_bound
 from .recompute import LEVELS, planned, with_policy
+from .workers import outcomes, workers
 
 __all__ = ["Candidate", "search"]
 
@@ -150,20 +151,25 @@ def _order(item: "_Posed") -> float:
 
 
 def _rank(posed: list[_Posed], opts: CompileOptions, ranking: Ranking) -> list[Candidate]:
-    """Solve and simulate each of `posed` (in order of floor) that may be among the SHOWN
-    fastest into `ranking` ([Note: the search's bounds]); the candidates that fit nowhere."""
+    """Solve and simulate each of `posed` (in order of floor) that may be the fastest into
+    `ranking` ([Note: the search's bounds]), in worker processes where that helps ([Note:
+    the search in worker processes] in driver/workers.py); the candidates that fit nowhere."""
+
+    def solve(index: int, beaten: Callable[[float], bool]) -> list[Solved] | Candidate | None:
+        item = posed[index]
+        if beaten(item.floor_s):
+            return None
+        found = _solve(item.base, item.opts, item.pp, item.microbatches, _zeros(opts, item.opts.dp), beaten)
+        return [] if found is None else found
+
     failed: list[Candidate] = []
     with _progress(opts, len(posed), "meshes") as bar:
-        for item in posed:
+        for outcome in outcomes([item.base for item in posed], solve, ranking, workers(len(posed))):
             bar.update(1)
-            if ranking.beaten(item.floor_s):
-                ranking.skipped += 1
-                continue
-            found = _solve(item.base, item.opts, item.pp, item.microbatches, _zeros(opts, item.opts.dp), ranking.beaten)
-            if isinstance(found, Candidate):
-                failed.append(found)
-            elif found is not None:
-                ranking.add(found)
+            for cand, item in outcome.simulated:
+                ranking.insert(cand, item, outcome.index)
+            failed += [outcome.failed] if outcome.failed else []
+            ranking.skipped += outcome.skipped
             bar.set_postfix_str(ranking.best_text(), refresh=False)
     return failed
 

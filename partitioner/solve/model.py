@@ -131,8 +131,20 @@ def evaluate(problem: PartitionProblem, assignment: Sequence[int]) -> tuple[tupl
     return tuple(c.time_s for c in ranks), tuple(c.memory_bytes for c in ranks)
 
 
-def violations(problem: PartitionProblem, assignment: Sequence[int]) -> list[str]:
-    """What makes `assignment` invalid (empty when it is a valid plan)."""
+def violations(problem: PartitionProblem, assignment: Sequence[int],
+               ranks: Sequence[RankCost] | None = None) -> list[str]:
+    """What makes `assignment` invalid (empty when it is a valid plan); `ranks`: its
+    `rank_costs`, where known."""
+    found = _misplaced(problem, assignment)
+    if found:
+        return found
+    limit, unit = problem.memory_limit_bytes, memory_unit(problem)
+    memories = [c.memory_bytes for c in (ranks if ranks is not None else rank_costs(problem, assignment))]
+    return [f"{unit} {k} needs {m} bytes > {limit}" for k, m in enumerate(memories) if limit is not None and m > limit]
+
+
+def _misplaced(problem: PartitionProblem, assignment: Sequence[int]) -> list[str]:
+    """What makes `assignment` invalid but memory."""
     n, stages = problem.num_blocks, problem.stages
     if len(assignment) != n or any(not 0 <= k < stages for k in assignment):
         return [f"need {n} stages in [0, {stages})"]
@@ -143,18 +155,13 @@ def violations(problem: PartitionProblem, assignment: Sequence[int]) -> list[str
         found += [f"stage {k} has no compute" for k in sorted(set(assignment) - busy)]
     if assignment[-1] != stages - 1:
         found.append("the output block is not in the last stage")
-    limit, unit = problem.memory_limit_bytes, memory_unit(problem)
-    _, memories = evaluate(problem, assignment)
-    found += [f"{unit} {k} needs {m} bytes > {limit}" for k, m in enumerate(memories) if limit is not None and m > limit]
     return found
 
 
 def objective(problem: PartitionProblem, assignment: Sequence[int]) -> float:
     """The time of what paces the schedule, the slowest ([Note: what the schedule runs]):
     a rank, or under interleaved 1F1B a virtual stage; inf when `assignment` is not a valid plan."""
-    if violations(problem, assignment):
-        return math.inf
-    return max(paces(problem, assignment))
+    return plan_key(problem, assignment)[0]
 
 
 def interleaved(problem: PartitionProblem) -> bool:
@@ -166,9 +173,12 @@ def interleaved(problem: PartitionProblem) -> bool:
 def paces(problem: PartitionProblem, assignment: Sequence[int]) -> tuple[float, ...]:
     """The times whose most paces the schedule ([Note: what the schedule runs]): each
     stage's under interleaved 1F1B, else each rank's."""
-    if interleaved(problem):
-        return tuple(c.time_s for c in stage_costs(problem, assignment))
-    return evaluate(problem, assignment)[0]
+    costs = stage_costs(problem, assignment)
+    return _paces(problem, costs, rank_costs(problem, assignment, costs))
+
+
+def _paces(problem: PartitionProblem, costs: Sequence[StageCost], ranks: Sequence[RankCost]) -> tuple[float, ...]:
+    return tuple(c.time_s for c in (costs if interleaved(problem) else ranks))
 
 
 def interleaved_step_s(problem: PartitionProblem, slowest_stage_s: float) -> float:
@@ -187,14 +197,16 @@ def plan_key(problem: PartitionProblem, assignment: Sequence[int]) -> tuple[floa
     """What `solve` minimises, in order: the slowest rank, or virtual stage under
     interleaved 1F1B (`objective`; inf when invalid), the sum of their excess over the
     mean compute (balance), the bytes sent between ranks (each value once per stage that
-    receives it)."""
-    slowest = objective(problem, assignment)
-    if not math.isfinite(slowest):
+    receives it).  The plan is costed once."""
+    if _misplaced(problem, assignment):
         return (math.inf, math.inf, 0)
-    times = paces(problem, assignment)
+    costs = stage_costs(problem, assignment)
+    ranks = rank_costs(problem, assignment, costs)
+    if violations(problem, assignment, ranks):
+        return (math.inf, math.inf, 0)
+    times = _paces(problem, costs, ranks)
     mean = sum(problem.block_time_s) / len(times)
-    ranks = rank_costs(problem, assignment)
-    return (slowest, sum(max(0.0, t - mean) for t in times), sum(c.link_bytes for c in ranks))
+    return (max(times), sum(max(0.0, t - mean) for t in times), sum(c.link_bytes for c in ranks))
 
 
 def memory_unit(problem: PartitionProblem) -> str:

@@ -126,6 +126,7 @@ def test_pruning_never_drops_the_best_mesh(tmp_path: Path, monkeypatch: pytest.M
     sims: list[int] = []
     real_sim = ranking.simulated
     monkeypatch.setattr(ranking, "simulated", lambda *a: sims.append(1) or real_sim(*a))
+    monkeypatch.setattr(search, "workers", lambda _count: 1)  # counted in this process
     options = dict(devices=4, stages=None, tp=1, hardware="h100", schedule=schedule)
     pruned = compile_example("examples/gpt.py", tmp_path / "a", **options).manifest.predicted.extra["candidates"]
     simulated_pruned = len(sims)
@@ -150,6 +151,7 @@ def test_the_bounds_are_below_every_simulated_step(tmp_path: Path, monkeypatch: 
 
     _unpruned(monkeypatch)
     monkeypatch.setattr(ranking, "simulated", check)
+    monkeypatch.setattr(search, "workers", lambda _count: 1)  # seen in this process
     for schedule, devices in (("1f1b", 4), ("gpipe", 2), ("interleaved", 2), ("auto", 2)):  # auto: zb-* too
         compile_example("examples/gpt.py", tmp_path / schedule, devices=devices, stages=None, hardware="h100",
                         schedule=schedule)
@@ -205,3 +207,15 @@ def test_the_published_megatron_meshes_are_candidates() -> None:
         mesh = (row.pp, row.tp, dp, row.batch // dp)
         assert mesh in _meshes(row.gpus, row.batch, opts, tp_limit=8), row
         assert row.schedule in _schedules(opts.schedule, row.pp) + _interleaved(opts, row.pp, mesh[3], 1), row
+
+
+def test_the_search_in_worker_processes_finds_the_same_best_mesh(tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """[Note: the search in worker processes]: the best by the shared bound is the one found in one process."""
+    options = dict(devices=4, stages=None, tp=1, hardware="h100", schedule="auto")
+    best = []
+    for count in (1, 2):
+        monkeypatch.setattr(search, "workers", lambda _count, n=count: n)
+        manifest = compile_example("examples/gpt.py", tmp_path / str(count), **options).manifest
+        best.append((manifest.mesh, manifest.schedule, manifest.predicted.extra["candidates"][0]))
+    assert best[0] == best[1]
