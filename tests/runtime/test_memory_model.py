@@ -36,7 +36,7 @@ CASES = [
     pytest.param(GPT, {"schedule": "interleaved", "virtual_stages": 2}, 2, id="gpt-interleaved"),
     pytest.param(GPT, {"schedule": "zb-h1"}, 2, id="gpt-zb-h1"),
     pytest.param(GPT, {"schedule": "zb-h2"}, 2, id="gpt-zb-h2"),
-    pytest.param(GPT, {"schedule": "zb-v"}, 2, id="gpt-zb-v", marks=_off("1.00, 1.06")),
+    pytest.param(GPT, {"schedule": "zb-v"}, 2, id="gpt-zb-v"),
     pytest.param(GPT, {"schedule": "1f1b", "recompute": "full"}, 2, id="gpt-recompute"),
     pytest.param(GPT, {"schedule": "1f1b", "dp": 2, "zero": 1}, 4, id="gpt-pp2-dp2-zero1"),
     pytest.param(GPT, {"schedule": "1f1b", "tp": 2, "stages": 1}, 2, id="gpt-tp2"),
@@ -45,7 +45,7 @@ CASES = [
     pytest.param(LLAMA, {"schedule": "zb-h1"}, 2, id="llama-zb-h1"),
     pytest.param(GPT, {"schedule": "1f1b", "recompute": "selective"}, 2, id="gpt-selective"),
     pytest.param(GPT, {"schedule": "gpipe", "recompute": "selective"}, 2, id="gpt-gpipe-selective"),
-    pytest.param(LLAMA, {"schedule": "1f1b", "recompute": "selective"}, 2, id="llama-selective", marks=_off("1.07, 1.02")),
+    pytest.param(LLAMA, {"schedule": "1f1b", "recompute": "selective"}, 2, id="llama-selective"),
     pytest.param(GPT, {"schedule": "gpipe", "offload": "all", "microbatches": 8}, 2, id="gpt-gpipe-offload"),
     pytest.param(GPT, {"schedule": "1f1b", "offload": "all", "microbatches": 8}, 2, id="gpt-1f1b-offload"),
 ]
