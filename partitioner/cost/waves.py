@@ -10,8 +10,11 @@
     Multiplication Background User's Guide", 2023: section 2.3, cuBLAS's typical tiles, 256 x
     128 the most efficient; sections 3.1 and 3.2, tile and wave quantization on the A100's 108
     SMs).  Small products lose most (a 2048 x 2304 output is 144 tiles of 256 x 128: two waves
-    on 108 SMs, the second a third full); the wide ones of a large model hardly any.  The
-    profile's `efficiency` is then what a full wave of tiles achieves.  A node's product is
+    on 108 SMs, the second a third full); the wide ones of a large model hardly any.  A
+    product of fewer tiles than one wave is not charged so: cuBLAS spreads it over the SMs
+    with smaller tiles or by splitting K, so it keeps the machine busy (fraction 1, its FLOPs
+    at the profile's efficiency, as without waves).  The profile's `efficiency` is then what
+    a full wave of tiles achieves.  A node's product is
     read off its output: a node that reads a weight multiplies all rows at once (M is every
     leading dimension together), one of two activations (q @ k^T) multiplies one matrix per
     leading index.  Profiles without `sm_count` (the CPU) have no waves: the fraction is 1.
@@ -37,6 +40,8 @@ def busy_fraction(batch: int, m: int, n: int, sm_count: int, tile_m: int, tile_n
     if sm_count <= 0 or tile_m <= 0 or tile_n <= 0 or min(batch, m, n) <= 0:
         return 1.0
     tiles = batch * math.ceil(m / tile_m) * math.ceil(n / tile_n)
+    if tiles < sm_count:  # less than a wave: smaller tiles or split K spread it
+        return 1.0
     waves = math.ceil(tiles / sm_count)
     return batch * m * n / (waves * sm_count * tile_m * tile_n)
 
