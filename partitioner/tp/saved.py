@@ -42,7 +42,7 @@ def rank_saved_bytes(n: torch.fx.Node, params: dict[str, Layout], tp: int) -> in
     shapes = []
     for a in n.all_input_nodes:
         meta = a.meta.get("tensor_meta")
-        if not hasattr(meta, "shape"):
+        if meta is None or not hasattr(meta, "shape"):
             return None
         local = params[str(a.target)].local_shape(tuple(meta.shape), tp) if str(a.target) in params else meta.shape
         shapes.append((tuple(local), meta.dtype, bool(meta.requires_grad), a.op == "get_attr"))
