@@ -2,11 +2,14 @@
 
 Narayanan et al., "Efficient Large-Scale Language Model Training on GPU Clusters Using
 Megatron-LM" (SC'21), table 1: GPT models of 1.7B to 1T parameters on 32 to 3072 A100-80GB,
-sequence 2048, vocabulary 51200, microbatch 1, full activation recomputation.  Each row is
-one `python -m partitioner compile benchmarks/models/megatron_gpt.py --analytic --hardware
-a100 --memory 80GiB --precision bf16 --recompute` run as its own process with the row's
-mesh, schedule and batch (interleaved rows with their stages per rank searched), and its
-TFLOP/s per GPU counted as the paper counts them, 96 B s l h^2 (1 + s/6h + V/16lh) per step.
+sequence 2048, vocabulary 51200, full activation recomputation.  Each row is one `python -m
+partitioner compile benchmarks/models/megatron_gpt.py --analytic --hardware a100 --memory
+80GiB --precision bf16 --recompute` run as its own process with the row's mesh, schedule
+and layers per virtual stage as Megatron-LM's own script for the table ran them
+(NVIDIA/Megatron-LM, examples/sc21/run_table_1.sh: interleaved 1F1B with
+`--num-layers-per-virtual-pipeline-stage` on the 76B, 145B, 310B and 530B rows, plain 1F1B
+elsewhere), one row per microbatch (the script's are 16 rows down to 1: `Row.microbatches`),
+and its TFLOP/s per GPU counted as the paper counts them, 96 B s l h^2 (1 + s/6h + V/16lh) per step.
 Then the planner's own search for the same GPUs and batch (`--devices`, the mesh, schedule,
 microbatches and recomputation its choice): its predicted speedup over the published step,
 its plan, its peak memory per rank and the search's wall time.
@@ -41,21 +44,39 @@ class Row(NamedTuple):
     pp: int
     gpus: int
     batch: int
-    schedule: str
+    mbs: int  # Megatron-LM's samples per microbatch (--micro-batch-size); planned with one (`microbatches`)
+    layers_per_virtual: int  # --num-layers-per-virtual-pipeline-stage; 0: plain 1F1B
     published_tflops: float
 
+    @property
+    def schedule(self) -> str:
+        return "interleaved" if self.layers_per_virtual else "1f1b"
 
-ROWS = [
-    Row("1.7B", 24, 2304, 24, 1, 1, 32, 512, "1f1b", 137),
-    Row("3.6B", 32, 3072, 30, 2, 1, 64, 512, "1f1b", 138),
-    Row("7.5B", 32, 4096, 36, 4, 1, 128, 512, "1f1b", 142),
-    Row("18.4B", 48, 6144, 40, 8, 1, 256, 1024, "1f1b", 135),
-    Row("39.1B", 64, 8192, 48, 8, 2, 512, 1536, "interleaved", 138),
-    Row("76.1B", 80, 10240, 60, 8, 4, 1024, 1792, "1f1b", 140),
-    Row("145.6B", 96, 12288, 80, 8, 8, 1536, 2304, "interleaved", 148),
-    Row("310.1B", 128, 16384, 96, 8, 16, 1920, 2160, "interleaved", 155),
-    Row("529.6B", 128, 20480, 105, 8, 35, 2520, 2520, "1f1b", 163),
-    Row("1008B", 160, 25600, 128, 8, 64, 3072, 3072, "interleaved", 163),
+    @property
+    def virtual_stages(self) -> int:
+        """Stages per pipeline rank: each rank's layers over the layers of one virtual stage."""
+        return self.layers // self.pp // self.layers_per_virtual if self.layers_per_virtual else 1
+
+    @property
+    def microbatches(self) -> int:
+        """Microbatches per step of each data-parallel replica: one row each, not Megatron-LM's
+        `mbs` rows (the runtime's recomputation runs a stage's whole forward again at once, so
+        16 rows of the 1.7B model, 64 GiB of activations, do not fit 80 GiB; Megatron-LM's
+        recomputes one layer at a time)."""
+        return self.batch // (self.gpus // (self.tp * self.pp))
+
+
+ROWS = [  # NVIDIA/Megatron-LM examples/sc21/run_table_1.sh: TP, PP, MBS, GBS, layers per virtual stage
+    Row("1.7B", 24, 2304, 24, 1, 1, 32, 512, 16, 0, 137),
+    Row("3.6B", 32, 3072, 30, 2, 1, 64, 512, 16, 0, 138),
+    Row("7.5B", 32, 4096, 36, 4, 1, 128, 512, 16, 0, 142),
+    Row("18.4B", 48, 6144, 40, 8, 1, 256, 1024, 8, 0, 135),
+    Row("39.1B", 64, 8192, 48, 8, 2, 512, 1536, 4, 0, 138),
+    Row("76.1B", 80, 10240, 60, 8, 4, 1024, 1792, 2, 5, 140),
+    Row("145.6B", 96, 12288, 80, 8, 8, 1536, 2304, 2, 5, 148),
+    Row("310.1B", 128, 16384, 96, 8, 16, 1920, 2160, 1, 3, 155),
+    Row("529.6B", 128, 20480, 105, 8, 35, 2520, 2520, 1, 1, 163),
+    Row("1008B", 160, 25600, 128, 8, 64, 3072, 3072, 1, 0, 163),
 ]
 
 
@@ -68,8 +89,8 @@ def step_flops(row: Row) -> float:
 def plan(row: Row, out: Path) -> dict[str, Any]:
     """Compile `row` with Megatron-LM's mesh in its own process: what the manifest predicts."""
     dp = row.gpus // (row.tp * row.pp)
-    mesh = ["--stages", str(row.pp), "--tp", str(row.tp), "--dp", str(dp), "--microbatches", str(row.batch // dp),
-            "--schedule", row.schedule]
+    mesh = ["--stages", str(row.pp), "--tp", str(row.tp), "--dp", str(dp), "--microbatches", str(row.microbatches),
+            "--schedule", row.schedule, *(["--virtual-stages", str(row.virtual_stages)] if row.layers_per_virtual else [])]
     m, wall, _ = compile_process(MODEL, out, [*mesh, *OPTIONS], _env(row))
     assert m.predicted is not None
     peak = rank_peak_bytes(m)

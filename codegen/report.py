@@ -79,9 +79,9 @@ def format_plan(manifest: Manifest) -> str:
     checkpointing = _checkpointing_line(manifest)
     if checkpointing:
         lines.append(checkpointing)
-    offloaded = _offload_line(manifest)
-    if offloaded:
-        lines.append(offloaded)
+    for saving in (_recompute_line(manifest), _offload_line(manifest)):
+        if saving:
+            lines.append(saving)
     solver = predicted.solver if predicted is not None else {}
     if solver:
         lines.append(
@@ -149,6 +149,25 @@ def _checkpointing_line(manifest: Manifest) -> str:
             if any(s.recompute for s in manifest.stages) else
             "replaced by the planner's recompute choice: activations kept (--recompute to recompute them)")
     return f"checkpoint the model's gradient checkpointing ({shown}) is traced as the ops it runs and {kept}"
+
+
+def _recompute_line(manifest: Manifest) -> str:
+    """Per stage that recomputes, its policy and the device bytes that saves against keeping
+    every activation (the manifest's `predicted.recompute`; an older package's without
+    them), or ''."""
+    if not any(s.recompute for s in manifest.stages):
+        return ""
+    saved = {e["stage"]: e["saved_bytes"] for e in (manifest.predicted.extra.get("recompute", [])
+                                                    if manifest.predicted is not None else [])}
+    parts = [f"stage {s.index} {s.recompute}" + (_less(saved[s.index]) if s.index in saved else "")
+             for s in manifest.stages if s.recompute]
+    return f"recompute  activations run again in backward instead of kept: {', '.join(parts)}"
+
+
+def _less(saved: int) -> str:
+    """' (1.2 MiB less)', or ' (6.0 KiB more)' where a policy's second forward outweighs
+    what it frees (a last stage that holds one microbatch)."""
+    return f" ({format_bytes(abs(saved))} {'less' if saved >= 0 else 'more'})"
 
 
 def _offload_line(manifest: Manifest) -> str:

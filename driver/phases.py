@@ -68,7 +68,7 @@ from .options import (CompileOptions, batch_size, check, default_microbatches, f
                       split_batch)
 from .package_info import model_flops, package_info
 from .prepared import Compiled, Prepared, Source
-from .recompute import planned
+from .recompute import planned, recompute_block
 
 __all__ = ["MAX_VIRTUAL", "apply_tp", "assign_nodes", "choose_split", "compile_device", "emit_plan", "finish",
            "keep_checkpointing", "load_source", "most_virtual", "prepare", "solve_interleaved", "solve_problem",
@@ -248,7 +248,7 @@ def finish(prepared: Prepared, assignment: tuple[int, ...], report: SolverReport
         plan = planned(p, assignment, report)  # [Note: recomputation chosen per rank]
         p, plan, resolved, calibrated = check_plan(p, plan)
     plan, offloaded = offloading.offload(p, plan)
-    return emit_plan(p, plan, {**offloaded, **(extra or {})}, resolved=resolved, calibrated=calibrated)
+    return emit_plan(p, plan, {**offloaded, **recompute_block(p, plan), **(extra or {})}, resolved=resolved, calibrated=calibrated)
 
 
 def emit_plan(p: Prepared, plan: Plan, extra: dict[str, Any] | None = None, *, resolved: bool = False,

@@ -14,17 +14,18 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable
+from typing import Any, Callable
 
 from partitioner.errors import InfeasiblePlanError
 from partitioner.ir import Plan, SolverReport
 from partitioner.solve.model import rank_costs
 from partitioner.solve.problem import make_plan, pose
 
+from .memory import stage_parts
 from .options import AUTO
 from .prepared import Prepared
 
-__all__ = ["LEVELS", "cheapest_per_rank", "planned", "solve_cheapest_policy", "with_policy"]
+__all__ = ["LEVELS", "cheapest_per_rank", "planned", "recompute_block", "solve_cheapest_policy", "with_policy"]
 
 #: the policies in order of the time they add ([Note: recomputation chosen per rank])
 LEVELS: tuple[str | None, ...] = (None, "selective", "full")
@@ -78,3 +79,17 @@ def planned(p: Prepared, assignment: tuple[int, ...], report: SolverReport | Non
     """The Plan of `assignment` (a stage per block of `p`), each rank on the cheapest policy
     that fits under `--recompute auto` (`cheapest_per_rank`)."""
     return cheapest_per_rank(p, make_plan(p.problem, p.blocks, assignment, report, p.mesh), assignment)
+
+
+def recompute_block(p: Prepared, plan: Plan) -> dict[str, Any]:
+    """The manifest's `predicted.recompute`: per stage that recomputes, its policy and the
+    device bytes that saves against keeping every activation, the difference of the two
+    plans' walked parts ([Note: the memory walk] in partitioner/predict/memory.py), each
+    without offloading (nothing when no stage recomputes)."""
+    if not plan.recomputes:
+        return {}
+    kept = [dataclasses.replace(s, recompute=None) for s in plan.stages]
+    keep_all = dataclasses.replace(plan, stages=tuple(kept), recompute=False, offload=())
+    saved = [a - b for a, b in zip(stage_parts(p, keep_all), stage_parts(p, dataclasses.replace(plan, offload=())))]
+    return {"recompute": [{"stage": k, "policy": plan.policy(k), "saved_bytes": saved[k]}
+                          for k in range(plan.num_stages) if plan.policy(k)]}

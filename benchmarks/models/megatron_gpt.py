@@ -1,7 +1,17 @@
 """The GPT of Megatron-LM's weak-scaling table (Narayanan et al., SC'21, table 1): token
 embedding and learned positions, pre-LayerNorm blocks with a fused qkv projection and causal
-`F.scaled_dot_product_attention`, a GELU MLP of 4h, a final LayerNorm and an untied head;
-vocabulary 51200, sequence 2048, in bfloat16.  For planning with `--analytic` (meta device).
+attention computed as Megatron-LM computed it in 2021, a GELU MLP of 4h, a final LayerNorm
+and an untied head; vocabulary 51200, sequence 2048, in bfloat16.  For planning with
+`--analytic` (meta device).
+
+The attention is not `F.scaled_dot_product_attention` (which an A100 runs as one fused flash
+kernel, 2022): Megatron-LM's runs wrote the scores q k^T of every head to memory, read them
+back through its fused scale-mask-softmax kernel and multiplied the probabilities by v, as
+here.  Those passes over heads x seq^2 scores per layer cost the small models most (heads
+per GPU x seq against h^2 / tp of matmul work: 24 heads at h 2304 on one GPU for the 1.7B
+row, 16 per GPU at h 20480 for the 530B).  The mask is added as a bias here, a pass that
+Megatron-LM's kernel fused into its softmax; its dropout on the probabilities (0.1), a pass
+of about the same bytes, is left out.
 
 The size comes from the environment, so that one file serves every row of the table:
 MEG_H (hidden), MEG_L (layers), MEG_HEADS, MEG_B (global batch), MEG_SEQ, MEG_VOCAB.
@@ -25,6 +35,11 @@ VOCAB = int(os.environ.get("MEG_VOCAB", 4096))
 DTYPE = torch.bfloat16
 
 
+def causal_mask(t: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """(t, t): 0 where a position may attend, -inf after it."""
+    return torch.full((t, t), float("-inf"), device=device, dtype=dtype).triu(1)
+
+
 class Block(nn.Module):
     def __init__(self) -> None:
         super().__init__()
@@ -36,7 +51,8 @@ class Block(nn.Module):
         b, t, _ = x.shape
         q, k, v = self.qkv(self.ln1(x)).split(H, dim=2)
         q, k, v = (z.view(b, t, HEADS, H // HEADS).transpose(1, 2) for z in (q, k, v))  # (B, nh, T, hs)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, t, H)
+        scores = (q * (H // HEADS) ** -0.5) @ k.transpose(-2, -1) + causal_mask(t, x.device, x.dtype)
+        y = (scores.softmax(-1) @ v).transpose(1, 2).reshape(b, t, H)
         x = x + self.proj(y)
         return x + self.out(F.gelu(self.fc(self.ln2(x))))
 

@@ -75,6 +75,11 @@ class Hardware:
     #: bytes/s, one direction, between a device and its host's memory (activation
     #: offloading); 0: unknown, a copy within memory (`memory_bandwidth`: the cpu's)
     host_link_bandwidth: float = 0.0
+    #: streaming multiprocessors and the output tile of a matrix multiply on one of them
+    #: ([Note: waves of tiles] in waves.py); 0: no waves (every product keeps all busy)
+    sm_count: int = 0
+    gemm_tile_m: int = 0
+    gemm_tile_n: int = 0
     sources: tuple[str, ...] = field(default_factory=tuple)
 
     @property

@@ -38,6 +38,7 @@ from .hardware import Hardware
 from .nodes import compute_dtype, compute_nodes, is_shape_only, nbytes, needs_grad, param_names, storage_key, tensors, total_bytes
 from .roofline import BACKWARD_FLOP_FACTOR, roofline_s
 from .timer import CPU_TIMER, DeviceTimer
+from .waves import node_fraction, output_shape
 
 __all__ = ["PROFILE_VERSION", "annotate"]
 
@@ -86,6 +87,8 @@ def annotate(
             peak = _peak(fn, args, kwargs, timer) if timer.counts_memory else None
         else:
             rate = hardware.peak_for(compute_dtype(values.get(node), (args, kwargs)))  # [Note: a peak per dtype]
+            if flops:  # [Note: waves of tiles]
+                rate *= node_fraction(output_shape(values.get(node)), bool(weights), hardware)
             fwd = roofline_s(flops, moved, rate, hardware.memory_bandwidth, hardware.efficiency)
             bwd = BACKWARD_FLOP_FACTOR * fwd if needs_grad(values.get(node)) else 0.0
             fraction = _weight_fraction(weights, inputs, bwd / 2, bwd)  # dW and dX: a matmul each

@@ -13,12 +13,17 @@
     arrives in a buffer of its own size;
     anything else the op saves (a softmax's statistics) is its own.  Parameters are left out.  Attention on
     the meta device counts what a fused kernel saves, as `annotate` does.
+    A value passed to a stage of the same rank travels in memory, not in a buffer of its
+    own: the rank keeps the maker's storage from the maker's forward to its backward
+    (the pipeline holds the stage's outputs until then), so the maker's stage counts it
+    (`stage_passed_bytes`), and the stage that saves it does not.
 """
 
 from __future__ import annotations
 
 import weakref
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Callable
 
 import torch
 import torch.fx
@@ -26,7 +31,7 @@ import torch.fx
 from .nodes import compute_nodes, storage_key, tensors
 from .profile import _bind, _flash_saved
 
-__all__ = ["stage_saved_bytes"]
+__all__ = ["Passed", "stage_passed_bytes", "stage_saved_bytes"]
 
 
 #: a saved tensor of one node: (its maker's name or None, the maker's base's name, the
@@ -38,21 +43,67 @@ _CACHE: "weakref.WeakKeyDictionary[torch.fx.GraphModule, tuple[int, dict[str, li
     weakref.WeakKeyDictionary())
 
 
+#: the pipeline rank of each stage
+RankOf = Callable[[int], int]
+
+
 def stage_saved_bytes(gm: torch.fx.GraphModule, values: dict[torch.fx.Node, Any], stage_of: dict[str, int],
-                      stages: int) -> list[int]:
-    """Bytes each stage keeps for backward per microbatch ([Note: saved bytes per stage])."""
+                      stages: int, rank_of: RankOf | None = None) -> list[int]:
+    """Bytes each stage keeps for backward per microbatch ([Note: saved bytes per stage]);
+    with `rank_of`, a value from a stage of the same rank is left to its maker's."""
+    return [sum(k.values()) for k in _kept(gm, values, stage_of, stages, rank_of)]
+
+
+@dataclass(frozen=True)
+class Passed:
+    """Per microbatch, what a stage passes in memory to stages of its own rank
+    ([Note: saved bytes per stage]): `storage`, the storages of those values that the
+    stage does not save itself; `grads`, their gradients (one per value)."""
+
+    storage: int = 0
+    grads: int = 0
+
+
+def stage_passed_bytes(gm: torch.fx.GraphModule, values: dict[torch.fx.Node, Any], stage_of: dict[str, int],
+                       stages: int, rank_of: RankOf) -> tuple[list[Passed], list[int]]:
+    """Per stage, what it passes to stages of its own rank, and the gradients of what it
+    takes from them (made by its backward, kept until the maker's backward)."""
+    kept = _kept(gm, values, stage_of, stages, rank_of)
+    bases: list[dict[str, int]] = [{} for _ in range(stages)]
+    grads, taken = [0] * stages, [0] * stages
+    for node in compute_nodes(gm):
+        k = stage_of.get(node.name, -1)
+        local = {stage_of[u.name] for u in node.users if stage_of.get(u.name, k) != k and rank_of(stage_of[u.name]) == rank_of(k)}
+        if k < 0 or not local:
+            continue
+        base = _base(node)
+        if ("value", base.name) not in kept[k]:
+            bases[k][base.name] = _bytes(values.get(base))
+        own = sum(t.numel() * t.element_size() for t in tensors(values.get(node)) if t.is_floating_point())
+        grads[k] += own * len(local)
+        for c in local:
+            taken[c] += own
+    return [Passed(sum(b.values()), g) for b, g in zip(bases, grads)], taken
+
+
+def _kept(gm: torch.fx.GraphModule, values: dict[torch.fx.Node, Any], stage_of: dict[str, int], stages: int,
+          rank_of: RankOf | None) -> list[dict[Any, int]]:
+    """Per stage, its saved storages by key ([Note: saved bytes per stage])."""
     kept: list[dict[Any, int]] = [{} for _ in range(stages)]
     for name, entries in _per_node(gm, values).items():
         if name in stage_of:
             k = stage_of[name]
             for maker, base, key, full, own, batch in entries:
+                there = stage_of.get(maker, -1) if maker is not None else -1
                 if maker is None:
                     kept[k][("own", name, key)] = full
-                elif not batch and stage_of.get(maker, -1) != k:  # received: a buffer of its own
+                elif not batch and there != k and rank_of is not None and there >= 0 and rank_of(there) == rank_of(k):
+                    continue  # passed in memory: its maker's stage counts it
+                elif not batch and there != k:  # received: a buffer of its own
                     kept[k][("input", maker)] = own
                 else:
                     kept[k][("value", base)] = max(full, kept[k].get(("value", base), 0))
-    return [sum(k.values()) for k in kept]
+    return kept
 
 
 def _per_node(gm: torch.fx.GraphModule, values: dict[torch.fx.Node, Any]) -> dict[str, list[Entry]]:

@@ -18,6 +18,11 @@
       offloaded share lives on the host), the inputs
       it received or took from the batch, the outputs it sent, and on the last stage the
       loss's own saved tensors;
+    - per microbatch, what a stage passes in memory to another stage of the same rank (a
+      V's two stages under zb-v): the storages of those values, from its forward to the
+      end of its backward (the taking stage does not count them again: [Note: saved
+      bytes per stage] in cost/saved.py), and their gradients, from the taking stage's
+      backward to the end of the passing one's;
     - between a split backward's I and its W, the gradients I keeps for W at each
       node that reads a weight ([Note: weight-gradient seeds] in
       runtime/split_backward.py): the outputs' size of those nodes;
@@ -26,9 +31,10 @@
       first allocation beyond the activations it frees meanwhile (made node by node
       as the saved tensors go), and the gradient flowing through the stage, counted
       as its largest node output; under
-      --recompute the backward's second forward, which holds what the policy did not
-      keep of one microbatch's activations; on the last stage the loss's logits
-      gradient.
+      --recompute the backward's second forward, at whose end every node output of the
+      stage is alive (the generated forward keeps each in a local until it returns),
+      or, where more, what the policy did not keep of one microbatch's activations with
+      the flowing gradient; on the last stage the loss's logits gradient.
 
     The optimizer's step runs after the last action, with every gradient alive; its
     temporaries are those of one parameter at a time (torch's per-parameter loop on the
@@ -74,6 +80,11 @@ class StageBytes:
     #: of `held`, what lives on the host for each microbatch in flight beyond the
     #: `OFFLOAD_RESIDENT` on the device ([Note: offloaded activations] in solve/offload.py)
     offloaded: int = 0
+    #: per microbatch, the storages it passes in memory to stages of its own rank, kept from
+    #: its forward to the end of its backward ([Note: saved bytes per stage] in cost/saved.py)
+    passed: int = 0
+    passed_grads: int = 0  # their gradients, from the taking stage's backward to this one's
+    taken_grads: int = 0  # the gradients its backward makes of what it takes so
 
 
 def rank_peaks(schedule: str, pp: int, microbatches: int, virtual_stages: int,
@@ -101,13 +112,19 @@ def _walk(row: Sequence[Action], stages: Sequence[StageBytes], step_transient: i
         k = a.stage
         now = base + kept
         if a.kind == Kind.F:
-            kept += _holding(stages[k], held[k] + 1) - _holding(stages[k], held[k])
+            kept += _holding(stages[k], held[k] + 1) - _holding(stages[k], held[k]) + stages[k].passed
             held[k] += 1
             base += stages[k].sent_forward
-            peak = max(peak, now + stages[k].held + stages[k].forward)
-        elif a.kind == Kind.I and not stages[k].splits:
+            peak = max(peak, now + stages[k].held + stages[k].forward + stages[k].passed)
             continue
-        elif a.kind in (Kind.B, Kind.I, Kind.W):
+        if a.kind in (Kind.B, Kind.I):  # the gradients of what it took in memory are made
+            now += stages[k].taken_grads
+            kept += stages[k].taken_grads
+        if a.kind in (Kind.B, Kind.W):  # what it passed in memory, and their gradients, go with its backward
+            kept -= stages[k].passed + stages[k].passed_grads
+        if a.kind == Kind.I and not stages[k].splits:
+            continue
+        if a.kind in (Kind.B, Kind.I, Kind.W):
             whole = a.kind == Kind.B or not stages[k].splits
             base += stages[k].sent_backward if a.kind != Kind.W else 0
             fresh = stages[k].gradients if k not in grads and a.kind != Kind.I else 0

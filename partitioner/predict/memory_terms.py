@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 import torch.fx
 
 from ..cost.nodes import compute_nodes, selective_keeps, storage_key
-from ..cost.saved import stage_saved_bytes
+from ..cost.saved import Passed, stage_passed_bytes, stage_saved_bytes
 from ..ir import NodeCost, Plan, StagePlan
 from ..trace.passes import get_attr
 from .memory import StageBytes, rank_peaks, stage_shares
@@ -32,18 +32,32 @@ def plan_memory(gm: torch.fx.GraphModule, plan: Plan, costs: dict[str, NodeCost]
     ([Note: saved bytes per stage] in cost/saved.py) where they are this graph's, else the
     nodes' own counts are summed."""
     ran = values is not None and all(n in values for n in compute_nodes(gm))  # not a graph a tp split rewrote
-    saved = (stage_saved_bytes(gm, values, plan.stage_of(), plan.num_stages) if ran and values is not None
-             else [sum(costs[n].activation_bytes for n in s.nodes) for s in plan.stages])
-    stages = stage_bytes(gm, plan, costs, loss, optimizer_factor, saved)
+    stages = stage_bytes(gm, plan, costs, loss, optimizer_factor, *_saved(gm, plan, costs, values if ran else None))
     peaks = rank_peaks(plan.schedule, plan.pp, plan.microbatches, plan.virtual_stages, stages,
                        step_transient=2 * _largest_param(gm))
     return stage_shares(peaks, [plan.rank_of(k) for k in range(plan.num_stages)], stages)
 
 
+def _saved(gm: torch.fx.GraphModule, plan: Plan, costs: dict[str, NodeCost],
+           values: dict[torch.fx.Node, Any] | None) -> tuple[list[int], list[Passed], list[int]]:
+    """Per stage, what it keeps for backward per microbatch, what it passes in memory to
+    stages of its rank and the gradients it makes of what it takes from them ([Note:
+    saved bytes per stage]): counted on `values` where given, else the nodes' own counts
+    summed and nothing passed."""
+    if values is None:
+        none = [0] * plan.num_stages
+        return [sum(costs[n].activation_bytes for n in s.nodes) for s in plan.stages], [Passed()] * plan.num_stages, none
+    stage_of, count = plan.stage_of(), plan.num_stages
+    passed, taken = stage_passed_bytes(gm, values, stage_of, count, plan.rank_of)
+    return stage_saved_bytes(gm, values, stage_of, count, plan.rank_of), passed, taken
+
+
 def stage_bytes(gm: torch.fx.GraphModule, plan: Plan, costs: dict[str, NodeCost], loss: NodeCost | None,
-                optimizer_factor: float, saved_bytes: list[int]) -> list[StageBytes]:
+                optimizer_factor: float, saved_bytes: list[int], passed: Sequence[Passed] = (),
+                taken: Sequence[int] = ()) -> list[StageBytes]:
     """What each stage of `plan` holds ([Note: the memory walk]); `saved_bytes`: what each
-    keeps for backward per microbatch."""
+    keeps for backward per microbatch; `passed` and `taken`: what it passes to stages of
+    its rank and the gradients of what it takes from them."""
     params, buffers = _stage_params(gm, plan), _stage_buffers(gm, plan)
     out_bytes = _output_bytes(gm, costs)
     nodes = {n.name: n for n in gm.graph.nodes}
@@ -60,13 +74,34 @@ def stage_bytes(gm: torch.fx.GraphModule, plan: Plan, costs: dict[str, NodeCost]
         held = kept + loss_saved
         largest = max((costs[n].output_bytes for n in s.nodes), default=0)
         grad_in = s.send_bytes if s.index != last else 0  # the output gradient received
-        backward = (grad_in + s.recv_bytes + _FLOWING * largest
-                    + (saved - kept + s.recv_bytes if policy else 0))  # the second forward: what it keeps not
+        flowing = _FLOWING * largest
+        backward = grad_in + s.recv_bytes + (_second_forward(s, saved, kept, flowing, costs, nodes) if policy else flowing)
         seeds = 0 if policy else sum(costs[n].output_bytes for n in s.nodes if costs[n].param_bytes)
         result.append(StageBytes(round(weights * (1 + optimizer_factor)) + buffers[s.index], weights, held, backward, seeds,
                                  _WORKING * largest, splits=s.index > 0 and policy != "selective", offloaded=away,
-                                 sent_forward=s.send_bytes, sent_backward=s.recv_bytes, ahead=s.send_bytes + s.recv_bytes))
+                                 sent_forward=s.send_bytes, sent_backward=s.recv_bytes, ahead=s.send_bytes + s.recv_bytes,
+                                 **_in_memory(s.index, passed, taken)))
     return result
+
+
+def _in_memory(k: int, passed: Sequence[Passed], taken: Sequence[int]) -> dict[str, int]:
+    """Stage `k`'s StageBytes fields for the values passed in memory on its rank."""
+    if not passed:
+        return {}
+    return {"passed": passed[k].storage, "passed_grads": passed[k].grads, "taken_grads": taken[k]}
+
+
+def _second_forward(s: StagePlan, saved: int, kept: int, flowing: int, costs: dict[str, NodeCost],
+                    nodes: dict[str, torch.fx.Node]) -> int:
+    """A recomputing stage's backward beyond the output gradient and its inputs: its second
+    forward and the backward after it, each holding the stage's inputs again.  The
+    generated forward keeps each node's output in a local until it returns, so at the end
+    of the second forward every output of the stage is alive (views aside; the model's
+    output, which the last stage holds for the loss, too); after it, what the policy did
+    not keep and the flowing gradient ([Note: the memory walk] in memory.py)."""
+    outputs = sum(costs[n].output_bytes for n in s.nodes
+                  if not nodes[n].meta.get("aliases") and not any(u.op == "output" for u in nodes[n].users))
+    return max(outputs, saved + flowing) - kept + s.recv_bytes
 
 
 def _kept(s: StagePlan, policy: str | None, saved: int, costs: dict[str, NodeCost],

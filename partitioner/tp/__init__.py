@@ -3,7 +3,8 @@
     shard(gm, costs, tp, hardware) -> Sharded
       1. pose     one variable per value, the strategies its split rule allows   (pose.py)
       2. choose   the cheapest strategy per value: CP-SAT, warm-started replicated (choose.py)
-      3. rewrite  the graph one rank runs: shards, collectives, local shapes, costs (rewrite.py)
+      3. rewrite  the graph one rank runs: shards, collectives, local shapes, costs (rewrite.py;
+                  what a split node saves: saved.py)
 
 Rules live in a registry (`rules.py`); the built-in ones are in `layers.py` (linear,
 embedding, attention) and `shapes.py` (elementwise, views, splits, norms).  Register your

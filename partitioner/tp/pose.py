@@ -17,6 +17,7 @@ import torch
 import torch.fx
 
 from ..cost.hardware import Hardware
+from ..cost.waves import shard_factor
 from ..ir import REPLICATED, Layout, NodeCost
 from ..cost.roofline import ring_allreduce_s
 from . import layers, shapes  # noqa: F401  (registers the built-in rules)
@@ -226,6 +227,10 @@ def _strategy_s(node: torch.fx.Node | None, s: Strategy, costs: dict[str, NodeCo
         return 0.0
     cost = costs[name]
     seconds = cost.time_s / tp if s.sharded else cost.time_s
+    whole = getattr(node.meta.get("tensor_meta"), "shape", None)
+    if s.sharded and cost.flops and whole is not None:  # the shard's own waves ([Note: waves of tiles])
+        weighted = any(a.op == "get_attr" for a in node.all_input_nodes)
+        seconds *= shard_factor(tuple(whole), s.output.local_shape(tuple(whole), tp), weighted, hardware)
     if s.reduce:
         seconds += call_s("all_reduce", value_bytes(node), needs_grad(node), tp, hardware)[0]
     if s.output.partial:

@@ -23,10 +23,12 @@ import torch
 import torch.fx
 
 from ..cost.hardware import Hardware
+from ..cost.waves import shard_factor
 from ..ir import REPLICATED, Layout, NodeCost
 from .problem import ShardingReport
 from .pose import PAIRS, Posed, call_s, needs_grad, value_bytes
 from .rules import Strategy, insert
+from .saved import rank_saved_bytes, reads_whole_activation
 
 __all__ = ["Sharded", "rewrite"]
 
@@ -79,7 +81,8 @@ def rewrite(gm: torch.fx.GraphModule, posed: Posed, choice: tuple[int, ...], cos
     local.graph.lint()
     local.recompile()
     rules = {name: s.rule for name, s in strategy_of.items() if s.rule not in ("replicate", "input", "output")}
-    node_costs = _local_costs(local, costs, strategy_of, tp, hardware, collectives)
+    rank = _Rank(strategy_of, tp, hardware, collectives, {n.name: _shape(n) for n in gm.graph.nodes}, params)
+    node_costs = _local_costs(local, costs, rank)
     kinds = _count(local, collectives)
     return Sharded(local, node_costs, {k: v for k, v in params.items() if not v.replicated}, tp, rules, kinds)
 
@@ -144,30 +147,54 @@ def _localize(node: torch.fx.Node, lay: Layout, tp: int) -> None:
 # -- costs on one rank -------------------------------------------------------------------------------
 
 
-def _local_costs(gm: torch.fx.GraphModule, costs: dict[str, NodeCost], strategy_of: dict[str, Strategy], tp: int,
-                 hardware: Hardware, collectives: Any) -> dict[str, NodeCost]:
+@dataclass(frozen=True)
+class _Rank:
+    """What costing one rank's nodes reads: each original node's strategy and output shape
+    (`whole`), the degree, the hardware, the collectives module and each weight's layout."""
+
+    strategy_of: dict[str, Strategy]
+    tp: int
+    hardware: Hardware
+    collectives: Any
+    whole: dict[str, tuple[int, ...] | None]
+    params: dict[str, Layout]
+
+
+def _local_costs(gm: torch.fx.GraphModule, costs: dict[str, NodeCost], rank: _Rank) -> dict[str, NodeCost]:
     """Each compute node's cost on one rank, by node name."""
     out: dict[str, NodeCost] = {}
     for n in gm.graph.nodes:
         if n.op in ("call_function", "call_method", "call_module"):
-            out[n.name] = _local_cost(n, costs, strategy_of, tp, hardware, collectives)
+            out[n.name] = _local_cost(n, costs, rank)
     return out
 
 
-def _local_cost(n: torch.fx.Node, costs: dict[str, NodeCost], strategy_of: dict[str, Strategy], tp: int,
-                hardware: Hardware, collectives: Any) -> NodeCost:
-    kind = _kind(n, collectives)
+def _shape(n: torch.fx.Node) -> tuple[int, ...] | None:
+    shape = getattr(n.meta.get("tensor_meta"), "shape", None)
+    return tuple(shape) if shape is not None else None
+
+
+def _local_cost(n: torch.fx.Node, costs: dict[str, NodeCost], rank: _Rank) -> NodeCost:
+    kind = _kind(n, rank.collectives)
     if kind is not None:
-        return _collective_cost(n, kind, tp, hardware)
+        return _collective_cost(n, kind, rank.tp, rank.hardware)
     origin, share = n.meta.get("tp_origin", (n.name, 1.0))
     base = costs.get(origin)
-    s = strategy_of.get(origin)
+    s = rank.strategy_of.get(origin)
     if base is None or s is None:
         return NodeCost(n.name, output_bytes=value_bytes(n))
-    f = share / tp if s.sharded else share
-    return NodeCost(n.name, forward_s=base.forward_s * f, backward_s=base.backward_s * f,
+    f = share / rank.tp if s.sharded else share
+    t = f  # the shard's product runs its own waves ([Note: waves of tiles])
+    if s.sharded and base.flops:
+        t *= shard_factor(rank.whole.get(origin), _shape(n), any(a.op == "get_attr" for a in n.all_input_nodes),
+                          rank.hardware)
+    saved = None  # [Note: saved bytes on a tp rank]
+    if s.sharded and base.activation_bytes and reads_whole_activation(n, s.inputs):
+        saved = rank_saved_bytes(n, rank.params, rank.tp)
+    return NodeCost(n.name, forward_s=base.forward_s * t, backward_s=base.backward_s * t,
                     flops=int(base.flops * f), param_bytes=int(base.param_bytes * f),
-                    activation_bytes=int(base.activation_bytes * f), output_bytes=value_bytes(n),
+                    activation_bytes=int(base.activation_bytes * f) if saved is None else saved,
+                    output_bytes=value_bytes(n),
                     weight_fraction=base.weight_fraction)
 
 

@@ -132,3 +132,26 @@ def test_the_command_line_policy(argv: list[str], devices: int | None, want: str
 def test_an_unknown_policy_is_refused() -> None:
     with pytest.raises(SystemExit):
         _parser().parse_args(["compile", "m.py", "--out", "o", "--recompute", "some"])
+
+
+@pytest.mark.parametrize("policy", ["full", "selective"])
+def test_show_lists_the_bytes_each_stage_saves_by_recomputing(tmp_path: Path, policy: str) -> None:
+    """`show`'s recompute line gives, per stage, the walked bytes its policy saves against
+    keeping every activation: the difference of the stages' predicted memory between the
+    two compiles; a package without the figures still shows the policies."""
+    from codegen.report import format_bytes, format_plan
+    from runtime.manifest import read_manifest
+
+    mesh = dict(stages=2, microbatches=4, schedule="gpipe", offload="none")  # every microbatch held on each stage
+    plans = [compile_example(GPT, tmp_path / r, recompute=r, **mesh).plan for r in ("none", policy)]
+    assert [s.nodes for s in plans[0].stages] == [s.nodes for s in plans[1].stages]  # one split: the walk's difference
+    kept, redone = read_manifest(tmp_path / "none").predicted, read_manifest(tmp_path / policy)
+    assert kept is not None and redone.predicted is not None
+    saved = [a.memory_bytes - b.memory_bytes for a, b in zip(kept.stages, redone.predicted.stages)]
+    assert all(n > 0 for n in saved), saved
+    assert redone.predicted.extra["recompute"] == [{"stage": k, "policy": policy, "saved_bytes": n}
+                                                   for k, n in enumerate(saved)]
+    line = next(x for x in (tmp_path / policy / "plan.txt").read_text().splitlines() if x.startswith("recompute "))
+    assert line.endswith(", ".join(f"stage {k} {policy} ({format_bytes(n)} less)" for k, n in enumerate(saved)))
+    del redone.predicted.extra["recompute"]  # as a package compiled before the figures were written
+    assert f"stage 0 {policy}, stage 1 {policy}" in format_plan(redone)

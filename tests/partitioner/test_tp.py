@@ -4,11 +4,13 @@ Megatron's pattern where it pays, the rewrite into one rank's graph."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 import itertools
 import json
 import math
 import random
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -316,3 +318,79 @@ def test_a_partial_sum_is_reduce_scattered_for_a_split_reader_and_stays_exact(bi
             scale = float(ref.abs().max())  # sums over 1024 rows: rounding is relative to the largest entry
             torch.testing.assert_close(g, expected, rtol=1e-5, atol=1e-6 * max(1.0, scale),
                                        msg=lambda m: f"lane {t} {name}: {m}")
+
+
+# -- what a rank saves for backward ------------------------------------------------------------
+
+
+class _SequenceParallel(torch.nn.Module):
+    """Megatron's MLP and a residual: a column split, a row split whose partial sum goes
+    straight to row shards (reduce_scatter), and an expensive tanh computed on those shards."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.up, self.down = torch.nn.Linear(width, 4 * width), torch.nn.Linear(4 * width, width, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.down(F.gelu(self.up(x))) + x)
+
+
+def _saved_by_lane(split: Any, model: torch.nn.Module, x: torch.Tensor) -> list[int]:
+    """Bytes each of 2 in-process lanes keeps for backward after its forward (one count per
+    storage, the weights left out), run with the rank's graph and weight shards."""
+    import threading
+
+    from runtime import tp as collectives
+
+    lanes, saved = collectives.Lanes(2, timeout_s=20.0), [0, 0]
+
+    def lane(t: int) -> None:
+        local = copy.deepcopy(split.gm)
+        for target, layout in split.params.items():
+            module, name = target.rsplit(".", 1)
+            whole = dict(model.named_parameters())[target].detach()
+            setattr(local.get_submodule(module), name,
+                    torch.nn.Parameter(collectives.local_shard(whole, layout.dim, t, 2, layout.blocks).clone()))
+        weights = {p.untyped_storage().data_ptr() for p in local.parameters()}
+        found: dict[int, int] = {}
+
+        def pack(v: torch.Tensor) -> torch.Tensor:
+            if v.untyped_storage().data_ptr() not in weights:
+                found[v.untyped_storage().data_ptr()] = v.untyped_storage().nbytes()
+            return v
+
+        with collectives.lane(lanes, t), torch.autograd.graph.saved_tensors_hooks(pack, lambda v: v):
+            out = local(x)
+        saved[t] = sum(found.values())
+        del out
+
+    threads = [threading.Thread(target=lane, args=(t,)) for t in range(2)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(30)
+    return saved
+
+
+def test_a_sequence_parallel_rank_saves_what_its_costs_say() -> None:
+    """The memory model's saved bytes of a tp 2 rank (each node's `activation_bytes` in the
+    rank's costs, as `partitioner.predict.memory_terms` sums them for a split graph) against
+    what autograd keeps on each of two lanes: the row-sharded tanh after the reduce_scatter
+    keeps half its output, and the column split keeps the WHOLE input it multiplies (its
+    weight gradient reads every row and column of it), not a half."""
+    from partitioner.cost.profile import annotate
+
+    torch.manual_seed(0)
+    rows, width = 1024, 256
+    model, x = _SequenceParallel(width), torch.randn(rows, width)
+    gm = trace(model, (x,), {}, "fx").gm
+    values = propagate(gm, [x])
+    specialize(gm, values)
+    costs = annotate(gm, values, load_hardware("a100"), measure=False)
+    for name in ("add", "tanh"):  # worth splitting: the partial sum goes to shards
+        costs[name] = dataclasses.replace(costs[name], forward_s=1e-3, backward_s=1e-3)
+    split = shard(gm, costs, 2, load_hardware("a100"))
+    assert split.rules["linear"] == "linear.column" and split.rules["linear_1"] == "linear.row_partial"
+    assert split.collectives.get("reduce_scatter") == 1 and split.rules["tanh"].startswith("pointwise")
+    predicted = sum(c.activation_bytes for c in split.costs.values())
+    assert _saved_by_lane(split, model, x) == [predicted, predicted]

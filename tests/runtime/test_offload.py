@@ -271,3 +271,63 @@ def test_each_rank_measures_fewer_activation_bytes(tmp_path: Path) -> None:
         _ok(ranks)
         found[policy] = [float(re.search(r"activations ([\d.]+) MiB", r.out).group(1)) for r in ranks]  # type: ignore[union-attr]
     assert all(a < n for a, n in zip(found["all"], found["none"])), found
+
+
+HEAVY = "tests/model_files/two_heavy_blocks.py"
+
+
+def _heavy_auto(tmp_path: Path) -> tuple[Path, Path, int]:
+    """The two heavy blocks under GPipe on 2 stages, compiled with every activation kept
+    and with `--offload auto` at the fullest rank's need with every activation offloaded:
+    no split fits that keeping them (each stage holds a block's activations of every
+    microbatch), so auto must offload.  (the kept package, the auto one, the limit)"""
+    least = _fullest_rank(read_manifest(_planned(tmp_path, "all", HEAVY, offload="all")))
+    kept = _planned(tmp_path, "none", HEAVY, offload="none")
+    assert _fullest_rank(read_manifest(kept)) > least
+    return kept, _planned(tmp_path, "auto", HEAVY, memory=least), least
+
+
+def test_auto_offloads_less_on_the_later_rank(tmp_path: Path) -> None:
+    """Where no split fits with every activation kept, auto offloads on the ranks over
+    --memory, the later one (which holds less) the smaller share, and the plan fits."""
+    _, pkg, limit = _heavy_auto(tmp_path)
+    m = read_manifest(pkg)
+    shares = [s.offload for s in m.stages]
+    assert shares[0] > 0 and shares[1] < shares[0], shares
+    assert _fullest_rank(m) <= limit
+    saved = {e["stage"]: e["saved_bytes"] for e in m.predicted.extra["offload"]}  # type: ignore[union-attr]
+    assert saved[0] > saved[1] >= 0, saved
+
+
+def _heavy_ranks(tmp_path: Path, mode: str, pkg: Path) -> list[Any]:
+    model = tmp_path / "two_heavy_blocks.py"
+    shutil.copy(ROOT / HEAVY, model)
+    found = launch(2, mode, [pkg], model, deadline_s=120)
+    _ok(found)
+    return found
+
+
+@multiproc
+@pytest.mark.timeout(240)
+def test_auto_offloading_trains_the_same_on_two_gloo_ranks(tmp_path: Path) -> None:
+    _, pkg, _ = _heavy_auto(tmp_path)
+    assert read_manifest(pkg).stages[0].offload > 0
+    _heavy_ranks(tmp_path, "check", pkg)
+
+
+def _peaks(tmp_path: Path, pkg: Path) -> list[tuple[int, int]]:
+    """Each rank's (measured, predicted) peak over one tracked AdamW step."""
+    found = _heavy_ranks(tmp_path, "peak", pkg)
+    got = [re.search(rf"^{r} peak (\d+) (\d+)$", rank.out, re.M) for r, rank in enumerate(found)]
+    return [(int(m.group(1)), int(m.group(2))) for m in got if m]
+
+
+@multiproc
+@pytest.mark.timeout(240)
+@pytest.mark.xfail(strict=True, reason="measured/predicted drop per rank 1.47, 1.20: see docs/offloading.md, Limits")
+def test_each_rank_measures_the_drop_auto_predicts(tmp_path: Path) -> None:
+    """Each rank's measured peak falls by its predicted drop (within 5%)."""
+    kept, auto, _ = _heavy_auto(tmp_path)
+    before, after = _peaks(tmp_path, kept), _peaks(tmp_path, auto)
+    ratios = [(b[0] - a[0]) / (b[1] - a[1]) for b, a in zip(before, after)]
+    assert all(abs(r - 1) <= 0.05 for r in ratios), f"measured/predicted drop per rank: {ratios}"
