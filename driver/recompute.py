@@ -24,7 +24,7 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable
+from typing import Callable, Sequence
 
 from partitioner.errors import InfeasiblePlanError
 from partitioner.ir import Plan, SolverReport
@@ -32,16 +32,20 @@ from partitioner.solve.model import rank_costs
 from partitioner.solve.policies import solve_policies
 from partitioner.solve.problem import make_plan, pose
 
+from .memory import rank_peaks
 from .options import AUTO
 from .prepared import Prepared
 
-__all__ = ["LEVELS", "VARIANTS", "cheapest_per_rank", "joins", "plan_policy", "planned", "solve_cheapest_policy",
-           "solve_jointly", "variant_rank", "with_policy"]
+__all__ = ["LEVELS", "VARIANTS", "WALK_ROUNDS", "cheapest_per_rank", "fit_jointly", "joins", "plan_policy", "planned",
+           "solve_cheapest_policy", "solve_jointly", "variant_rank", "with_policies", "with_policy"]
 
 #: the policies in order of the time they add ([Note: recomputation chosen per rank])
 LEVELS: tuple[str | None, ...] = (None, "selective", "full")
 #: what `--recompute auto` tries in order: none, each stage its own (AUTO), then one policy for all
 VARIANTS: tuple[str | None, ...] = (None, AUTO, "selective", "full")
+
+#: how often the joint choice is solved again where the walked peak exceeds the limit (`fit_jointly`)
+WALK_ROUNDS = 3
 
 _Solve = Callable[[Prepared], tuple[Prepared, tuple[int, ...], SolverReport]]
 _Solved = tuple[Prepared, tuple[int, ...], SolverReport]
@@ -52,7 +56,7 @@ def with_policy(p: Prepared, policy: str | None) -> Prepared:
     as "full", the most a stage may take ([Note: recomputation chosen per rank])."""
     assert p.coarse is not None
     mesh = dataclasses.replace(p.mesh, recompute="full" if policy == AUTO else policy)
-    return dataclasses.replace(p, mesh=mesh, problem=pose(p.coarse, mesh, p.hardware))
+    return dataclasses.replace(p, mesh=mesh, problem=pose(p.coarse, mesh, p.hardware), policies=None)
 
 
 def joins(p: Prepared) -> bool:
@@ -60,12 +64,31 @@ def joins(p: Prepared) -> bool:
     return p.mesh.virtual_stages == 1
 
 
-def solve_jointly(p: Prepared) -> tuple[Prepared, tuple[int, ...], SolverReport]:
-    """`p` posed with "full" and the split the joint DP chose ([Note: split and
-    recomputation chosen together] in partitioner/solve/policies.py); `planned` then gives
-    each stage its policy.  InfeasiblePlanError where no mix fits."""
-    assignment, _, report = solve_policies([with_policy(p, level).problem for level in LEVELS])
-    return with_policy(p, AUTO), assignment, report
+def solve_jointly(p: Prepared, limit: int | None = None) -> _Solved:
+    """`p` posed with "full", each stage's policy and the split the joint DP chose for
+    `limit` (default: `p`'s) ([Note: split and recomputation chosen together] in
+    partitioner/solve/policies.py).  InfeasiblePlanError where no mix fits."""
+    cap = limit if limit is not None else p.problem.memory_limit_bytes
+    problems = [dataclasses.replace(with_policy(p, level).problem, memory_limit_bytes=cap) for level in LEVELS]
+    assignment, chosen, report = solve_policies(problems)
+    return dataclasses.replace(with_policy(p, AUTO), policies=tuple(LEVELS[i] for i in chosen)), assignment, report
+
+
+def fit_jointly(p: Prepared) -> _Solved:
+    """`solve_jointly`, solved again with the limit lowered by what the walked peak
+    (driver/memory.py) exceeds it by, up to WALK_ROUNDS times, so that the plan fits by
+    the walk the manifest reports as well as by the DP's cost model: each stage's
+    policy is chosen as near the limit as the model allows, where the two may differ.
+    InfeasiblePlanError where no mix fits, or none fits by the walk."""
+    solved, limit = solve_jointly(p), p.problem.memory_limit_bytes
+    for _ in range(WALK_ROUNDS):
+        over = 0 if limit is None else max(rank_peaks(solved[0], planned(*solved))) - limit
+        if over <= 0:
+            return solved
+        assert limit is not None
+        limit -= over
+        solved = solve_jointly(p, limit)
+    raise InfeasiblePlanError(f"no split and policies found within {WALK_ROUNDS} rounds fit by the walked peak")
 
 
 def solve_cheapest_policy(p: Prepared, solve_one: _Solve) -> _Solved:
@@ -100,7 +123,7 @@ def _jointly(p: Prepared) -> _Solved | None:
     if not joins(p):
         return None
     try:
-        return solve_jointly(p)
+        return fit_jointly(p)
     except InfeasiblePlanError:
         return None
 
@@ -146,21 +169,26 @@ def cheapest_per_rank(p: Prepared, plan: Plan, assignment: tuple[int, ...]) -> P
     if level == 0 or p.opts.recompute_policy != AUTO:
         return plan
     limit = p.problem.memory_limit_bytes
-    plans = [make_plan(with_policy(p, policy).problem, p.blocks, assignment, plan.report, p.mesh)
-             for policy in LEVELS[:level]] + [plan]
     fits = [[limit is None or r.memory_bytes <= limit for r in rank_costs(with_policy(p, policy).problem, assignment)]
             for policy in LEVELS[:level]]
-    stages = list(plan.stages)
-    for r in range(plan.pp):
-        chosen = next((i for i in range(level) if fits[i][r]), level)
-        for k in (k for k in range(plan.num_stages) if plan.rank_of(k) == r):
-            stages[k] = plans[chosen].stages[k]
-    mixed = dataclasses.replace(plan, stages=tuple(stages), recompute=False)
-    return dataclasses.replace(mixed, recompute=all(mixed.policy(k) == "full" for k in range(plan.num_stages)))
+    chosen = [next((i for i in range(level) if fits[i][r]), level) for r in range(plan.pp)]
+    return with_policies(p, plan, assignment, [LEVELS[chosen[plan.rank_of(k)]] for k in range(plan.num_stages)])
 
+
+def with_policies(p: Prepared, plan: Plan, assignment: tuple[int, ...], policies: Sequence[str | None]) -> Plan:
+    """`plan` with stage k's terms those of `policies[k]`."""
+    plans = {policy: make_plan(with_policy(p, policy).problem, p.blocks, assignment, plan.report, p.mesh)
+             for policy in set(policies)}
+    mixed = dataclasses.replace(plan, stages=tuple(plans[policy].stages[k] for k, policy in enumerate(policies)),
+                                recompute=False)
+    return dataclasses.replace(mixed, recompute=all(policy == "full" for policy in policies))
 
 
 def planned(p: Prepared, assignment: tuple[int, ...], report: SolverReport | None) -> Plan:
-    """The Plan of `assignment` (a stage per block of `p`), each rank on the cheapest policy
-    that fits under `--recompute auto` (`cheapest_per_rank`)."""
-    return cheapest_per_rank(p, make_plan(p.problem, p.blocks, assignment, report, p.mesh), assignment)
+    """The Plan of `assignment` (a stage per block of `p`): each stage on the policy chosen
+    with the split (`p.policies`), else each rank on the cheapest policy that fits under
+    `--recompute auto` (`cheapest_per_rank`)."""
+    plan = make_plan(p.problem, p.blocks, assignment, report, p.mesh)
+    if p.policies is not None:
+        return with_policies(p, plan, assignment, p.policies)
+    return cheapest_per_rank(p, plan, assignment)
