@@ -36,7 +36,7 @@ class Candidate:
     mfu: float = 0.0
     fits: bool = True
     note: str = ""
-    recompute: str | None = None  # every stage's, or "auto" where they differ ([Note: recomputation chosen per rank])
+    recompute: str | None = None  # the uniform policy solved; chosen with the split: every stage's, or "auto"
     schedule: str = ""
     zero: int = 0
     virtual_stages: int = 1

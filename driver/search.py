@@ -348,7 +348,7 @@ def _solved(p: Prepared, assignment: tuple[int, ...], report: SolverReport) -> S
     if peak > (p.problem.memory_limit_bytes or peak):
         return None
     cand = Candidate(p.mesh.pp, p.opts.dp, p.opts.tp or 1, p.mesh.microbatches, memory_bytes=peak,
-                     recompute=plan_policy(plan), schedule=p.opts.schedule, zero=plan.zero,
+                     recompute=plan_policy(plan) if p.policies is not None else p.problem.policy, schedule=p.opts.schedule, zero=plan.zero,
                      virtual_stages=p.mesh.virtual_stages, offload=bool(plan.offload))
     return Solved(cand, p, assignment, report, plan, bound(p, assignment, plan))
 
