@@ -3,22 +3,24 @@
 [Note: recomputation chosen per rank]
     The problem is first solved with no recomputation.  Where each rank runs one stage,
     the split and every stage's policy are also chosen together ([Note: split and
-    recomputation chosen together] in partitioner/solve/policies.py), and that plan kept
-    where it is faster (a faster split may recompute where a slower one need not) or
-    where nothing fits without recomputation (a plan that fits only by offloading
-    activations stands, as the search prefers offloading to recomputing): the Prepared is
-    posed with "full", the most any stage may take, and each rank lowered to the cheapest
-    policy that fits (`cheapest_per_rank`), which is the policy the DP chose for it.  On a
+    recomputation chosen together] in partitioner/solve/policies.py; `fit_jointly`, which
+    solves again under a lower limit where the walked peak exceeds --memory), and that
+    plan is kept where it is faster by the cost model (a faster split may recompute
+    where a slower one need not) or where nothing fits without recomputation; a plan that
+    fits only by offloading activations stands, as the search prefers offloading to
+    recomputing.  The joint plan's Prepared is posed with "full", the most any stage may
+    take, and carries each stage's policy (`Prepared.policies`, read by `planned`).  On a
     graph that is not a chain, or where the joint plan's messages miss the DP's bound
-    (where CP-SAT may find a plan no DP sees), the uniform approach below is solved too, and the faster plan by the cost model kept.  The mesh
-    search (driver/search.py) tries the joint choice only where no plan fits without
-    recomputation, to keep each candidate one DP.  Where ranks
-    run several stages (interleaved, zb-v), or the joint DP finds nothing, the split is
-    solved with every stage on the cheapest policy that lets some plan fit, trying
-    selective, then full (`LEVELS`); then, with that split fixed, each pipeline rank whose
-    stages fit with a cheaper policy takes the cheapest that fits, all its stages alike (a
-    rank holds them all, [Note: activations in flight] in runtime/schedule/registry.py).
-    Every rank's memory is the cost model's under its own policy, never over --memory.
+    (CP-SAT may then find a plan no DP sees), the uniform approach below is solved too,
+    and the faster plan kept.  The mesh search (driver/search.py) tries the joint choice
+    only where no plan fits without recomputation, to keep a candidate one DP.
+    The uniform approach, where ranks run several stages (interleaved, zb-v) or the joint
+    DP finds nothing: the split is solved with every stage on the cheapest policy that
+    lets some plan fit, trying selective, then full (`LEVELS`); then, with that split
+    fixed, each pipeline rank whose stages fit with a cheaper policy takes the cheapest
+    that fits, all its stages alike (a rank holds them all, [Note: activations in
+    flight] in runtime/schedule/registry.py).  Every rank's memory is the cost model's
+    under its own policy, never over --memory.
 """
 
 from __future__ import annotations

@@ -79,7 +79,7 @@ def dp_time_policies(problems: Sequence[PartitionProblem], upper_s: float = math
     policy, the same blocks, stages and limit, the first the fastest: no recomputation),
     of its time under the policies whose memory fits ([Note: split and recomputation
     chosen together] in solve/policies.py)."""
-    ivs = [Intervals(p, upper_s) for p in problems]
+    ivs = _sharing([Intervals(p, upper_s) for p in problems])
     return _interval_dp(ivs[0], problems[0].stages, _fastest_fit(ivs))
 
 
@@ -87,7 +87,7 @@ def dp_balanced_policies(problems: Sequence[PartitionProblem], cap_s: float) -> 
     """`dp_balanced` with each run's cost the least over `problems` (`dp_time_policies`)."""
     first = problems[0]
     stages, n, cap = first.stages, first.num_blocks, cap_s * (1 + 1e-9)
-    ivs = [Intervals(p, cap) for p in problems]
+    ivs = _sharing([Intervals(p, cap) for p in problems])
     iv, fastest = ivs[0], _fastest_fit(ivs)
     mean, tol = sum(first.block_time_s) / stages, 1e-9 * cap_s
     excess = np.full((stages + 1, n + 1), np.inf)
@@ -106,6 +106,18 @@ def dp_balanced_policies(problems: Sequence[PartitionProblem], cap_s: float) -> 
             excess[k + 1, c0:c1], sent[k + 1, c0:c1] = cand[rows, best], tied[rows, best]
             arg[k + 1, c0:c1] = best + a0
     return _read_plan(arg, stages, n) if np.isfinite(excess[stages, n]) else None
+
+
+def _sharing(ivs: list["Intervals"]) -> list["Intervals"]:
+    """`ivs` sharing the first one's tables of messages, which depend on the edges and the
+    links alone: the same for every policy."""
+    first = ivs[0].problem
+    for iv in ivs[1:]:
+        p = iv.problem
+        assert (p.edges, p.comm_alpha_s, p.comm_beta_s_per_byte) == (first.edges, first.comm_alpha_s,
+                                                                     first.comm_beta_s_per_byte)
+        iv._comm, iv._sent = ivs[0]._comm, ivs[0]._sent
+    return ivs
 
 
 def _fastest_fit(ivs: Sequence["Intervals"]) -> Callable[[int, int, int], Callable[[int], np.ndarray]]:
