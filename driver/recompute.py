@@ -13,7 +13,8 @@
     graph that is not a chain, or where the joint plan's messages miss the DP's bound
     (CP-SAT may then find a plan no DP sees), the uniform approach below is solved too,
     and the faster plan kept.  The mesh search (driver/search.py) tries the joint choice
-    only where no plan fits without recomputation, to keep a candidate one DP.
+    only where no plan fits without recomputation, and once (`solve_jointly`: a candidate
+    whose walked peak exceeds the limit is dropped there), to keep a candidate one DP.
     The uniform approach, where ranks run several stages (interleaved, zb-v) or the joint
     DP finds nothing: the split is solved with every stage on the cheapest policy that
     lets some plan fit, trying selective, then full (`LEVELS`); then, with that split

@@ -61,7 +61,7 @@ from .options import AUTO, CompileOptions, mesh_of, stages_per_rank
 from .phases import apply_tp, finish, load_source, prepare, virtual_counts
 from .prepared import Compiled, Prepared, Source
 from .ranking import SHOWN, Candidate, Ranking, Solved, bound, floor
-from .recompute import AUTO as MIXED, fit_jointly, joins, plan_policy, planned, variant_rank, with_policy
+from .recompute import AUTO as MIXED, joins, plan_policy, planned, solve_jointly, variant_rank, with_policy
 
 __all__ = ["Candidate", "search"]
 
@@ -312,8 +312,8 @@ def _solve(base: Prepared, opts: CompileOptions, pp: int, microbatches: int,
         if recompute == MIXED and not joins(prepared):
             continue  # several stages per rank: one policy for all ([Note: recomputation chosen per rank])
         try:
-            if recompute == MIXED:
-                prepared, assignment, report = fit_jointly(prepared)
+            if recompute == MIXED:  # the walk is checked by `_solved` alone: a candidate is one DP
+                prepared, assignment, report = solve_jointly(prepared)
             else:
                 assignment, report = _solve_one(prepared)
         except InfeasiblePlanError as exc:
