@@ -14,7 +14,7 @@ from partitioner.predict.predict import mfu_peak, simulate_plan
 
 from .package_info import model_flops
 from .prepared import Prepared
-from .recompute import LEVELS
+from .recompute import variant_rank
 
 __all__ = ["Candidate", "Ranking", "SHOWN", "Solved", "bound", "describe", "floor", "simulated"]
 
@@ -36,7 +36,7 @@ class Candidate:
     mfu: float = 0.0
     fits: bool = True
     note: str = ""
-    recompute: str | None = None  # the uniform policy solved ([Note: recomputation chosen per rank])
+    recompute: str | None = None  # the uniform policy solved; chosen with the split: every stage's, or "auto"
     schedule: str = ""
     zero: int = 0
     virtual_stages: int = 1
@@ -123,7 +123,7 @@ class Ranking:
             cand = simulated(item, self.devices)
             self.ranked.append((cand, item))
             self.ranked.sort(key=lambda r: (r[0].step_time_s, r[0].tp, r[0].pp, r[0].microbatches,
-                                            LEVELS.index(r[0].recompute), r[0].zero, r[0].offload, r[0].virtual_stages))
+                                            variant_rank(r[0].recompute), r[0].zero, r[0].offload, r[0].virtual_stages))
             self.say(f"  {describe(item.cand)}: {cand.step_time_s * 1e3:.3f} ms, MFU {cand.mfu * 100:.1f}%")
 
     def best_text(self) -> str:

@@ -12,8 +12,9 @@
                  floor under its step; one that does not fit memory (the solver's
                  bound, then the peak walked over the schedule: driver/memory.py) is
                  solved again with ZeRO-1 (where dp > 1 and --zero was not given), with
-                 offloading (--offload auto) and with selective, then full recomputation
-                 (--recompute auto), then with several: every cheapest variant that fits
+                 offloading (--offload auto) and, under --recompute auto, with the split
+                 and each stage's policy chosen together (one stage per rank), else with
+                 selective, then full recomputation, then with several: every cheapest variant that fits
                  is a candidate (`offloading.variants`).  Solved by the exact DPs over
                  contiguous plans alone (`_solve_one`);
     4. simulate: each solved candidate, unless its bound shows it cannot be among the
@@ -60,7 +61,7 @@ from .options import AUTO, CompileOptions, mesh_of, stages_per_rank
 from .phases import apply_tp, finish, load_source, prepare, virtual_counts
 from .prepared import Compiled, Prepared, Source
 from .ranking import SHOWN, Candidate, Ranking, Solved, bound, floor
-from .recompute import LEVELS, planned, with_policy
+from .recompute import AUTO as MIXED, joins, plan_policy, planned, solve_jointly, variant_rank, with_policy
 
 __all__ = ["Candidate", "search"]
 
@@ -301,15 +302,20 @@ def _solve(base: Prepared, opts: CompileOptions, pp: int, microbatches: int,
     """The candidate solved in each cheapest variant that fits (`offloading.variants`); a Candidate
     that fits in none; None when the stage count cannot be filled."""
     found: list[Solved] = []
+    fitted: list[tuple[int, str | None, bool]] = []  # the variants that gave a candidate
     note = ""
     for zero, recompute, offload in offloading.variants(opts, zeros):
-        if any(f.cand.zero <= zero and LEVELS.index(f.cand.recompute) <= LEVELS.index(recompute)
-               and f.cand.offload <= offload for f in found):
+        if any(z <= zero and variant_rank(r) <= variant_rank(recompute) and o <= offload for z, r, o in fitted):
             continue  # a variant that costs no more in any respect fits already
         sub = dataclasses.replace(opts, zero=zero)
         prepared = with_policy(_repose(base, sub, pp, microbatches, offload), recompute)
+        if recompute == MIXED and not joins(prepared):
+            continue  # several stages per rank: one policy for all ([Note: recomputation chosen per rank])
         try:
-            assignment, report = _solve_one(prepared)
+            if recompute == MIXED:  # the walk is checked by `_solved` alone: a candidate is one DP
+                prepared, assignment, report = solve_jointly(prepared)
+            else:
+                assignment, report = _solve_one(prepared)
         except InfeasiblePlanError as exc:
             note = note or str(exc)
             continue
@@ -318,6 +324,7 @@ def _solve(base: Prepared, opts: CompileOptions, pp: int, microbatches: int,
         for split in _splits(prepared, assignment):  # [Note: splits chosen by the simulator]
             solved = _solved(prepared, split, report)
             found += [solved] if solved else []
+            fitted += [(zero, recompute, offload)] if solved else []
     return found or Candidate(pp, opts.dp, opts.tp or 1, microbatches, fits=False, note=note, schedule=opts.schedule)
 
 
@@ -341,7 +348,7 @@ def _solved(p: Prepared, assignment: tuple[int, ...], report: SolverReport) -> S
     if peak > (p.problem.memory_limit_bytes or peak):
         return None
     cand = Candidate(p.mesh.pp, p.opts.dp, p.opts.tp or 1, p.mesh.microbatches, memory_bytes=peak,
-                     recompute=p.problem.policy, schedule=p.opts.schedule, zero=plan.zero,
+                     recompute=plan_policy(plan) if p.policies is not None else p.problem.policy, schedule=p.opts.schedule, zero=plan.zero,
                      virtual_stages=p.mesh.virtual_stages, offload=bool(plan.offload))
     return Solved(cand, p, assignment, report, plan, bound(p, assignment, plan))
 
