@@ -16,7 +16,7 @@ from partitioner.solve.offload import offloaded_plan
 from .memory import rank_peaks, stage_parts
 from .options import AUTO, CompileOptions
 from .prepared import Prepared
-from .recompute import LEVELS
+from .recompute import VARIANTS
 
 __all__ = ["offload", "offload_block", "offloaded", "solve_offloading", "variants"]
 
@@ -81,12 +81,14 @@ def offload_block(p: Prepared, before: Plan, after: Plan) -> dict[str, Any]:
 
 def variants(opts: CompileOptions, zeros: tuple[int, ...]) -> list[tuple[int, str | None, bool]]:
     """(ZeRO stage, recomputation policy, offloading) to try, cheapest first: each of `zeros`,
-    without then with offloading (--offload auto; only with under all), then with selective,
-    then full recomputation (only the policy --recompute names, if not auto).  `driver.search`
+    without then with offloading (--offload auto; only with under all), then (--recompute
+    auto) with the split and each stage's policy chosen together (AUTO), then with
+    selective, then full recomputation everywhere (only the policy --recompute names, if
+    not auto).  `driver.search`
     skips a variant where one that costs no more in any respect fits: ZeRO-1 (its parameter
     broadcast), offloading (the copies) and recomputation (a forward again) each only where
     the mesh does not fit without it; where several alone fit, the simulator decides between
     them ([Note: recomputation chosen per rank] in driver/recompute.py)."""
-    recomputes = [p for p in LEVELS if opts.recompute_policy in (AUTO, p or "none")]
+    recomputes = [p for p in VARIANTS if opts.recompute_policy in (AUTO, p or "none")]
     offloads = {"auto": (False, True), "all": (True,)}.get(opts.offload, (False,))
     return [(z, r, o) for r in recomputes for o in ((False,) if r else offloads) for z in zeros]

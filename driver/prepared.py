@@ -62,6 +62,9 @@ class Prepared:
     free_batch: bool = False  # the batch dimension is left free ([Note: free batch])
     loss: NodeCost | None = None  # the loss_fn on one microbatch's output (partitioner.cost.loss)
     timer: DeviceTimer = CPU_TIMER  # times every measurement, on the device the model runs on
+    #: each stage's recomputation policy where it was chosen with the split ([Note:
+    #: recomputation chosen per rank] in driver/recompute.py); None: the problem's own
+    policies: tuple[str | None, ...] | None = None
 
 
 @dataclass

@@ -15,7 +15,7 @@ from partitioner.predict.step import StepInputs, simulate_step
 
 from .package_info import model_flops
 from .prepared import Prepared
-from .recompute import LEVELS
+from .recompute import variant_rank
 
 __all__ = ["Candidate", "Ranking", "SHOWN", "Solved", "bound", "describe", "floor", "simulate_fastest", "simulated", "step_bound"]
 
@@ -37,7 +37,7 @@ class Candidate:
     mfu: float = 0.0
     fits: bool = True
     note: str = ""
-    recompute: str | None = None  # the uniform policy solved ([Note: recomputation chosen per rank])
+    recompute: str | None = None  # the uniform policy solved; chosen with the split: every stage's, or "auto"
     schedule: str = ""
     zero: int = 0
     virtual_stages: int = 1
@@ -142,7 +142,7 @@ class Ranking:
         self.ranked.append((cand, item))
         self._orders[id(item)] = order
         self.ranked.sort(key=lambda r: (r[0].step_time_s, r[0].tp, r[0].pp, r[0].microbatches,
-                                        LEVELS.index(r[0].recompute), r[0].zero, r[0].offload, r[0].virtual_stages,
+                                        variant_rank(r[0].recompute), r[0].zero, r[0].offload, r[0].virtual_stages,
                                         self._orders[id(r[1])]))
         self.say(f"  {describe(item.cand)}: {cand.step_time_s * 1e3:.3f} ms, MFU {cand.mfu * 100:.1f}%")
 

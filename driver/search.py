@@ -12,8 +12,9 @@
                  floor under its step; one that does not fit memory (the solver's
                  bound, then the peak walked over the schedule: driver/memory.py) is
                  solved again with ZeRO-1 (where dp > 1 and --zero was not given), with
-                 offloading (--offload auto) and with selective, then full recomputation
-                 (--recompute auto), then with several: every cheapest variant that fits
+                 offloading (--offload auto) and, under --recompute auto, with the split
+                 and each stage's policy chosen together (one stage per rank), else with
+                 selective, then full recomputation, then with several: every cheapest variant that fits
                  is a candidate (`offloading.variants`).  Solved by the exact DPs over
                  contiguous plans alone (`_solve_one`);
     4. simulate: each solved candidate, unless its bound shows it cannot be among the
@@ -61,7 +62,7 @@ from .options import AUTO, CompileOptions, mesh_of, stages_per_rank
 from .phases import apply_tp, finish, load_source, prepare, virtual_counts
 from .prepared import Compiled, Prepared, Source
 from .ranking import SHOWN, Candidate, Ranking, Solved, bound, floor, step_bound
-from .recompute import LEVELS, planned, with_policy
+from .recompute import AUTO as MIXED, joins, plan_policy, planned, solve_jointly, variant_rank, with_policy
 from .workers import outcomes, workers
 
 __all__ = ["Candidate", "search"]
@@ -311,27 +312,37 @@ def _solve(base: Prepared, opts: CompileOptions, pp: int, microbatches: int, zer
     where it matters])."""
     tried: list[_Tried] = []
     note = ""
-    for zero, recompute, offload in offloading.variants(opts, zeros):
-        if any(t.dominates(zero, recompute, offload) for t in tried if t.walked):
+    for variant in offloading.variants(opts, zeros):
+        zero, recompute, offload = variant
+        if any(_covers(t.variant, variant) for t in tried if t.walked and t.solved is not None):
             continue  # a variant that costs no more in any respect fits already
         sub = dataclasses.replace(opts, zero=zero)
         prepared = with_policy(_repose(base, sub, pp, microbatches, offload), recompute)
+        if recompute == MIXED and not joins(prepared):
+            continue  # several stages per rank: one policy for all ([Note: recomputation chosen per rank])
         try:
-            assignment, report = _solve_one(prepared)
+            if recompute == MIXED:  # the walk is checked by `_solved` alone: a candidate is one DP
+                prepared, assignment, report = solve_jointly(prepared)
+            else:
+                assignment, report = _solve_one(prepared)
         except InfeasiblePlanError as exc:
             note = note or str(exc)
             continue
         except PlanError:
             return None
-        splits = [_Tried(prepared, split, report, beaten) for split in _splits(prepared, assignment)]
+        splits = [_Tried(variant, prepared, split, report, beaten) for split in _splits(prepared, assignment)]
         if all(beaten(t.bound_s) for t in splits):
             tried += splits
             continue
-        if any(t.dominates(zero, recompute, offload) for t in tried if t.may_dominate(zero, recompute) and t.walk()):
+        if any(_covers(t.variant, variant) and t.walk() for t in tried):
             continue
         tried += [t for t in splits if beaten(t.bound_s) or t.walk()]
     found = [t.solved for t in tried if t.walked and t.solved is not None]
     return found or Candidate(pp, opts.dp, opts.tp or 1, microbatches, fits=False, note=note, schedule=opts.schedule)
+
+
+#: (ZeRO stage, recomputation policy, offloading): one of `offloading.variants`
+_Variant = tuple[int, "str | None", bool]
 
 
 class _Tried:
@@ -346,9 +357,9 @@ class _Tried:
         costs no more in any respect fits): the search then keeps exactly the candidates
         it would keep walking every split."""
 
-    def __init__(self, p: Prepared, assignment: tuple[int, ...], report: SolverReport,
+    def __init__(self, variant: _Variant, p: Prepared, assignment: tuple[int, ...], report: SolverReport,
                  beaten: Callable[[float], bool]) -> None:
-        self.prepared, self.assignment, self.report = p, assignment, report
+        self.variant, self.prepared, self.assignment, self.report = variant, p, assignment, report
         self.plan = planned(p, assignment, report)  # [Note: recomputation chosen per rank]
         self.bound_s = bound(p, assignment, self.plan)  # the copies offloading adds only lengthen it
         self.inputs: StepInputs | None = None
@@ -364,17 +375,11 @@ class _Tried:
                                                      self.bound_s, self.inputs)
         return self.solved is not None
 
-    def may_dominate(self, zero: int, recompute: str | None) -> bool:
-        """Whether, fitting, this split could dominate the variant (offloading's share is
-        known only once walked: none where the split fits without it)."""
-        p = self.prepared
-        return p.opts.zero <= zero and LEVELS.index(p.problem.policy) <= LEVELS.index(recompute)
 
-    def dominates(self, zero: int, recompute: str | None, offload: bool) -> bool:
-        """Whether this split, walked and fitting, costs no more than the variant in any respect."""
-        c = self.solved.cand if self.solved is not None else None
-        return c is not None and c.zero <= zero and LEVELS.index(c.recompute) <= LEVELS.index(recompute) \
-            and c.offload <= offload
+def _covers(cheaper: _Variant, variant: _Variant) -> bool:
+    """Whether `cheaper` costs no more than `variant` in any respect (ZeRO, recomputation, offloading)."""
+    return (cheaper[0] <= variant[0] and variant_rank(cheaper[1]) <= variant_rank(variant[1])
+            and cheaper[2] <= variant[2])
 
 
 def _splits(p: Prepared, assignment: tuple[int, ...]) -> list[tuple[int, ...]]:
@@ -397,9 +402,10 @@ def _solved(p: Prepared, assignment: tuple[int, ...], report: SolverReport, plan
     peak = max(rank_peaks(p, plan))
     if peak > (p.problem.memory_limit_bytes or peak):
         return None
-    cand = Candidate(p.mesh.pp, p.opts.dp, p.opts.tp or 1, p.mesh.microbatches, memory_bytes=peak,
-                     recompute=p.problem.policy, schedule=p.opts.schedule, zero=plan.zero,
-                     virtual_stages=p.mesh.virtual_stages, offload=bool(plan.offload))
+    policy = plan_policy(plan) if p.policies is not None else p.problem.policy
+    cand = Candidate(p.mesh.pp, p.opts.dp, p.opts.tp or 1, p.mesh.microbatches, memory_bytes=peak, recompute=policy,
+                     schedule=p.opts.schedule, zero=plan.zero, virtual_stages=p.mesh.virtual_stages,
+                     offload=bool(plan.offload))
     return Solved(cand, p, assignment, report, plan, bound_s, inputs)
 
 

@@ -46,7 +46,7 @@ import numpy as np
 from ..cost.costmodel import Value, computing_blocks, message_s, shared_params, values
 from ..ir import PartitionProblem
 
-__all__ = ["Intervals", "dp_balanced", "dp_memory", "dp_time"]
+__all__ = ["Intervals", "dp_balanced", "dp_balanced_policies", "dp_memory", "dp_time", "dp_time_policies"]
 
 #: entries of one column chunk of the interval matrices (bounds the DP's memory)
 _CHUNK_ENTRIES = 1 << 21
@@ -70,16 +70,32 @@ def dp_balanced(problem: PartitionProblem, cap_s: float) -> tuple[int, ...] | No
     """Among the contiguous plans whose every run costs at most `cap_s` (the bound
     `dp_time` returned), the one whose runs exceed the mean compute the least in sum,
     then send the fewest bytes: the second and third objectives (see `solve`)."""
-    limit, stages, n = problem.memory_limit_bytes, problem.stages, problem.num_blocks
-    cap = cap_s * (1 + 1e-9)
-    iv = Intervals(problem, cap)
-    mean, tol = sum(problem.block_time_s) / stages, 1e-9 * cap_s
+    return dp_balanced_policies((problem,), cap_s)
+
+
+def dp_time_policies(problems: Sequence[PartitionProblem], upper_s: float = math.inf
+                     ) -> tuple[tuple[int, ...] | None, float]:
+    """`dp_time` where each run costs the least, over `problems` (one per recomputation
+    policy, the same blocks, stages and limit, the first the fastest: no recomputation),
+    of its time under the policies whose memory fits ([Note: split and recomputation
+    chosen together] in solve/policies.py)."""
+    ivs = _sharing([Intervals(p, upper_s) for p in problems])
+    return _interval_dp(ivs[0], problems[0].stages, _fastest_fit(ivs))
+
+
+def dp_balanced_policies(problems: Sequence[PartitionProblem], cap_s: float) -> tuple[int, ...] | None:
+    """`dp_balanced` with each run's cost the least over `problems` (`dp_time_policies`)."""
+    first = problems[0]
+    stages, n, cap = first.stages, first.num_blocks, cap_s * (1 + 1e-9)
+    ivs = _sharing([Intervals(p, cap) for p in problems])
+    iv, fastest = ivs[0], _fastest_fit(ivs)
+    mean, tol = sum(first.block_time_s) / stages, 1e-9 * cap_s
     excess = np.full((stages + 1, n + 1), np.inf)
     sent = np.full((stages + 1, n + 1), np.inf)
     excess[0, 0] = sent[0, 0] = 0.0
     arg = np.zeros((stages + 1, n + 1), dtype=np.int64)
     for c0, c1, a0 in iv.chunks():
-        cost, rows = iv.allowed_time_s(c0, c1, a0, limit), np.arange(c1 - c0)
+        cost, rows = fastest(c0, c1, a0), np.arange(c1 - c0)
         run_sent = iv.sent_bytes(c0, c1, a0)
         for k in range(stages):
             time_s = cost(k)
@@ -90,6 +106,27 @@ def dp_balanced(problem: PartitionProblem, cap_s: float) -> tuple[int, ...] | No
             excess[k + 1, c0:c1], sent[k + 1, c0:c1] = cand[rows, best], tied[rows, best]
             arg[k + 1, c0:c1] = best + a0
     return _read_plan(arg, stages, n) if np.isfinite(excess[stages, n]) else None
+
+
+def _sharing(ivs: list["Intervals"]) -> list["Intervals"]:
+    """`ivs` sharing the first one's tables of messages, which depend on the edges and the
+    links alone: the same for every policy."""
+    first = ivs[0].problem
+    for iv in ivs[1:]:
+        p = iv.problem
+        assert (p.edges, p.comm_alpha_s, p.comm_beta_s_per_byte) == (first.edges, first.comm_alpha_s,
+                                                                     first.comm_beta_s_per_byte)
+        iv._comm, iv._sent = ivs[0]._comm, ivs[0]._sent
+    return ivs
+
+
+def _fastest_fit(ivs: Sequence["Intervals"]) -> Callable[[int, int, int], Callable[[int], np.ndarray]]:
+    """A chunk's cost of each run as stage k: the least over `ivs` (a problem each) of its
+    time where its memory fits that problem's limit, inf where it fits none."""
+    def chunk_cost(c0: int, c1: int, a0: int) -> Callable[[int], np.ndarray]:
+        costs = [iv.allowed_time_s(c0, c1, a0, iv.problem.memory_limit_bytes) for iv in ivs]
+        return costs[0] if len(costs) == 1 else lambda k: np.minimum.reduce([c(k) for c in costs])
+    return chunk_cost
 
 
 def dp_memory(problem: PartitionProblem) -> tuple[int, ...] | None:

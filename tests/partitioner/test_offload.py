@@ -69,9 +69,9 @@ def test_copies_beyond_the_compute_lengthen_the_step(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("policy, want", [
-    ("auto", [(0, None, False), (0, None, True), (0, "selective", False), (0, "full", False)]),
-    ("all", [(0, None, True), (0, "selective", False), (0, "full", False)]),
-    ("none", [(0, None, False), (0, "selective", False), (0, "full", False)]),
+    ("auto", [(0, None, False), (0, None, True), (0, "auto", False), (0, "selective", False), (0, "full", False)]),
+    ("all", [(0, None, True), (0, "auto", False), (0, "selective", False), (0, "full", False)]),
+    ("none", [(0, None, False), (0, "auto", False), (0, "selective", False), (0, "full", False)]),
 ])
 def test_the_search_tries_offloading_beside_recomputation(policy: str, want: list[tuple[int, str | None, bool]]) -> None:
     assert variants(CompileOptions(model=GPT, out="x", offload=policy, devices=2), (0,)) == want  # recompute auto

@@ -105,7 +105,11 @@ def test_zero_1_and_recomputation_are_each_tried_where_the_plain_plan_does_not_f
             raise InfeasiblePlanError("the plain plan does not fit (this test's limit)")
         return real(problem, **kwargs)
 
+    def no_mix_fits(_p: Any) -> Any:  # the limit is this test's fiction: the joint choice's DP does not see it
+        raise InfeasiblePlanError("no mix of policies fits (this test's limit)")
+
     monkeypatch.setattr(search, "solve", plain_too_big)
+    monkeypatch.setattr(search, "solve_jointly", no_mix_fits)
     compiled = compile_example(MLP, tmp_path / "pkg", devices=2, stages=1, tp=1, microbatches=4, schedule="1f1b")
     assert sorted(set(tried)) == [(False, False), (False, True), (True, False)]
     candidates = compiled.manifest.predicted.extra["candidates"]

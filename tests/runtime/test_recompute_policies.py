@@ -24,10 +24,19 @@ from .test_recompute import _DROPOUT
 
 STEPS, LR = 2, 0.05
 GPT = "examples/gpt.py"
+GPT48 = "examples/gpt48.py"
+#: 2 stages of 1F1B, 8 microbatches: rank 0 holds two in flight, rank 1 one
+DEEP = dict(stages=2, microbatches=8, schedule="1f1b", offload="none")  # recomputation alone binds
 
 
 def _trains_like_original(example: str, out: Path, **options: Any) -> runtime.LocalPipeline:
     compile_example(example, out, **options)
+    return _matches_original(example, out)
+
+
+def _matches_original(example: str, out: Path) -> runtime.LocalPipeline:
+    """The package `out` trained STEPS SGD steps in one process: the losses and weights of
+    the original model's."""
     want_losses, want = train_original(example, STEPS, LR)
     pipe = runtime.LocalPipeline(str(out))
     pipe.load_state_dict(model_file.load(example).build(0).state_dict())
@@ -57,6 +66,29 @@ def test_auto_training_matches_the_original(tmp_path: Path) -> None:
     limit = max(none.plan.stages[1].memory_bytes, none.plan.stages[0].memory_bytes * 95 // 100)
     pipe = _trains_like_original(GPT, tmp_path / "pkg", recompute="auto", memory=limit, **mesh)
     assert pipe.runners[0].recompute is not None and pipe.runners[1].recompute is None
+
+
+def _split_with_policies(tmp_path: Path) -> None:
+    """gpt48 under 97% of what keeping every activation needs, 2 stages of 1F1B with 12
+    microbatches (rank 0 holds two in flight, rank 1 one): auto chooses the split and each
+    stage's policy together, rank 0 selective with fewer blocks than selective on every
+    stage gives it, rank 1 nothing recomputed, within the limit by the walked peak."""
+    mesh = dict(DEEP, microbatches=12)
+    none = compile_example(GPT48, tmp_path / "none", **mesh)
+    limit = max(s.memory_bytes for s in none.plan.stages) * 97 // 100
+    uniform = compile_example(GPT48, tmp_path / "selective", recompute="selective", memory=limit, **mesh)
+    auto = compile_example(GPT48, tmp_path / "pkg", recompute="auto", memory=limit, **mesh)
+    assert [s.recompute for s in auto.manifest.stages] == ["selective", None]
+    assert len(auto.plan.stages[0].nodes) < len(uniform.plan.stages[0].nodes)  # not the uniform policy's split
+    assert auto.manifest.predicted.step_time_s < uniform.manifest.predicted.step_time_s
+    assert max(s.memory_bytes for s in auto.manifest.predicted.stages) <= limit
+    shutil.copy(GPT, tmp_path / "pkg")  # the package's copy of gpt48.py loads gpt.py from its own folder
+
+
+def test_auto_with_its_own_split_trains_like_the_original(tmp_path: Path) -> None:
+    _split_with_policies(tmp_path)
+    pipe = _matches_original(GPT48, tmp_path / "pkg")
+    assert [r.recompute for r in pipe.runners] == ["selective", None]
 
 
 def test_a_zoo_llama_trains_like_the_original_selective(tmp_path: Path) -> None:
@@ -155,6 +187,14 @@ def test_auto_on_two_gloo_ranks_trains_like_the_original(tmp_path: Path) -> None
     auto = compile_example(GPT, tmp_path / "pkg", recompute="auto", memory=limit, **mesh)
     assert auto.manifest.stages[0].recompute is not None and auto.manifest.stages[1].recompute is None
     _ok(launch(2, "check", [tmp_path / "pkg"], _copy(GPT, tmp_path)))
+
+
+@multiproc
+@pytest.mark.timeout(180)
+def test_auto_with_its_own_split_on_two_gloo_ranks_trains_like_the_original(tmp_path: Path) -> None:
+    _split_with_policies(tmp_path)
+    _copy(GPT, tmp_path)  # gpt48.py loads gpt.py from its own folder
+    _ok(launch(2, "check", [tmp_path / "pkg"], _copy(GPT48, tmp_path), deadline_s=120.0))
 
 
 def _copy(model: str, folder: Path) -> Path:
