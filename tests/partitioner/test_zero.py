@@ -110,6 +110,7 @@ def test_zero_1_and_recomputation_are_each_tried_where_the_plain_plan_does_not_f
 
     monkeypatch.setattr(search, "solve", plain_too_big)
     monkeypatch.setattr(search, "solve_jointly", no_mix_fits)
+    monkeypatch.setattr(search, "step_bound", lambda *_a: (0.0, None))  # both simulated, whichever is faster
     compiled = compile_example(MLP, tmp_path / "pkg", devices=2, stages=1, tp=1, microbatches=4, schedule="1f1b")
     assert sorted(set(tried)) == [(False, False), (False, True), (True, False)]
     candidates = compiled.manifest.predicted.extra["candidates"]
