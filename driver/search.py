@@ -17,24 +17,31 @@
                  selective, then full recomputation, then with several: every cheapest variant that fits
                  is a candidate (`offloading.variants`).  Solved by the exact DPs over
                  contiguous plans alone (`_solve_one`);
-    4. simulate: each solved candidate, unless its bound shows it cannot be among the
-                 SHOWN fastest ([Note: the search's bounds]);
+    4. simulate: each solved candidate, unless its bound shows it cannot be the fastest
+                 ([Note: the search's bounds]); steps 3 and 4 in worker processes, one
+                 per core, on a large search ([Note: the search in worker processes]
+                 in driver/workers.py);
     5. emit the best; the best SHOWN are recorded in the manifest for `show`.
 
 [Note: the search's bounds]
-    Two lower bounds on the simulated step prune the search (driver/ranking.py): `floor`,
+    Lower bounds on the simulated step prune the search (driver/ranking.py): `floor`,
     known once a candidate is posed (every microbatch's compute spread evenly over the
-    ranks), and `bound`, once it is solved (the busiest rank's compute, pipeline fill and
-    drain).  Candidates are taken in order of floor; one whose floor passes the SHOWN-th
-    best step simulated so far is skipped unsolved, a solved one whose bound passes it is
-    not simulated.  Neither bound exceeds a step, so the SHOWN fastest are those that
-    solving and simulating every candidate would rank.  A bar on stderr shows the
-    candidates done of their total, the time left, and the best so far.
+    ranks), `bound` once it is solved (the busiest rank's compute, pipeline fill and
+    drain), and `step_bound`, the same from the simulator's own inputs, with the loss and
+    what follows the walk (the gradients' all-reduces, ZeRO-1's broadcast).  Candidates
+    are taken in order of floor; one whose floor passes the best step simulated so far is
+    skipped unsolved, a solved split whose bound passes it is neither walked ([Note:
+    walked only where it matters]) nor simulated.  A variant whose weights, gradients and
+    optimizer state alone exceed the memory of its ranks is refused before its DP runs
+    (partitioner/solve/solve.py).  No bound exceeds a step, so the fastest is the one
+    solving and simulating every candidate would find; `show` lists the fastest of
+    those simulated.  A bar on stderr shows the candidates done of their total, the time
+    left, and the best so far.
 
 With `--schedule auto` every mesh is also tried under each schedule of AUTO_SCHEDULES
 (the zero-bubble ones only with 2 stages or more), each posed with its own memory (ZB-H2
 holds twice the microbatches; ZB-V splits the model in two stages per rank), and under
-interleaved 1F1B where a microbatch is one row (`_interleaved`), so the fastest predicted
+interleaved 1F1B where a microbatch is one row (`interleaved_schedule`), so the fastest predicted
 schedule that fits wins.
 """
 
@@ -47,7 +54,7 @@ from typing import Any, Callable, NamedTuple
 
 from runtime.schedule import registry
 
-from partitioner.cost.hardware import Hardware, load_hardware
+from partitioner.cost.hardware import load_hardware
 from partitioner.errors import InfeasiblePlanError, PlanError
 from partitioner.ir import PartitionProblem, Plan, SolverReport
 from partitioner.predict.step import StepInputs
@@ -58,7 +65,8 @@ from partitioner.trace.checkpointing import describe
 
 from . import offloading
 from .memory import rank_peaks
-from .options import AUTO, CompileOptions, mesh_of, stages_per_rank
+from .meshes import interleaved_schedule, meshes, nothing_fits, schedules, tp_limit, zeros
+from .options import CompileOptions, mesh_of, stages_per_rank
 from .phases import apply_tp, finish, load_source, prepare, virtual_counts
 from .prepared import Compiled, Prepared, Source
 from .ranking import SHOWN, Candidate, Ranking, Solved, bound, floor, step_bound
@@ -67,11 +75,6 @@ from .workers import outcomes, workers
 
 __all__ = ["Candidate", "search"]
 
-#: what `--schedule auto` tries: the registry's schedules marked `auto` (interleaved is left
-#: out: its stage count is its own choice); zb-v splits the model in 2 stages per rank, each
-#: rank's two held to its memory together
-AUTO_SCHEDULES = registry.AUTO_SCHEDULES
-INTERLEAVED = "interleaved"
 
 
 def search(opts: CompileOptions, say: Callable[[str], None], source: Source | None = None) -> Compiled:
@@ -79,12 +82,12 @@ def search(opts: CompileOptions, say: Callable[[str], None], source: Source | No
     assert opts.devices is not None
     hardware = load_hardware(opts.hardware)
     source = source or load_source(opts, say)
-    meshes = _meshes(opts.devices, source.batch, opts, _tp_limit(hardware))
-    if not meshes:
+    found = meshes(opts.devices, source.batch, opts, tp_limit(hardware))
+    if not found:
         raise PlanError(f"no mesh stages x tp x dp = {opts.devices} devices suits the options and a batch of "
                         f"{source.batch} rows: change --devices, or drop --stages/--tp/--dp to let the search choose.")
-    say(f"searching {len(meshes)} meshes of {opts.devices} devices (stages x tp x dp, microbatches)")
-    posed = sorted(_posed(meshes, opts, _Shapes(source), source.batch), key=_order)
+    say(f"searching {len(found)} meshes of {opts.devices} devices (stages x tp x dp, microbatches)")
+    posed = sorted(_posed(found, opts, _Shapes(source), source.batch), key=_order)
     ranking = Ranking(opts.devices, say)
     failed = _rank(posed, opts, ranking)
     if ranking.skipped:
@@ -92,7 +95,7 @@ def search(opts: CompileOptions, say: Callable[[str], None], source: Source | No
             f"pipeline fill and drain) exceeds the best step found")
     ranked = ranking.ranked
     if not ranked:
-        raise InfeasiblePlanError(_nothing_fits(opts, failed))
+        raise InfeasiblePlanError(nothing_fits(opts, failed))
     best, win = ranked[0]
     virtual = f" x{best.virtual_stages}" if best.schedule == "interleaved" else ""
     say(f"best mesh: pp={best.pp} tp={best.tp} dp={best.dp}, {best.microbatches} microbatches, {best.schedule}{virtual}"
@@ -119,7 +122,7 @@ def _posed(meshes: list[tuple[int, int, int, int]], opts: CompileOptions, shapes
     splits nothing is left out."""
     out = []
     for pp, tp, dp, m in meshes:
-        for schedule in _schedules(opts.schedule, pp) + _interleaved(opts, pp, m, batch // (m * dp)):
+        for schedule in schedules(opts.schedule, pp) + interleaved_schedule(opts, pp, m, batch // (m * dp)):
             sub = dataclasses.replace(opts, devices=None, stages=pp, tp=tp, dp=dp, microbatches=m, quiet=True,
                                       schedule=schedule)
             base = shapes.split(sub, batch // (m * dp), tp)
@@ -160,7 +163,7 @@ def _rank(posed: list[_Posed], opts: CompileOptions, ranking: Ranking) -> list[C
         item = posed[index]
         if beaten(item.floor_s):
             return None
-        found = _solve(item.base, item.opts, item.pp, item.microbatches, _zeros(opts, item.opts.dp), beaten)
+        found = _solve(item.base, item.opts, item.pp, item.microbatches, zeros(opts, item.opts.dp), beaten)
         return [] if found is None else found
 
     failed: list[Candidate] = []
@@ -168,7 +171,7 @@ def _rank(posed: list[_Posed], opts: CompileOptions, ranking: Ranking) -> list[C
         for outcome in outcomes([item.base for item in posed], solve, ranking, workers(len(posed))):
             bar.update(1)
             for cand, item in outcome.simulated:
-                ranking.insert(cand, item, outcome.index)
+                ranking.insert(cand, item, outcome.order)
             failed += [outcome.failed] if outcome.failed else []
             ranking.skipped += outcome.skipped
             bar.set_postfix_str(ranking.best_text(), refresh=False)
@@ -190,82 +193,6 @@ def _say_checkpointing(regions: tuple[str, ...], recompute: bool, say: Callable[
             f"the ops it runs and replaced by the planner's recompute choice: activations "
             f"{'recomputed' if recompute else 'kept, since the mesh fits without recomputing'} (--recompute forces "
             f"recomputation)")
-
-
-# -- 1. meshes ---------------------------------------------------------------------------------
-
-
-def _meshes(devices: int, batch: int, opts: CompileOptions, tp_limit: int | None = None) -> list[tuple[int, int, int, int]]:
-    """(pp, tp, dp, microbatches) to try, in a fixed order: every factorisation of the
-    devices that the options leave open, tp dividing `tp_limit` (when given), with 1, 2
-    and 4 microbatches per stage and one row per microbatch."""
-    out = []
-    for tp in _divisors(devices):
-        if opts.tp is not None and tp != opts.tp:
-            continue
-        if opts.tp is None and tp_limit is not None and tp_limit % tp:
-            continue
-        for dp in _divisors(devices // tp):
-            if opts.dp != 1 and dp != opts.dp:
-                continue
-            pp = devices // (tp * dp)
-            if opts.stages is not None and pp != opts.stages:
-                continue
-            counts = [opts.microbatches] if opts.microbatches else sorted({pp, 2 * pp, 4 * pp, batch // dp})
-            for m in counts:
-                if m > 0 and batch % (m * dp) == 0 and m % _microbatch_multiple(opts.schedule, pp) == 0:
-                    out.append((pp, tp, dp, m))
-    return out
-
-
-def _nothing_fits(opts: CompileOptions, failed: list[Candidate]) -> str:
-    """The error of a search whose every mesh exceeds --memory: the first few, and the fixes."""
-    notes = "; ".join(f"pp={c.pp} tp={c.tp} dp={c.dp} M={c.microbatches} {c.schedule}: {c.note}" for c in failed[:4])
-    unsharded = opts.zero == 0 and any(c.dp > 1 for c in failed)
-    return (f"no mesh of {opts.devices} devices fits --memory ({notes}): raise --memory or add devices"
-            + (", or drop --zero 0 so that a mesh with data-parallel replicas may shard its optimizer state "
-               "across them (ZeRO-1)." if unsharded else "."))
-
-
-def _schedules(schedule: str, pp: int) -> tuple[str, ...]:
-    """The schedules a mesh of `pp` stages is tried with: the one asked for, or under
-    auto each of AUTO_SCHEDULES (the zero-bubble ones only where there is a pipeline)."""
-    if schedule != AUTO:
-        return (schedule,)
-    return tuple(s for s in AUTO_SCHEDULES if pp > 1 or not registry.schedule_spec(s).splits_backward)
-
-
-def _interleaved(opts: CompileOptions, pp: int, microbatches: int, rows: int) -> tuple[str, ...]:
-    """Interleaved 1F1B under auto, its stages per rank searched (`solve_interleaved`): where
-    there is a pipeline, one row per microbatch (Megatron-LM's recipe, microbatch 1) and
-    the microbatches a multiple of the ranks; left out elsewhere to keep the search short."""
-    spec = registry.schedule_spec(INTERLEAVED)
-    wanted = opts.schedule == AUTO and pp > 1 and rows == 1 and microbatches % spec.microbatch_multiple(pp) == 0
-    return (INTERLEAVED,) if wanted else ()
-
-
-def _microbatch_multiple(schedule: str, pp: int) -> int:
-    """What a microbatch count must be a multiple of under `schedule` (under auto, under
-    every schedule it tries) on `pp` ranks."""
-    return math.lcm(*(registry.schedule_spec(s).microbatch_multiple(pp) for s in _schedules(schedule, pp)))
-
-
-def _zeros(opts: CompileOptions, dp: int) -> tuple[int, ...]:
-    """The ZeRO stages a mesh of `dp` replicas is tried with: the one asked for, or 0
-    and, where there are replicas to shard across, 1."""
-    if opts.zero is not None:
-        return (opts.zero,)
-    return (0, 1) if dp > 1 else (0,)
-
-
-def _tp_limit(hardware: Hardware) -> int | None:
-    """The devices of one node, which tensor-parallel groups stay inside (None: no limit,
-    for a profile of one device per node, such as this machine's CPU)."""
-    return hardware.devices_per_node if hardware.devices_per_node > 1 else None
-
-
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
 
 
 # -- 2. prepare, once per shape and split -------------------------------------------------------------

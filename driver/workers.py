@@ -39,7 +39,7 @@ class Outcome(NamedTuple):
     """What one candidate came to: the candidates simulated, with what each was solved into;
     or the Candidate that fits nowhere; and how many of its splits a bound skipped."""
 
-    index: int  # the candidate's, in the search's order
+    order: int  # the candidate's, in the search's order
     simulated: list[tuple[Candidate, Solved]]
     failed: Candidate | None
     skipped: int
@@ -76,7 +76,7 @@ def outcomes(bases: Sequence[Prepared], solve: Solve, ranking: Ranking, count: i
     try:
         with ctx.Pool(count) as pool:
             for outcome in pool.imap_unordered(_work, range(len(bases)), chunksize=1):
-                base = bases[outcome.index]
+                base = bases[outcome.order]
                 yield outcome._replace(simulated=[(c, _restore(s, base)) for c, s in outcome.simulated])
     finally:
         _JOB.clear()

@@ -17,7 +17,7 @@ from driver.options import CompileOptions
 from partitioner.cost.hardware import load_hardware
 from partitioner.errors import PlanError
 from partitioner.solve.solve import is_chain
-from driver.search import _meshes, _tp_limit
+from driver.meshes import AUTO_SCHEDULES, meshes as _meshes, tp_limit as _tp_limit
 
 from ..conftest import compile_example
 
@@ -168,14 +168,14 @@ def test_auto_schedule_keeps_the_fastest_predicted_schedule(tmp_path: Path) -> N
                                hardware="h100", schedule="auto")
     manifest = compiled.manifest
     candidates = manifest.predicted.extra["candidates"]
-    assert {c["schedule"] for c in candidates} == set(search.AUTO_SCHEDULES)
+    assert {c["schedule"] for c in candidates} == set(AUTO_SCHEDULES)
     assert manifest.schedule == candidates[0]["schedule"]
     assert candidates[0]["step_time_s"] == min(c["step_time_s"] for c in candidates)
     by = {c["schedule"]: c for c in candidates}
     assert by["zb-h1"]["step_time_s"] < by["1f1b"]["step_time_s"]  # the bubble a third, the rest equal
     assert by["zb-h2"]["memory_bytes"] > by["zb-h1"]["memory_bytes"]  # twice the microbatches in flight
     shown = (tmp_path / "pkg" / "plan.txt").read_text()
-    assert all(f"  {s}" in shown for s in search.AUTO_SCHEDULES)
+    assert all(f"  {s}" in shown for s in AUTO_SCHEDULES)
 
 
 def test_auto_is_the_default_schedule_with_devices_and_1f1b_without(tmp_path: Path) -> None:
@@ -186,7 +186,7 @@ def test_auto_is_the_default_schedule_with_devices_and_1f1b_without(tmp_path: Pa
     for name, given in (("default", []), ("given", ["--schedule", "1f1b"])):
         assert main(["compile", "examples/mlp.py", "--out", str(tmp_path / name), *mesh, *given]) == 0
     tried = {name: {c["schedule"] for c in read_manifest(tmp_path / name).predicted.extra["candidates"]} for name in ("default", "given")}
-    assert tried == {"default": set(search.AUTO_SCHEDULES), "given": {"1f1b"}}
+    assert tried == {"default": set(AUTO_SCHEDULES), "given": {"1f1b"}}
 
 
 def test_auto_schedule_needs_devices(tmp_path: Path) -> None:
@@ -199,7 +199,7 @@ def test_the_published_megatron_meshes_are_candidates() -> None:
     microbatch and its schedule are among what `--devices` searches, so the search is never
     predicted slower than the published configuration."""
     from benchmarks.published import ROWS
-    from driver.search import _interleaved, _schedules
+    from driver.meshes import interleaved_schedule as _interleaved, schedules as _schedules
 
     for row in ROWS:
         opts = CompileOptions(model="m.py", out="o", devices=row.gpus)
