@@ -17,7 +17,8 @@ from .package_info import model_flops
 from .prepared import Prepared
 from .recompute import variant_rank
 
-__all__ = ["Candidate", "Ranking", "SHOWN", "Solved", "bound", "describe", "floor", "simulate_fastest", "simulated", "step_bound"]
+__all__ = ["Candidate", "Ranking", "SHOWN", "Solved", "bound", "describe", "floor", "simulate_fastest", "simulated",
+           "step_bound"]
 
 SHOWN = 5
 #: a bound this close to a step time still gets simulated (float sums in another order)
@@ -131,10 +132,6 @@ class Ranking:
     def beaten(self, bound_s: float) -> bool:
         """Whether a candidate of step at least `bound_s` cannot be the fastest."""
         return bool(self.ranked) and bound_s > self.ranked[0][0].step_time_s
-
-    def add(self, solved: list[Solved], order: int = 0) -> None:
-        """Simulate each of `solved` (in order of bound) that may be the fastest."""
-        self.skipped += simulate_fastest(solved, self.beaten, self.devices, lambda c, s: self.insert(c, s, order))
 
     def insert(self, cand: Candidate, item: Solved, order: int = 0) -> None:
         """`cand`, simulated from `item`, in its place; `order`, the candidate's in the
