@@ -38,8 +38,8 @@ from ..cost.costmodel import boundary_s, computing_blocks, pair_bytes, remote, s
 from ..cost.roofline import stage_memory_bytes
 from ..ir import PartitionProblem
 
-__all__ = ["RankCost", "StageCost", "evaluate", "fills_with_compute", "interleaved", "interleaved_step_s", "memory_unit",
-           "objective", "paces", "plan_key", "rank_costs", "stage_costs", "violations"]
+__all__ = ["RankCost", "StageCost", "evaluate", "fills_with_compute", "interleaved", "interleaved_step_s", "key_below",
+           "memory_unit", "objective", "paces", "plan_key", "rank_costs", "stage_costs", "violations"]
 
 
 @dataclass(frozen=True)
@@ -207,6 +207,17 @@ def plan_key(problem: PartitionProblem, assignment: Sequence[int]) -> tuple[floa
     times = _paces(problem, costs, ranks)
     mean = sum(problem.block_time_s) / len(times)
     return (max(times), sum(max(0.0, t - mean) for t in times), sum(c.link_bytes for c in ranks))
+
+
+def key_below(a: tuple[float, float, int], b: tuple[float, float, int]) -> bool:
+    """Whether plan key `a` (`plan_key`'s: slowest, excess, bytes) is lexicographically below
+    `b`, times equal to a relative 1e-9."""
+    tol = 1e-9 * max(b[0], 1e-30)
+    if abs(a[0] - b[0]) > tol:
+        return a[0] < b[0]
+    if abs(a[1] - b[1]) > tol:
+        return a[1] < b[1]
+    return a[2] < b[2]
 
 
 def memory_unit(problem: PartitionProblem) -> str:

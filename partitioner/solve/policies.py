@@ -28,7 +28,7 @@ from typing import Sequence
 from ..errors import InfeasiblePlanError
 from ..ir import PartitionProblem, SolverReport
 from .intervals import dp_balanced_policies, dp_time_policies
-from .model import rank_costs, stage_costs, violations
+from .model import key_below, rank_costs, stage_costs, violations
 from .solve import even_split, is_chain
 
 __all__ = ["choose_policies", "mixed_key", "solve_policies"]
@@ -80,7 +80,7 @@ def solve_policies(problems: Sequence[PartitionProblem]) -> tuple[tuple[int, ...
         raise InfeasiblePlanError(f"no plan into {first.stages} stages fits {first.memory_limit_bytes} bytes per "
                                   f"stage under any recomputation policy")
     balanced = dp_balanced_policies(problems, bound)
-    if balanced is not None and _better(mixed_key(problems, balanced), mixed_key(problems, dp)):
+    if balanced is not None and key_below(mixed_key(problems, balanced), mixed_key(problems, dp)):
         dp = balanced
     slowest = mixed_key(problems, dp)[0]
     if not math.isfinite(slowest):
@@ -94,13 +94,3 @@ def solve_policies(problems: Sequence[PartitionProblem]) -> tuple[tuple[int, ...
                           wall_s=time.perf_counter() - start, status="OPTIMAL" if exact else "FEASIBLE",
                           blocks=first.num_blocks)
     return dp, tuple(i for i in chosen if i is not None), report
-
-
-def _better(a: _Key, b: _Key) -> bool:
-    """Whether key `a` is lexicographically below `b`, times equal to a relative 1e-9."""
-    tol = 1e-9 * max(b[0], 1e-30)
-    if abs(a[0] - b[0]) > tol:
-        return a[0] < b[0]
-    if abs(a[1] - b[1]) > tol:
-        return a[1] < b[1]
-    return a[2] < b[2]

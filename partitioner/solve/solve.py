@@ -51,8 +51,8 @@ from ..errors import InfeasiblePlanError, PlanError
 from ..cost.costmodel import shared_params
 from .cpsat import CpResult, solve_cpsat
 from .intervals import dp_balanced, dp_memory, dp_time
-from .model import (RankCost, StageCost, evaluate, fills_with_compute, interleaved, memory_unit, objective, plan_key,
-                    rank_costs, stage_costs, violations)
+from .model import (RankCost, StageCost, evaluate, fills_with_compute, interleaved, key_below, memory_unit, objective,
+                    plan_key, rank_costs, stage_costs, violations)
 from .vee import vee_memory, vee_plans
 from ..ir import PartitionProblem, SolverReport
 
@@ -63,15 +63,7 @@ __all__ = ["CpResult", "RankCost", "StageCost", "even_split", "evaluate", "fills
 def _better(problem: PartitionProblem, a: Sequence[int], b: Sequence[int] | None) -> bool:
     """Whether plan `a` is lexicographically better than `b` (`plan_key`, times equal to
     a relative 1e-9)."""
-    if b is None:
-        return True
-    ka, kb = plan_key(problem, a), plan_key(problem, b)
-    tol = 1e-9 * max(kb[0], 1e-30)
-    if abs(ka[0] - kb[0]) > tol:
-        return ka[0] < kb[0]
-    if abs(ka[1] - kb[1]) > tol:
-        return ka[1] < kb[1]
-    return ka[2] < kb[2]
+    return b is None or key_below(plan_key(problem, a), plan_key(problem, b))
 
 
 # -- step 1: the contiguous plans (`intervals`, `vee`) ------------------------------------
