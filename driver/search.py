@@ -30,7 +30,9 @@
     drain), and `step_bound`, the same from the simulator's own inputs, with the loss and
     what follows the walk (the gradients' all-reduces, ZeRO-1's broadcast).  Candidates
     are taken in order of floor; one whose floor passes the best step simulated so far is
-    skipped unsolved, a solved split whose bound passes it is neither walked ([Note:
+    skipped unsolved, and so is a variant under recomputation whose own floor (every
+    stage's forward counted twice, or what selective recomputation runs again) passes
+    it; a solved split whose bound passes it is neither walked ([Note:
     walked only where it matters]) nor simulated.  A variant whose weights, gradients and
     optimizer state alone exceed the memory of its ranks is refused before its DP runs
     (partitioner/solve/solve.py).  No bound exceeds a step, so the fastest is the one
@@ -247,6 +249,8 @@ def _solve(base: Prepared, opts: CompileOptions, pp: int, microbatches: int, zer
         prepared = with_policy(_repose(base, sub, pp, microbatches, offload), recompute)
         if recompute == MIXED and not joins(prepared):
             continue  # several stages per rank: one policy for all ([Note: recomputation chosen per rank])
+        if recompute not in (None, MIXED) and beaten(_floor(prepared.problem)):
+            continue  # its forward run again alone makes it slower than the best ([Note: the search's bounds])
         try:
             if recompute == MIXED:  # the walk is checked by `_solved` alone: a candidate is one DP
                 prepared, assignment, report = solve_jointly(prepared)

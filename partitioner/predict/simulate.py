@@ -41,6 +41,7 @@ PipeDream-Flush, 2021).
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
@@ -85,10 +86,9 @@ def simulate(
     stages = len(forward_s)
     graph = StageGraph(stages, pp, tuple(sorted(links)), frozenset(links),  # every edge carries a gradient back
                        placement(schedule, stages, pp))
-    lowered = lower(make_schedule(schedule, pp, microbatches, virtual), graph)
+    lowered, early = _lowered(schedule, pp, microbatches, virtual, graph, ahead)
     clock = _Clock(forward_s, backward_s, links, pp, send_s=send_s, recv_s=recv_s, loss_s=loss_s,
                    weight_share=weight_share)
-    early = [receives_ahead(actions) if ahead else {} for actions in lowered]
     cursor = [0] * pp
     remaining = sum(len(actions) for actions in lowered)
     while remaining:
@@ -105,6 +105,15 @@ def simulate(
         if not progressed:
             raise ValueError(f"the {schedule} schedule deadlocks in simulation")
     return Simulation(max(clock.free) + final_s, tuple(clock.busy), tuple(clock.peak), tuple(clock.events))
+
+
+@functools.lru_cache(maxsize=32)
+def _lowered(schedule: str, pp: int, microbatches: int, virtual: int, graph: StageGraph, ahead: bool
+             ) -> tuple[tuple[tuple[Action, ...], ...], tuple[dict[int, tuple[int, ...]], ...]]:
+    """Each rank's lowered actions and the receives it posts ahead, made once per schedule
+    and stage graph (a search simulates hundreds of plans of a few shapes); read only."""
+    lowered = tuple(tuple(row) for row in lower(make_schedule(schedule, pp, microbatches, virtual), graph))
+    return lowered, tuple(receives_ahead(row) if ahead else {} for row in lowered)
 
 
 class _Clock:

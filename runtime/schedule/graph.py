@@ -4,6 +4,7 @@ each stage.  It is what lowering and validation need of a package."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from typing import TYPE_CHECKING, Any, Mapping
 
 from ..errors import ScheduleError
@@ -31,11 +32,21 @@ class StageGraph:
     def rank_of(self, stage: int) -> int:
         return self.ranks[stage] if self.ranks else stage % self.num_ranks
 
-    def producers(self, stage: int) -> list[int]:
-        return [p for p, c in self.edges if c == stage]
+    def producers(self, stage: int) -> tuple[int, ...]:
+        return self._ends[0].get(stage, ())
 
-    def consumers(self, stage: int) -> list[int]:
-        return [c for p, c in self.edges if p == stage]
+    def consumers(self, stage: int) -> tuple[int, ...]:
+        return self._ends[1].get(stage, ())
+
+    @cached_property
+    def _ends(self) -> tuple[dict[int, tuple[int, ...]], dict[int, tuple[int, ...]]]:
+        """Each stage's producers and consumers, in edge order (found once: lowering asks per action)."""
+        into: dict[int, tuple[int, ...]] = {}
+        out: dict[int, tuple[int, ...]] = {}
+        for p, c in self.edges:
+            into[c] = into.get(c, ()) + (p,)
+            out[p] = out.get(p, ()) + (c,)
+        return into, out
 
     @staticmethod
     def chain(num_stages: int, num_ranks: int | None = None, schedule: str = DEFAULT_SCHEDULE) -> "StageGraph":

@@ -109,6 +109,35 @@ def test_the_search_recomputes_activations_when_nothing_else_fits(tmp_path: Path
     assert max(s.memory_bytes for s in manifest.predicted.stages) <= 530_000
 
 
+def test_a_recomputing_variant_whose_own_floor_is_beaten_is_not_solved(tmp_path: Path,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """[Note: the search's bounds]: a recomputing variant runs forwards again, so its floor is
+    higher than the candidate's; where the best step beats it, the variant is not solved."""
+    policies: dict[str, list[str | None]] = {"strict": [], "real": []}
+    seen = policies["real"]
+    real_one, real_solve = search._solve_one, search._solve
+
+    def solve_one(p: Any) -> Any:
+        seen.append(p.problem.policy)
+        return real_one(p)
+
+    def solve(base: Any, opts: Any, pp: int, m: int, zeros: Any, beaten: Any) -> Any:
+        nonlocal seen
+        least = search._floor(search._repose(base, opts, pp, m).problem)  # the candidate's, as posed
+        seen = policies["strict"]
+        real_solve(base, opts, pp, m, zeros, lambda t: t > least * 1.0001)  # a best just above it
+        seen = policies["real"]
+        return real_solve(base, opts, pp, m, zeros, beaten)
+
+    monkeypatch.setattr(search, "_solve_one", solve_one)
+    monkeypatch.setattr(search, "_solve", solve)
+    monkeypatch.setattr(search, "workers", lambda _count: 1)  # seen in this process
+    # the case of test_the_search_recomputes_activations_when_nothing_else_fits
+    compile_example("examples/gpt.py", tmp_path / "pkg", devices=2, stages=None, tp=1, memory=530_000)
+    assert {"full", "selective"} <= set(policies["real"]), "the case solves recomputing variants"
+    assert None in policies["strict"] and not {"full", "selective"} & set(policies["strict"]), policies["strict"]
+
+
 def _unpruned(monkeypatch: pytest.MonkeyPatch) -> None:
     """Neither bound prunes: every candidate is solved and simulated."""
     monkeypatch.setattr(search, "bound", lambda *_a: 0.0)
