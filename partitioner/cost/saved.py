@@ -28,10 +28,12 @@ from typing import Any, Callable
 import torch
 import torch.fx
 
+from runtime.offload import MIN_BYTES
+
 from .nodes import compute_nodes, storage_key, tensors
 from .profile import _bind, _flash_saved
 
-__all__ = ["Passed", "stage_passed_bytes", "stage_saved_bytes"]
+__all__ = ["Passed", "stage_offloadable", "stage_passed_bytes", "stage_saved_bytes"]
 
 
 #: a saved tensor of one node: (its maker's name or None, the maker's base's name, the
@@ -52,6 +54,16 @@ def stage_saved_bytes(gm: torch.fx.GraphModule, values: dict[torch.fx.Node, Any]
     """Bytes each stage keeps for backward per microbatch ([Note: saved bytes per stage]);
     with `rank_of`, a value from a stage of the same rank is left to its maker's."""
     return [sum(k.values()) for k in _kept(gm, values, stage_of, stages, rank_of)]
+
+
+def stage_offloadable(gm: torch.fx.GraphModule, values: dict[torch.fx.Node, Any], stage_of: dict[str, int],
+                      stages: int, rank_of: RankOf | None = None) -> list[list[int]]:
+    """Per stage, the bytes of each saved storage that offloading may move, in the order
+    the stage's forward saves them: not its inputs (received, or of the batch), nor any
+    under `runtime.offload.MIN_BYTES` ([Note: activation offloading] in runtime/offload.py)."""
+    batch = {n.name for n in gm.graph.nodes if n.op == "placeholder"}
+    return [[n for key, n in k.items() if key[0] != "input" and not (key[0] == "value" and key[1] in batch)
+             and n >= MIN_BYTES] for k in _kept(gm, values, stage_of, stages, rank_of)]
 
 
 @dataclass(frozen=True)

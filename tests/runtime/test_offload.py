@@ -277,14 +277,16 @@ HEAVY = "tests/model_files/two_heavy_blocks.py"
 
 
 def _heavy_auto(tmp_path: Path) -> tuple[Path, Path, int]:
-    """The two heavy blocks under GPipe on 2 stages, compiled with every activation kept
-    and with `--offload auto` at the fullest rank's need with every activation offloaded:
-    no split fits that keeping them (each stage holds a block's activations of every
-    microbatch), so auto must offload.  (the kept package, the auto one, the limit)"""
-    least = _fullest_rank(read_manifest(_planned(tmp_path, "all", HEAVY, offload="all")))
-    kept = _planned(tmp_path, "none", HEAVY, offload="none")
+    """The two heavy blocks under GPipe on 2 stages, planned for this CPU (where the copies
+    are done inside the compute: [Note: offloaded activations]), compiled with every
+    activation kept and with `--offload auto` at the fullest rank's need with every
+    activation offloaded: no split fits that keeping them (each stage holds a block's
+    activations of every microbatch), so auto must offload.  (the kept package, the auto
+    one, the limit)"""
+    least = _fullest_rank(read_manifest(_planned(tmp_path, "all", HEAVY, offload="all", hardware="cpu")))
+    kept = _planned(tmp_path, "none", HEAVY, offload="none", hardware="cpu")
     assert _fullest_rank(read_manifest(kept)) > least
-    return kept, _planned(tmp_path, "auto", HEAVY, memory=least), least
+    return kept, _planned(tmp_path, "auto", HEAVY, memory=least, hardware="cpu"), least
 
 
 def test_auto_offloads_less_on_the_later_rank(tmp_path: Path) -> None:
@@ -324,10 +326,10 @@ def _peaks(tmp_path: Path, pkg: Path) -> list[tuple[int, int]]:
 
 @multiproc
 @pytest.mark.timeout(240)
-@pytest.mark.xfail(strict=True, reason="measured/predicted drop per rank 1.47, 1.20: see docs/offloading.md, Limits")
 def test_each_rank_measures_the_drop_auto_predicts(tmp_path: Path) -> None:
     """Each rank's measured peak falls by its predicted drop (within 5%)."""
     kept, auto, _ = _heavy_auto(tmp_path)
     before, after = _peaks(tmp_path, kept), _peaks(tmp_path, auto)
     ratios = [(b[0] - a[0]) / (b[1] - a[1]) for b, a in zip(before, after)]
+    print("measured/predicted drop per rank:", ratios, "shares:", [s.offload for s in read_manifest(auto).stages])
     assert all(abs(r - 1) <= 0.05 for r in ratios), f"measured/predicted drop per rank: {ratios}"
