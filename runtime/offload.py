@@ -49,7 +49,7 @@ import contextlib
 import os
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
@@ -106,8 +106,8 @@ def prefetches_in_order(order: Sequence[tuple[int, Action]], horizon: int) -> di
     return out
 
 
-def bring_back(actions: Sequence[Action], runners: Sequence[Any]) -> None:
-    """Start bringing back what each of `actions` will read (`runners`: the stages' runners)."""
+def bring_back(actions: Sequence[Action], runners: Mapping[int, Any] | Sequence[Any]) -> None:
+    """Start bringing back what each of `actions` will read (`runners`: the stages' runners, by index)."""
     for a in actions:
         runners[a.stage].prefetch(a.microbatch)
 

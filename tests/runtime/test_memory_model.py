@@ -66,7 +66,6 @@ def _measure(tmp_path: Path, model: str, options: dict[str, Any], ranks: int) ->
 @pytest.mark.parametrize(("model", "options", "ranks"), CASES)
 def test_each_rank_within_five_percent(tmp_path: Path, model: str, options: dict[str, Any], ranks: int) -> None:
     ratios = _measure(tmp_path, model, options, ranks)
-    print("measured/predicted per rank:", [round(r, 4) for r in ratios])
     assert all(abs(r - 1) <= TOLERANCE for r in ratios), f"measured/predicted per rank: {ratios}"
 
 
