@@ -18,7 +18,8 @@ def stage_parts(p: Prepared, plan: Plan) -> list[int]:
     """Each stage's part of its rank's walked peak, counted under the compile's autocast,
     as the manifest's `memory_bytes` are."""
     with autocast(p.opts.precision, p.timer.device.type), kept_buffers(p.model):
-        return plan_memory(p.traced.gm, plan, p.costs, p.loss, p.problem.optimizer_factor, p.values)
+        return plan_memory(p.traced.gm, plan, p.costs, p.loss, p.problem.optimizer_factor, p.values,
+                           p.hardware.copies_overlap)
 
 
 def rank_peaks(p: Prepared, plan: Plan) -> list[int]:

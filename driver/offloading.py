@@ -52,7 +52,7 @@ def offloaded(p: Prepared, plan: Plan) -> Plan:
 def _shares(p: Prepared, plan: Plan) -> tuple[float, ...]:
     """Each stage's fraction offloaded (empty: none): `all` 1 everywhere; `auto`, per rank
     the least that brings its walked peak under the limit ([Note: offloaded activations]),
-    so later ranks offload less (the solver's own bound may have found the split fitting
+    so ranks that hold less offload less (the solver's own bound may have found the split fitting
     without offloading where the walk, which the manifest reports, does not)."""
     limit, every = p.problem.memory_limit_bytes, (1.0,) * plan.num_stages
     if p.opts.offload == "all":

@@ -288,15 +288,15 @@ class DistributedPipeline(Pipeline[Rows]):
              mb_inputs: list[dict[str, Any]], targets: list[Any] | None, loss_fn: LossFn | None,
              arm_at: dict[int, list[torch.nn.Parameter]] | None = None) -> None:
         """Run this rank's row of actions; before each compute, post the receives of the
-        next (`ahead`: [Note: receives posted ahead] in schedule/lowering.py); before the last B (or
-        W) of each stage, arm its gradient buckets (`arm_at`)."""
-        horizon = offload.ahead()
+        next (`ahead`: [Note: receives posted ahead] in schedule/lowering.py) and bring back what
+        the B, I or W ahead offloaded (`back`); before each stage's last B (or W) arm its buckets."""
+        back = offload.prefetches(actions, offload.ahead())
         for t, a in enumerate(actions):
             if arm_at and t in arm_at and self._buckets is not None:
                 self._buckets.arm(arm_at[t])
             for j in ahead.get(t, ()):
                 step.posted[actions[j]] = self._post_recv(actions[j], step)
-            offload.prefetch_ahead(actions, t, lambda b: self.runners[b.stage].prefetch(b.microbatch), horizon)
+            offload.bring_back(back.get(t, ()), self.runners)
             self._execute(a, step, mb_inputs, targets, loss_fn)
 
     def _execute(self, a: Action, step: _Step, mb_inputs: list[dict[str, Any]], targets: list[Any] | None,

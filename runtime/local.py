@@ -245,9 +245,9 @@ class LocalPipeline(Pipeline[_Orders]):
         with self.streams.on(len(lane.runners) - 1):
             total = torch.zeros((), device=self.devices[-1])
         train = targets is not None
-        row, horizon = [a for _, a in order], offload.ahead()
-        for t, a in enumerate(row):
-            offload.prefetch_ahead(row, t, lambda b: lane.runners[b.stage].prefetch(b.microbatch), horizon)
+        back = offload.prefetches_in_order(order, offload.ahead())
+        for t, (_, a) in enumerate(order):
+            offload.bring_back(back.get(t, ()), lane.runners)
             s, i, runner = a.stage, a.microbatch, lane.runners[a.stage]
             if a.kind == Kind.F:
                 args = [self._arg(spec, s, i, mb_inputs, outputs) for spec in runner.entry.inputs]

@@ -3,23 +3,33 @@ forward and brought back ahead of the backward that needs it (`--offload`).
 
 [Note: activation offloading]
     A stage whose manifest entry has `offload` f > 0 runs each training forward under
-    `torch.autograd.graph.saved_tensors_hooks`.  The pack hook copies the STORAGE of each
-    saved tensor to a host buffer (once per storage and microbatch: a tensor and its
-    views, saved by several ops, share one copy) and hands autograd a handle instead, so
-    the device storage is freed as soon as nothing else holds it; the unpack hook gives
-    back the same view of a device copy of that storage.  Kept on the device: leaves and
-    the storages of the stage's parameters, buffers and inputs (held anyway, and not
-    activations), storages under `MIN_BYTES`, and past the fraction f of the bytes the
-    stage saved in its previous forward (the first saved first: needed last, they have
-    the longest to come back; the first forward offloads all it may).
+    `torch.autograd.graph.saved_tensors_hooks`.  The pack hook takes the STORAGE of each
+    saved tensor (once per storage and microbatch: a tensor and its views, saved by
+    several ops, share one handle) and hands autograd a handle instead; the unpack hook
+    gives back the same view of a device copy of that storage.  Kept on the device:
+    leaves and the storages of the stage's parameters, buffers and inputs (held anyway,
+    and not activations) and storages under `MIN_BYTES`.  Of the rest, with f = 1 every
+    storage is copied to a host buffer as it is saved, so the device storage is freed as
+    soon as the forward lets go of it.  With f < 1 the handles hold the device storages
+    until the forward ends, when the stage knows this microbatch's saved storages in the
+    order they were saved, and then copies out the fewest first ones whose bytes reach f
+    of them all (`share_of`: the first saved are needed last, so they have the longest
+    to come back).  The share is honoured to the storage on every microbatch, the first
+    included, and the planner, which knows the same storages in the same order ([Note:
+    saved bytes per stage] in partitioner/cost/saved.py), predicts the bytes that
+    leaves on the device with `share_of` itself.  (A fraction, not a byte count, is what
+    the manifest keeps: it holds for a short last microbatch too, and reads the same in
+    older packages.)
     On CUDA the copies run on a side stream into pinned buffers: the copy out waits for
     the compute stream, and `record_stream` keeps the device storage from reuse until it
     is done; `prefetch(microbatch)` starts the copies back on the side stream, and the
     unpack makes the compute stream wait for them.  The pipelines call `prefetch`
-    `PIPELINE_OFFLOAD_AHEAD` actions (default 2, the activation loading horizon) before
-    each B, I or W of an offloading stage; an unpack that finds nothing prefetched copies
-    at once.  On the CPU the same code runs without streams: the host buffer is a
-    separate tensor, and the saved storage is really released.
+    `PIPELINE_OFFLOAD_AHEAD` compute actions of the rank's row (default 1, the
+    activation loading horizon; messages not counted) before each B, I or W of an
+    offloading stage (`prefetches`), the first ones' at the row's start; an unpack that
+    finds nothing prefetched copies at once.  On the CPU the same code runs without
+    streams: the host buffer is a separate tensor, the copy out is done when the pack
+    (f = 1) or the forward (f < 1) returns, and the saved storage is really released.
     A copy brought back stays until the microbatch's backward is done; under a split
     backward ([Note: split backward] in stage.py) the copies are dropped after I
     (`evict`) and brought back again ahead of W.  The host buffers live as long as the
@@ -39,17 +49,17 @@ import contextlib
 import os
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
 from .schedule import Action, Kind
 
-__all__ = ["AHEAD", "MIN_BYTES", "Offloader", "ahead", "prefetch_ahead"]
+__all__ = ["AHEAD", "MIN_BYTES", "Offloader", "ahead", "bring_back", "prefetches", "prefetches_in_order", "share_of"]
 
 MIN_BYTES = 1024  # smaller saved tensors stay: their copies would cost more than they free
-AHEAD = 2  # the default activation loading horizon, in schedule actions
+AHEAD = 1  # the default activation loading horizon, in compute actions: the next comes back during this one
 
 _Outer = tuple[Callable[[torch.Tensor], Any], Callable[[Any], torch.Tensor]] | None
 
@@ -59,15 +69,47 @@ def ahead() -> int:
     return max(0, int(os.environ.get("PIPELINE_OFFLOAD_AHEAD", AHEAD)))
 
 
-def prefetch_ahead(actions: list[Action], t: int, prefetch: Callable[[Action], None], horizon: int) -> None:
-    """Before action `t` of a row: `prefetch` the B, I or W `horizon` actions on, which
-    brings its microbatch back in time ([Note: activation offloading])."""
-    if horizon > 0 and t + horizon < len(actions) and _reads_saved(actions[t + horizon]):
-        prefetch(actions[t + horizon])
-    if t == 0:  # the first actions of a row have nothing before them to prefetch from
-        for a in actions[:horizon]:
-            if _reads_saved(a):
-                prefetch(a)
+def share_of(sizes: Sequence[int], fraction: float) -> int:
+    """How many of the first of `sizes` (saved storages, in the order saved) an offloading
+    stage copies out: the fewest whose bytes reach `fraction` of them all ([Note:
+    activation offloading])."""
+    want, total = fraction * sum(sizes), 0
+    for n, size in enumerate(sizes):
+        if total >= want:
+            return n
+        total += size
+    return len(sizes)
+
+
+def prefetches(row: Sequence[Action], horizon: int) -> dict[int, list[Action]]:
+    """Per index of one rank's `row` (lowered or not), the B, I and W to bring back before
+    it runs: each `horizon` compute actions before its own, the first ones' at the start
+    ([Note: activation offloading])."""
+    computes = [t for t, a in enumerate(row) if a.is_compute]
+    out: dict[int, list[Action]] = {}
+    for c, t in enumerate(computes):
+        if _reads_saved(row[t]):
+            out.setdefault(computes[max(0, c - horizon)], []).append(row[t])
+    return out
+
+
+def prefetches_in_order(order: Sequence[tuple[int, Action]], horizon: int) -> dict[int, list[Action]]:
+    """`prefetches` for a serial order of several ranks' actions ((rank, action) pairs):
+    each rank's counted in its own row."""
+    rows: dict[int, list[int]] = {}
+    for t, (rank, _) in enumerate(order):
+        rows.setdefault(rank, []).append(t)
+    out: dict[int, list[Action]] = {}
+    for positions in rows.values():
+        for i, found in prefetches([order[t][1] for t in positions], horizon).items():
+            out.setdefault(positions[i], []).extend(found)
+    return out
+
+
+def bring_back(actions: Sequence[Action], runners: Mapping[int, Any] | Sequence[Any]) -> None:
+    """Start bringing back what each of `actions` will read (`runners`: the stages' runners, by index)."""
+    for a in actions:
+        runners[a.stage].prefetch(a.microbatch)
 
 
 def _reads_saved(a: Action) -> bool:
@@ -77,10 +119,12 @@ def _reads_saved(a: Action) -> bool:
 
 @dataclass
 class _Held:
-    """One offloaded storage: its host buffer (bytes), and a device copy once brought back."""
+    """One saved storage: its bytes, its host buffer once copied out, and a device copy
+    (the storage itself until then, or the copy brought back)."""
 
-    host: torch.Tensor
     device: torch.device
+    nbytes: int
+    host: torch.Tensor | None = None
     copied: Any = None  # the CUDA event after the copy to the host
     back: torch.Tensor | None = None
     loaded: Any = None  # the CUDA event after the copy back
@@ -99,12 +143,12 @@ class _View:
 
 @dataclass
 class _Forward:
-    """What one microbatch's forward offloaded, by storage (its data pointer)."""
+    """What one microbatch's forward saved, by storage (its data pointer)."""
 
     kept: set[int]  # storages held anyway: parameters, buffers, inputs
-    #: each storage's copy, and the tensors saved from it (while one lives, so does the storage)
+    #: each storage's handle, and the tensors saved from it (while one lives, so does the storage)
     held: dict[int, tuple[list[weakref.ref[torch.Tensor]], _Held]] = field(default_factory=dict)
-    saved_bytes: int = 0  # every storage the hook could offload
+    order: list[_Held] = field(default_factory=list)  # the handles in the order saved
     offloaded_bytes: int = 0
 
 
@@ -125,7 +169,6 @@ class Offloader:
     fraction: float
     _mbs: dict[int, _Forward] = field(default_factory=dict)
     moved_bytes: int = 0  # copied to the host since it was made
-    _budget: float | None = None  # bytes to offload per forward: the fraction of the last one's
     _stream: Any = None
 
     @contextlib.contextmanager
@@ -137,7 +180,16 @@ class Offloader:
         with torch.autograd.graph.saved_tensors_hooks(lambda t: self._pack(t, fwd, outer),
                                                       lambda h: self._unpack(h, outer)):
             yield
-        self._budget = self.fraction * fwd.saved_bytes
+        if self.fraction < 1:
+            self._copy_share(fwd)
+
+    def _copy_share(self, fwd: _Forward) -> None:
+        """At a forward's end, copy out the first saved storages up to the share (`share_of`)."""
+        for held in fwd.order[:share_of([h.nbytes for h in fwd.order], self.fraction)]:
+            source, held.back = held.back, None
+            assert source is not None
+            self._to_host(held, source)
+            fwd.offloaded_bytes += held.nbytes
 
     def release(self, microbatch: int) -> None:
         """Forget a microbatch whose backward has begun: the autograd graph holds its
@@ -146,6 +198,7 @@ class Offloader:
         fwd = self._mbs.pop(microbatch, None)
         if fwd is not None:
             fwd.held.clear()
+            fwd.order.clear()
 
     def clear(self) -> None:
         for mb in list(self._mbs):
@@ -160,7 +213,8 @@ class Offloader:
         """Drop the device copies of a microbatch between its I and W (the host keeps them)."""
         fwd = self._mbs.get(microbatch)
         for _, held in (fwd.held.values() if fwd is not None else ()):
-            held.back = held.loaded = None
+            if held.host is not None:  # the storages kept on the device stay
+                held.back = held.loaded = None
 
     def prefetch(self, microbatch: int) -> None:
         """Start bringing a microbatch's storages back (once; a no-op when they are)."""
@@ -179,7 +233,7 @@ class Offloader:
         return (True, _View(held, t.dtype, int(t.storage_offset()), tuple(t.shape), tuple(t.stride())))
 
     def _offload(self, t: torch.Tensor, fwd: _Forward) -> _Held | None:
-        """`t`'s storage on the host (copied once per forward), or None where it stays."""
+        """`t`'s storage's handle (one per forward), or None where it stays."""
         if t.device.type == "meta" or t.is_leaf:
             return None
         storage, key = t.untyped_storage(), _key(t)
@@ -187,16 +241,18 @@ class Offloader:
         if known is not None and any(_on(ref(), key) for ref in known[0]):
             known[0].append(weakref.ref(t))
             return known[1]
-        nbytes = storage.nbytes()
-        if key in fwd.kept or nbytes < MIN_BYTES:
+        if key in fwd.kept or storage.nbytes() < MIN_BYTES:
             return None
-        fwd.saved_bytes += nbytes
-        if self.fraction < 1 and self._budget is not None and fwd.offloaded_bytes + nbytes > self._budget:
-            return None
-        held = self._to_host(storage, t.device)
+        held = _Held(t.device, storage.nbytes())
+        with _disable_current_modes(), torch.no_grad():
+            source = torch.empty(0, dtype=torch.uint8, device=t.device).set_(storage)
+        if self.fraction < 1:
+            held.back = source  # until the forward's end chooses the share
+        else:
+            self._to_host(held, source)
+            fwd.offloaded_bytes += held.nbytes
         fwd.held[key] = ([weakref.ref(t)], held)
-        fwd.offloaded_bytes += nbytes
-        self.moved_bytes += nbytes
+        fwd.order.append(held)
         return held
 
     def _unpack(self, packed: tuple[bool, Any], outer: _Outer) -> torch.Tensor:
@@ -226,26 +282,26 @@ class Offloader:
             self._stream = torch.cuda.Stream(device)
         return self._stream
 
-    def _to_host(self, storage: Any, device: torch.device) -> _Held:
-        side = self._side(device)
+    def _to_host(self, held: _Held, source: torch.Tensor) -> None:
+        """Copy `source` (a storage's bytes) into a new host buffer of `held`."""
+        side = self._side(held.device)
+        self.moved_bytes += held.nbytes
         with _disable_current_modes(), torch.no_grad():
-            source = torch.empty(0, dtype=torch.uint8, device=device).set_(storage)
-            host = torch.empty(source.shape, dtype=torch.uint8, device="cpu", pin_memory=side is not None)
-            held = _Held(host, device)
+            held.host = torch.empty(source.shape, dtype=torch.uint8, device="cpu", pin_memory=side is not None)
             if side is None:
-                host.copy_(source)
-                return held
-            side.wait_stream(torch.cuda.current_stream(device))
+                held.host.copy_(source)
+                return
+            side.wait_stream(torch.cuda.current_stream(held.device))
             with torch.cuda.stream(side):
-                host.copy_(source, non_blocking=True)
+                held.host.copy_(source, non_blocking=True)
                 held.copied = torch.cuda.Event()
                 held.copied.record(side)
             source.record_stream(side)  # the storage is not reused before the copy is done
-        return held
 
     def _load(self, held: _Held) -> None:
         side = self._side(held.device)
         with torch.no_grad():
+            assert held.host is not None
             if side is None:
                 held.back = held.host.to(held.device, copy=True)
                 return

@@ -87,6 +87,13 @@ class Hardware:
         """Bytes/s of an activation's copy to the host or back (`host_link_bandwidth`)."""
         return self.host_link_bandwidth or self.memory_bandwidth
 
+    @property
+    def copies_overlap(self) -> bool:
+        """Whether offloading's copies run beside the compute (a CUDA side stream) as the
+        collectives do (`overlaps_comm`); not on the CPU, where each is done inside the
+        forward that makes it ([Note: activation offloading] in runtime/offload.py)."""
+        return self.overlaps_comm
+
     def peak_for(self, dtype: torch.dtype | None) -> float:
         """The peak FLOP/s of a matmul computing in `dtype` ([Note: a peak per dtype])."""
         return self.named_peak(dtype)[1]

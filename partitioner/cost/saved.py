@@ -8,9 +8,11 @@
     node of the stage again on its values under `saved_tensors_hooks` and keeps a set of
     storages per stage: a saved tensor that is a node's value (an input, or the node's
     own output) stands for the storage of the node that made it (views followed back
-    through `node.meta["aliases"]`), at that storage's full size (a microbatch of the
-    batch is a view of the whole), except a value that another stage made, which
-    arrives in a buffer of its own size;
+    through `node.meta["aliases"]`), at that storage's full size, except a value that
+    another stage made, which arrives in a buffer of its own size, and a microbatch of
+    the batch, counted at its own size: on a GPU it is moved there, a tensor of its own;
+    on the CPU it is a view of the caller's batch, which all the microbatches share, so
+    that the microbatches in flight count what the batch holds (at most);
     anything else the op saves (a softmax's statistics) is its own.  Parameters are left out.  Attention on
     the meta device counts what a fused kernel saves, as `annotate` does.
     A value passed to a stage of the same rank travels in memory, not in a buffer of its
@@ -28,10 +30,12 @@ from typing import Any, Callable
 import torch
 import torch.fx
 
+from runtime.offload import MIN_BYTES
+
 from .nodes import compute_nodes, storage_key, tensors
 from .profile import _bind, _flash_saved
 
-__all__ = ["Passed", "stage_passed_bytes", "stage_saved_bytes"]
+__all__ = ["Passed", "stage_offloadable", "stage_passed_bytes", "stage_saved_bytes"]
 
 
 #: a saved tensor of one node: (its maker's name or None, the maker's base's name, the
@@ -52,6 +56,16 @@ def stage_saved_bytes(gm: torch.fx.GraphModule, values: dict[torch.fx.Node, Any]
     """Bytes each stage keeps for backward per microbatch ([Note: saved bytes per stage]);
     with `rank_of`, a value from a stage of the same rank is left to its maker's."""
     return [sum(k.values()) for k in _kept(gm, values, stage_of, stages, rank_of)]
+
+
+def stage_offloadable(gm: torch.fx.GraphModule, values: dict[torch.fx.Node, Any], stage_of: dict[str, int],
+                      stages: int, rank_of: RankOf | None = None) -> list[list[int]]:
+    """Per stage, the bytes of each saved storage that offloading may move, in the order
+    the stage's forward saves them: not its inputs (received, or of the batch), nor any
+    under `runtime.offload.MIN_BYTES` ([Note: activation offloading] in runtime/offload.py)."""
+    batch = {n.name for n in gm.graph.nodes if n.op == "placeholder"}
+    return [[n for key, n in k.items() if key[0] != "input" and not (key[0] == "value" and key[1] in batch)
+             and n >= MIN_BYTES] for k in _kept(gm, values, stage_of, stages, rank_of)]
 
 
 @dataclass(frozen=True)
@@ -101,8 +115,8 @@ def _kept(gm: torch.fx.GraphModule, values: dict[torch.fx.Node, Any], stage_of: 
                     continue  # passed in memory: its maker's stage counts it
                 elif not batch and there != k:  # received: a buffer of its own
                     kept[k][("input", maker)] = own
-                else:
-                    kept[k][("value", base)] = max(full, kept[k].get(("value", base), 0))
+                else:  # a microbatch of the batch: its own bytes (the Note)
+                    kept[k][("value", base)] = max(own if batch else full, kept[k].get(("value", base), 0))
     return kept
 
 

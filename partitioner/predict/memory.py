@@ -14,8 +14,11 @@
     - per microbatch in flight on each stage (forward done, backward not yet: W for the
       split backward of zb-*), what the stage keeps for it: the tensors autograd saved
       (only the stage's inputs under --recompute full; those and the kept ops' outputs
-      under selective; with --offload, of the microbatches beyond the two resident, the
-      offloaded share lives on the host), the inputs
+      under selective; with --offload the offloaded share lives on the host: where the
+      copies run beside the compute (a GPU profile), of the microbatches beyond the two
+      resident; where they are done inside it (the CPU), of every microbatch but those
+      brought back, from the runtime's `prefetches` or the action that reads them to the
+      end of its backward or I), the inputs
       it received or took from the batch, the outputs it sent, and on the last stage the
       loss's own saved tensors;
     - per microbatch, what a stage passes in memory to another stage of the same rank (a
@@ -46,9 +49,10 @@
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Sequence
 
+from runtime.offload import prefetches
 from runtime.schedule.actions import Action, Kind
 from runtime.schedule.registry import schedule_spec
 
@@ -88,10 +92,12 @@ class StageBytes:
 
 
 def rank_peaks(schedule: str, pp: int, microbatches: int, virtual_stages: int,
-               stages: Sequence[StageBytes], step_transient: int = 0) -> tuple[int, ...]:
-    """The peak bytes of each pipeline rank over one step and its optimizer step."""
+               stages: Sequence[StageBytes], step_transient: int = 0, ahead: int | None = None) -> tuple[int, ...]:
+    """The peak bytes of each pipeline rank over one step and its optimizer step; `ahead`:
+    offloading's copies done inside the compute, brought back that many compute actions
+    ahead (None: copies beside the compute, [Note: offloaded activations])."""
     rows = _rows(schedule, pp, microbatches, virtual_stages)
-    return tuple(_walk(row, stages, step_transient) for row in rows)
+    return tuple(_walk(row, stages, step_transient, ahead) for row in rows)
 
 
 @functools.lru_cache(maxsize=64)
@@ -100,7 +106,38 @@ def _rows(schedule: str, pp: int, microbatches: int, virtual_stages: int) -> tup
     return tuple(tuple(row) for row in schedule_spec(schedule).make(pp, microbatches, virtual_stages))
 
 
-def _walk(row: Sequence[Action], stages: Sequence[StageBytes], step_transient: int) -> int:
+@dataclass
+class _Copies:
+    """Which in-flight microbatches of offloading stages have their offloaded bytes on the
+    device at each action of a row, where the copies are done inside the compute (`ahead`
+    given): brought back as the runtime's `prefetches` says, or by the action that reads
+    them, and gone after its backward (or its I, until W brings them back)."""
+
+    stages: Sequence[StageBytes]
+    back: dict[int, list[Action]]
+    done: set[tuple[int, int]] = field(default_factory=set)  # forwards run
+    loaded: set[tuple[int, int]] = field(default_factory=set)
+
+    def load(self, k: int, m: int) -> int:
+        """Bring microbatch `m` of stage `k` back (if offloaded and not yet): the bytes added."""
+        if (k, m) not in self.done or (k, m) in self.loaded or not self.stages[k].offloaded:
+            return 0
+        self.loaded.add((k, m))
+        return self.stages[k].offloaded
+
+    def before(self, t: int) -> int:
+        """The bytes brought back before action `t`."""
+        return sum(self.load(a.stage, a.microbatch) for a in self.back.get(t, ()))
+
+    def drop(self, k: int, m: int) -> int:
+        """After a backward or I: the bytes of `m`'s copy that go (as a negative)."""
+        if (k, m) not in self.loaded:
+            return 0
+        self.loaded.discard((k, m))
+        return -self.stages[k].offloaded
+
+
+def _walk(row: Sequence[Action], stages: Sequence[StageBytes], step_transient: int, ahead: int | None) -> int:
     """One rank's peak: its row of compute actions walked in order."""
     mine = sorted({a.stage for a in row})
     base = sum(stages[k].persistent + stages[k].ahead for k in mine)
@@ -108,14 +145,20 @@ def _walk(row: Sequence[Action], stages: Sequence[StageBytes], step_transient: i
     grads: set[int] = set()
     kept = 0  # gradients, activations in flight and seeds, kept as they change (`now` below)
     peak = base
-    for a in row:
+    copies = _Copies(stages, prefetches(row, ahead)) if ahead is not None else None
+    resident = OFFLOAD_RESIDENT if copies is None else 0
+    for t, a in enumerate(row):
         k = a.stage
+        if copies is not None:
+            kept += copies.before(t) + (copies.load(k, a.microbatch) if a.kind != Kind.F else 0)
         now = base + kept
         if a.kind == Kind.F:
-            kept += _holding(stages[k], held[k] + 1) - _holding(stages[k], held[k]) + stages[k].passed
+            kept += _holding(stages[k], held[k] + 1, resident) - _holding(stages[k], held[k], resident) + stages[k].passed
             held[k] += 1
             base += stages[k].sent_forward
             peak = max(peak, now + stages[k].held + stages[k].forward + stages[k].passed)
+            if copies is not None:
+                copies.done.add((k, a.microbatch))
             continue
         if a.kind in (Kind.B, Kind.I):  # the gradients of what it took in memory are made
             now += stages[k].taken_grads
@@ -123,6 +166,7 @@ def _walk(row: Sequence[Action], stages: Sequence[StageBytes], step_transient: i
         if a.kind in (Kind.B, Kind.W):  # what it passed in memory, and their gradients, go with its backward
             kept -= stages[k].passed + stages[k].passed_grads
         if a.kind == Kind.I and not stages[k].splits:
+            kept += copies.drop(k, a.microbatch) if copies is not None else 0
             continue
         if a.kind in (Kind.B, Kind.I, Kind.W):
             whole = a.kind == Kind.B or not stages[k].splits
@@ -132,18 +176,19 @@ def _walk(row: Sequence[Action], stages: Sequence[StageBytes], step_transient: i
             peak = max(peak, now + max(0, fresh - stages[k].held) + (stages[k].backward if a.kind != Kind.W or whole else 0))
             if not whole:
                 kept += stages[k].seeds if a.kind == Kind.I else -stages[k].seeds
+            kept += copies.drop(k, a.microbatch) if copies is not None else 0
             if a.kind != Kind.I:
-                kept += fresh + _holding(stages[k], held[k] - 1) - _holding(stages[k], held[k])
+                kept += fresh + _holding(stages[k], held[k] - 1, resident) - _holding(stages[k], held[k], resident)
                 grads.add(k)
                 held[k] -= 1
     final = base + sum(stages[k].gradients for k in mine)  # the sends waited on after the optimizer step
     return max(peak, final + step_transient)
 
 
-def _holding(stage: StageBytes, inflight: int) -> int:
+def _holding(stage: StageBytes, inflight: int, resident: int) -> int:
     """What a stage holds on the device for `inflight` microbatches: all of each, but what
-    it offloads of those beyond the resident ones."""
-    return inflight * stage.held - max(0, inflight - OFFLOAD_RESIDENT) * stage.offloaded
+    it offloads of those beyond the `resident` ones (those brought back: `_Copies`)."""
+    return inflight * stage.held - max(0, inflight - resident) * stage.offloaded
 
 
 def stage_shares(peaks: Sequence[int], placement: Sequence[int], stages: Sequence[StageBytes]) -> list[int]:

@@ -10,8 +10,10 @@ from typing import Any, Sequence
 import torch
 import torch.fx
 
+from runtime import offload
+
 from ..cost.nodes import compute_nodes, selective_keeps, storage_key
-from ..cost.saved import Passed, stage_passed_bytes, stage_saved_bytes
+from ..cost.saved import Passed, stage_offloadable, stage_passed_bytes, stage_saved_bytes
 from ..ir import NodeCost, Plan, StagePlan
 from ..trace.passes import get_attr
 from .memory import StageBytes, rank_peaks, stage_shares
@@ -26,38 +28,43 @@ _WORKING = 1
 
 
 def plan_memory(gm: torch.fx.GraphModule, plan: Plan, costs: dict[str, NodeCost], loss: NodeCost | None,
-                optimizer_factor: float, values: dict[torch.fx.Node, Any] | None = None) -> list[int]:
+                optimizer_factor: float, values: dict[torch.fx.Node, Any] | None = None,
+                copies_overlap: bool = True) -> list[int]:
     """Each stage's part of its rank's walked peak ([Note: the memory walk]); `values`
     (one microbatch's value of every node) counts what each stage saves once per storage
     ([Note: saved bytes per stage] in cost/saved.py) where they are this graph's, else the
-    nodes' own counts are summed."""
+    nodes' own counts are summed; `copies_overlap`: offloading's copies run beside the
+    compute (`Hardware.copies_overlap`), else inside it, brought back `offload.ahead()`
+    compute actions ahead ([Note: offloaded activations] in solve/offload.py)."""
     ran = values is not None and all(n in values for n in compute_nodes(gm))  # not a graph a tp split rewrote
     stages = stage_bytes(gm, plan, costs, loss, optimizer_factor, *_saved(gm, plan, costs, values if ran else None))
     peaks = rank_peaks(plan.schedule, plan.pp, plan.microbatches, plan.virtual_stages, stages,
-                       step_transient=2 * _largest_param(gm))
+                       step_transient=2 * _largest_param(gm), ahead=None if copies_overlap else offload.ahead())
     return stage_shares(peaks, [plan.rank_of(k) for k in range(plan.num_stages)], stages)
 
 
-def _saved(gm: torch.fx.GraphModule, plan: Plan, costs: dict[str, NodeCost],
-           values: dict[torch.fx.Node, Any] | None) -> tuple[list[int], list[Passed], list[int]]:
+def _saved(gm: torch.fx.GraphModule, plan: Plan, costs: dict[str, NodeCost], values: dict[torch.fx.Node, Any] | None
+           ) -> tuple[list[int], list[Passed], list[int], list[list[int]] | None]:
     """Per stage, what it keeps for backward per microbatch, what it passes in memory to
-    stages of its rank and the gradients it makes of what it takes from them ([Note:
-    saved bytes per stage]): counted on `values` where given, else the nodes' own counts
-    summed and nothing passed."""
+    stages of its rank, the gradients it makes of what it takes from them ([Note: saved
+    bytes per stage]) and the storages offloading may move: counted on `values` where
+    given, else the nodes' own counts summed, nothing passed and the storages unknown."""
     if values is None:
         none = [0] * plan.num_stages
-        return [sum(costs[n].activation_bytes for n in s.nodes) for s in plan.stages], [Passed()] * plan.num_stages, none
+        return [sum(costs[n].activation_bytes for n in s.nodes) for s in plan.stages], [Passed()] * plan.num_stages, none, None
     stage_of, count = plan.stage_of(), plan.num_stages
     passed, taken = stage_passed_bytes(gm, values, stage_of, count, plan.rank_of)
-    return stage_saved_bytes(gm, values, stage_of, count, plan.rank_of), passed, taken
+    movable = stage_offloadable(gm, values, stage_of, count, plan.rank_of) if plan.offload else None
+    return stage_saved_bytes(gm, values, stage_of, count, plan.rank_of), passed, taken, movable
 
 
 def stage_bytes(gm: torch.fx.GraphModule, plan: Plan, costs: dict[str, NodeCost], loss: NodeCost | None,
                 optimizer_factor: float, saved_bytes: list[int], passed: Sequence[Passed] = (),
-                taken: Sequence[int] = ()) -> list[StageBytes]:
+                taken: Sequence[int] = (), movable: Sequence[Sequence[int]] | None = None) -> list[StageBytes]:
     """What each stage of `plan` holds ([Note: the memory walk]); `saved_bytes`: what each
     keeps for backward per microbatch; `passed` and `taken`: what it passes to stages of
-    its rank and the gradients of what it takes from them."""
+    its rank and the gradients of what it takes from them; `movable`: the storages each
+    may offload, in the order saved."""
     params, buffers = _stage_params(gm, plan), _stage_buffers(gm, plan)
     out_bytes = _output_bytes(gm, costs)
     nodes = {n.name: n for n in gm.graph.nodes}
@@ -68,7 +75,7 @@ def stage_bytes(gm: torch.fx.GraphModule, plan: Plan, costs: dict[str, NodeCost]
         policy = plan.policy(s.index)
         saved = saved_bytes[s.index]  # a received input a node saves among them
         kept = _kept(s, policy, saved, costs, nodes)
-        away = round(max(0, saved - s.recv_bytes) * plan.offload[s.index]) if plan.offload and policy is None else 0
+        away = _offloaded(plan, s, saved, movable) if plan.offload and policy is None else 0
         loss_saved = (out_bytes + (loss.activation_bytes if loss is not None else out_bytes)
                       if s.index == last else 0)  # the model's output and what the loss saves
         held = kept + loss_saved
@@ -82,6 +89,16 @@ def stage_bytes(gm: torch.fx.GraphModule, plan: Plan, costs: dict[str, NodeCost]
                                  sent_forward=s.send_bytes, sent_backward=s.recv_bytes, ahead=s.send_bytes + s.recv_bytes,
                                  **_in_memory(s.index, passed, taken)))
     return result
+
+
+def _offloaded(plan: Plan, s: StagePlan, saved: int, movable: Sequence[Sequence[int]] | None) -> int:
+    """The bytes stage `s` offloads per microbatch: the first storages it saves up to its
+    share, as the runtime chooses them (`offload.share_of`), where they are known; else
+    the share of what it saves beside its inputs."""
+    if movable is None:
+        return round(max(0, saved - s.recv_bytes) * plan.offload[s.index])
+    sizes = movable[s.index]
+    return sum(sizes[:offload.share_of(sizes, plan.offload[s.index])])
 
 
 def _in_memory(k: int, passed: Sequence[Passed], taken: Sequence[int]) -> dict[str, int]:

@@ -52,7 +52,7 @@ def predict(gm: torch.fx.GraphModule, plan: Plan, costs: dict[str, NodeCost], ha
     report = plan.report
     peak_name, peak = mfu_peak(gm, costs, hardware, precision)
     memory = ([s.memory_bytes for s in plan.stages] if optimizer_factor is None
-              else plan_memory(gm, plan, costs, loss, optimizer_factor, values))
+              else plan_memory(gm, plan, costs, loss, optimizer_factor, values, hardware.copies_overlap))
     block = rounded({
         "step_time_s": sim.step_time_s,
         "mfu": mfu(flops, sim.step_time_s, plan.pp * plan.tp * plan.dp, peak),

@@ -6,17 +6,25 @@
     holds on the device, of the activations of its microbatches in flight,
         activation_bytes * (inflight - f * (inflight - resident))
     where `resident` = min(inflight, OFFLOAD_RESIDENT): the microbatch being copied out
-    after its forward and the one brought back ahead of its backward stay whole.  The
-    solver poses a problem that may offload with f = 1 on every stage
-    (`PartitionProblem.resident`), the most offloading can save.  The copies run beside
-    the compute (a side stream on CUDA), each way `f * activation_bytes` over the host
+    after its forward and the one brought back ahead of its backward stay whole: the
+    copies beside the compute of a GPU profile (`Hardware.copies_overlap`).  Where each
+    copy is done inside the compute (the CPU profile) the walk ([Note: the memory walk]
+    in predict/memory.py) counts instead what that runtime holds: every microbatch's kept
+    part, and the whole of those brought back, from the action `runtime.offload.prefetches`
+    names to the end of the backward (or I) that reads them.  Either way the bytes
+    offloaded per microbatch are those the runtime chooses to the storage
+    (`runtime.offload.share_of` over the storages cost/saved.py knows the stage saves), so
+    a share is not a fraction of the bytes.  The solver poses a problem that may
+    offload with f = 1 on every stage (`PartitionProblem.resident`, the GPU profile's
+    count), the most offloading can save.  The copies run beside the compute (a side
+    stream on CUDA), each way `f * activation_bytes` over the host
     link (`Hardware.host_bandwidth`): the copy out against the forward, the copy back
     against the backward; only what exceeds the compute it runs beside adds to the stage
     (`exposed_s`).  `auto` offloads only where the mesh does not fit otherwise: each
     rank the least fraction that brings its peak walked over the schedule ([Note: the
-    memory walk] in predict/memory.py, which counts the same resident microbatches)
-    under the memory limit (driver/offloading.py), so the later ranks, which hold fewer
-    microbatches in flight, offload less (nothing where they fit).
+    memory walk]) under the memory limit (driver/offloading.py), so the ranks that hold
+    less (the later ranks of 1F1B, with fewer microbatches in flight) offload less
+    (nothing where they fit).
 """
 
 from __future__ import annotations

@@ -69,6 +69,17 @@ def test_each_rank_within_five_percent(tmp_path: Path, model: str, options: dict
     assert all(abs(r - 1) <= TOLERANCE for r in ratios), f"measured/predicted per rank: {ratios}"
 
 
+def test_offloaded_microbatches_on_the_device_where_the_copies_are_synchronous() -> None:
+    """Where the copies are done inside the compute (the CPU), a GPipe rank holds the kept
+    part of every microbatch and the whole of those brought back: at the last forward the
+    first backward's (one compute action ahead), at the first backward the second's too;
+    with the copies beside the compute, two microbatches whole at every action."""
+    stage = StageBytes(persistent=100, gradients=0, held=40, backward=0, offloaded=30)
+    assert rank_peaks("gpipe", 2, 4, 1, [stage, stage], ahead=1)[0] == 100 + 2 * 40 + 2 * 10
+    assert rank_peaks("gpipe", 2, 4, 1, [stage, stage], ahead=0)[0] == 100 + 40 + 3 * 10
+    assert rank_peaks("gpipe", 2, 4, 1, [stage, stage])[0] == 100 + 3 * 40 + 10
+
+
 def test_gpipe_holds_no_gradient_during_its_forwards() -> None:
     """GPipe's peak is at the end of its forwards: every microbatch held, no gradient yet;
     1F1B's first rank holds two microbatches and then the gradients."""

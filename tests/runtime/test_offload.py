@@ -18,7 +18,8 @@ import torch
 import runtime
 from partitioner.trace import model_file
 from runtime.manifest import ManifestError, read_manifest
-from runtime.offload import Offloader
+from runtime.offload import Offloader, prefetches, prefetches_in_order, share_of
+from runtime.schedule import Action, Kind
 
 from ..conftest import FREE_LINKS as FREE, compile_example, train_original, train_pipeline
 from .test_distributed import _ok, launch, multiproc
@@ -222,16 +223,45 @@ def test_the_saved_storage_is_released_and_its_copy_used() -> None:
     torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 
-def test_a_fraction_keeps_the_rest_and_leaves_stay() -> None:
-    """Half of what the previous forward saved goes; the inputs' and tiny storages never do."""
+def test_a_fraction_offloads_the_first_storages_on_every_forward() -> None:
+    """A share goes to the storage on every microbatch, the first included: the fewest
+    first saved whose bytes reach it; the rest, the inputs' and tiny storages stay, and
+    the backward's gradient is the one without offloading."""
     x = torch.randn(64, 64, requires_grad=True)
+
+    def step() -> torch.Tensor:  # three 16 KiB storages saved (sin's, cos's inputs, tanh's output), and tiny ones
+        return (x * 2).sin().cos().tanh().sum() + (x * x[:1, :1].exp()).sum()
+
+    want = torch.autograd.grad(step(), x)[0]
     off = Offloader(0.5)
+    losses = []
     for mb in range(2):
         with off.forward(mb, [x]):
-            y = (x * 2).sin().cos().tanh().sum() + (x * x[:1, :1].exp()).sum()
-    assert off.offloaded_bytes(0) == 3 * 64 * 64 * 4  # the first forward: all it may
-    assert off.offloaded_bytes(1) <= 1.5 * 64 * 64 * 4
-    del y
+            losses.append(step())
+    assert [off.offloaded_bytes(mb) for mb in range(2)] == [2 * 64 * 64 * 4] * 2
+    assert off.moved_bytes == 4 * 64 * 64 * 4
+    for mb, loss in enumerate(losses):
+        off.prefetch(mb)
+        torch.testing.assert_close(torch.autograd.grad(loss, x)[0], want, rtol=0, atol=0)
+        off.release(mb)
+
+
+def test_share_of_takes_the_fewest_first_storages_that_reach_the_share() -> None:
+    assert [share_of([64, 64, 4], f) for f in (0.0, 0.3, 0.5, 0.83, 0.98, 1.0)] == [0, 1, 2, 2, 3, 3]
+    assert share_of([], 1.0) == 0
+
+
+def test_prefetches_count_the_compute_actions_of_a_rank() -> None:
+    """Each B, I or W is brought back `horizon` compute actions before its own (messages
+    not counted), the first ones' at the row's start."""
+    f0, f1, b0, b1 = Action(0, Kind.F, 0), Action(0, Kind.F, 1), Action(0, Kind.B, 0), Action(0, Kind.B, 1)
+    row = [f0, Action(0, Kind.SEND_F, 0, 1), f1, Action(0, Kind.SEND_F, 1, 1), Action(0, Kind.RECV_B, 0, 1), b0,
+           Action(0, Kind.RECV_B, 1, 1), b1]
+    assert prefetches(row, 1) == {2: [b0], 5: [b1]}
+    assert prefetches(row, 0) == {5: [b0], 7: [b1]}
+    assert prefetches(row, 9) == {0: [b0, b1]}
+    order = [(0, f0), (1, Action(1, Kind.F, 0)), (0, b0), (1, Action(1, Kind.B, 0))]
+    assert prefetches_in_order(order, 1) == {0: [b0], 1: [Action(1, Kind.B, 0)]}
 
 
 def test_manifest_writes_offload_only_when_set(tmp_path: Path) -> None:
@@ -277,26 +307,31 @@ HEAVY = "tests/model_files/two_heavy_blocks.py"
 
 
 def _heavy_auto(tmp_path: Path) -> tuple[Path, Path, int]:
-    """The two heavy blocks under GPipe on 2 stages, compiled with every activation kept
-    and with `--offload auto` at the fullest rank's need with every activation offloaded:
-    no split fits that keeping them (each stage holds a block's activations of every
-    microbatch), so auto must offload.  (the kept package, the auto one, the limit)"""
-    least = _fullest_rank(read_manifest(_planned(tmp_path, "all", HEAVY, offload="all")))
-    kept = _planned(tmp_path, "none", HEAVY, offload="none")
+    """The two heavy blocks under GPipe on 2 stages, planned for this CPU (where the copies
+    are done inside the compute: [Note: offloaded activations]), compiled with every
+    activation kept and with `--offload auto` at the fullest rank's need with every
+    activation offloaded: no split fits that keeping them (each stage holds a block's
+    activations of every microbatch), so auto must offload.  (the kept package, the auto
+    one, the limit)"""
+    least = _fullest_rank(read_manifest(_planned(tmp_path, "all", HEAVY, offload="all", hardware="cpu")))
+    kept = _planned(tmp_path, "none", HEAVY, offload="none", hardware="cpu")
     assert _fullest_rank(read_manifest(kept)) > least
-    return kept, _planned(tmp_path, "auto", HEAVY, memory=least), least
+    return kept, _planned(tmp_path, "auto", HEAVY, memory=least, hardware="cpu"), least
 
 
-def test_auto_offloads_less_on_the_later_rank(tmp_path: Path) -> None:
+def test_auto_offloads_less_on_the_rank_that_holds_less(tmp_path: Path) -> None:
     """Where no split fits with every activation kept, auto offloads on the ranks over
-    --memory, the later one (which holds less) the smaller share, and the plan fits."""
-    _, pkg, limit = _heavy_auto(tmp_path)
+    --memory, the one that holds less (here the first: the last holds the head and the
+    loss beside the same activations) the smaller share, and the plan fits."""
+    kept, pkg, limit = _heavy_auto(tmp_path)
+    need = [stage.memory_bytes for stage in read_manifest(kept).predicted.stages]  # type: ignore[union-attr]
     m = read_manifest(pkg)
     shares = [s.offload for s in m.stages]
-    assert shares[0] > 0 and shares[1] < shares[0], shares
+    fuller = int(need[1] > need[0])
+    assert shares[fuller] == 1.0 and 0 < shares[1 - fuller] < 1, (shares, need)
     assert _fullest_rank(m) <= limit
     saved = {e["stage"]: e["saved_bytes"] for e in m.predicted.extra["offload"]}  # type: ignore[union-attr]
-    assert saved[0] > saved[1] >= 0, saved
+    assert saved[fuller] > saved[1 - fuller] > 0, saved
 
 
 def _heavy_ranks(tmp_path: Path, mode: str, pkg: Path) -> list[Any]:
@@ -324,7 +359,6 @@ def _peaks(tmp_path: Path, pkg: Path) -> list[tuple[int, int]]:
 
 @multiproc
 @pytest.mark.timeout(240)
-@pytest.mark.xfail(strict=True, reason="measured/predicted drop per rank 1.47, 1.20: see docs/offloading.md, Limits")
 def test_each_rank_measures_the_drop_auto_predicts(tmp_path: Path) -> None:
     """Each rank's measured peak falls by its predicted drop (within 5%)."""
     kept, auto, _ = _heavy_auto(tmp_path)
