@@ -5,20 +5,23 @@ driver/search.py): `floor` before a candidate is solved, `bound` after."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 from typing import Callable
 
+from partitioner.cost.costmodel import shared_params
 from partitioner.cost.roofline import BACKWARD_FLOP_FACTOR, mfu
 from partitioner.ir import PartitionProblem, Plan, SolverReport
 from partitioner.predict.predict import mfu_peak, simulate_plan, step_inputs
 from partitioner.predict.step import StepInputs, simulate_step
+from partitioner.solve.solve import is_chain
 
 from .package_info import model_flops
 from .prepared import Prepared
 from .recompute import variant_rank
 
-__all__ = ["Candidate", "Ranking", "SHOWN", "Solved", "bound", "describe", "floor", "simulate_fastest", "simulated",
-           "step_bound"]
+__all__ = ["Candidate", "Ranking", "SHOWN", "Solved", "after_floor", "bound", "describe", "floor", "least_slowest",
+           "simulate_fastest", "simulated", "step_bound", "walk_floor"]
 
 SHOWN = 5
 #: a bound this close to a step time still gets simulated (float sums in another order)
@@ -58,18 +61,73 @@ class Solved:
     inputs: StepInputs | None = None  # the simulator's, where known (`step_bound`)
 
 
-def floor(problem: PartitionProblem, chain: bool) -> float:
-    """A step no shorter than the simulator's for any plan of `problem`, known before it is
-    solved, from C, one microbatch's forward and backward of the whole model, M microbatches
-    and p ranks: the busiest rank runs at least M C / p (`bound`).  Under a schedule of one
+def floor(p: Prepared) -> float:
+    """A step no shorter than the simulator's for any plan of `p.problem` the search makes
+    (contiguous: [Note: the search's bounds]), known before it is solved: the walk's
+    (`walk_floor`) and what follows it (`after_floor`)."""
+    return (walk_floor(p.problem, is_chain(p.problem)) + after_floor(p)) * (1 - _BOUND_SLACK)
+
+
+def walk_floor(problem: PartitionProblem, chain: bool) -> float:
+    """From C, one microbatch's forward and backward of the whole model, M microbatches and
+    p ranks: the busiest rank runs at least M C / p (`bound`).  Under a schedule of one
     stage per rank whose backward is whole (gpipe, 1f1b) on a chain, `bound` is the most
     over ranks r of S_r + M W_r, with W_r rank r's work and S_r all work before it; the
     least that can be over splits of C is C / (1 - (1 - 1/M)^p), where every rank's is
-    equal (W_r = T/M of what is left), the pipeline's fill and drain."""
+    equal (W_r = T/M of what is left), the pipeline's fill and drain.  With one stage per
+    rank on a chain the busiest rank also runs at least the slowest of the most even
+    split of the blocks into p runs (`least_slowest`): blocks do not divide."""
     total, m, p = sum(problem.block_time_s), problem.microbatches, problem.ranks
-    if chain and problem.virtual_stages == 1 and not problem.spec.splits_backward:
-        return total / (1 - (1 - 1 / m) ** p) * (1 - _BOUND_SLACK)
-    return m * total / p * (1 - _BOUND_SLACK)
+    if problem.virtual_stages > 1 or not chain:
+        return m * total / p
+    even = m * least_slowest(problem.block_time_s, p)
+    return max(even, total / (1 - (1 - 1 / m) ** p) if not problem.spec.splits_backward else m * total / p)
+
+
+@functools.lru_cache(maxsize=256)
+def least_slowest(times: tuple[float, ...], parts: int) -> float:
+    """At most the least, over splits of `times` into `parts` runs, of the slowest run's sum:
+    bisected on whether runs of at most T can cover them (greedily), from the lower end."""
+    low, high = max(max(times), sum(times) / parts), sum(times)
+    if _covers(times, parts, low):
+        return low
+    for _ in range(60):
+        middle = (low + high) / 2
+        low, high = (low, middle) if _covers(times, parts, middle) else (middle, high)
+    return low
+
+
+def _covers(times: tuple[float, ...], parts: int, most: float) -> bool:
+    """Whether `parts` runs of at most `most` each cover `times` in order."""
+    runs, run = 1, 0.0
+    for t in times:
+        if run + t > most:
+            runs, run = runs + 1, t
+        else:
+            run += t
+    return runs <= parts and max(times) <= most
+
+
+def after_floor(p: Prepared) -> float:
+    """Of what follows the walk in `step_inputs` (the loss's all-reduce, the gradients'
+    all-reduces where the backward cannot hide them, ZeRO-1's broadcast), the least over
+    splits: each collective is at least its bytes' share, and the slowest of several is at
+    least their mean, over P, the parameter bytes each held once.  ZeRO-1's broadcast: its
+    busiest pipeline rank at least P / pp over the link; the exposed all-reduce: its
+    stages' mean of 2 (dp - 1) / dp P beta less the backward, which at most every block's
+    time hides (not counted where offloading's copies lengthen the backward)."""
+    hw, mesh, problem = p.hardware, p.mesh, p.problem
+    final = (hw.allreduce_latency_s or hw.p2p_alpha_s) if mesh.pp * mesh.tp * mesh.dp > 1 else 0.0
+    if mesh.dp == 1:
+        return final
+    _, beta = hw.ring_link(across_nodes=mesh.pp * mesh.tp * mesh.dp > hw.devices_per_node)
+    own, shared = shared_params(problem)
+    held = sum(own) + sum(size for size, _ in shared)
+    zero = beta * held / mesh.pp if mesh.zero else 0.0
+    hidden = sum(problem.block_time_s) if hw.overlaps_comm else 0.0
+    offloads = mesh.offload or p.opts.offload == "all"
+    exposed = 0.0 if offloads else max(0.0, 2 * (mesh.dp - 1) / mesh.dp * held * beta - hidden) / problem.stages
+    return final + zero + exposed
 
 
 def bound(prepared: Prepared, assignment: tuple[int, ...], plan: Plan, inputs: StepInputs | None = None) -> float:

@@ -58,11 +58,11 @@ from runtime.schedule import registry
 
 from partitioner.cost.hardware import load_hardware
 from partitioner.errors import InfeasiblePlanError, PlanError
-from partitioner.ir import PartitionProblem, Plan, SolverReport
+from partitioner.ir import Plan, SolverReport
 from partitioner.predict.step import StepInputs
 from partitioner.solve.problem import coarse_graph, pose
 from partitioner.solve.model import interleaved
-from partitioner.solve.solve import even_split, is_chain, objective, solve
+from partitioner.solve.solve import even_split, objective, solve
 from partitioner.trace.checkpointing import describe
 
 from . import offloading
@@ -132,7 +132,7 @@ def _posed(meshes: list[tuple[int, int, int, int]], opts: CompileOptions, shapes
                 break  # the solver split nothing: tp ranks would only repeat each other's work
             for v in _virtual(sub, pp, base):
                 each = dataclasses.replace(sub, virtual_stages=v) if v else sub
-                out.append(_Posed(each, base, pp, m, _floor(_repose(base, each, pp, m).problem)))
+                out.append(_Posed(each, base, pp, m, floor(_repose(base, each, pp, m))))
     return out
 
 
@@ -143,10 +143,6 @@ def _virtual(opts: CompileOptions, pp: int, base: Prepared) -> tuple[int | None,
         return (None,)
     assert base.coarse is not None
     return virtual_counts(opts.virtual_stages, pp, len(base.coarse.blocks))
-
-
-def _floor(problem: PartitionProblem) -> float:
-    return floor(problem, is_chain(problem))
 
 
 def _order(item: "_Posed") -> float:
@@ -249,8 +245,8 @@ def _solve(base: Prepared, opts: CompileOptions, pp: int, microbatches: int, zer
         prepared = with_policy(_repose(base, sub, pp, microbatches, offload), recompute)
         if recompute == MIXED and not joins(prepared):
             continue  # several stages per rank: one policy for all ([Note: recomputation chosen per rank])
-        if recompute not in (None, MIXED) and beaten(_floor(prepared.problem)):
-            continue  # its forward run again alone makes it slower than the best ([Note: the search's bounds])
+        if recompute != MIXED and beaten(floor(prepared)):
+            continue  # a forward run again, ZeRO-1's broadcast: its own floor is beaten ([Note: the search's bounds])
         try:
             if recompute == MIXED:  # the walk is checked by `_solved` alone: a candidate is one DP
                 prepared, assignment, report = solve_jointly(prepared)
