@@ -26,16 +26,17 @@
 [Note: the search's bounds]
     Lower bounds on the simulated step prune the search (driver/ranking.py): `floor`,
     known once a candidate is posed (every microbatch's compute spread evenly over the
-    ranks), `bound` once it is solved (the busiest rank's compute, pipeline fill and
-    drain), and `step_bound`, the same from the simulator's own inputs, with the loss and
-    what follows the walk (the gradients' all-reduces, ZeRO-1's broadcast).  Candidates
+    ranks, or with one stage per rank the slowest run of the most even split of the
+    blocks; and the least of what follows the walk: the loss's all-reduce, ZeRO-1's
+    broadcast, the all-reduce the backward cannot hide), `bound` once it is solved (the
+    busiest rank's compute, pipeline fill and drain), and `step_bound`, the same from
+    the simulator's own inputs, with the loss and what follows the walk.  Candidates
     are taken in order of floor; one whose floor passes the best step simulated so far is
-    skipped unsolved, and so is a variant under recomputation whose own floor (every
-    stage's forward counted twice, or what selective recomputation runs again) passes
-    it; a solved split whose bound passes it is neither walked ([Note:
-    walked only where it matters]) nor simulated.  A variant whose weights, gradients and
-    optimizer state alone exceed the memory of its ranks is refused before its DP runs
-    (partitioner/solve/solve.py).  No bound exceeds a step, so the fastest is the one
+    skipped unsolved, and so is a memory variant whose own floor passes it (a forward
+    run again under recomputation, ZeRO-1's broadcast); a solved split whose bound
+    passes it is neither walked ([Note: walked only where it matters]) nor simulated.
+    A variant whose weights, gradients and optimizer state alone exceed the memory of
+    its ranks is refused before its DP runs (partitioner/solve/solve.py).  No bound exceeds a step, so the fastest is the one
     solving and simulating every candidate would find; `show` lists the fastest of
     those simulated.  A bar on stderr shows the candidates done of their total, the time
     left, and the best so far.
