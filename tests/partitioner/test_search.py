@@ -16,7 +16,6 @@ from runtime.manifest import read_manifest
 from driver.options import CompileOptions
 from partitioner.cost.hardware import load_hardware
 from partitioner.errors import PlanError
-from partitioner.solve.solve import is_chain
 from driver.meshes import AUTO_SCHEDULES, meshes as _meshes, tp_limit as _tp_limit
 
 from ..conftest import compile_example
