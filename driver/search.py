@@ -36,10 +36,10 @@
     run again under recomputation, ZeRO-1's broadcast); a solved split whose bound
     passes it is neither walked ([Note: walked only where it matters]) nor simulated.
     A variant whose weights, gradients and optimizer state alone exceed the memory of
-    its ranks is refused before its DP runs (partitioner/solve/solve.py).  No bound exceeds a step, so the fastest is the one
-    solving and simulating every candidate would find; `show` lists the fastest of
-    those simulated.  A bar on stderr shows the candidates done of their total, the time
-    left, and the best so far.
+    its ranks is refused before its DP runs (partitioner/solve/solve.py).  No bound
+    exceeds a step, so the fastest is the one solving and simulating every candidate
+    would find; `show` lists the fastest of those simulated.  A bar on stderr shows the
+    candidates done of their total, the time left, and the best so far.
 
 With `--schedule auto` every mesh is also tried under each schedule of AUTO_SCHEDULES
 (the zero-bubble ones only with 2 stages or more), each posed with its own memory (ZB-H2
