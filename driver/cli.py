@@ -26,7 +26,7 @@ from partitioner.errors import PackageError, PartitionerError, PlanError
 from .compile import compile_model
 from .options import AUTO, RECOMPUTE_POLICIES, CompileOptions
 
-__all__ = ["main", "parse_size"]
+__all__ = ["main", "parse", "parse_size"]
 
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
           "t": 10**12, "tb": 10**12, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
@@ -169,8 +169,20 @@ def _export(ns: argparse.Namespace) -> int:
     return 0
 
 
+def parse(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """The command line, where `--recompute` alone may stand before the model file
+    (`compile --recompute model.py`): a Python file or a path that exists after it is the
+    model, not a policy, which argparse would take it for."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    for k, arg in enumerate(args[:-1]):
+        after = args[k + 1]
+        if arg == "--recompute" and after not in RECOMPUTE_POLICIES and (after.endswith(".py") or Path(after).exists()):
+            args[k] = "--recompute=full"
+    return _parser().parse_args(args)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    ns = _parser().parse_args(argv)
+    ns = parse(argv)
     try:
         return {"compile": _compile, "show": _show, "run": _run, "export": _export}[ns.command](ns)
     except (PartitionerError, PipelineError) as exc:

@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from driver.cli import _parser
+from driver.cli import _parser, parse
 from driver.options import CompileOptions
 from driver.phases import prepare
 from partitioner.cost.roofline import stage_memory_bytes
@@ -131,7 +131,14 @@ def test_the_command_line_policy(argv: list[str], devices: int | None, want: str
 
 def test_an_unknown_policy_is_refused() -> None:
     with pytest.raises(SystemExit):
-        _parser().parse_args(["compile", "m.py", "--out", "o", "--recompute", "some"])
+        parse(["compile", "m.py", "--out", "o", "--recompute", "some"])
+
+
+def test_recompute_alone_before_the_model_file_reads_the_file_as_the_model() -> None:
+    ns = parse(["compile", "--recompute", "m.py", "--out", "o"])
+    assert (ns.model, ns.recompute) == ("m.py", "full")
+    ns = parse(["compile", "--recompute", "selective", "m.py", "--out", "o"])
+    assert (ns.model, ns.recompute) == ("m.py", "selective")
 
 
 @pytest.mark.parametrize("policy", ["full", "selective"])
