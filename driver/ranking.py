@@ -9,7 +9,7 @@ import functools
 from dataclasses import dataclass
 from typing import Callable
 
-from partitioner.cost.costmodel import shared_params
+from partitioner.cost.costmodel import param_bytes_once
 from partitioner.cost.roofline import BACKWARD_FLOP_FACTOR, mfu
 from partitioner.ir import PartitionProblem, Plan, SolverReport
 from partitioner.predict.predict import mfu_peak, simulate_plan, step_inputs
@@ -80,8 +80,10 @@ def walk_floor(problem: PartitionProblem, chain: bool) -> float:
     total, m, p = sum(problem.block_time_s), problem.microbatches, problem.ranks
     if problem.virtual_stages > 1 or not chain:
         return m * total / p
-    even = m * least_slowest(problem.block_time_s, p)
-    return max(even, total / (1 - (1 - 1 / m) ** p) if not problem.spec.splits_backward else m * total / p)
+    even = m * least_slowest(problem.block_time_s, p)  # at least M C / p
+    if problem.spec.splits_backward:
+        return even
+    return max(even, total / (1 - (1 - 1 / m) ** p))
 
 
 @functools.lru_cache(maxsize=256)
@@ -121,8 +123,7 @@ def after_floor(p: Prepared) -> float:
     if mesh.dp == 1:
         return final
     _, beta = hw.ring_link(across_nodes=mesh.pp * mesh.tp * mesh.dp > hw.devices_per_node)
-    own, shared = shared_params(problem)
-    held = sum(own) + sum(size for size, _ in shared)
+    held = param_bytes_once(problem)
     zero = beta * held / mesh.pp if mesh.zero else 0.0
     hidden = sum(problem.block_time_s) if hw.overlaps_comm else 0.0
     offloads = mesh.offload or p.opts.offload == "all"

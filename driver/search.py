@@ -79,7 +79,6 @@ from .workers import outcomes, workers
 __all__ = ["Candidate", "search"]
 
 
-
 def search(opts: CompileOptions, say: Callable[[str], None], source: Source | None = None) -> Compiled:
     """Compile the best mesh for `opts.devices` devices into `opts.out` (`source`: loaded)."""
     assert opts.devices is not None

@@ -41,7 +41,8 @@ from typing import Callable, Iterable, Mapping, Sequence, TypeVar
 
 from ..ir import PartitionProblem
 
-__all__ = ["Value", "boundary_s", "computing_blocks", "message_s", "pair_bytes", "remote", "shared_params", "values"]
+__all__ = ["Value", "boundary_s", "computing_blocks", "message_s", "pair_bytes", "param_bytes_once", "remote",
+           "shared_params", "values"]
 
 _T = TypeVar("_T")
 
@@ -116,6 +117,12 @@ def shared_params(problem: PartitionProblem) -> tuple[tuple[int, ...], tuple[tup
 
 
 # -- [Note: the cost of a boundary] --------------------------------------------------------
+
+
+def param_bytes_once(problem: PartitionProblem) -> int:
+    """The bytes of every parameter, each held once (a shared one once, not per reader)."""
+    own, shared = shared_params(problem)
+    return sum(own) + sum(size for size, _ in shared)
 
 
 def message_s(alpha: float, beta: float, nbytes: float) -> float:

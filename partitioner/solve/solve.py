@@ -48,7 +48,7 @@ from typing import Sequence
 import numpy as np
 
 from ..errors import InfeasiblePlanError, PlanError
-from ..cost.costmodel import shared_params
+from ..cost.costmodel import param_bytes_once
 from .cpsat import CpResult, solve_cpsat
 from .intervals import dp_balanced, dp_memory, dp_time
 from .model import (RankCost, StageCost, evaluate, fills_with_compute, interleaved, key_below, memory_unit, objective,
@@ -216,8 +216,7 @@ def _held_alone(problem: PartitionProblem) -> int:
     """The weights, gradients and optimizer state of every parameter, each held once: the
     ranks hold at least this together, whatever the plan (a rank's is its stages' rounded
     sum, less the copies of a shared parameter: at most a byte a stage more)."""
-    own, shared = shared_params(problem)
-    return round((sum(own) + sum(size for size, _ in shared)) * (2 + problem.optimizer_factor))
+    return round(param_bytes_once(problem) * (2 + problem.optimizer_factor))
 
 
 def _trivial_bound(problem: PartitionProblem) -> float:
