@@ -325,7 +325,7 @@ def _solved(p: Prepared, assignment: tuple[int, ...], report: SolverReport, plan
     the memory but the peak walked over the schedule, which the manifest reports, does not."""
     if p.problem.offload or p.opts.offload == "all":  # the offloading variant only (`offloading.variants`)
         plan = offloading.offloaded(p, plan)  # its shares, and the copies' time for the simulator
-        inputs = None
+        bound_s, inputs = step_bound(p, assignment, plan)  # bounded again with the copies' exposed time
     peak = max(rank_peaks(p, plan))
     if peak > (p.problem.memory_limit_bytes or peak):
         return None

@@ -18,29 +18,14 @@ no `fx.Node`: plain data that codegen writes into the package (manifest.json, pl
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 from runtime.schedule.registry import DEFAULT_SCHEDULE, SCHEDULES, ScheduleSpec, schedule_spec
 
-__all__ = [
-    "PARTIAL",
-    "REPLICATED",
-    "BlockCost",
-    "Edge",
-    "GraphNode",
-    "Layout",
-    "NodeCost",
-    "Plan",
-    "PartitionProblem",
-    "SolverReport",
-    "StagePlan",
-    "SCHEDULES",
-    "DEFAULT_SCHEDULE",
-    "ScheduleSpec",
-    "schedule_spec",
-    "optimizer_state_factor",
-    "OFFLOAD_RESIDENT",
-]
+__all__ = ["PARTIAL", "REPLICATED", "BlockCost", "Edge", "GraphNode", "Layout", "NodeCost", "Plan", "PartitionProblem",
+           "SolverReport", "StagePlan", "SCHEDULES", "DEFAULT_SCHEDULE", "ScheduleSpec", "schedule_spec",
+           "optimizer_state_factor", "OFFLOAD_RESIDENT"]
 
 # SCHEDULES (imported above): the pipeline schedules the runtime can interpret.
 
@@ -302,7 +287,11 @@ class PartitionProblem:
     def inflight(self, stage: int) -> int:
         """Microbatches whose activations stage `stage` holds at its peak ([Note: activations
         in flight] in runtime/schedule/registry.py)."""
-        return self.spec.inflight(self.ranks, self.stages, stage, self.microbatches)
+        return self._inflight[stage]
+
+    @functools.cached_property
+    def _inflight(self) -> tuple[int, ...]:
+        return self.spec.inflights(self.ranks, self.stages, self.microbatches)
 
     def resident(self, stage: int) -> int:
         """Microbatches whose activations stage `stage` holds on the device at its peak:
@@ -392,4 +381,8 @@ class Plan:
     def rank_of(self, stage: int) -> int:
         """The pipeline position that runs `stage`: s % pp, or a V under zb-v ([Note: V
         placement] in runtime/schedule/registry.py)."""
-        return self.spec.placement(self.num_stages, self.pp)[stage]
+        return self._placement[stage]
+
+    @functools.cached_property
+    def _placement(self) -> tuple[int, ...]:
+        return self.spec.placement(self.num_stages, self.pp)

@@ -49,8 +49,10 @@
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass, field
-from typing import Sequence
+from dataclasses import dataclass
+from typing import NamedTuple, Sequence
+
+import numpy as np
 
 from runtime.offload import prefetches
 from runtime.schedule.actions import Action, Kind
@@ -96,99 +98,129 @@ def rank_peaks(schedule: str, pp: int, microbatches: int, virtual_stages: int,
     """The peak bytes of each pipeline rank over one step and its optimizer step; `ahead`:
     offloading's copies done inside the compute, brought back that many compute actions
     ahead (None: copies beside the compute, [Note: offloaded activations])."""
-    rows = _rows(schedule, pp, microbatches, virtual_stages)
-    return tuple(_walk(row, stages, step_transient, ahead) for row in rows)
+    table, rows = _Table.of(stages), _rows(schedule, pp, microbatches, virtual_stages)
+    if ahead is None:
+        return tuple(_walk(row, table, step_transient) for row in rows)
+    made = schedule_spec(schedule).make(pp, microbatches, virtual_stages)
+    return tuple(_walk(row, table, step_transient, _copies(actions, table, ahead)) for row, actions in zip(rows, made))
 
 
-@functools.lru_cache(maxsize=64)
-def _rows(schedule: str, pp: int, microbatches: int, virtual_stages: int) -> tuple[tuple[Action, ...], ...]:
-    """The schedule's compute rows, made once per shape (the search walks hundreds of plans)."""
-    return tuple(tuple(row) for row in schedule_spec(schedule).make(pp, microbatches, virtual_stages))
+class _Row(NamedTuple):
+    """One rank's row of compute actions as arrays (an entry per action) of what the walk
+    needs of their order: each action's stage and kind, the microbatches in flight on its
+    stage before it, and whether it is the stage's first B or W (its gradients made)."""
+
+    stage: np.ndarray
+    kind: np.ndarray  # Kind.F, B, I, W as 0, 1, 2, 3
+    before: np.ndarray
+    first: np.ndarray
+    mine: list[int]
 
 
-@dataclass
-class _Copies:
-    """Which in-flight microbatches of offloading stages have their offloaded bytes on the
-    device at each action of a row, where the copies are done inside the compute (`ahead`
-    given): brought back as the runtime's `prefetches` says, or by the action that reads
-    them, and gone after its backward (or its I, until W brings them back)."""
-
-    stages: Sequence[StageBytes]
-    back: dict[int, list[Action]]
-    done: set[tuple[int, int]] = field(default_factory=set)  # forwards run
-    loaded: set[tuple[int, int]] = field(default_factory=set)
-
-    def load(self, k: int, m: int) -> int:
-        """Bring microbatch `m` of stage `k` back (if offloaded and not yet): the bytes added."""
-        if (k, m) not in self.done or (k, m) in self.loaded or not self.stages[k].offloaded:
-            return 0
-        self.loaded.add((k, m))
-        return self.stages[k].offloaded
-
-    def before(self, t: int) -> int:
-        """The bytes brought back before action `t`."""
-        return sum(self.load(a.stage, a.microbatch) for a in self.back.get(t, ()))
-
-    def drop(self, k: int, m: int) -> int:
-        """After a backward or I: the bytes of `m`'s copy that go (as a negative)."""
-        if (k, m) not in self.loaded:
-            return 0
-        self.loaded.discard((k, m))
-        return -self.stages[k].offloaded
+_F, _B, _I, _W = range(4)
+_KINDS = {Kind.F: _F, Kind.B: _B, Kind.I: _I, Kind.W: _W}
 
 
-def _walk(row: Sequence[Action], stages: Sequence[StageBytes], step_transient: int, ahead: int | None) -> int:
-    """One rank's peak: its row of compute actions walked in order."""
-    mine = sorted({a.stage for a in row})
-    base = sum(stages[k].persistent + stages[k].ahead for k in mine)
-    held = {k: 0 for k in mine}
-    grads: set[int] = set()
-    kept = 0  # gradients, activations in flight and seeds, kept as they change (`now` below)
-    peak = base
-    copies = _Copies(stages, prefetches(row, ahead)) if ahead is not None else None
+@functools.lru_cache(maxsize=256)
+def _rows(schedule: str, pp: int, microbatches: int, virtual_stages: int) -> tuple[_Row, ...]:
+    """The schedule's compute rows, made once per shape (the search walks thousands of plans)."""
+    return tuple(_row(row) for row in schedule_spec(schedule).make(pp, microbatches, virtual_stages))
+
+
+def _row(actions: Sequence[Action]) -> _Row:
+    """`actions` as a `_Row`: an F puts a microbatch in flight on its stage, its B or W ends it."""
+    inflight: dict[int, int] = {}
+    graded: set[int] = set()
+    before, first = [], []
+    for a in actions:
+        before.append(inflight.get(a.stage, 0))
+        ends = a.kind in (Kind.B, Kind.W)
+        first.append(ends and a.stage not in graded)
+        if ends:
+            graded.add(a.stage)
+        inflight[a.stage] = before[-1] + (1 if a.kind == Kind.F else -1 if ends else 0)
+    return _Row(np.array([a.stage for a in actions], dtype=np.int64),
+                np.array([_KINDS[a.kind] for a in actions], dtype=np.int64), np.array(before, dtype=np.int64),
+                np.array(first, dtype=bool), sorted(inflight))
+
+
+class _Table(NamedTuple):
+    """The stages' StageBytes as one array a field, indexed by stage."""
+
+    persistent: np.ndarray
+    gradients: np.ndarray
+    held: np.ndarray
+    backward: np.ndarray
+    seeds: np.ndarray
+    forward: np.ndarray
+    splits: np.ndarray
+    sent_forward: np.ndarray
+    sent_backward: np.ndarray
+    ahead: np.ndarray
+    offloaded: np.ndarray
+    passed: np.ndarray
+    passed_grads: np.ndarray
+    taken_grads: np.ndarray
+
+    @classmethod
+    def of(cls, stages: Sequence[StageBytes]) -> _Table:
+        return cls(*(np.array([getattr(s, name) for s in stages], dtype=np.int64) for name in cls._fields))
+
+
+def _walk(row: _Row, t: _Table, step_transient: int, copies: tuple[np.ndarray, np.ndarray] | None = None) -> int:
+    """One rank's peak: its row of compute actions walked in order, as prefix sums.
+
+    Before action i the rank holds `base` (its stages' persistent bytes and receive
+    buffers, and the sends not yet waited on) and `kept` (gradients, microbatches in
+    flight, seeds): each the sum of the changes of the actions before it.  The action's
+    own peak is that and its transient ([Note: the memory walk]); `copies`: offloading's
+    copies done inside the compute, the bytes brought back before each action and those
+    that go after it (`_copies`)."""
+    k, kind, n = row.stage, row.kind, row.before
+    is_f, is_b, is_i, is_w = kind == _F, kind == _B, kind == _I, kind == _W
+    splits = t.splits[k].astype(bool)
+    skipped = is_i & ~splits  # the I of a stage that does not split: W runs its whole backward
     resident = OFFLOAD_RESIDENT if copies is None else 0
-    for t, a in enumerate(row):
-        k = a.stage
-        if copies is not None:
-            kept += copies.before(t) + (copies.load(k, a.microbatch) if a.kind != Kind.F else 0)
-        now = base + kept
+    held, away = t.held[k], t.offloaded[k]
+
+    def holding(count: np.ndarray) -> np.ndarray:  # all of each microbatch, but what is offloaded beyond the resident
+        return count * held - np.maximum(0, count - resident) * away
+
+    loads, drops = copies if copies is not None else (0, 0)
+    taken = np.where(is_b | is_i, t.taken_grads[k], 0)
+    fresh = np.where(row.first, t.gradients[k], 0)
+    ends = np.where(is_b | is_w, fresh + holding(n - 1) - holding(n) - t.passed[k] - t.passed_grads[k], 0)
+    change = np.select([is_f, is_i & splits, is_w & splits], [holding(n + 1) - holding(n) + t.passed[k],
+                                                              taken + t.seeds[k], ends - t.seeds[k]], taken + ends)
+    sent = np.select([is_f, (is_b | is_i) & ~skipped], [t.sent_forward[k], t.sent_backward[k]], 0)
+    start = int(sum(t.persistent[row.mine] + t.ahead[row.mine]))
+    kept = np.cumsum(change + loads + drops) - (change + loads + drops)  # before each action
+    now = start + np.cumsum(sent) - sent + kept + loads
+    whole = is_b | is_i | (is_w & ~splits)
+    peak = np.select([is_f, skipped], [now + held + t.forward[k] + t.passed[k], np.iinfo(np.int64).min],
+                     now + taken + np.maximum(0, fresh - held) + np.where(whole, t.backward[k], 0))
+    final = start + int(sent.sum()) + int(sum(t.gradients[row.mine]))  # the sends waited on after the optimizer step
+    return max(start, int(peak.max(initial=start)), final + step_transient)
+
+
+def _copies(row: Sequence[Action], t: _Table, ahead: int) -> tuple[np.ndarray, np.ndarray]:
+    """Where offloading's copies are done inside the compute, the bytes brought back before
+    each action of `row` (as the runtime's `prefetches` says, or by the action that reads
+    them) and, as negatives, those that go after it (a microbatch's copy after its
+    backward or I, until W brings it back)."""
+    loads, drops = np.zeros(len(row), dtype=np.int64), np.zeros(len(row), dtype=np.int64)
+    back, done, loaded = prefetches(row, ahead), set(), set()
+    for i, a in enumerate(row):
+        for b in back.get(i, []) + ([a] if a.kind != Kind.F else []):
+            if (b.stage, b.microbatch) in done and (b.stage, b.microbatch) not in loaded:
+                loaded.add((b.stage, b.microbatch))
+                loads[i] += t.offloaded[b.stage]
         if a.kind == Kind.F:
-            kept += _holding(stages[k], held[k] + 1, resident) - _holding(stages[k], held[k], resident) + stages[k].passed
-            held[k] += 1
-            base += stages[k].sent_forward
-            peak = max(peak, now + stages[k].held + stages[k].forward + stages[k].passed)
-            if copies is not None:
-                copies.done.add((k, a.microbatch))
-            continue
-        if a.kind in (Kind.B, Kind.I):  # the gradients of what it took in memory are made
-            now += stages[k].taken_grads
-            kept += stages[k].taken_grads
-        if a.kind in (Kind.B, Kind.W):  # what it passed in memory, and their gradients, go with its backward
-            kept -= stages[k].passed + stages[k].passed_grads
-        if a.kind == Kind.I and not stages[k].splits:
-            kept += copies.drop(k, a.microbatch) if copies is not None else 0
-            continue
-        if a.kind in (Kind.B, Kind.I, Kind.W):
-            whole = a.kind == Kind.B or not stages[k].splits
-            base += stages[k].sent_backward if a.kind != Kind.W else 0
-            fresh = stages[k].gradients if k not in grads and a.kind != Kind.I else 0
-            # the gradients are made as the microbatch's activations are freed, node by node
-            peak = max(peak, now + max(0, fresh - stages[k].held) + (stages[k].backward if a.kind != Kind.W or whole else 0))
-            if not whole:
-                kept += stages[k].seeds if a.kind == Kind.I else -stages[k].seeds
-            kept += copies.drop(k, a.microbatch) if copies is not None else 0
-            if a.kind != Kind.I:
-                kept += fresh + _holding(stages[k], held[k] - 1, resident) - _holding(stages[k], held[k], resident)
-                grads.add(k)
-                held[k] -= 1
-    final = base + sum(stages[k].gradients for k in mine)  # the sends waited on after the optimizer step
-    return max(peak, final + step_transient)
-
-
-def _holding(stage: StageBytes, inflight: int, resident: int) -> int:
-    """What a stage holds on the device for `inflight` microbatches: all of each, but what
-    it offloads of those beyond the `resident` ones (those brought back: `_Copies`)."""
-    return inflight * stage.held - max(0, inflight - resident) * stage.offloaded
+            done.add((a.stage, a.microbatch))
+        elif (a.stage, a.microbatch) in loaded:
+            loaded.discard((a.stage, a.microbatch))
+            drops[i] -= t.offloaded[a.stage]
+    return loads, drops
 
 
 def stage_shares(peaks: Sequence[int], placement: Sequence[int], stages: Sequence[StageBytes]) -> list[int]:

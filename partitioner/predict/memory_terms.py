@@ -204,4 +204,10 @@ def _output_bytes(gm: torch.fx.GraphModule, costs: dict[str, NodeCost]) -> int:
 
 
 def _largest_param(gm: torch.fx.GraphModule) -> int:
-    return max((p.numel() * p.element_size() for p in gm.parameters()), default=0)
+    if gm not in _LARGEST:
+        _LARGEST[gm] = max((p.numel() * p.element_size() for p in gm.parameters()), default=0)
+    return _LARGEST[gm]
+
+
+#: per graph, its largest parameter's bytes (`_largest_param`), found once
+_LARGEST: weakref.WeakKeyDictionary[torch.fx.GraphModule, int] = weakref.WeakKeyDictionary()

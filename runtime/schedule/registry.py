@@ -91,6 +91,10 @@ class ScheduleSpec:
         at its peak."""
         return self.inflight_of(ranks, stages, stage, microbatches)
 
+    def inflights(self, ranks: int, stages: int, microbatches: int) -> tuple[int, ...]:
+        """`inflight` of every stage, made once per shape (the planner asks per stage and run)."""
+        return _inflights(self.inflight_of, ranks, stages, microbatches)
+
     def placement(self, num_stages: int, ranks: int) -> tuple[int, ...]:
         """The pipeline rank of each stage ([Note: V placement])."""
         return _placement(self.vee, num_stages, ranks)
@@ -105,7 +109,12 @@ class ScheduleSpec:
         return self.build(ranks, microbatches, virtual_stages)
 
 
-@functools.lru_cache(maxsize=256)
+@functools.lru_cache(maxsize=4096)
+def _inflights(inflight_of: Inflight, ranks: int, stages: int, microbatches: int) -> tuple[int, ...]:
+    return tuple(inflight_of(ranks, stages, k, microbatches) for k in range(stages))
+
+
+@functools.lru_cache(maxsize=4096)
 def _placement(vee: bool, num_stages: int, ranks: int) -> tuple[int, ...]:
     """`ScheduleSpec.placement`, made once per shape: the planner asks for a stage's rank
     once per node and walk step."""
@@ -134,7 +143,7 @@ def _interleaved_peak(ranks: int, stages: int, stage: int, microbatches: int) ->
     return _walked_peaks(ranks, microbatches, stages // ranks)[stage]
 
 
-@functools.lru_cache(maxsize=64)
+@functools.lru_cache(maxsize=4096)
 def _walked_peaks(ranks: int, microbatches: int, virtual_stages: int) -> tuple[int, ...]:
     """Each stage's most microbatches held at once in interleaved 1F1B, walking each rank's
     row of the schedule: an F keeps its activations, a B frees them ([Note: activations in
