@@ -18,7 +18,7 @@ from ..ir import NodeCost, Plan, StagePlan
 from ..trace.passes import get_attr
 from .memory import StageBytes, rank_peaks, stage_shares
 
-__all__ = ["plan_memory", "stage_bytes"]
+__all__ = ["Reads", "node_reads", "plan_memory", "stage_bytes"]
 
 #: gradients alive at once in a backward, in units of the stage's largest node output
 #: ([Note: the memory walk] in memory.py)
@@ -39,7 +39,7 @@ def plan_memory(gm: torch.fx.GraphModule, plan: Plan, costs: dict[str, NodeCost]
     ran = values is not None and all(n in values for n in compute_nodes(gm))  # not a graph a tp split rewrote
     stages = stage_bytes(gm, plan, costs, loss, optimizer_factor, *_saved(gm, plan, costs, values if ran else None))
     peaks = rank_peaks(plan.schedule, plan.pp, plan.microbatches, plan.virtual_stages, stages,
-                       step_transient=2 * _largest_param(gm), ahead=None if copies_overlap else offload.ahead())
+                       step_transient=2 * _graph(gm).largest_param, ahead=None if copies_overlap else offload.ahead())
     return stage_shares(peaks, [plan.rank_of(k) for k in range(plan.num_stages)], stages)
 
 
@@ -67,7 +67,7 @@ def stage_bytes(gm: torch.fx.GraphModule, plan: Plan, costs: dict[str, NodeCost]
     may offload, in the order saved."""
     params, buffers = _stage_params(gm, plan), _stage_buffers(gm, plan)
     out_bytes = _output_bytes(gm, costs)
-    nodes = {n.name: n for n in gm.graph.nodes}
+    nodes = _graph(gm).nodes
     last = plan.num_stages - 1
     result = []
     for s in plan.stages:
@@ -140,7 +140,7 @@ def _stage_params(gm: torch.fx.GraphModule, plan: Plan) -> list[int]:
     plan shards the stage."""
     stage_of = plan.stage_of()
     per_stage: list[dict[int, int]] = [{} for _ in plan.stages]
-    for name, reads in _reads(gm).items():
+    for name, reads in node_reads(gm).items():
         per_stage[stage_of[name]].update(reads.params)
     seen: dict[int, set[int]] = {}
     twice = []
@@ -157,7 +157,7 @@ def _stage_buffers(gm: torch.fx.GraphModule, plan: Plan) -> list[int]:
     stage_of = plan.stage_of()
     seen: dict[int, set[int]] = {}
     out = [0] * plan.num_stages
-    for name, reads in _reads(gm).items():
+    for name, reads in node_reads(gm).items():
         k = stage_of[name]
         held = seen.setdefault(plan.rank_of(k), set())
         for key, nbytes in reads.buffers.items():
@@ -168,46 +168,57 @@ def _stage_buffers(gm: torch.fx.GraphModule, plan: Plan) -> list[int]:
 
 
 @dataclass(frozen=True)
-class _Reads:
+class Reads:
     """What one compute node reads of the model's state: parameters by storage and buffers
-    by identity, each with its bytes."""
+    by identity, each with its bytes, and the storages of those parameters that train."""
 
     params: dict[int, int]
     buffers: dict[int, int]
+    trained: tuple[int, ...]
 
 
-#: per graph, what each compute node reads, in graph order: made once, read by every plan of
-#: the graph (the search walks hundreds)
-_READS: weakref.WeakKeyDictionary[torch.fx.GraphModule, dict[str, _Reads]] = weakref.WeakKeyDictionary()
+@dataclass(frozen=True)
+class _Graph:
+    """What every plan of one graph reads of it, found once (the search walks thousands):
+    the `Reads` of each compute node that reads any parameter or buffer, in graph order;
+    the nodes by name; the compute nodes the output returns; the largest parameter's bytes."""
+
+    reads: dict[str, Reads]
+    nodes: dict[str, torch.fx.Node]
+    outputs: tuple[str, ...]
+    largest_param: int
 
 
-def _reads(gm: torch.fx.GraphModule) -> dict[str, _Reads]:
-    if gm not in _READS:
+_GRAPHS: weakref.WeakKeyDictionary[torch.fx.GraphModule, _Graph] = weakref.WeakKeyDictionary()
+
+
+def _graph(gm: torch.fx.GraphModule) -> _Graph:
+    if gm not in _GRAPHS:
         buffers = {id(b) for b in gm.buffers()}
-        found = {}
+        reads = {}
         for node in compute_nodes(gm):
-            params, bufs = {}, {}
+            params, bufs, trained = {}, {}, []
             for x in node.all_input_nodes:
                 t = get_attr(gm, str(x.target)) if x.op == "get_attr" else None
                 if isinstance(t, torch.nn.Parameter):
                     params[storage_key(t)] = t.numel() * t.element_size()
+                    trained += [storage_key(t)] if t.requires_grad else []
                 elif isinstance(t, torch.Tensor) and id(t) in buffers:
                     bufs[id(t)] = t.untyped_storage().nbytes()
-            found[node.name] = _Reads(params, bufs)
-        _READS[gm] = found
-    return _READS[gm]
+            if params or bufs:
+                reads[node.name] = Reads(params, bufs, tuple(trained))
+        outputs = tuple(n.name for n in compute_nodes(gm) if any(u.op == "output" for u in n.users))
+        _GRAPHS[gm] = _Graph(reads, {n.name: n for n in gm.graph.nodes}, outputs,
+                             max((p.numel() * p.element_size() for p in gm.parameters()), default=0))
+    return _GRAPHS[gm]
+
+
+def node_reads(gm: torch.fx.GraphModule) -> dict[str, Reads]:
+    """The `Reads` of each compute node of `gm` that reads any parameter or buffer, by name
+    in graph order."""
+    return _graph(gm).reads
 
 
 def _output_bytes(gm: torch.fx.GraphModule, costs: dict[str, NodeCost]) -> int:
     """The model's output per microbatch: the last stage's outputs (the logits)."""
-    return sum(costs[n.name].output_bytes for n in compute_nodes(gm) if any(u.op == "output" for u in n.users))
-
-
-def _largest_param(gm: torch.fx.GraphModule) -> int:
-    if gm not in _LARGEST:
-        _LARGEST[gm] = max((p.numel() * p.element_size() for p in gm.parameters()), default=0)
-    return _LARGEST[gm]
-
-
-#: per graph, its largest parameter's bytes (`_largest_param`), found once
-_LARGEST: weakref.WeakKeyDictionary[torch.fx.GraphModule, int] = weakref.WeakKeyDictionary()
+    return sum(costs[name].output_bytes for name in _graph(gm).outputs)

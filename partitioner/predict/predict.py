@@ -20,13 +20,12 @@ import torch
 import torch.fx
 
 from ..cost.costmodel import message_s, pair_bytes
-from ..cost.nodes import compute_nodes, selective_keeps, storage_key
+from ..cost.nodes import compute_nodes, selective_keeps
 from ..cost.hardware import Hardware
 from ..ir import NodeCost, Plan
-from ..trace.passes import get_attr
 from ..cost.roofline import BACKWARD_FLOP_FACTOR, mfu, ring_allreduce_s, ring_broadcast_s
 from ..solve.offload import exposed_s
-from .memory_terms import plan_memory
+from .memory_terms import node_reads, plan_memory
 from .simulate import Simulation
 from .step import StepInputs, simulate_step
 
@@ -208,14 +207,9 @@ def tied_allreduce_s(gm: torch.fx.GraphModule, plan: Plan, hardware: Hardware) -
     one collective per parameter, after the last backward, so nothing hides it)."""
     stage_of = plan.stage_of()
     held: dict[int, tuple[int, set[int]]] = {}  # storage -> (bytes, positions holding a copy)
-    for node in compute_nodes(gm):
-        for x in node.all_input_nodes:
-            if x.op != "get_attr":
-                continue
-            t = get_attr(gm, str(x.target))
-            if isinstance(t, torch.nn.Parameter) and t.requires_grad:
-                _, positions = held.setdefault(storage_key(t), (t.numel() * t.element_size(), set()))
-                positions.add(plan.rank_of(stage_of[node.name]))
+    for name, reads in node_reads(gm).items():
+        for key in reads.trained:
+            held.setdefault(key, (reads.params[key], set()))[1].add(plan.rank_of(stage_of[name]))
     alpha, beta = hardware.ring_link(across_nodes=plan.pp * plan.tp * plan.dp > hardware.devices_per_node)
     return sum(ring_allreduce_s(nbytes, len(positions) * plan.dp, alpha, beta)
                for nbytes, positions in held.values() if len(positions) > 1)
