@@ -13,6 +13,7 @@ from benchmarks import gpu_check
 from .conftest import compile_example
 
 
+@pytest.mark.slow
 def test_the_device_check_runs_on_the_cpu(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch,
                                           tmp_path: Path) -> None:
     monkeypatch.setattr("benchmarks.common.RESULTS", tmp_path)

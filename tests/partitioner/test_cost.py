@@ -236,6 +236,7 @@ def test_the_failing_rank_is_named_rather_than_the_barrier_it_broke() -> None:
         calibrate._answers([mine for mine, _ in ends], [[0], [1]])
 
 
+@pytest.mark.slow
 def test_the_compile_falls_back_to_one_stage_at_a_time(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Side by side failing (say, no fork) costs a warning, not the compile."""
     from driver import costs

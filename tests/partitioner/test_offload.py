@@ -53,6 +53,7 @@ def test_auto_offloads_less_on_later_ranks(tmp_path: Path) -> None:
     assert all(s.memory_bytes <= limit for s, f in zip(auto.predicted.stages, shares) if f > 0)
 
 
+@pytest.mark.slow
 def test_copies_beyond_the_compute_lengthen_the_step(tmp_path: Path) -> None:
     """On an a100 without waves of tiles ([Note: waves of tiles]), where the tiny model's
     products take their FLOPs' time, not a wave's, and the copies outlast them."""

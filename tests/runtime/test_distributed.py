@@ -142,6 +142,7 @@ def test_world_size_must_match_the_mesh(make_tiny: Callable[..., Tiny], monkeypa
 
 @multiproc
 @pytest.mark.timeout(120)
+@pytest.mark.slow
 def test_a_silent_rank_times_out(make_tiny: Callable[..., Tiny]) -> None:
     t = make_tiny(stages=2, schedule="gpipe", microbatches=2)
     ranks = launch(2, "fault", [t.dir], t.dir.parent / "tiny.py",

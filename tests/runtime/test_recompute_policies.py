@@ -189,6 +189,7 @@ def test_auto_on_two_gloo_ranks_trains_like_the_original(tmp_path: Path) -> None
     _ok(launch(2, "check", [tmp_path / "pkg"], _copy(GPT, tmp_path)))
 
 
+@pytest.mark.slow
 @multiproc
 @pytest.mark.timeout(180)
 def test_auto_with_its_own_split_on_two_gloo_ranks_trains_like_the_original(tmp_path: Path) -> None:
