@@ -20,8 +20,8 @@ from .package_info import model_flops
 from .prepared import Prepared
 from .recompute import variant_rank
 
-__all__ = ["Candidate", "Ranking", "SHOWN", "Solved", "after_floor", "bound", "describe", "floor", "least_slowest",
-           "simulate_fastest", "simulated", "step_bound", "walk_floor"]
+__all__ = ["Candidate", "Ranking", "SHOWN", "Solved", "after_floor", "bound", "crowded", "describe", "floor",
+           "least_slowest", "simulate_fastest", "simulated", "step_bound", "walk_floor"]
 
 SHOWN = 5
 #: a bound this close to a step time still gets simulated (float sums in another order)
@@ -76,10 +76,12 @@ def walk_floor(problem: PartitionProblem, chain: bool) -> float:
     least that can be over splits of C is C / (1 - (1 - 1/M)^p), where every rank's is
     equal (W_r = T/M of what is left), the pipeline's fill and drain.  With one stage per
     rank on a chain the busiest rank also runs at least the slowest of the most even
-    split of the blocks into p runs (`least_slowest`): blocks do not divide."""
+    split of the blocks into p runs (`least_slowest`): blocks do not divide; with several
+    stages per rank, or off a chain, at least what whole blocks put on some rank
+    (`crowded`)."""
     total, m, p = sum(problem.block_time_s), problem.microbatches, problem.ranks
     if problem.virtual_stages > 1 or not chain:
-        return m * total / p
+        return m * max(total / p, crowded(problem.block_time_s, p))
     even = m * least_slowest(problem.block_time_s, p)  # at least M C / p
     if problem.spec.splits_backward:
         return even
@@ -97,6 +99,16 @@ def least_slowest(times: tuple[float, ...], parts: int) -> float:
         middle = (low + high) / 2
         low, high = (low, middle) if _covers(times, parts, middle) else (middle, high)
     return low
+
+
+@functools.lru_cache(maxsize=256)
+def crowded(times: tuple[float, ...], ranks: int) -> float:
+    """At most the least, over every placement of `times` on `ranks` ranks (runs or not),
+    of the busiest rank's sum: of the k ranks + 1 longest, some rank holds k + 1, at
+    least the k + 1 shortest of them."""
+    longest = sorted(times, reverse=True)
+    return max(sum(longest[k * ranks - k:k * ranks + 1]) for k in range(len(times) // ranks + 1)
+               if k * ranks < len(times))
 
 
 def _covers(times: tuple[float, ...], parts: int, most: float) -> bool:

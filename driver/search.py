@@ -26,13 +26,14 @@
 [Note: the search's bounds]
     Lower bounds on the simulated step prune the search (driver/ranking.py): `floor`,
     known once a candidate is posed (every microbatch's compute spread evenly over the
-    ranks, or with one stage per rank the slowest run of the most even split of the
-    blocks; and the least of what follows the walk: the loss's all-reduce, ZeRO-1's
-    broadcast, the all-reduce the backward cannot hide), `bound` once it is solved (the
-    busiest rank's compute, pipeline fill and drain), and `step_bound`, the same from
-    the simulator's own inputs, with the loss and what follows the walk (for a split that
-    offloads, again once its shares are known, with the time its copies add).  Candidates
-    are taken in order of floor; one whose floor passes the best step simulated so far is
+    ranks, or as whole blocks: with one stage per rank the slowest run of the most even
+    split of the blocks, else the least some rank must hold of them; and the least of
+    what follows the walk: the loss's all-reduce, ZeRO-1's broadcast, the all-reduce the
+    backward cannot hide), `bound` once it is solved (the busiest rank's compute,
+    pipeline fill and drain), and `step_bound`, the same from the simulator's own
+    inputs, with the loss and what follows the walk (for a split that offloads, again
+    once its shares are known, with the time its copies add).  Candidates are taken in
+    order of floor; one whose floor passes the best step simulated so far is
     skipped unsolved, and so is a memory variant whose own floor passes it (a forward
     run again under recomputation, ZeRO-1's broadcast); a solved split whose bound
     passes it is neither walked ([Note: walked only where it matters]) nor simulated.

@@ -276,3 +276,20 @@ def test_least_slowest_is_the_best_split_of_blocks_into_runs() -> None:
         got = ranking.least_slowest(times, parts)
         assert got <= best * (1 + 1e-12), (times, parts, got, best)  # a floor: never above it
         assert got >= best * (1 - 1e-9), (times, parts, got, best)
+
+
+def test_crowded_is_below_every_placement_and_meets_whole_blocks() -> None:
+    """`crowded`, the floor of several stages per rank, against every placement of small
+    random blocks on ranks (brute force): never above the least busiest rank; and with
+    blocks that do not divide, above the mean a rank would take were they divisible."""
+    import itertools
+    import random
+
+    rng = random.Random(0)
+    for _ in range(200):
+        times = tuple(rng.choice([0.5, 1.0, 1.0, 2.0]) * rng.random() for _ in range(rng.randint(1, 7)))
+        ranks = rng.randint(1, 4)
+        best = min(max(sum(t for t, r in zip(times, placed) if r == q) for q in range(ranks))
+                   for placed in itertools.product(range(ranks), repeat=len(times)))
+        assert ranking.crowded(times, ranks) <= best * (1 + 1e-12), (times, ranks)
+    assert ranking.crowded((1.0,) * 5, 2) == 3.0 > 5 / 2  # five equal layers on two ranks: one holds three
