@@ -33,10 +33,10 @@
     pipeline fill and drain), and `step_bound`, the same from the simulator's own
     inputs, with the loss and what follows the walk (for a split that offloads, again
     once its shares are known, with the time its copies add).  Candidates are taken in
-    order of floor; one whose floor passes the best step simulated so far is
-    skipped unsolved, and so is a memory variant whose own floor passes it (a forward
-    run again under recomputation, ZeRO-1's broadcast); a solved split whose bound
-    passes it is neither walked ([Note: walked only where it matters]) nor simulated.
+    order of floor; one whose floor passes the best step simulated so far is skipped
+    unsolved, and so is a memory variant whose own floor passes it (a forward run again
+    under recomputation, ZeRO-1's broadcast); a solved split whose bound passes it is
+    neither walked ([Note: walked only where it matters]) nor simulated.
     A variant whose weights, gradients and optimizer state alone exceed the memory of
     its ranks is refused before its DP runs (partitioner/solve/solve.py).  No bound
     exceeds a step, so the fastest is the one solving and simulating every candidate

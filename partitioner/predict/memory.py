@@ -101,7 +101,7 @@ def rank_peaks(schedule: str, pp: int, microbatches: int, virtual_stages: int,
     table, rows = _Table.of(stages), _rows(schedule, pp, microbatches, virtual_stages)
     if ahead is None:
         return tuple(_walk(row, table, step_transient) for row in rows)
-    made = schedule_spec(schedule).make(pp, microbatches, virtual_stages)
+    made = _actions(schedule, pp, microbatches, virtual_stages)
     return tuple(_walk(row, table, step_transient, _copies(actions, table, ahead)) for row, actions in zip(rows, made))
 
 
@@ -123,8 +123,14 @@ _KINDS = {Kind.F: _F, Kind.B: _B, Kind.I: _I, Kind.W: _W}
 
 @functools.lru_cache(maxsize=256)
 def _rows(schedule: str, pp: int, microbatches: int, virtual_stages: int) -> tuple[_Row, ...]:
-    """The schedule's compute rows, made once per shape (the search walks thousands of plans)."""
-    return tuple(_row(row) for row in schedule_spec(schedule).make(pp, microbatches, virtual_stages))
+    """The schedule's compute rows as arrays, made once per shape (the search walks thousands of plans)."""
+    return tuple(_row(row) for row in _actions(schedule, pp, microbatches, virtual_stages))
+
+
+@functools.lru_cache(maxsize=16)
+def _actions(schedule: str, pp: int, microbatches: int, virtual_stages: int) -> tuple[tuple[Action, ...], ...]:
+    """The schedule's compute rows, made once for `_rows` and for the copies of the shapes walked last."""
+    return tuple(tuple(row) for row in schedule_spec(schedule).make(pp, microbatches, virtual_stages))
 
 
 def _row(actions: Sequence[Action]) -> _Row:
@@ -193,13 +199,13 @@ def _walk(row: _Row, t: _Table, step_transient: int, copies: tuple[np.ndarray, n
     change = np.select([is_f, is_i & splits, is_w & splits], [holding(n + 1) - holding(n) + t.passed[k],
                                                               taken + t.seeds[k], ends - t.seeds[k]], taken + ends)
     sent = np.select([is_f, (is_b | is_i) & ~skipped], [t.sent_forward[k], t.sent_backward[k]], 0)
-    start = int(sum(t.persistent[row.mine] + t.ahead[row.mine]))
+    start = int((t.persistent + t.ahead)[row.mine].sum())
     kept = np.cumsum(change + loads + drops) - (change + loads + drops)  # before each action
     now = start + np.cumsum(sent) - sent + kept + loads
     whole = is_b | is_i | (is_w & ~splits)
     peak = np.select([is_f, skipped], [now + held + t.forward[k] + t.passed[k], np.iinfo(np.int64).min],
                      now + taken + np.maximum(0, fresh - held) + np.where(whole, t.backward[k], 0))
-    final = start + int(sent.sum()) + int(sum(t.gradients[row.mine]))  # the sends waited on after the optimizer step
+    final = start + int(sent.sum()) + int(t.gradients[row.mine].sum())  # the sends waited on after the optimizer step
     return max(start, int(peak.max(initial=start)), final + step_transient)
 
 
