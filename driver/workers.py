@@ -9,7 +9,9 @@
     the best any of them has found ([Note: the search's bounds] in driver/search.py).  A
     worker sends back what it simulated with its Prepared stripped of what the candidate's
     base already holds (the trace, the costs, the model: `_strip`), which the parent puts
-    back.  Pruning only against the best, the winner is the one the search finds in one
+    back.  Each worker computes on one thread (`_one_thread`: the memory walk runs some ops
+    to see what autograd saves, and OpenMP's threads do not survive a fork).  Pruning only
+    against the best, the winner is the one the search finds in one
     process; which others get simulated, and so listed by `show`, may differ.
 """
 
@@ -20,6 +22,8 @@ import math
 import multiprocessing
 import os
 from typing import Any, Callable, Iterator, NamedTuple, Sequence
+
+import torch
 
 from .prepared import Prepared
 from .ranking import Candidate, Ranking, Solved, simulate_fastest
@@ -74,12 +78,18 @@ def outcomes(bases: Sequence[Prepared], solve: Solve, ranking: Ranking, count: i
     best = ctx.Value("d", ranking.ranked[0][0].step_time_s if ranking.ranked else math.inf)
     _JOB.update(bases=bases, solve=solve, best=best, devices=ranking.devices)
     try:
-        with ctx.Pool(count) as pool:
+        with ctx.Pool(count, initializer=_one_thread) as pool:
             for outcome in pool.imap_unordered(_work, range(len(bases)), chunksize=1):
                 base = bases[outcome.order]
                 yield outcome._replace(simulated=[(c, _restore(s, base)) for c, s in outcome.simulated])
     finally:
         _JOB.clear()
+
+
+def _one_thread() -> None:
+    """A worker computes on one thread: it has a core of its own, and the parent's OpenMP
+    threads do not survive the fork (an op that waited for them would never return)."""
+    torch.set_num_threads(1)
 
 
 def _here(index: int, found: list[Solved] | Candidate | None, ranking: Ranking) -> Outcome:

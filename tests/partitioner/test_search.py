@@ -261,6 +261,21 @@ def test_the_search_in_worker_processes_finds_the_same_best_mesh(tmp_path: Path,
     assert best[0] == best[1]
 
 
+def test_the_search_in_worker_processes_after_this_one_ran_on_several_threads(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A search forks its workers after this process computed on two threads: a worker's ops
+    (the memory walk runs some) must not wait for OpenMP threads the fork left behind."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        torch.zeros(1 << 20).index_select(0, torch.arange(1 << 20))  # OpenMP's threads start here
+        monkeypatch.setattr(search, "workers", lambda _count: 2)
+        mesh = compile_example("tests/model_files/gpt_wide.py", tmp_path / "pkg", devices=4, stages=None).manifest.mesh
+    finally:
+        torch.set_num_threads(threads)
+    assert mesh.pp * mesh.tp * mesh.dp == 4
+
+
 def test_least_slowest_is_the_best_split_of_blocks_into_runs() -> None:
     """`least_slowest` against every split of small random chains (brute force): never
     above the least slowest run, and within the bisection's precision of it."""
