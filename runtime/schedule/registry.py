@@ -21,7 +21,8 @@ builders alone, so the planner's IR (partitioner/ir.py) imports it without the r
     min(S - k, M): stage k's warm-up.  Interleaved 1F1B has no such closed form (its
     warm-up runs each rank's chunks in turns of p microbatches, so a middle stage may hold
     more than its place in the pipeline says: 4 ranks x 2 stages, 8 microbatches, holds
-    [8, 8, 7, 5, 4, 4, 3, 1]), so it is the peak found by walking the schedule itself.
+    [8, 8, 7, 5, 4, 4, 3, 1]), so it is counted from the schedule's own shape
+    (`_interleaved_peaks`).
     ZB-H1 holds 1F1B's first-stage peak min(S, M) on every rank (its W's held back),
     ZB-H2 twice it, min(2S, M); ZB-V, on 2p stages, 1F1B's min(S - k, M)
     ([Note: zero-bubble orders] in runtime/zero_bubble.py).  The simulator counts the
@@ -35,7 +36,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from ..errors import ScheduleError
-from .actions import Kind, Schedule
+from .actions import Schedule
 from .builders import gpipe, interleaved_1f1b, one_f_one_b, zb_h1, zb_h2, zb_v
 
 __all__ = [
@@ -140,20 +141,40 @@ def _twice_first_stage_peak(ranks: int, stages: int, stage: int, microbatches: i
 
 
 def _interleaved_peak(ranks: int, stages: int, stage: int, microbatches: int) -> int:
-    return _walked_peaks(ranks, microbatches, stages // ranks)[stage]
+    return _interleaved_peaks(ranks, microbatches, stages // ranks)[stage]
 
 
 @functools.lru_cache(maxsize=4096)
-def _walked_peaks(ranks: int, microbatches: int, virtual_stages: int) -> tuple[int, ...]:
-    """Each stage's most microbatches held at once in interleaved 1F1B, walking each rank's
-    row of the schedule: an F keeps its activations, a B frees them ([Note: activations in
-    flight])."""
-    held, peak = [0] * (ranks * virtual_stages), [0] * (ranks * virtual_stages)
-    for row in _interleaved(ranks, microbatches, virtual_stages):
-        for a in row:
-            held[a.stage] += 1 if a.kind == Kind.F else -1 if a.kind == Kind.B else 0
-            peak[a.stage] = max(peak[a.stage], held[a.stage])
-    return tuple(peak)
+def _interleaved_peaks(ranks: int, microbatches: int, virtual_stages: int) -> tuple[int, ...]:
+    """Each stage's most microbatches held at once in interleaved 1F1B (an F keeps its
+    activations, a B frees them: [Note: activations in flight]), counted from the
+    schedule's shape rather than walked (a large search asks for hundreds of shapes).
+
+    `interleaved_1f1b`'s rank r runs T = M v forwards, the k-th on chunk (k mod pv) // p
+    and its k-th backward on the chunk mirrored, v - 1 - that; it warms up with W of the
+    forwards, then follows each forward with the next backward.  Of the first n forwards,
+    F_c(n) = (n // pv) p + clamp(n mod pv - c p, 0, p) are on chunk c, so chunk c holds
+    F_c(W) after the warm-up, and F_c(W + 1 + j) - F_(v-1-c)(j) after the (W + j)-th
+    forward.  That difference repeats with period pv in j and changes slope only where one
+    of its terms enters or leaves its chunk's run of p, so its most lies at one of those
+    points or at an end of the first period (tests walk the schedule itself)."""
+    p, v, total = ranks, virtual_stages, microbatches * virtual_stages
+    group = p * v
+
+    def forwards(c: int, n: int) -> int:
+        return (n // group) * p + min(max(n % group - c * p, 0), p)
+
+    peaks = [0] * group
+    for r in range(p):
+        warmup = total if microbatches == p else min((p - r - 1) * 2 + (v - 1) * p, total)
+        span = min(group, total - warmup)  # one period of the steady state, or all of it
+        for c in range(v):
+            mirror = v - 1 - c
+            turns = {0, span - 1} | {j % group for j in (c * p - warmup - 1, (c + 1) * p - warmup - 1,
+                                                          mirror * p, (mirror + 1) * p)}
+            steady = (forwards(c, warmup + 1 + j) - forwards(mirror, j) for j in turns if 0 <= j < span)
+            peaks[c * p + r] = max([forwards(c, warmup), *steady])
+    return tuple(peaks)
 
 
 def _one_per_rank(builder: Callable[[int, int], Schedule]) -> Builder:

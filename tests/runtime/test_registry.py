@@ -24,12 +24,12 @@ def _cases() -> list[tuple[str, int, int]]:
             if m % spec.microbatch_multiple(r) == 0]
 
 
-def _peaks(spec: ScheduleSpec, ranks: int, microbatches: int) -> list[int]:
+def _peaks(spec: ScheduleSpec, ranks: int, microbatches: int, virtual_stages: int | None = None) -> list[int]:
     """Each stage's most microbatches held at once, walking its rank's row: an F keeps its
     activations, a B (or, split, the W) frees them."""
-    stages = ranks * _stages_per_rank(spec)
-    held, peak = [0] * stages, [0] * stages
-    for row in spec.make(ranks, microbatches, _stages_per_rank(spec)):
+    v = virtual_stages or _stages_per_rank(spec)
+    held, peak = [0] * (ranks * v), [0] * (ranks * v)
+    for row in spec.make(ranks, microbatches, v):
         for a in row:
             held[a.stage] += 1 if a.kind == Kind.F else -1 if a.kind in (Kind.B, Kind.W) else 0
             peak[a.stage] = max(peak[a.stage], held[a.stage])
@@ -67,6 +67,18 @@ def test_inflight_is_the_schedules_peak(name: str, ranks: int, microbatches: int
     spec = schedule_spec(name)
     stages = ranks * _stages_per_rank(spec)
     assert _peaks(spec, ranks, microbatches) == [spec.inflight(ranks, stages, k, microbatches) for k in range(stages)]
+
+
+def test_interleaved_inflight_is_the_walked_peak_of_every_shape() -> None:
+    """Interleaved 1F1B's peaks are counted from the schedule's shape
+    (`registry._interleaved_peaks`): the same as walking it, on every shape up to 8 ranks
+    of 5 stages, microbatches 1 to 5 times the ranks."""
+    spec = schedule_spec("interleaved")
+    for ranks in range(1, 9):
+        for v in range(1, 6):
+            for m in (ranks, 2 * ranks, 3 * ranks, 5 * ranks):
+                counted = [spec.inflight(ranks, ranks * v, k, m) for k in range(ranks * v)]
+                assert counted == _peaks(spec, ranks, m, v), (ranks, v, m)
 
 
 def test_microbatch_multiple() -> None:
