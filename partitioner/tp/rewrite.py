@@ -51,13 +51,13 @@ def rewrite(gm: torch.fx.GraphModule, posed: Posed, choice: tuple[int, ...], cos
     """The local graph for one strategy per variable of `posed`."""
     from runtime import tp as collectives
 
-    local = torch.fx.GraphModule(gm, copy.deepcopy(gm.graph))
+    graph = copy.deepcopy(gm.graph)  # rewritten, then compiled into the rank's module once
     chosen = {name: posed.strategies[v][choice[v]] for v, name in enumerate(posed.variables)}
-    params = {str(n.target): chosen[str(n.target)].output for n in local.graph.nodes if n.op == "get_attr"}
+    params = {str(n.target): chosen[str(n.target)].output for n in graph.nodes if n.op == "get_attr"}
     layout: dict[torch.fx.Node, Layout] = {}
     made: dict[tuple[str, object], torch.fx.Node] = {}
     strategy_of: dict[str, Strategy] = {}
-    for n in list(local.graph.nodes):
+    for n in list(graph.nodes):
         if n.op == "get_attr":
             layout[n] = params[str(n.target)]
             continue
@@ -78,8 +78,8 @@ def rewrite(gm: torch.fx.GraphModule, posed: Posed, choice: tuple[int, ...], cos
         layout[n] = s.output
         n.meta["tp_layout"] = s.output  # codegen gives a sharded value's dropout its rank's stream
         _localize(n, s.output, tp)  # 4. local shape
+    local = torch.fx.GraphModule(gm, graph)
     local.graph.lint()
-    local.recompile()
     rules = {name: s.rule for name, s in strategy_of.items() if s.rule not in ("replicate", "input", "output")}
     rank = _Rank(strategy_of, tp, hardware, collectives, {n.name: _shape(n) for n in gm.graph.nodes}, params)
     node_costs = _local_costs(local, costs, rank)
