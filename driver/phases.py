@@ -138,8 +138,9 @@ def prepare(opts: CompileOptions, say: Callable[[str], None] = lambda _m: None, 
     with _shape_run(src, traced, by_input_key(margs, mkwargs), opts.precision) as by_key:
         # the values' dtypes are the autocast run's ([Note: mixed precision])
         with autocast(opts.precision, src.device.type):
-            free = probe(traced.gm, by_key, traced.input_keys, dims, rows)  # [Note: free batch]
+            free = probe(traced.gm, by_key, traced.input_keys, dims, rows, src.probes())  # [Note: free batch]
             values = propagate(traced.gm, [by_key[key] for _name, key in traced.input_keys], opts.model)
+            src.ran(rows, values)
         free_batch = specialize(traced.gm, values, free, rows)
         warn_batch_statistics(traced.gm, microbatches, None if opts.quiet else say)
         check_modes(traced.gm)  # [Note: modes in generated code]

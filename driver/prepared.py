@@ -15,6 +15,7 @@ from partitioner.cost.timer import CPU_TIMER, DeviceTimer
 from partitioner.solve.problem import Coarse, Setting
 from partitioner.tp import Sharded
 from partitioner.trace import model_file
+from partitioner.trace.passes import Seen, seen_run
 from partitioner.trace.trace import Traced
 from runtime.manifest import Manifest
 
@@ -81,3 +82,16 @@ class Source:
     device: torch.device = torch.device("cpu")
     #: the model's fx trace before specialisation, which serves any microbatch shape
     generic: Traced | None = None
+    #: the runs of copies of `generic` so far, by rows: each shape's probes ([Note: free batch])
+    seen: dict[int, Seen | None] = field(default_factory=dict)
+
+    def probes(self) -> dict[int, Seen | None] | None:
+        """The runs a shape's `probe` may read and joins: where each shape's graph is a copy
+        of `generic` (an fx trace); None where each is traced anew."""
+        return self.seen if self.generic is not None else None
+
+    def ran(self, rows: int, values: dict[torch.fx.Node, Any]) -> None:
+        """Remember the run of a shape of `rows` rows (`propagate`'s values) for the next
+        shapes' probes."""
+        if self.generic is not None:
+            self.seen[rows] = seen_run(values)

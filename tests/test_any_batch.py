@@ -5,6 +5,7 @@ batch included, exactly as the original model on that batch (loss and every grad
 
 from __future__ import annotations
 
+import dataclasses
 import shutil
 from pathlib import Path
 from typing import Any
@@ -220,3 +221,48 @@ def test_short_batch_on_two_ranks(example: str, options: dict[str, Any], rows: i
     copy = tmp_path / f"{example}.py"
     shutil.copy(ROOT / "examples" / f"{example}.py", copy)
     _ok(launch(2, "short", [tmp_path / "pkg"], copy, deadline_s=90, env={"SHORT_ROWS": str(rows)}))
+
+
+@pytest.mark.parametrize("model", ["examples/gpt.py", "examples/mlp.py", "named.py"])
+def test_a_shape_probed_by_earlier_shapes_folds_as_by_its_own_probes(model: str, tmp_path: Path) -> None:
+    """[Note: free batch]: a search's second shape reads the first shape's runs (its own and
+    its probes') instead of running probes of its own, and folds every size and batch dim
+    as a compile of that shape alone does."""
+    from driver.options import CompileOptions
+    from driver.phases import load_source, prepare
+    from partitioner.trace.batch import BatchInt
+
+    (tmp_path / "named.py").write_text(NAMED)
+    path = model if model.startswith("examples/") else str(tmp_path / model)
+    opts = CompileOptions(model=path, out=str(tmp_path / "o"), analytic=True, hardware="a100", quiet=True, stages=2)
+
+    def folded(p: Any) -> tuple[bool, dict[str, Any]]:
+        def leaf(x: Any) -> Any:
+            return (int(x), x.coef, x.offset) if isinstance(x, BatchInt) else repr(x)
+        return p.free_batch, {n.name: ([leaf(x) for x in pytree.tree_leaves((n.args, n.kwargs))],
+                                       n.meta.get("batch_dim")) for n in p.traced.gm.graph.nodes}
+
+    source = load_source(opts)
+    first = prepare(dataclasses.replace(opts, microbatches=1), source=source)
+    runs = set(source.seen)
+    assert len(runs) == 3, "the first shape runs, and probes at two other row counts"
+    second = prepare(dataclasses.replace(opts, microbatches=2), source=source)
+    assert set(source.seen) == runs | {second.rows}, "the second shape ran no probe of its own"
+    assert folded(second) == folded(prepare(dataclasses.replace(opts, microbatches=2)))
+    assert first.free_batch and second.free_batch
+
+
+def test_a_failed_probe_keeps_the_batch_of_later_shapes_fixed() -> None:
+    """A probe run that failed for one shape keeps the batch fixed for the shapes that read
+    its runs ([Note: free batch]): a row count some run could not take is not free."""
+    from partitioner.trace.passes import probe
+
+    gm = torch.fx.symbolic_trace(torch.nn.Linear(8, 2))
+    x = next(n.name for n in gm.graph.nodes if n.op == "placeholder")
+    out = next(n.name for n in gm.graph.nodes if n.op == "call_function")
+    ran = ({}, {x: (5, 8), out: (5, 2)})
+    assert probe(gm, {"x": torch.randn(4, 8)}, [("x", "x")], {}, 4, {5: ran, 7: None}) is None
+    seen: dict[int, Any] = {5: ran}
+    free = probe(gm, {"x": torch.randn(4, 8)}, [("x", "x")], {}, 4, seen)
+    assert free is not None and free.rows == [5, 7], "the run seen at 5 rows, one of its own at 4 + 3"
+    assert set(seen) == {5, 7}

@@ -5,7 +5,9 @@
     folded to a constant (`passes.specialize`).  To let a package take a microbatch of any
     number of rows, the graph is also run on two probe microbatches (`rows + 1` and
     `rows + 3` rows, the example rows repeated) before the real run, and each folded value
-    is compared across the three runs:
+    is compared across the three runs.  (A search's microbatch shapes copy one fx trace,
+    so a shape reads two earlier shapes' runs, real or probe, by node name instead of
+    running its own: `passes.probe`'s `seen`.)
 
     - an int that is the same in all three is a plain constant;
     - an int that follows `coef * rows + offset` exactly becomes a `BatchInt`: an int of

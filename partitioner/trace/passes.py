@@ -25,7 +25,8 @@ from ..errors import TraceError
 from .batch import PROBE_EXTRA, FreeBatch, NotFree, batch_constant, batch_dim, probe_batch
 from .inputs import InputKey
 
-__all__ = ["get_attr", "inline_higher_order", "probe", "propagate", "specialize", "is_tensor_node", "node_module"]
+__all__ = ["Seen", "get_attr", "inline_higher_order", "probe", "propagate", "seen_run", "specialize", "is_tensor_node",
+           "node_module"]
 
 _ASSERTS = {
     "_assert_tensor_metadata",
@@ -64,24 +65,49 @@ def propagate(gm: torch.fx.GraphModule, flat_inputs: list[Any], model_path: str 
 
 
 def probe(gm: torch.fx.GraphModule, keyed: dict[InputKey, Any], input_keys: list[tuple[str, InputKey]],
-          batch_dims: dict[InputKey, int], rows: int) -> FreeBatch | None:
+          batch_dims: dict[InputKey, int], rows: int, seen: dict[int, Seen | None] | None = None
+          ) -> FreeBatch | None:
     """Run `gm` on the probe microbatches of [Note: free batch] (call it BEFORE the real
     `propagate`, whose tensor_meta must be the compiled microbatch's); None when a probe
-    run fails, which keeps the batch fixed."""
-    if any(_recurrent(n) for n in gm.graph.nodes):
-        return None  # see _RECURRENT
+    run fails, which keeps the batch fixed.  `seen`: earlier runs of copies of the same
+    graph at other rows (`seen_run`; None: one that failed), which serve as probes in
+    place of runs of their own (a search's microbatch shapes probe each other); the probe
+    runs made join it."""
+    if any(_recurrent(n) for n in gm.graph.nodes) or None in (seen or {}).values():
+        return None  # see _RECURRENT; a row count some run could not take is not free
     free = FreeBatch([], [], [])
-    for extra in PROBE_EXTRA:
+    nodes = {n.name: n for n in gm.graph.nodes}
+    for other in sorted(r for r in seen or {} if r != rows)[:len(PROBE_EXTRA)]:
+        values, shapes = seen[other]  # type: ignore[index,misc]
+        free.rows.append(other)
+        free.values.append({nodes[k]: v for k, v in values.items() if k in nodes})
+        free.shapes.append({nodes[k]: v for k, v in shapes.items() if k in nodes})
+    for extra in [e for e in PROBE_EXTRA if rows + e not in free.rows][:len(PROBE_EXTRA) - len(free.rows)]:
         batch = probe_batch(keyed, batch_dims, rows + extra)
         try:
             with torch.no_grad():
                 values = propagate(gm, [batch[key] for _name, key in input_keys])
         except TraceError:
+            if seen is not None:
+                seen[rows + extra] = None
             return None
         free.rows.append(rows + extra)
         free.values.append(values)
         free.shapes.append({n: tuple(int(d) for d in v.shape) for n, v in values.items() if isinstance(v, torch.Tensor)})
+        if seen is not None:
+            seen[rows + extra] = seen_run(values)
     return free
+
+
+#: one run of a graph, by node name: the values with no tensor inside, and the tensors' shapes
+Seen = tuple[dict[str, Any], dict[str, tuple[int, ...]]]
+
+
+def seen_run(values: dict[torch.fx.Node, Any]) -> Seen:
+    """What `probe` reads of a run (`propagate`'s values) by node name, to serve another
+    copy of the graph as a probe."""
+    return ({n.name: v for n, v in values.items() if _foldable(v)},
+            {n.name: tuple(int(d) for d in v.shape) for n, v in values.items() if isinstance(v, torch.Tensor)})
 
 
 #: recurrent ops keep a fixed batch: their initial state is traced at the compiled batch, and
