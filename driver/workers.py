@@ -11,8 +11,8 @@
     base already holds (the trace, the costs, the model: `_strip`), which the parent puts
     back.  Each worker computes on one thread (`_one_thread`: the memory walk runs some ops
     to see what autograd saves, and OpenMP's threads do not survive a fork).  Pruning only
-    against the best, the winner is the one the search finds in one
-    process; which others get simulated, and so listed by `show`, may differ.
+    against the best, the winner is the one the search finds in one process; which
+    others get simulated, and so listed by `show`, may differ.
 """
 
 from __future__ import annotations
