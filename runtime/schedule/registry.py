@@ -18,15 +18,14 @@ builders alone, so the planner's IR (partitioner/ir.py) imports it without the r
     What the memory model charges each stage for (`ScheduleSpec.inflight`, read by
     `PartitionProblem.inflight`): the microbatches whose activations stage k of S holds
     at its peak, M microbatches in all.  GPipe runs every forward first: M.  1F1B holds
-    min(S - k, M): stage k's warm-up.  Interleaved 1F1B has no such closed form (its
+    min(S - k, M): stage k's warm-up.  Interleaved 1F1B has no such simple form (its
     warm-up runs each rank's chunks in turns of p microbatches, so a middle stage may hold
     more than its place in the pipeline says: 4 ranks x 2 stages, 8 microbatches, holds
     [8, 8, 7, 5, 4, 4, 3, 1]), so it is counted from the schedule's own shape
-    (`_interleaved_peaks`).
-    ZB-H1 holds 1F1B's first-stage peak min(S, M) on every rank (its W's held back),
-    ZB-H2 twice it, min(2S, M); ZB-V, on 2p stages, 1F1B's min(S - k, M)
-    ([Note: zero-bubble orders] in runtime/zero_bubble.py).  The simulator counts the
-    same peaks (partitioner/predict/simulate.py).
+    (`_interleaved_peaks`).  ZB-H1 holds 1F1B's first-stage peak min(S, M) on every rank
+    (its W's held back), ZB-H2 twice it, min(2S, M); ZB-V, on 2p stages, 1F1B's
+    min(S - k, M) ([Note: zero-bubble orders] in runtime/zero_bubble.py).  The simulator
+    counts the same peaks (partitioner/predict/simulate.py).
 """
 
 from __future__ import annotations
