@@ -201,7 +201,15 @@ class Intervals:
         if limit is None:
             return time_s
         memory = self.memory(c0, c1, a0)
-        return lambda k: np.where(memory(k) <= limit, time_s(k), np.inf)
+        by_kind: dict[tuple[_Reach, int], np.ndarray] = {}
+
+        def allowed(k: int) -> np.ndarray:  # once per kind of stage: many share their reach and count
+            kind = (self.reach[k], self._held(k))
+            if kind not in by_kind:
+                by_kind[kind] = np.where(memory(k) <= limit, time_s(k), np.inf)
+            return by_kind[kind]
+
+        return allowed
 
     def sent_bytes(self, c0: int, c1: int, a0: int) -> Callable[[int], np.ndarray]:
         """The bytes each run certainly sends another rank as stage k (each value once),
@@ -226,11 +234,25 @@ class Intervals:
         held = _sum_corners(self.held, c0, c1, a0, np.int64)
         fixed = np.where(a < b, (self.own[b] - self.own[a] + held) * (2 + p.optimizer_factor), np.inf)
         acts = (self.acts[b] - self.acts[a]).astype(np.float64)
+        inputs = None
         if p.recompute:  # one microbatch's activations, the inputs (and kept outputs) of those in flight
             inputs = _sum_corners(self.received, c0, c1, a0, np.int64).astype(np.float64)
             inputs += (self.kept[b] - self.kept[a]).astype(np.float64)
-            return lambda k: fixed + acts + inputs * p.inflight(k)
-        return lambda k: fixed + acts * p.resident(k)  # inflight(k), or fewer offloading
+        by_count: dict[int, np.ndarray] = {}
+
+        def memory(k: int) -> np.ndarray:  # once per count of microbatches held
+            count = self._held(k)
+            if count not in by_count:
+                by_count[count] = fixed + acts + inputs * count if inputs is not None else fixed + acts * count
+            return by_count[count]
+
+        return memory
+
+    def _held(self, k: int) -> int:
+        """The microbatches whose activations `memory` charges stage k for: under
+        recomputation the inputs of those in flight, else all of those resident
+        (`inflight`, or fewer offloading)."""
+        return self.problem.inflight(k) if self.problem.recompute else self.problem.resident(k)
 
     def holds(self, blocks: Sequence[int], c0: int, c1: int, a0: int) -> np.ndarray:
         """Whether each run holds one of `blocks` (sorted): a parameter they read."""
