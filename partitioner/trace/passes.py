@@ -91,11 +91,12 @@ def probe(gm: torch.fx.GraphModule, keyed: dict[InputKey, Any], input_keys: list
             if seen is not None:
                 seen[rows + extra] = None
             return None
+        shapes = _tensor_shapes(values)
         free.rows.append(rows + extra)
         free.values.append(values)
-        free.shapes.append({n: tuple(int(d) for d in v.shape) for n, v in values.items() if isinstance(v, torch.Tensor)})
+        free.shapes.append(shapes)
         if seen is not None:
-            seen[rows + extra] = seen_run(values)
+            seen[rows + extra] = _by_name(values, shapes)
     return free
 
 
@@ -106,8 +107,16 @@ Seen = tuple[dict[str, Any], dict[str, tuple[int, ...]]]
 def seen_run(values: dict[torch.fx.Node, Any]) -> Seen:
     """What `probe` reads of a run (`propagate`'s values) by node name, to serve another
     copy of the graph as a probe."""
-    return ({n.name: v for n, v in values.items() if _foldable(v)},
-            {n.name: tuple(int(d) for d in v.shape) for n, v in values.items() if isinstance(v, torch.Tensor)})
+    return _by_name(values, _tensor_shapes(values))
+
+
+def _by_name(values: dict[torch.fx.Node, Any], shapes: dict[torch.fx.Node, tuple[int, ...]]) -> Seen:
+    return {n.name: v for n, v in values.items() if _foldable(v)}, {n.name: s for n, s in shapes.items()}
+
+
+def _tensor_shapes(values: dict[torch.fx.Node, Any]) -> dict[torch.fx.Node, tuple[int, ...]]:
+    """Each tensor node's shape in a run (`propagate`'s values)."""
+    return {n: tuple(int(d) for d in v.shape) for n, v in values.items() if isinstance(v, torch.Tensor)}
 
 
 #: recurrent ops keep a fixed batch: their initial state is traced at the compiled batch, and
@@ -129,9 +138,7 @@ def specialize(gm: torch.fx.GraphModule, values: dict[torch.fx.Node, Any], free:
     batch]); returns whether the batch is free (False: folded for `rows` only)."""
     folded: dict[torch.fx.Node, Any] | None = None
     if free is not None:
-        every = FreeBatch([rows, *free.rows], [values, *free.values],
-                          [{n: tuple(int(d) for d in v.shape) for n, v in values.items()
-                            if isinstance(v, torch.Tensor)}, *free.shapes])
+        every = FreeBatch([rows, *free.rows], [values, *free.values], [_tensor_shapes(values), *free.shapes])
         try:
             folded = _fold_free(gm, values, every)
         except NotFree:

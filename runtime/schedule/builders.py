@@ -9,7 +9,7 @@ from .. import zero_bubble
 from ..errors import ScheduleError
 from .actions import Action, B, F, Kind, Schedule
 
-__all__ = ["gpipe", "one_f_one_b", "interleaved_1f1b", "zb_h1", "zb_h2", "zb_v"]
+__all__ = ["gpipe", "one_f_one_b", "interleaved_1f1b", "interleaved_warmup", "zb_h1", "zb_h2", "zb_v"]
 
 
 def gpipe(stages: int, microbatches: int) -> Schedule:
@@ -57,13 +57,19 @@ def interleaved_1f1b(ranks: int, virtual_stages: int, microbatches: int) -> Sche
 
     schedule = []
     for r in range(ranks):
-        warmup = total if microbatches == ranks else min((ranks - r - 1) * 2 + (virtual_stages - 1) * ranks, total)
+        warmup = interleaved_warmup(ranks, virtual_stages, microbatches, r)
         row = [action(r, k, F) for k in range(warmup)]
         for k in range(total - warmup):
             row += [action(r, k + warmup, F), action(r, k, B)]
         row += [action(r, k, B) for k in range(total - warmup, total)]
         schedule.append(row)
     return schedule
+
+
+def interleaved_warmup(ranks: int, virtual_stages: int, microbatches: int, rank: int) -> int:
+    """The forwards `interleaved_1f1b`'s rank `rank` runs before its first backward."""
+    total = microbatches * virtual_stages
+    return total if microbatches == ranks else min((ranks - rank - 1) * 2 + (virtual_stages - 1) * ranks, total)
 
 
 def zb_h1(stages: int, microbatches: int) -> Schedule:

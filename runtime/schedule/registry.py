@@ -36,7 +36,7 @@ from typing import Callable
 
 from ..errors import ScheduleError
 from .actions import Schedule
-from .builders import gpipe, interleaved_1f1b, one_f_one_b, zb_h1, zb_h2, zb_v
+from .builders import gpipe, interleaved_1f1b, interleaved_warmup, one_f_one_b, zb_h1, zb_h2, zb_v
 
 __all__ = [
     "ScheduleSpec",
@@ -165,7 +165,7 @@ def _interleaved_peaks(ranks: int, microbatches: int, virtual_stages: int) -> tu
 
     peaks = [0] * group
     for r in range(p):
-        warmup = total if microbatches == p else min((p - r - 1) * 2 + (v - 1) * p, total)
+        warmup = interleaved_warmup(p, v, microbatches, r)
         span = min(group, total - warmup)  # one period of the steady state, or all of it
         for c in range(v):
             mirror = v - 1 - c
