@@ -18,7 +18,7 @@ from .options import AUTO, CompileOptions
 from .prepared import Prepared
 from .recompute import VARIANTS
 
-__all__ = ["offload", "offload_block", "offloaded", "solve_offloading", "variants"]
+__all__ = ["fitted", "offload", "offload_block", "offloaded", "solve_offloading", "variants"]
 
 Solve = Callable[..., tuple[tuple[int, ...], SolverReport]]
 
@@ -46,27 +46,43 @@ def offload(p: Prepared, plan: Plan) -> tuple[Plan, dict[str, Any]]:
 
 def offloaded(p: Prepared, plan: Plan) -> Plan:
     """`plan` with the stages' shares of `--offload` (what the search simulates)."""
-    return offloaded_plan(plan, p.problem, _shares(p, plan), p.hardware)
+    return fitted(p, plan)[0]
 
 
-def _shares(p: Prepared, plan: Plan) -> tuple[float, ...]:
-    """Each stage's fraction offloaded (empty: none): `all` 1 everywhere; `auto`, per rank
-    the least that brings its walked peak under the limit ([Note: offloaded activations]),
-    so ranks that hold less offload less (the solver's own bound may have found the split fitting
-    without offloading where the walk, which the manifest reports, does not)."""
-    limit, every = p.problem.memory_limit_bytes, (1.0,) * plan.num_stages
+def fitted(p: Prepared, plan: Plan, limit: int | None = None) -> tuple[Plan, list[int]]:
+    """`plan` with the stages' shares of `--offload` and each rank's walked peak under them;
+    with `limit`, as soon as it is known that no share fits it, `plan` unchanged and a peak
+    over it (the search's check: the plan walked once where it cannot fit, not thrice).
+
+    The shares: `all` 1 everywhere; `auto`, per rank the least that brings its walked peak
+    under the memory limit ([Note: offloaded activations]), so ranks that hold less offload
+    less (the solver's own bound may have found the split fitting without offloading where
+    the walk, which the manifest reports, does not).  A rank's peak walks its own stages
+    alone, so a rank over `limit` with all it may offload is over it with any share."""
+    every = (1.0,) * plan.num_stages
     if p.opts.offload == "all":
-        return every
-    if p.opts.offload != "auto" or limit is None:
-        return ()
+        return _shared(p, plan, every)
+    bound = p.problem.memory_limit_bytes
+    if p.opts.offload != "auto" or bound is None:
+        return _shared(p, plan, ())
+    away = None
+    if limit is not None:
+        away = rank_peaks(p, dataclasses.replace(plan, offload=every))
+        if max(away) > limit:
+            return plan, away
     keep = rank_peaks(p, dataclasses.replace(plan, offload=()))
-    if max(keep) <= limit:
-        return ()
-    away = rank_peaks(p, dataclasses.replace(plan, offload=every))
-    share = [min(1.0, math.ceil(100 * (k - limit) / (k - a)) / 100) if k > limit and k > a else 0.0
+    if max(keep) <= bound:
+        return offloaded_plan(plan, p.problem, (), p.hardware), keep
+    away = away or rank_peaks(p, dataclasses.replace(plan, offload=every))
+    share = [min(1.0, math.ceil(100 * (k - bound) / (k - a)) / 100) if k > bound and k > a else 0.0
              for k, a in zip(keep, away)]
-    out = tuple(share[plan.rank_of(k)] for k in range(plan.num_stages))
-    return out if any(out) else ()
+    return _shared(p, plan, tuple(share[plan.rank_of(k)] for k in range(plan.num_stages)))
+
+
+def _shared(p: Prepared, plan: Plan, shares: tuple[float, ...]) -> tuple[Plan, list[int]]:
+    """`plan` with `shares` offloaded (none at all where every share is 0), and its walked peaks."""
+    out = offloaded_plan(plan, p.problem, shares if any(shares) else (), p.hardware)
+    return out, rank_peaks(p, out)
 
 
 def offload_block(p: Prepared, before: Plan, after: Plan) -> dict[str, Any]:

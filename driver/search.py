@@ -325,12 +325,16 @@ def _solved(p: Prepared, assignment: tuple[int, ...], report: SolverReport, plan
     """A candidate of `p` solved into `assignment` (`plan`, of step at least `bound_s`, its
     simulator's `inputs` where known), with its memory; None where the solver's bound fits
     the memory but the peak walked over the schedule, which the manifest reports, does not."""
+    limit = p.problem.memory_limit_bytes
     if p.problem.offload or p.opts.offload == "all":  # the offloading variant only (`offloading.variants`)
-        plan = offloading.offloaded(p, plan)  # its shares, and the copies' time for the simulator
-        bound_s, inputs = step_bound(p, assignment, plan)  # bounded again with the copies' exposed time
-    peak = max(rank_peaks(p, plan))
-    if peak > (p.problem.memory_limit_bytes or peak):
+        plan, peaks = offloading.fitted(p, plan, limit)  # its shares, and the copies' time for the simulator
+    else:
+        peaks = rank_peaks(p, plan)
+    peak = max(peaks)
+    if peak > (limit or peak):
         return None
+    if plan.offload:
+        bound_s, inputs = step_bound(p, assignment, plan)  # bounded again with the copies' exposed time
     policy = plan_policy(plan) if p.policies is not None else p.problem.policy
     cand = Candidate(p.mesh.pp, p.opts.dp, p.opts.tp or 1, p.mesh.microbatches, memory_bytes=peak, recompute=policy,
                      schedule=p.opts.schedule, zero=plan.zero, virtual_stages=p.mesh.virtual_stages,

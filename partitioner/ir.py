@@ -172,6 +172,7 @@ class BlockCost:
     computes: bool = True  # one of its nodes computes (`GraphNode.computes`)
     kept_bytes: int = 0  # the outputs selective recomputation keeps per microbatch (`GraphNode.saved`)
     recomputed_s: float = 0.0  # the forward that selective recomputation runs again
+    seed_bytes: int = 0  # its weighted ops' outputs: their gradients, kept from a split backward's I to W
 
 
 @dataclass(frozen=True)
@@ -207,7 +208,10 @@ class PartitionProblem:
         + activation_bytes * inflight(stage)       microbatches whose activations are kept
     with inflight(k) = microbatches for GPipe and min(stages - k, microbatches) for 1F1B,
     each schedule's own in its spec ([Note: activations in flight] in
-    runtime/schedule/registry.py).
+    runtime/schedule/registry.py).  Where the backward is split (zb-h1, zb-h2, zb-v),
+    a stage past the first also keeps its seeds from each I to its W:
+        + seed_bytes * awaiting_w(stage)           gradients of its weighted ops' outputs
+    ([Note: weight gradients awaited] in runtime/schedule/registry.py).
     With `recompute` (activation recomputation: a stage keeps only its inputs per
     microbatch in flight and runs its forward again in the backward), the activations
     term is instead
@@ -258,6 +262,9 @@ class PartitionProblem:
     #: whether each block computes ([Note: every stage computes] in solve/solve.py); empty:
     #: those of positive time do
     block_computes: tuple[bool, ...] = ()
+    #: the gradients of each block's weighted ops' outputs, kept from I to W per microbatch
+    #: where the backward is split (see the memory model above); empty: none
+    block_seed_bytes: tuple[int, ...] = ()
 
     @property
     def num_blocks(self) -> int:
@@ -292,6 +299,14 @@ class PartitionProblem:
     @functools.cached_property
     def _inflight(self) -> tuple[int, ...]:
         return self.spec.inflights(self.ranks, self.stages, self.microbatches)
+
+    def awaiting_w(self, stage: int) -> int:
+        """Microbatches whose seeds stage `stage` holds at its most: past I, not yet W
+        ([Note: weight gradients awaited] in runtime/schedule/registry.py); none on the
+        first stage (its I does nothing, its W runs the whole backward) or recomputing."""
+        if stage == 0 or self.recompute or not self.block_seed_bytes:
+            return 0
+        return self.spec.awaiting_w(self.ranks, self.stages, self.microbatches)[stage]
 
     def resident(self, stage: int) -> int:
         """Microbatches whose activations stage `stage` holds on the device at its peak:

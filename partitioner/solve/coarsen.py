@@ -89,6 +89,7 @@ def build_problem(blocks: Sequence[BlockCost], edges: Sequence[Edge], stages: in
         recompute=policy is not None,
         block_kept_bytes=tuple(b.kept_bytes for b in blocks) if policy == "selective" else (),
         block_computes=tuple(b.computes for b in blocks),
+        block_seed_bytes=tuple(b.seed_bytes for b in blocks),
     )
 
 
@@ -346,7 +347,8 @@ def _blocks(order: Sequence[GraphNode], runs: Sequence[_Run], sizes: Mapping[str
             flops=sum(n.cost.flops for n in nodes), params=params,
             forward_s=sum(n.cost.forward_s for n in nodes), computes=any(n.computes for n in nodes),
             kept_bytes=sum(n.cost.output_bytes for n in nodes if n.saved),
-            recomputed_s=sum(n.cost.forward_s for n in nodes if not n.saved)))
+            recomputed_s=sum(n.cost.forward_s for n in nodes if not n.saved),
+            seed_bytes=sum(n.cost.output_bytes for n in nodes if n.cost.param_bytes)))
     return blocks
 
 

@@ -131,11 +131,14 @@ class _CpModel:
         return sum(compute) + sum(received) + latency * sum(pairs)
 
     def _memory(self, r: int) -> cp_model.LinearExprT:
-        """Rank r's memory: its stages' blocks and inputs, each shared parameter once."""
+        """Rank r's memory: its stages' blocks (seeds included) and inputs, each shared parameter once."""
         p, per = self.problem, 2 + self.problem.optimizer_factor
         kept = p.block_kept_bytes or (0,) * p.num_blocks  # selective recomputation's, per microbatch in flight
-        blocks = [(round(per * own) + (1 if p.recompute else p.resident(k)) * act + p.inflight(k) * keep) * self.at[i][k]
-                  for i, (own, act, keep) in enumerate(zip(self.own, p.block_activation_bytes, kept)) for k in self.on[r]]
+        seeds = p.block_seed_bytes or (0,) * p.num_blocks  # a split backward's, per W awaited
+        blocks = [(round(per * own) + (1 if p.recompute else p.resident(k)) * act + p.inflight(k) * keep
+                   + p.awaiting_w(k) * seed) * self.at[i][k]
+                  for i, (own, act, keep, seed) in enumerate(zip(self.own, p.block_activation_bytes, kept, seeds))
+                  for k in self.on[r]]
         inputs = [p.inflight(k) * v.bytes * self.recv_any[j][k] for j, v in enumerate(self.values)
                   for k in self.on[r]] if p.recompute else []
         return sum(blocks) + sum(inputs) + sum(round(per * size) * self.held[j][r] for j, (size, _) in enumerate(self.shared))

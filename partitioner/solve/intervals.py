@@ -154,6 +154,7 @@ class Intervals:
         self.time = np.concatenate([[0.0], np.cumsum(p.block_time_s, dtype=np.float64)])
         self.acts = np.concatenate([[0], np.cumsum(p.block_activation_bytes, dtype=np.int64)])
         self.kept = np.concatenate([[0], np.cumsum(p.block_kept_bytes or [0] * n, dtype=np.int64)])
+        self.seeds = np.concatenate([[0], np.cumsum(p.block_seed_bytes or [0] * n, dtype=np.int64)])
         self.own = np.concatenate([[0], np.cumsum(own, dtype=np.int64)])
         placed = problem.placement
         span = max((v.readers[-1] - v.producer for v in values(problem)), default=0)  # the longest edge
@@ -203,8 +204,8 @@ class Intervals:
         memory = self.memory(c0, c1, a0)
         by_kind: dict[tuple[_Reach, int], np.ndarray] = {}
 
-        def allowed(k: int) -> np.ndarray:  # once per kind of stage: many share their reach and count
-            kind = (self.reach[k], self._held(k))
+        def allowed(k: int) -> np.ndarray:  # once per kind of stage: many share their reach and counts
+            kind = (self.reach[k], self._held(k), self.problem.awaiting_w(k))
             if kind not in by_kind:
                 by_kind[kind] = np.where(memory(k) <= limit, time_s(k), np.inf)
             return by_kind[kind]
@@ -228,7 +229,8 @@ class Intervals:
         return sent
 
     def memory(self, c0: int, c1: int, a0: int) -> Callable[[int], np.ndarray]:
-        """Memory of each run as stage k, as a function of k; inf where a >= b."""
+        """Memory of each run as stage k, as a function of k; inf where a >= b (the
+        memory model of `PartitionProblem`)."""
         b, a = np.arange(c0, c1)[:, None], np.arange(a0, c1)[None, :]
         p = self.problem
         held = _sum_corners(self.held, c0, c1, a0, np.int64)
@@ -238,13 +240,15 @@ class Intervals:
         if p.recompute:  # one microbatch's activations, the inputs (and kept outputs) of those in flight
             inputs = _sum_corners(self.received, c0, c1, a0, np.int64).astype(np.float64)
             inputs += (self.kept[b] - self.kept[a]).astype(np.float64)
-        by_count: dict[int, np.ndarray] = {}
+        seeds = (self.seeds[b] - self.seeds[a]).astype(np.float64)
+        by_count: dict[tuple[int, int], np.ndarray] = {}
 
-        def memory(k: int) -> np.ndarray:  # once per count of microbatches held
-            count = self._held(k)
-            if count not in by_count:
-                by_count[count] = fixed + acts + inputs * count if inputs is not None else fixed + acts * count
-            return by_count[count]
+        def memory(k: int) -> np.ndarray:  # once per count of microbatches held, and of W awaited
+            count, awaiting = self._held(k), self.problem.awaiting_w(k)
+            if (count, awaiting) not in by_count:
+                held = fixed + acts + inputs * count if inputs is not None else fixed + acts * count
+                by_count[(count, awaiting)] = held + seeds * awaiting if awaiting else held
+            return by_count[(count, awaiting)]
 
         return memory
 

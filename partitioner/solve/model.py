@@ -56,6 +56,7 @@ class StageCost:
     memory_bytes: int
     input_bytes: int = 0  # values received from earlier stages, once each (forward)
     link_bytes: int = 0  # of those, the bytes received from other ranks (the rest are handed over in memory)
+    seed_bytes: int = 0  # of memory_bytes, the seeds kept for the W's held back (`PartitionProblem.awaiting_w`)
 
 
 @dataclass(frozen=True)
@@ -74,12 +75,13 @@ class RankCost:
 def stage_costs(problem: PartitionProblem, assignment: Sequence[int]) -> tuple[StageCost, ...]:
     """Every stage's compute, traffic and memory under `assignment` (a stage per block)."""
     stages = problem.stages
-    compute, acts, weights, kept = [0.0] * stages, [0] * stages, [0] * stages, [0] * stages
+    compute, acts, weights, kept, seeds = [0.0] * stages, [0] * stages, [0] * stages, [0] * stages, [0] * stages
     own, shared = shared_params(problem)
     for block, k in enumerate(assignment):
         compute[k] += problem.block_time_s[block]
         acts[k] += problem.block_activation_bytes[block]
         kept[k] += problem.block_kept_bytes[block] if problem.block_kept_bytes else 0
+        seeds[k] += problem.block_seed_bytes[block] if problem.block_seed_bytes else 0
         weights[k] += own[block]
     for size, blocks in shared:
         for k in {assignment[b] for b in blocks}:
@@ -100,8 +102,9 @@ def stage_costs(problem: PartitionProblem, assignment: Sequence[int]) -> tuple[S
         StageCost(compute[k], messages[k], traffic[k], weights[k], acts[k], problem.inflight(k),
                   compute[k] + comm_s[k],
                   stage_memory_bytes(weights[k], acts[k], problem.resident(k), problem.optimizer_factor,
-                                     recompute=problem.recompute, input_bytes=received[k], kept_bytes=kept[k]),
-                  received[k], over_links[k])
+                                     recompute=problem.recompute, input_bytes=received[k], kept_bytes=kept[k])
+                  + seeds[k] * problem.awaiting_w(k),
+                  received[k], over_links[k], seeds[k] * problem.awaiting_w(k))
         for k in range(stages)
     )
 

@@ -249,6 +249,8 @@ def _infeasible(problem: PartitionProblem, search: str) -> InfeasiblePlanError:
                   f"inputs {_size(sum(s.input_bytes * s.inflight for s in mine))} for {flight}")
     else:
         parts += f"activations {_size(sum(s.activation_bytes * s.inflight for s in mine))} for {flight}"
+    if any(s.seed_bytes for s in mine):
+        parts += f", weight-gradient seeds {_size(sum(s.seed_bytes for s in mine))} for the W's held back"
     into = f"into {problem.stages} stage{'s' if problem.stages != 1 else ''}"
     if problem.virtual_stages > 1:
         into += f" ({problem.ranks} x {problem.virtual_stages} virtual stages per rank)"

@@ -26,6 +26,18 @@ builders alone, so the planner's IR (partitioner/ir.py) imports it without the r
     (its W's held back), ZB-H2 twice it, min(2S, M); ZB-V, on 2p stages, 1F1B's
     min(S - k, M) ([Note: zero-bubble orders] in runtime/zero_bubble.py).  The simulator
     counts the same peaks (partitioner/predict/simulate.py).
+
+[Note: weight gradients awaited]
+    Under a split backward a stage keeps, from each microbatch's I to its W, the gradients
+    of its weighted ops' outputs (the seeds W reads, [Note: weight-gradient seeds] in
+    runtime/split_backward.py), and the zero-bubble schedules hold W back to fill their
+    bubbles: `ScheduleSpec.awaiting_w` is the most microbatches a stage has run I but not
+    yet W for.  ZB-H1 holds back min(k + 1, M) on stage k, ZB-H2 min(2k + 1, M) (its W's
+    fill twice the warm-up), ZB-V min(k + 1, M) on the way down the V and max(1, p +
+    min(p, M) - 1 - k) on the way up (stages k >= p); a schedule that does not split its
+    backward, none.  Each is the count its builder's rows give, checked on every shape up
+    to 16 ranks (tests/runtime/test_schedule_registry.py); the memory model charges a
+    stage its seeds that many times (`PartitionProblem.awaiting_w`).
 """
 
 from __future__ import annotations
@@ -77,6 +89,8 @@ class ScheduleSpec:
     microbatches_per_rank: bool = False
     #: stages placed in a V rather than round the ranks ([Note: V placement])
     vee: bool = False
+    #: microbatches past I and not yet W at a stage's most ([Note: weight gradients awaited])
+    awaiting_w_of: Inflight | None = None
 
     def microbatch_multiple(self, ranks: int) -> int:
         """The number every microbatch count must be a multiple of, on `ranks` ranks."""
@@ -94,6 +108,13 @@ class ScheduleSpec:
     def inflights(self, ranks: int, stages: int, microbatches: int) -> tuple[int, ...]:
         """`inflight` of every stage, made once per shape (the planner asks per stage and run)."""
         return _inflights(self.inflight_of, ranks, stages, microbatches)
+
+    def awaiting_w(self, ranks: int, stages: int, microbatches: int) -> tuple[int, ...]:
+        """Of every stage, the most microbatches whose I it has run and whose W it has not
+        ([Note: weight gradients awaited]); zeros where the backward is whole."""
+        if self.awaiting_w_of is None:
+            return (0,) * stages
+        return _inflights(self.awaiting_w_of, ranks, stages, microbatches)
 
     def placement(self, num_stages: int, ranks: int) -> tuple[int, ...]:
         """The pipeline rank of each stage ([Note: V placement])."""
@@ -137,6 +158,20 @@ def _first_stage_peak(ranks: int, stages: int, stage: int, microbatches: int) ->
 
 def _twice_first_stage_peak(ranks: int, stages: int, stage: int, microbatches: int) -> int:
     return min(2 * stages, microbatches)
+
+
+def _one_w_per_stage(ranks: int, stages: int, stage: int, microbatches: int) -> int:
+    return min(stage + 1, microbatches)
+
+
+def _two_w_per_stage(ranks: int, stages: int, stage: int, microbatches: int) -> int:
+    return min(2 * stage + 1, microbatches)
+
+
+def _down_and_up_the_vee(ranks: int, stages: int, stage: int, microbatches: int) -> int:
+    if stage < ranks:
+        return min(stage + 1, microbatches)
+    return max(1, ranks + min(ranks, microbatches) - 1 - stage)
 
 
 def _interleaved_peak(ranks: int, stages: int, stage: int, microbatches: int) -> int:
@@ -192,9 +227,10 @@ _SPECS = (
     ScheduleSpec("1f1b", _one_per_rank(one_f_one_b), 1, False, _warmup, auto=True),
     # not for auto: its stages per rank are the user's choice (--virtual-stages)
     ScheduleSpec("interleaved", _interleaved, None, False, _interleaved_peak, auto=False, microbatches_per_rank=True),
-    ScheduleSpec("zb-h1", _one_per_rank(zb_h1), 1, True, _first_stage_peak, auto=True),
-    ScheduleSpec("zb-h2", _one_per_rank(zb_h2), 1, True, _twice_first_stage_peak, auto=True),
-    ScheduleSpec("zb-v", _one_per_rank(zb_v), 2, True, _warmup, auto=True, vee=True),
+    ScheduleSpec("zb-h1", _one_per_rank(zb_h1), 1, True, _first_stage_peak, auto=True, awaiting_w_of=_one_w_per_stage),
+    ScheduleSpec("zb-h2", _one_per_rank(zb_h2), 1, True, _twice_first_stage_peak, auto=True,
+                 awaiting_w_of=_two_w_per_stage),
+    ScheduleSpec("zb-v", _one_per_rank(zb_v), 2, True, _warmup, auto=True, vee=True, awaiting_w_of=_down_and_up_the_vee),
 )
 #: every schedule by name, in the order the command line lists them
 REGISTRY: dict[str, ScheduleSpec] = {s.name: s for s in _SPECS}
