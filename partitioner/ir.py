@@ -306,7 +306,8 @@ class PartitionProblem:
         first stage (its I does nothing, its W runs the whole backward) or recomputing."""
         if stage == 0 or self.recompute or not self.block_seed_bytes:
             return 0
-        return self.spec.awaiting_w(self.ranks, self.stages, self.microbatches)[stage]
+        ranks = self.stages // (self.spec.stages_per_rank or self.virtual_stages)  # the schedule's, held 1 per rank too
+        return self.spec.awaiting_w(ranks, self.stages, self.microbatches)[stage]
 
     def resident(self, stage: int) -> int:
         """Microbatches whose activations stage `stage` holds on the device at its peak:
