@@ -90,11 +90,16 @@ def test_an_explicit_zero_0_is_respected(tmp_path: Path, capsys: pytest.CaptureF
     assert "no mesh of 2 devices fits --memory" in err and "drop --zero 0" in err, err
 
 
+def _no_mix_fits(_p: Any) -> Any:  # the limit is the test's fiction: the joint choice's DP does not see it
+    raise InfeasiblePlanError("no mix of policies fits (this test's limit)")
+
+
 def test_zero_1_and_recomputation_are_each_tried_where_the_plain_plan_does_not_fit(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Where the plain plan does not fit but ZeRO-1 alone and recomputation alone each do,
-    both are candidates and the simulator ranks them; ZeRO-1 with recomputation is not
-    solved, since each alone costs less."""
+    both are candidates and the simulator ranks them; ZeRO-1 with recomputation is solved
+    only as the leanest of its policy, which fits ([Note: the leanest variant first]), and
+    is no candidate, since each alone costs less."""
     real = search.solve
     tried: list[tuple[bool, bool]] = []
 
@@ -105,14 +110,34 @@ def test_zero_1_and_recomputation_are_each_tried_where_the_plain_plan_does_not_f
             raise InfeasiblePlanError("the plain plan does not fit (this test's limit)")
         return real(problem, **kwargs)
 
-    def no_mix_fits(_p: Any) -> Any:  # the limit is this test's fiction: the joint choice's DP does not see it
-        raise InfeasiblePlanError("no mix of policies fits (this test's limit)")
-
     monkeypatch.setattr(search, "solve", plain_too_big)
-    monkeypatch.setattr(search, "solve_jointly", no_mix_fits)
+    monkeypatch.setattr(search, "solve_jointly", _no_mix_fits)
     monkeypatch.setattr(search, "step_bound", lambda *_a: (0.0, None))  # both simulated, whichever is faster
     compiled = compile_example(MLP, tmp_path / "pkg", devices=2, stages=1, tp=1, microbatches=4, schedule="1f1b")
-    assert sorted(set(tried)) == [(False, False), (False, True), (True, False)]
+    assert sorted(set(tried)) == [(False, False), (False, True), (True, False), (True, True)]
     candidates = compiled.manifest.predicted.extra["candidates"]
     assert sorted((c["zero"], c["recompute"] or "") for c in candidates) == [(0, "selective"), (1, "")]
     assert compiled.manifest.predicted.step_time_s == min(c["step_time_s"] for c in candidates)
+
+
+def test_where_the_leanest_variant_fits_nothing_its_policy_is_refused_unsolved(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """[Note: the leanest variant first]: where ZeRO-1 with offloading fits no split, the
+    variants without them are refused without a DP of their own: of each candidate only
+    the leanest is solved without recomputation."""
+    real = search.solve
+    tried: list[tuple[bool, bool, bool]] = []
+
+    def only_recomputation_fits(problem: PartitionProblem, **kwargs: Any) -> Any:
+        sharded = problem.optimizer_factor < optimizer_state_factor("adam")
+        tried.append((sharded, problem.offload, problem.recompute))
+        if not problem.recompute:
+            raise InfeasiblePlanError("only recomputation fits (this test's limit)")
+        return real(problem, **kwargs)
+
+    monkeypatch.setattr(search, "solve", only_recomputation_fits)
+    monkeypatch.setattr(search, "solve_jointly", _no_mix_fits)
+    compiled = compile_example(MLP, tmp_path / "pkg", devices=2, stages=1, tp=1, microbatches=4, schedule="1f1b",
+                               offload="auto")
+    assert {t for t in tried if not t[2]} == {(True, True, False)}  # the leanest of "no recomputation" alone
+    assert all(c["recompute"] for c in compiled.manifest.predicted.extra["candidates"])
