@@ -49,32 +49,31 @@ def offloaded(p: Prepared, plan: Plan) -> Plan:
     return fitted(p, plan)[0]
 
 
-def fitted(p: Prepared, plan: Plan, limit: int | None = None) -> tuple[Plan, list[int]]:
+def fitted(p: Prepared, plan: Plan, refuse: bool = False) -> tuple[Plan, list[int]]:
     """`plan` with the stages' shares of `--offload` and each rank's walked peak under them;
-    with `limit`, as soon as it is known that no share fits it, `plan` unchanged and a peak
-    over it (the search's check: the plan walked once where it cannot fit, not thrice).
+    with `refuse`, where no share fits the memory limit, `plan` unchanged and a peak over
+    it as soon as that is known (the search's check: a split that cannot fit walked once,
+    not thrice).
 
     The shares: `all` 1 everywhere; `auto`, per rank the least that brings its walked peak
     under the memory limit ([Note: offloaded activations]), so ranks that hold less offload
     less (the solver's own bound may have found the split fitting without offloading where
     the walk, which the manifest reports, does not).  A rank's peak walks its own stages
-    alone, so a rank over `limit` with all it may offload is over it with any share."""
+    alone, so a rank over the limit with all it may offload is over it with any share."""
     every = (1.0,) * plan.num_stages
     if p.opts.offload == "all":
         return _shared(p, plan, every)
-    bound = p.problem.memory_limit_bytes
-    if p.opts.offload != "auto" or bound is None:
+    limit = p.problem.memory_limit_bytes
+    if p.opts.offload != "auto" or limit is None:
         return _shared(p, plan, ())
-    away = None
-    if limit is not None:
-        away = rank_peaks(p, dataclasses.replace(plan, offload=every))
-        if max(away) > limit:
-            return plan, away
+    away = rank_peaks(p, dataclasses.replace(plan, offload=every)) if refuse else None
+    if away is not None and max(away) > limit:
+        return plan, away
     keep = rank_peaks(p, dataclasses.replace(plan, offload=()))
-    if max(keep) <= bound:
+    if max(keep) <= limit:
         return offloaded_plan(plan, p.problem, (), p.hardware), keep
     away = away or rank_peaks(p, dataclasses.replace(plan, offload=every))
-    share = [min(1.0, math.ceil(100 * (k - bound) / (k - a)) / 100) if k > bound and k > a else 0.0
+    share = [min(1.0, math.ceil(100 * (k - limit) / (k - a)) / 100) if k > limit and k > a else 0.0
              for k, a in zip(keep, away)]
     return _shared(p, plan, tuple(share[plan.rank_of(k)] for k in range(plan.num_stages)))
 

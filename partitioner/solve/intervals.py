@@ -202,7 +202,7 @@ class Intervals:
         if limit is None:
             return time_s
         memory = self.memory(c0, c1, a0)
-        by_kind: dict[tuple[_Reach, int], np.ndarray] = {}
+        by_kind: dict[tuple[_Reach, int, int], np.ndarray] = {}
 
         def allowed(k: int) -> np.ndarray:  # once per kind of stage: many share their reach and counts
             kind = (self.reach[k], self._held(k), self.problem.awaiting_w(k))

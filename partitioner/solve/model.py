@@ -98,13 +98,14 @@ def stage_costs(problem: PartitionProblem, assignment: Sequence[int]) -> tuple[S
             messages[k] += 2
             traffic[k] += 2 * nbytes
         over_links[b] += nbytes
+    awaited = [seeds[k] * problem.awaiting_w(k) for k in range(stages)]
     return tuple(
         StageCost(compute[k], messages[k], traffic[k], weights[k], acts[k], problem.inflight(k),
                   compute[k] + comm_s[k],
                   stage_memory_bytes(weights[k], acts[k], problem.resident(k), problem.optimizer_factor,
                                      recompute=problem.recompute, input_bytes=received[k], kept_bytes=kept[k])
-                  + seeds[k] * problem.awaiting_w(k),
-                  received[k], over_links[k], seeds[k] * problem.awaiting_w(k))
+                  + awaited[k],
+                  received[k], over_links[k], awaited[k])
         for k in range(stages)
     )
 
