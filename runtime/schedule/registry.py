@@ -36,7 +36,7 @@ builders alone, so the planner's IR (partitioner/ir.py) imports it without the r
     fill twice the warm-up), ZB-V min(k + 1, M) on the way down the V and max(1, p +
     min(p, M) - 1 - k) on the way up (stages k >= p); a schedule that does not split its
     backward, none.  Each is the count its builder's rows give, checked on every shape up
-    to 16 ranks (tests/runtime/test_schedule_registry.py); the memory model charges a
+    to 16 ranks (tests/runtime/test_registry.py); the memory model charges a
     stage its seeds that many times (`PartitionProblem.awaiting_w`).
 """
 
