@@ -136,3 +136,28 @@ def test_tracking_frees_what_a_retained_graph_saved() -> None:
         torch.autograd.grad(y.sum(), x, retain_graph=True)
         del y
     assert freed == [1]
+
+
+@pytest.mark.parametrize("schedule, stages", [("zb-h1", 3), ("zb-h2", 3), ("zb-v", 4)])
+def test_the_solver_charges_the_seeds_the_walk_keeps(tmp_path: Path, schedule: str, stages: int) -> None:
+    """[Note: weight gradients awaited]: on a compiled GPT, each stage's seeds in the
+    solver's memory are the walk's per microbatch (`StageBytes.seeds`) times the W's the
+    schedule holds back there."""
+    from driver.options import CompileOptions
+    from driver.phases import prepare
+    from driver.recompute import planned
+    from partitioner.predict import memory_terms
+    from partitioner.solve.solve import solve, stage_costs
+
+    pipeline_ranks = stages // (2 if schedule == "zb-v" else 1)
+    p = prepare(CompileOptions(model="examples/gpt.py", out=str(tmp_path / "pkg"), analytic=True, hardware="a100",
+                               quiet=True, stages=pipeline_ranks, microbatches=8, schedule=schedule))
+    assignment, report = solve(p.problem, time_limit_s=0.0)
+    plan = planned(p, assignment, report)
+    walked = memory_terms.stage_bytes(p.traced.gm, plan, p.costs, p.loss, p.problem.optimizer_factor,
+                                      *memory_terms._saved(p.traced.gm, plan, p.costs, p.values))
+    charged = stage_costs(p.problem, assignment)
+    counts = [p.problem.awaiting_w(k) for k in range(stages)]
+    assert counts[0] == 0 and all(counts[1:])
+    assert [c.seed_bytes for c in charged] == [s.seeds * n for s, n in zip(walked, counts)]
+    assert all(s.seeds for s in walked[1:])
