@@ -304,10 +304,14 @@ class PartitionProblem:
         """Microbatches whose seeds stage `stage` holds at its most: past I, not yet W
         ([Note: weight gradients awaited] in runtime/schedule/registry.py); none on the
         first stage (its I does nothing, its W runs the whole backward) or recomputing."""
-        if stage == 0 or self.recompute or not self.block_seed_bytes:
-            return 0
+        return self._awaiting_w[stage]
+
+    @functools.cached_property
+    def _awaiting_w(self) -> tuple[int, ...]:
+        if self.recompute or not self.block_seed_bytes:
+            return (0,) * self.stages
         ranks = self.stages // (self.spec.stages_per_rank or self.virtual_stages)  # the schedule's, held 1 per rank too
-        return self.spec.awaiting_w(ranks, self.stages, self.microbatches)[stage]
+        return (0, *self.spec.awaiting_w(ranks, self.stages, self.microbatches)[1:])
 
     def resident(self, stage: int) -> int:
         """Microbatches whose activations stage `stage` holds on the device at its peak:
