@@ -46,42 +46,45 @@ def offload(p: Prepared, plan: Plan) -> tuple[Plan, dict[str, Any]]:
 
 def offloaded(p: Prepared, plan: Plan) -> Plan:
     """`plan` with the stages' shares of `--offload` (what the search simulates)."""
-    return fitted(p, plan)[0]
+    return offloaded_plan(plan, p.problem, _shares(p, plan)[0], p.hardware)
 
 
-def fitted(p: Prepared, plan: Plan, refuse: bool = False) -> tuple[Plan, list[int]]:
-    """`plan` with the stages' shares of `--offload` and each rank's walked peak under them;
-    with `refuse`, where no share fits the memory limit, `plan` unchanged and a peak over
-    it as soon as that is known (the search's check: a split that cannot fit walked once,
-    not thrice).
+def fitted(p: Prepared, plan: Plan) -> tuple[Plan, list[int]]:
+    """`offloaded` and each rank's walked peak under its shares, for the search's check:
+    where even every share at 1 leaves a rank over the limit, that is known after one walk,
+    not three."""
+    shares, peaks = _shares(p, plan, refuse=True)
+    out = offloaded_plan(plan, p.problem, shares, p.hardware)
+    return out, peaks if peaks is not None else rank_peaks(p, out)
 
-    The shares: `all` 1 everywhere; `auto`, per rank the least that brings its walked peak
-    under the memory limit ([Note: offloaded activations]), so ranks that hold less offload
-    less (the solver's own bound may have found the split fitting without offloading where
-    the walk, which the manifest reports, does not).  A rank's peak walks its own stages
-    alone, so a rank over the limit with all it may offload is over it with any share."""
-    every = (1.0,) * plan.num_stages
+
+def _shares(p: Prepared, plan: Plan, refuse: bool = False) -> tuple[tuple[float, ...], list[int] | None]:
+    """Each stage's fraction offloaded (empty: none), and the ranks' walked peaks under
+    them where they were walked on the way (None: not); `refuse`: the fractions at 1
+    walked first, and kept where some rank exceeds the limit even so.
+
+    The fractions: `all` 1 everywhere; `auto`, per rank the least that brings its walked
+    peak under the limit ([Note: offloaded activations]), so ranks that hold less offload
+    less (the solver's own bound may have found the split fitting without offloading
+    where the walk, which the manifest reports, does not).  A rank's peak walks its own
+    stages alone, so a rank over the limit with all it may offload is over it with any
+    share."""
+    limit, every = p.problem.memory_limit_bytes, (1.0,) * plan.num_stages
     if p.opts.offload == "all":
-        return _shared(p, plan, every)
-    limit = p.problem.memory_limit_bytes
+        return every, None
     if p.opts.offload != "auto" or limit is None:
-        return _shared(p, plan, ())
+        return (), None
     away = rank_peaks(p, dataclasses.replace(plan, offload=every)) if refuse else None
     if away is not None and max(away) > limit:
-        return plan, away
+        return every, away
     keep = rank_peaks(p, dataclasses.replace(plan, offload=()))
     if max(keep) <= limit:
-        return offloaded_plan(plan, p.problem, (), p.hardware), keep
+        return (), keep
     away = away or rank_peaks(p, dataclasses.replace(plan, offload=every))
     share = [min(1.0, math.ceil(100 * (k - limit) / (k - a)) / 100) if k > limit and k > a else 0.0
              for k, a in zip(keep, away)]
-    return _shared(p, plan, tuple(share[plan.rank_of(k)] for k in range(plan.num_stages)))
-
-
-def _shared(p: Prepared, plan: Plan, shares: tuple[float, ...]) -> tuple[Plan, list[int]]:
-    """`plan` with `shares` offloaded (none at all where every share is 0), and its walked peaks."""
-    out = offloaded_plan(plan, p.problem, shares if any(shares) else (), p.hardware)
-    return out, rank_peaks(p, out)
+    out = tuple(share[plan.rank_of(k)] for k in range(plan.num_stages))
+    return (out, None) if any(out) else ((), keep)
 
 
 def offload_block(p: Prepared, before: Plan, after: Plan) -> dict[str, Any]:

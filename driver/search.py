@@ -377,7 +377,7 @@ def _solved(p: Prepared, assignment: tuple[int, ...], report: SolverReport, plan
     the memory but the peak walked over the schedule, which the manifest reports, does not."""
     limit = p.problem.memory_limit_bytes
     if p.problem.offload or p.opts.offload == "all":  # the offloading variant only (`offloading.variants`)
-        plan, peaks = offloading.fitted(p, plan, refuse=True)  # its shares, and the copies' time for the simulator
+        plan, peaks = offloading.fitted(p, plan)  # its shares, and the copies' time for the simulator
     else:
         peaks = rank_peaks(p, plan)
     peak = max(peaks)
