@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from dataclasses import dataclass
 from typing import Callable
 
@@ -20,12 +21,14 @@ from .package_info import model_flops
 from .prepared import Prepared
 from .recompute import variant_rank
 
-__all__ = ["Candidate", "Ranking", "SHOWN", "Solved", "after_floor", "bound", "crowded", "describe", "floor",
+__all__ = ["Beaten", "Candidate", "Ranking", "SHOWN", "Solved", "after_floor", "bound", "crowded", "describe", "floor",
            "least_slowest", "simulate_fastest", "simulated", "step_bound", "walk_floor"]
 
 SHOWN = 5
 #: a bound this close to a step time still gets simulated (float sums in another order)
 _BOUND_SLACK = 1e-9
+#: a cap this far above the best step over M (float sums in another order)
+_CAP_SLACK = 1e-6
 
 
 @dataclass(frozen=True)
@@ -190,19 +193,37 @@ def step_bound(prepared: Prepared, assignment: tuple[int, ...], plan: Plan) -> t
     return bound(prepared, assignment, plan, inputs), inputs
 
 
+class Beaten:
+    """Whether a candidate of step at least a bound cannot be the fastest: the bound
+    exceeds `best()`, the best step simulated so far (inf: none yet)."""
+
+    def __init__(self, best: Callable[[], float]) -> None:
+        self.best = best
+
+    def __call__(self, bound_s: float) -> bool:
+        return bound_s > self.best()
+
+    def cap_s(self, microbatches: int) -> float:
+        """A rank's compute per microbatch over which a plan of `microbatches` is beaten:
+        `bound` is at least M times its busiest rank's compute ([Note: a cap on a rank's
+        compute] in partitioner/solve/solve.py)."""
+        return self.best() * (1 + _CAP_SLACK) / microbatches
+
+
 class Ranking:
     """The candidates simulated so far, fastest first: each is simulated unless its bound
     shows that it cannot be the fastest ([Note: the search's bounds])."""
 
     def __init__(self, devices: int, say: Callable[[str], None]) -> None:
         self.devices, self.say = devices, say
+        self.beaten = Beaten(self.best_s)
         self.ranked: list[tuple[Candidate, Solved]] = []
         self._orders: dict[int, int] = {}  # each ranked item's candidate order (`insert`)
         self.skipped = 0
 
-    def beaten(self, bound_s: float) -> bool:
-        """Whether a candidate of step at least `bound_s` cannot be the fastest."""
-        return bool(self.ranked) and bound_s > self.ranked[0][0].step_time_s
+    def best_s(self) -> float:
+        """The best step simulated so far (inf: none yet)."""
+        return self.ranked[0][0].step_time_s if self.ranked else math.inf
 
     def insert(self, cand: Candidate, item: Solved, order: int = 0) -> None:
         """`cand`, simulated from `item`, in its place; `order`, the candidate's in the
@@ -220,7 +241,7 @@ class Ranking:
         return "best: none yet" if c is None else f"best {c.step_time_s * 1e3:.1f} ms {describe(c)}"
 
 
-def simulate_fastest(solved: list[Solved], beaten: Callable[[float], bool], devices: int,
+def simulate_fastest(solved: list[Solved], beaten: Beaten, devices: int,
                      found: Callable[[Candidate, Solved], None]) -> int:
     """Simulate each of `solved` (in order of bound) that may still be the fastest, handing
     each simulated candidate to `found`; how many a bound skipped."""

@@ -27,6 +27,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any, Callable, Sequence
 
 from partitioner.errors import InfeasiblePlanError
@@ -67,13 +68,15 @@ def joins(p: Prepared) -> bool:
     return p.mesh.virtual_stages == 1
 
 
-def solve_jointly(p: Prepared, limit: int | None = None) -> _Solved:
+def solve_jointly(p: Prepared, limit: int | None = None, cap_s: float = math.inf) -> _Solved:
     """`p` posed with "full", each stage's policy and the split the joint DP chose for
     `limit` (default: `p`'s) ([Note: split and recomputation chosen together] in
-    partitioner/solve/policies.py).  InfeasiblePlanError where no mix fits."""
-    cap = limit if limit is not None else p.problem.memory_limit_bytes
-    problems = [dataclasses.replace(with_policy(p, level).problem, memory_limit_bytes=cap) for level in LEVELS]
-    assignment, chosen, report = solve_policies(problems)
+    partitioner/solve/policies.py).  InfeasiblePlanError where no mix fits;
+    BeyondCapError where none fits within `cap_s`, a rank's compute ([Note: a cap on a
+    rank's compute] in partitioner/solve/solve.py)."""
+    memory = limit if limit is not None else p.problem.memory_limit_bytes
+    problems = [dataclasses.replace(with_policy(p, level).problem, memory_limit_bytes=memory) for level in LEVELS]
+    assignment, chosen, report = solve_policies(problems, cap_s)
     return dataclasses.replace(with_policy(p, AUTO), policies=tuple(LEVELS[i] for i in chosen)), assignment, report
 
 

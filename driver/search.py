@@ -38,7 +38,12 @@
     order of floor; one whose floor passes the best step simulated so far is skipped
     unsolved, and so is a memory variant whose own floor passes it (a forward run again
     under recomputation, ZeRO-1's broadcast); a solved split whose bound passes it is
-    neither walked ([Note: walked only where it matters]) nor simulated.
+    neither walked ([Note: walked only where it matters]) nor simulated.  A DP is given
+    the best step over M as a cap on a rank's compute per microbatch ([Note: a cap on a
+    rank's compute] in partitioner/solve/solve.py): it returns the split it would return
+    without the cap, or refuses where that split, like every other, is beaten; a variant
+    so refused is solved again without the cap only where it must say whether it fits,
+    to cover a costlier one that is not beaten.
     A variant whose weights, gradients and optimizer state alone exceed the memory of
     its ranks is refused before its DP runs (partitioner/solve/solve.py).  No bound
     exceeds a step, so the fastest is the one solving and simulating every candidate
@@ -62,7 +67,7 @@ from typing import Any, Callable, NamedTuple
 from runtime.schedule import registry
 
 from partitioner.cost.hardware import load_hardware
-from partitioner.errors import InfeasiblePlanError, PlanError
+from partitioner.errors import BeyondCapError, InfeasiblePlanError, PlanError
 from partitioner.ir import Plan, SolverReport
 from partitioner.predict.step import StepInputs
 from partitioner.solve.problem import coarse_graph, pose
@@ -76,7 +81,7 @@ from .meshes import interleaved_schedule, meshes, nothing_fits, schedules, tp_li
 from .options import CompileOptions, mesh_of, stages_per_rank
 from .phases import apply_tp, finish, load_source, prepare, virtual_counts
 from .prepared import Compiled, Prepared, Source
-from .ranking import SHOWN, Candidate, Ranking, Solved, bound, floor, step_bound
+from .ranking import SHOWN, Beaten, Candidate, Ranking, Solved, bound, floor, step_bound
 from .recompute import AUTO as MIXED, joins, plan_policy, planned, solve_jointly, variant_rank, with_policy
 from .workers import outcomes, workers
 
@@ -161,7 +166,7 @@ def _rank(posed: list[_Posed], opts: CompileOptions, ranking: Ranking) -> list[C
     `ranking` ([Note: the search's bounds]), in worker processes where that helps ([Note:
     the search in worker processes] in driver/workers.py); the candidates that fit nowhere."""
 
-    def solve(index: int, beaten: Callable[[float], bool]) -> list[Solved] | Candidate | None:
+    def solve(index: int, beaten: Beaten) -> list[Solved] | Candidate | None:
         item = posed[index]
         if beaten(item.floor_s):
             return None
@@ -234,12 +239,14 @@ def _split(base: Prepared, opts: CompileOptions, tp: int) -> Prepared | None:
 
 
 def _solve(base: Prepared, opts: CompileOptions, pp: int, microbatches: int, zeros: tuple[int, ...],
-           beaten: Callable[[float], bool]) -> list[Solved] | Candidate | None:
+           beaten: Beaten) -> list[Solved] | Candidate | None:
     """The candidate solved in each cheapest variant that fits (`offloading.variants`), less
     those whose bound is `beaten`; a Candidate that fits in none; None when the stage count
     cannot be filled.  A split's peak is walked only where it matters ([Note: walked only
-    where it matters])."""
+    where it matters]); a DP leaves out what computes over the best step found ([Note: a
+    cap on a rank's compute] in partitioner/solve/solve.py)."""
     tried: list[_Tried] = []
+    capped: list[_Variant] = []  # beaten under the cap: whether they fit is not known
     note = ""
     solves = _Solves(base, opts, pp, microbatches, offloading.variants(opts, zeros))
     for variant in solves.variants:
@@ -252,8 +259,12 @@ def _solve(base: Prepared, opts: CompileOptions, pp: int, microbatches: int, zer
         if recompute != MIXED and beaten(floor(prepared)):
             continue  # a forward run again, ZeRO-1's broadcast: its own floor is beaten ([Note: the search's bounds])
         try:
-            solves.solved(solves.leanest(variant))  # [Note: the leanest variant first]
-            prepared, assignment, report = solves.solved(variant, prepared)
+            cap = beaten.cap_s(microbatches)
+            solves.solved(solves.leanest(variant), cap)  # [Note: the leanest variant first]
+            prepared, assignment, report = solves.solved(variant, cap, prepared)
+        except BeyondCapError:
+            capped.append(variant)
+            continue
         except InfeasiblePlanError as exc:
             note = note or str(exc)
             continue
@@ -265,6 +276,12 @@ def _solve(base: Prepared, opts: CompileOptions, pp: int, microbatches: int, zer
             continue
         if any(_covers(t.variant, variant) and t.walk() for t in tried):
             continue
+        if any(not beaten(t.bound_s) and t.walk() for t in splits):  # it fits: does a cheaper one capped?
+            for cheaper in [c for c in capped if _covers(c, variant)]:
+                capped.remove(cheaper)
+                tried += solves.uncapped(cheaper, beaten)
+            if any(_covers(t.variant, variant) and t.walk() for t in tried):
+                continue
         tried += [t for t in splits if beaten(t.bound_s) or t.walk()]
     found = [t.solved for t in tried if t.walked and t.solved is not None]
     return found or Candidate(pp, opts.dp, opts.tp or 1, microbatches, fits=False, note=note, schedule=opts.schedule)
@@ -294,6 +311,7 @@ class _Solves:
                  variants: list[_Variant]) -> None:
         self.base, self.opts, self.pp, self.microbatches, self.variants = base, opts, pp, microbatches, variants
         self._outcomes: dict[_Variant, tuple[Prepared, tuple[int, ...], SolverReport] | PlanError] = {}
+        self._caps: dict[_Variant, float] = {}  # the cap of each BeyondCapError kept
 
     def posed(self, variant: _Variant) -> Prepared:
         """`variant`'s problem: the base posed with its ZeRO stage, offloading and policy."""
@@ -305,23 +323,38 @@ class _Solves:
         """The variant of `variant`'s policy with the most ZeRO and offloading."""
         return max(v for v in self.variants if v[1] == variant[1] and v[0] >= variant[0] and v[2] >= variant[2])
 
-    def solved(self, variant: _Variant, prepared: Prepared | None = None
+    def solved(self, variant: _Variant, cap_s: float = math.inf, prepared: Prepared | None = None
                ) -> tuple[Prepared, tuple[int, ...], SolverReport]:
         """`variant` (posed as `prepared`, where given) solved, or its PlanError raised
-        (InfeasiblePlanError: no split fits), once per variant."""
-        if variant not in self._outcomes:
+        (InfeasiblePlanError: no split fits; BeyondCapError: none within `cap_s`, a rank's
+        compute, [Note: a cap on a rank's compute]), once per variant and larger cap."""
+        if variant not in self._outcomes or self._caps.get(variant, math.inf) < cap_s:
             p = prepared or self.posed(variant)
+            self._caps.pop(variant, None)
             try:
                 if variant[1] == MIXED:  # the walk is checked by `_solved` alone: a candidate is one DP
-                    self._outcomes[variant] = solve_jointly(p)
+                    self._outcomes[variant] = solve_jointly(p, cap_s=cap_s)
                 else:
-                    self._outcomes[variant] = (p, *_solve_one(p))
+                    self._outcomes[variant] = (p, *_solve_one(p, cap_s))
+            except BeyondCapError as exc:
+                self._outcomes[variant], self._caps[variant] = exc, cap_s
             except PlanError as exc:
                 self._outcomes[variant] = exc
         outcome = self._outcomes[variant]
         if isinstance(outcome, PlanError):
             raise outcome
         return outcome
+
+
+    def uncapped(self, variant: _Variant, beaten: Beaten) -> list[_Tried]:
+        """The splits of `variant`, beaten under a cap, solved without it ([Note: a cap on a
+        rank's compute]): where it covers a variant that is not beaten, whether it fits
+        decides ([Note: walked only where it matters]); none where it fits nothing."""
+        try:
+            prepared, assignment, report = self.solved(variant)
+        except PlanError:
+            return []
+        return [_Tried(variant, prepared, split, report, beaten) for split in _splits(prepared, assignment)]
 
 
 class _Tried:
@@ -392,12 +425,13 @@ def _solved(p: Prepared, assignment: tuple[int, ...], report: SolverReport, plan
     return Solved(cand, p, assignment, report, plan, bound_s, inputs)
 
 
-def _solve_one(p: Prepared) -> tuple[tuple[int, ...], SolverReport]:
+def _solve_one(p: Prepared, cap_s: float = math.inf) -> tuple[tuple[int, ...], SolverReport]:
     """`p`'s problem solved by the exact DPs over contiguous plans alone (on a chain they
     are every plan): CP-SAT, which may refine a plan of a graph that is not a chain, takes
     seconds a candidate, most of them on candidates that then lose or do not fit at all;
-    a mesh given with --stages/--tp/--dp gets it."""
-    return solve(p.problem, time_limit_s=0.0, explain=False)
+    a mesh given with --stages/--tp/--dp gets it.  `cap_s`: a rank's compute over which
+    no plan is of use ([Note: a cap on a rank's compute])."""
+    return solve(p.problem, time_limit_s=0.0, explain=False, cap_s=cap_s)
 
 
 def _repose(base: Prepared, opts: CompileOptions, pp: int, microbatches: int, offload: bool = False) -> Prepared:

@@ -26,7 +26,7 @@ from typing import Any, Callable, Iterator, NamedTuple, Sequence
 import torch
 
 from .prepared import Prepared
-from .ranking import Candidate, Ranking, Solved, simulate_fastest
+from .ranking import Beaten, Candidate, Ranking, Solved, simulate_fastest
 
 __all__ = ["PARALLEL_FROM", "Outcome", "Solve", "outcomes", "workers"]
 
@@ -50,7 +50,7 @@ class Outcome(NamedTuple):
 
 
 #: the search's step for one candidate (`outcomes`)
-Solve = Callable[[int, Callable[[float], bool]], "list[Solved] | Candidate | None"]
+Solve = Callable[[int, Beaten], "list[Solved] | Candidate | None"]
 
 #: (base, solve) of each candidate, and the shared best step: set in the parent before the
 #: workers fork, which inherit it
@@ -108,7 +108,7 @@ def _unsolved(index: int, found: Candidate | None) -> Outcome:
 def _work(index: int) -> Outcome:
     """In a worker: candidate `index` solved, and each split that may be the fastest simulated."""
     best = _JOB["best"]
-    beaten: Callable[[float], bool] = lambda bound_s: bound_s > best.value  # noqa: E731
+    beaten = Beaten(lambda: best.value)
     found = _JOB["solve"](index, beaten)
     if not isinstance(found, list):
         return _unsolved(index, found)

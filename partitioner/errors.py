@@ -13,6 +13,7 @@ __all__ = [
     "TraceError",
     "PlanError",
     "InfeasiblePlanError",
+    "BeyondCapError",
     "PackageError",
     "ParallelizeError",
 ]
@@ -36,6 +37,12 @@ class PlanError(PartitionerError):
 
 class InfeasiblePlanError(PlanError):
     """No assignment of the graph to stages fits the memory limit."""
+
+
+class BeyondCapError(InfeasiblePlanError):
+    """No plan fits with every rank's compute within a search's cap (`solve(cap_s=...)`):
+    none fits at all, or every one that does is slower than the best step found.  The
+    search catches it; it never reaches the user."""
 
 
 class PackageError(PartitionerError):

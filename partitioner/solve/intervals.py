@@ -191,6 +191,8 @@ class Intervals:
         b, a = np.arange(c0, c1)[:, None], np.arange(a0, c1)[None, :]
         valid = (a < b) & (self.computing[b] > self.computing[a]) if self.must_compute else a < b
         compute = np.where(valid, self.time[b] - self.time[a], np.inf)
+        if math.isfinite(self.upper_s):  # the chunk's starts leave some runs over it
+            compute[compute > self.upper_s] = np.inf
         by_reach: dict[_Reach, np.ndarray] = {}
 
         def time_s(k: int) -> np.ndarray:

@@ -25,7 +25,7 @@ import time
 from dataclasses import replace
 from typing import Sequence
 
-from ..errors import InfeasiblePlanError
+from ..errors import BeyondCapError, InfeasiblePlanError
 from ..ir import PartitionProblem, SolverReport
 from .intervals import dp_balanced_policies, dp_time_policies
 from .model import key_below, rank_costs, stage_costs, violations
@@ -68,14 +68,24 @@ def mixed_key(problems: Sequence[PartitionProblem], assignment: Sequence[int]) -
     return (max(times), sum(max(0.0, t - mean) for t in times), sent)
 
 
-def solve_policies(problems: Sequence[PartitionProblem]) -> tuple[tuple[int, ...], tuple[int, ...], SolverReport]:
+def solve_policies(problems: Sequence[PartitionProblem], cap_s: float = math.inf
+                   ) -> tuple[tuple[int, ...], tuple[int, ...], SolverReport]:
     """The stage of each block and the policy of each stage (an index into `problems`,
     one per policy, cheapest first), the fastest plan by the interval DP, and how it was
     found ([Note: split and recomputation chosen together]).  Raises InfeasiblePlanError
-    when no contiguous plan fits the limit under any mix of policies."""
+    when no contiguous plan fits the limit under any mix of policies.  `cap_s`: a rank's
+    compute over which no plan is of use, as for `solve` ([Note: a cap on a rank's
+    compute] in solve.py; each policy's runs are pruned by their own compute, which a
+    stage of that policy computes)."""
     start, first = time.perf_counter(), problems[0]
     assert first.virtual_stages == 1, "one stage per rank: [Note: split and recomputation chosen together]"
-    dp, bound = dp_time_policies(problems, mixed_key(problems, even_split(first))[0])
+    upper = mixed_key(problems, even_split(first))[0]
+    dp, bound = dp_time_policies(problems, min(upper, cap_s))
+    if dp is not None and bound > cap_s:  # over the cap by its messages: the optimum may not be
+        dp, bound = dp_time_policies(problems, upper)
+    if dp is None and math.isfinite(cap_s):
+        raise BeyondCapError(f"no plan into {first.stages} stages fits with every stage's compute within "
+                             f"{cap_s * 1e3:.3f} ms a microbatch under any recomputation policy")
     if dp is None:
         raise InfeasiblePlanError(f"no plan into {first.stages} stages fits {first.memory_limit_bytes} bytes per "
                                   f"stage under any recomputation policy")

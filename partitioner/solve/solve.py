@@ -47,7 +47,7 @@ from typing import Sequence
 
 import numpy as np
 
-from ..errors import InfeasiblePlanError, PlanError
+from ..errors import BeyondCapError, InfeasiblePlanError, PlanError
 from ..cost.costmodel import param_bytes_once
 from .cpsat import CpResult, solve_cpsat
 from .intervals import dp_balanced, dp_memory, dp_time
@@ -69,20 +69,25 @@ def _better(problem: PartitionProblem, a: Sequence[int], b: Sequence[int] | None
 # -- step 1: the contiguous plans (`intervals`, `vee`) ------------------------------------
 
 
-def _contiguous(problem: PartitionProblem) -> tuple[tuple[int, ...] | None, float, bool, bool]:
+def _contiguous(problem: PartitionProblem, cap_s: float = math.inf
+                ) -> tuple[tuple[int, ...] | None, float, bool, bool]:
     """The best contiguous plan a DP finds (the most balanced of the fastest), the bound it
     minimised, whether that bound holds for every contiguous plan: where the DP sums
     what each rank runs, one stage per rank (`intervals`) or zb-v's V (`vee`), or what
     paces interleaved 1F1B, each stage (`_interleaved_plans`); and whether the plan is
-    final, CP-SAT not asked ([Note: CP-SAT not on interleaved chains])."""
+    final, CP-SAT not asked ([Note: CP-SAT not on interleaved chains]).  `cap_s`: [Note:
+    a cap on a rank's compute]."""
     upper = _even_split_time(problem)
     settled = False
     if problem.virtual_stages == 1:
-        dp, bound = dp_time(problem, upper)
+        dp, bound = dp_time(problem, min(upper, cap_s))  # no run computes over the cap
+        if dp is not None and bound > cap_s:  # over the cap by its messages: the optimum may not be
+            dp, bound = dp_time(problem, upper)
         balanced = dp_balanced(problem, bound) if dp is not None else None
     elif problem.spec.vee:
         start = _per_stage_plan(problem)
-        dp, balanced, bound = vee_plans(problem, min(upper, objective(problem, start)) if start is not None else upper)
+        dp, balanced, bound = vee_plans(problem, min(upper, objective(problem, start)) if start is not None else upper,
+                                        cap_s)
     else:
         dp, balanced, bound, settled = _interleaved_plans(problem, upper)
         if dp is None:  # none fits with 1/v of the memory per stage: some may with uneven stages
@@ -155,13 +160,35 @@ def is_chain(problem: PartitionProblem) -> bool:
 
 
 def solve(problem: PartitionProblem, time_limit_s: float = 30.0, *, seed: int = 0, workers: int = 1,
-          nodes: int = 0, explain: bool = True) -> tuple[tuple[int, ...], SolverReport]:
+          nodes: int = 0, explain: bool = True, cap_s: float = math.inf) -> tuple[tuple[int, ...], SolverReport]:
     """The stage of each block, and how it was found.
 
     `time_limit_s` is CP-SAT's deterministic time (about seconds, the same on every run);
     `nodes` is only reported.  Raises PlanError when the stages cannot all be filled and
     InfeasiblePlanError when no plan fits the memory limit (with `explain`, naming the
     fullest stage and the stage counts that would fit, which costs a DP per count).
+    `cap_s`: a rank's compute per microbatch over which no plan is of use; the plan is
+    the one solved without it, or BeyondCapError is raised ([Note: a cap on a rank's
+    compute]).
+
+    [Note: a cap on a rank's compute]
+        A search knows the best step found so far, and a plan one of whose ranks
+        computes more than that step over M per microbatch is slower (`bound` in
+        driver/ranking.py).  Given that cap, the DPs of one stage per rank and of zb-v's
+        V leave out what exceeds it, which is most of their work where the cap is near
+        the mean rank; they either return the plan they return without it, or find
+        none and raise BeyondCapError: no plan fits, or none is of use.  A DP's known
+        plan bound (`upper_s`) only prunes, so the DP is exact wherever its optimum
+        lies within the bound it is given:
+          - one stage per rank (`dp_time`): runs whose compute exceeds the cap are left
+            out; an optimum within the cap is then exact, none means every plan that
+            fits has a stage over it, and an optimum over the cap (by its messages: a
+            rank's time is its compute and messages) is solved again without it;
+          - the V (`vee_plans`): ranks whose time exceeds the cap plus the most messages
+            any rank can be charged are left out; every rank so left out computes over
+            the cap, so the DP is exact or finds none.
+        Interleaved 1F1B, paced by its slowest virtual stage under a memory held to 1/v
+        per stage, takes no cap.
     """
     start = time.perf_counter()
     _check(problem)
@@ -170,7 +197,7 @@ def solve(problem: PartitionProblem, time_limit_s: float = 30.0, *, seed: int = 
         raise InfeasiblePlanError(f"no plan into {problem.stages} stages fits {_size(limit)} per "
                                   f"{memory_unit(problem)}: the weights, gradients and optimizer state alone need "
                                   f"{_size(_held_alone(problem) // problem.ranks)} per rank")
-    dp, dp_bound, summed, settled = _contiguous(problem)
+    dp, dp_bound, summed, settled = _contiguous(problem, cap_s)
     exact = summed and is_chain(problem)  # every valid plan is contiguous: the DP's bound holds for all of them
     report = SolverReport(method="dp", objective_s=0.0, lower_bound_s=0.0, wall_s=0.0, status="OPTIMAL",
                           blocks=problem.num_blocks, nodes=nodes)
@@ -190,6 +217,9 @@ def solve(problem: PartitionProblem, time_limit_s: float = 30.0, *, seed: int = 
         report = replace(report, status="FEASIBLE")
     if best is None or not math.isfinite(objective(problem, best)):
         search = "chain" if exact and _summed(problem) else "proved" if report.status == "INFEASIBLE" else "unknown"
+        if math.isfinite(cap_s) and _summed(problem):
+            raise BeyondCapError(f"no plan into {problem.stages} stages fits with every rank's compute within "
+                                 f"{cap_s * 1e3:.3f} ms a microbatch")
         if not explain:
             limit = problem.memory_limit_bytes or 0
             raise InfeasiblePlanError(f"no plan into {problem.stages} stages fits {_size(limit)} per {memory_unit(problem)}")

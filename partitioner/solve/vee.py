@@ -50,15 +50,18 @@ _Index = tuple[np.ndarray | int, ...]  # numpy indices into the [a, b] matrices
 _CHUNK = 1 << 18
 
 
-def vee_plans(problem: PartitionProblem, upper_s: float = math.inf
+def vee_plans(problem: PartitionProblem, upper_s: float = math.inf, cap_s: float = math.inf
               ) -> tuple[tuple[int, ...] | None, tuple[int, ...] | None, float]:
     """The contiguous plan whose slowest rank is fastest and that fits the memory limit
     (None if none fits); among those whose every rank is within that least slowest rank,
     the one whose ranks exceed the mean compute the least in sum, then send the fewest
     bytes (the second and third objectives, see `solve`); and that least slowest rank, a
     lower bound of every contiguous plan's (the module docstring).  `upper_s`, a known
-    plan's slowest rank, only prunes."""
-    walk = _Walk(problem, upper_s, problem.memory_limit_bytes)
+    plan's slowest rank, only prunes; `cap_s`, a rank's compute over which no plan is of
+    use, leaves out the ranks whose time exceeds it plus the most messages a rank is
+    charged: the same plan, or None where the optimum computes over it ([Note: a cap on a
+    rank's compute] in solve.py)."""
+    walk = _Walk(problem, upper_s, problem.memory_limit_bytes, cap_s)
 
     def fastest(f1: np.ndarray, f2: np.ndarray, rank: _Rank) -> tuple[np.ndarray, None]:
         return np.where(rank.fits(), np.maximum(f1, rank.time), np.inf), None
@@ -92,17 +95,21 @@ class _Walk:
     [a, b] (time inf where it is no run: empty, without compute while every stage can
     have some, over `upper_s`, or alone over the memory `limit`), and the walk."""
 
-    def __init__(self, problem: PartitionProblem, upper_s: float, limit: int | None) -> None:
+    def __init__(self, problem: PartitionProblem, upper_s: float, limit: int | None, cap_s: float = math.inf) -> None:
         self.n, self.p, self.limit = problem.num_blocks, problem.ranks, limit
         iv, full = Intervals(problem), (0, problem.num_blocks + 1, 0)
         time_s, memory, sent = iv.allowed_time_s(*full, limit), iv.memory(*full), iv.sent_bytes(*full)
-        self.upper = upper = upper_s * (1 + 1e-9)
-        cut = np.arange(self.n + 1)
-        S = problem.stages  # stage k's run leaves a block to each other stage: k <= a, b <= n - (S - 1 - k)
-        self.time = [np.where((t.T <= upper) & (cut[:, None] >= k) & (cut[None, :] <= self.n - S + 1 + k), t.T, np.inf)
-                     for k, t in enumerate(map(time_s, range(S)))]
         prefix = np.concatenate([[0.0], np.cumsum(problem.block_time_s, dtype=np.float64)])
         self.inner = prefix[None, :] - prefix[:, None]  # the compute of [a, b), for every pair of cuts
+        S, tables = problem.stages, [t.T for t in map(time_s, range(problem.stages))]
+        if math.isfinite(cap_s):  # a rank over the cap plus the most messages of its runs computes over the cap
+            most = [float(np.max(t - self.inner, where=np.isfinite(t), initial=0.0)) for t in tables]
+            upper_s = min(upper_s, cap_s + max(most[r] + most[S - 1 - r] for r in range(self.p)))
+        self.upper = upper = upper_s * (1 + 1e-9)
+        cut = np.arange(self.n + 1)
+        # stage k's run leaves a block to each other stage: k <= a, b <= n - (S - 1 - k)
+        self.time = [np.where((t <= upper) & (cut[:, None] >= k) & (cut[None, :] <= self.n - S + 1 + k), t, np.inf)
+                     for k, t in enumerate(tables)]
         self.blocks = cut[None, :] - cut[:, None]
         # what the ranks inside the cuts after step r can take: U less the least messages of their runs
         least = [float(np.min(t - self.inner, where=np.isfinite(t), initial=np.inf)) for t in self.time]

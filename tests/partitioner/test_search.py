@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from pathlib import Path
 from typing import Any
 
@@ -11,11 +13,12 @@ import torch
 import runtime
 from driver import ranking, search
 from driver.cli import main
+from driver.ranking import Beaten
 from partitioner.trace import model_file
 from runtime.manifest import read_manifest
 from driver.options import CompileOptions
 from partitioner.cost.hardware import load_hardware
-from partitioner.errors import PlanError
+from partitioner.errors import BeyondCapError, PlanError
 from driver.meshes import AUTO_SCHEDULES, meshes as _meshes, tp_limit as _tp_limit
 
 from ..conftest import compile_example
@@ -117,15 +120,15 @@ def test_a_recomputing_variant_whose_own_floor_is_beaten_is_not_solved(tmp_path:
     seen = policies["real"]
     real_one, real_solve = search._solve_one, search._solve
 
-    def solve_one(p: Any) -> Any:
+    def solve_one(p: Any, cap_s: float = math.inf) -> Any:
         seen.append(p.problem.policy)
-        return real_one(p)
+        return real_one(p, cap_s)
 
     def solve(base: Any, opts: Any, pp: int, m: int, zeros: Any, beaten: Any) -> Any:
         nonlocal seen
         least = search.floor(search._repose(base, opts, pp, m))  # the candidate's, as posed
         seen = policies["strict"]
-        real_solve(base, opts, pp, m, zeros, lambda t: t > least * 1.0001)  # a best just above it
+        real_solve(base, opts, pp, m, zeros, Beaten(lambda: least * 1.0001))  # a best just above it
         seen = policies["real"]
         return real_solve(base, opts, pp, m, zeros, beaten)
 
@@ -139,7 +142,8 @@ def test_a_recomputing_variant_whose_own_floor_is_beaten_is_not_solved(tmp_path:
 
 
 def _unpruned(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Neither bound prunes: every candidate is solved and simulated."""
+    """Neither bound prunes, nor the cap on a DP: every candidate is solved and simulated."""
+    monkeypatch.setattr(ranking.Beaten, "cap_s", lambda *_a: math.inf)
     monkeypatch.setattr(search, "bound", lambda *_a: 0.0)
     monkeypatch.setattr(search, "floor", lambda *_a: 0.0)
     monkeypatch.setattr(search, "step_bound", lambda *_a: (0.0, None))
@@ -168,6 +172,41 @@ def test_pruning_never_drops_the_best_mesh(tmp_path: Path, monkeypatch: pytest.M
 
 #: a --memory at which examples/gpt.py on 4 h100s simulates ZeRO-1 variants
 MEMORY_BINDS = 700_000
+
+
+@pytest.mark.slow
+def test_the_cap_on_a_dps_compute_changes_no_candidate(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """[Note: a cap on a rank's compute]: every candidate comes to the same splits, or the
+    same refusal, with the DPs capped by the best step found as without the cap; and the
+    cap refuses some DPs."""
+    real_solve, real_one = search._solve, search._solve_one
+    refused: list[float] = []
+
+    def solve_one(p: Any, cap_s: float = math.inf) -> Any:
+        try:
+            return real_one(p, cap_s)
+        except BeyondCapError:
+            refused.append(cap_s)
+            raise
+
+    def outcome(found: Any) -> Any:
+        if isinstance(found, list):
+            return sorted((str(s.cand), s.assignment) for s in found)
+        return found if found is None else dataclasses.replace(found, note="")
+
+    def solve(base: Any, opts: Any, pp: int, m: int, zeros: Any, beaten: Any) -> Any:
+        capped = real_solve(base, opts, pp, m, zeros, beaten)
+        with monkeypatch.context() as uncapped:
+            uncapped.setattr(ranking.Beaten, "cap_s", lambda *_a: math.inf)
+            assert outcome(real_solve(base, opts, pp, m, zeros, beaten)) == outcome(capped), (pp, m, opts.schedule)
+        return capped
+
+    monkeypatch.setattr(search, "_solve", solve)
+    monkeypatch.setattr(search, "_solve_one", solve_one)
+    monkeypatch.setattr(search, "workers", lambda _count: 1)  # seen in this process
+    compile_example("examples/gpt.py", tmp_path / "pkg", devices=4, stages=None, hardware="h100", schedule="auto",
+                    memory=MEMORY_BINDS)
+    assert refused, "the cap refuses some DPs"
 
 
 @pytest.mark.slow

@@ -90,7 +90,7 @@ def test_an_explicit_zero_0_is_respected(tmp_path: Path, capsys: pytest.CaptureF
     assert "no mesh of 2 devices fits --memory" in err and "drop --zero 0" in err, err
 
 
-def _no_mix_fits(_p: Any) -> Any:  # the limit is the test's fiction: the joint choice's DP does not see it
+def _no_mix_fits(_p: Any, **_kw: Any) -> Any:  # the limit is the test's fiction: the joint choice's DP does not see it
     raise InfeasiblePlanError("no mix of policies fits (this test's limit)")
 
 
