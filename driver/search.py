@@ -345,7 +345,6 @@ class _Solves:
             raise outcome
         return outcome
 
-
     def uncapped(self, variant: _Variant, beaten: Beaten) -> list[_Tried]:
         """The splits of `variant`, beaten under a cap, solved without it ([Note: a cap on a
         rank's compute]): where it covers a variant that is not beaten, whether it fits

@@ -56,14 +56,19 @@ _Rect = tuple[int, int, int, int, float]
 _Reach = tuple[int, int]
 
 
-def dp_time(problem: PartitionProblem, upper_s: float = math.inf) -> tuple[tuple[int, ...] | None, float]:
+def dp_time(problem: PartitionProblem, upper_s: float = math.inf, cap_s: float = math.inf
+            ) -> tuple[tuple[int, ...] | None, float]:
     """The contiguous plan with the fastest slowest stage that fits the memory limit (None
     if none fits), and the lower bound of every contiguous plan's slowest stage it
     minimised (the module docstring).  `upper_s`, the slowest stage of a known plan, only
-    prunes."""
+    prunes; `cap_s`, a stage's compute over which no plan is of use, leaves out the runs
+    over it plus the most messages a run is charged: the same plan, or None where the
+    optimum computes over it ([Note: a cap on a rank's compute] in solve.py)."""
     limit = problem.memory_limit_bytes
     iv = Intervals(problem, upper_s)
-    return _interval_dp(iv, problem.stages, lambda c0, c1, a0: iv.allowed_time_s(c0, c1, a0, limit))
+    within = _capped([iv], cap_s)
+    plan, slowest = _interval_dp(iv, problem.stages, lambda c0, c1, a0: iv.allowed_time_s(c0, c1, a0, limit))
+    return (plan, slowest) if slowest <= within else (None, math.inf)
 
 
 def dp_balanced(problem: PartitionProblem, cap_s: float) -> tuple[int, ...] | None:
@@ -73,14 +78,29 @@ def dp_balanced(problem: PartitionProblem, cap_s: float) -> tuple[int, ...] | No
     return dp_balanced_policies((problem,), cap_s)
 
 
-def dp_time_policies(problems: Sequence[PartitionProblem], upper_s: float = math.inf
+def dp_time_policies(problems: Sequence[PartitionProblem], upper_s: float = math.inf, cap_s: float = math.inf
                      ) -> tuple[tuple[int, ...] | None, float]:
     """`dp_time` where each run costs the least, over `problems` (one per recomputation
     policy, the same blocks, stages and limit, the first the fastest: no recomputation),
     of its time under the policies whose memory fits ([Note: split and recomputation
-    chosen together] in solve/policies.py)."""
+    chosen together] in solve/policies.py); each policy's runs capped by their own
+    compute, which a stage of that policy computes."""
     ivs = _sharing([Intervals(p, upper_s) for p in problems])
-    return _interval_dp(ivs[0], problems[0].stages, _fastest_fit(ivs))
+    within = _capped(ivs, cap_s)
+    plan, slowest = _interval_dp(ivs[0], problems[0].stages, _fastest_fit(ivs))
+    return (plan, slowest) if slowest <= within else (None, math.inf)
+
+
+def _capped(ivs: Sequence["Intervals"], cap_s: float) -> float:
+    """Lower the runs' bound of `ivs` (one per policy, sharing their messages) to `cap_s`
+    plus the most messages a run is charged, and return that: a run over it computes over
+    the cap, and so does a plan whose slowest run is (inf: no cap)."""
+    if not math.isfinite(cap_s):
+        return math.inf
+    within = (cap_s + ivs[0].most_messages_s()) * (1 + 1e-9)
+    for iv in ivs:
+        iv.upper_s = min(iv.upper_s, within)
+    return within
 
 
 def dp_balanced_policies(problems: Sequence[PartitionProblem], cap_s: float) -> tuple[int, ...] | None:
@@ -263,6 +283,12 @@ class Intervals:
     def holds(self, blocks: Sequence[int], c0: int, c1: int, a0: int) -> np.ndarray:
         """Whether each run holds one of `blocks` (sorted): a parameter they read."""
         return _sum_corners(_corners(_first_reader_rects(0, blocks, self.n, 1), np.int64), c0, c1, a0, np.int64) > 0
+
+    def most_messages_s(self) -> float:
+        """The most a run is charged for its messages (its time over its compute), as any
+        stage; at least that, counting cells of no run."""
+        return max(float(_sum_corners(self._comm_corners(reach), 1, self.n + 1, 0, np.float64).max(initial=0.0))
+                   for reach in set(self.reach))
 
     def _comm_corners(self, reach: _Reach) -> tuple[np.ndarray, ...]:
         """The corners of a run's messages (lower bound, forward and backward) for `reach`."""

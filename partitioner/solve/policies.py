@@ -75,14 +75,10 @@ def solve_policies(problems: Sequence[PartitionProblem], cap_s: float = math.inf
     found ([Note: split and recomputation chosen together]).  Raises InfeasiblePlanError
     when no contiguous plan fits the limit under any mix of policies.  `cap_s`: a rank's
     compute over which no plan is of use, as for `solve` ([Note: a cap on a rank's
-    compute] in solve.py; each policy's runs are pruned by their own compute, which a
-    stage of that policy computes)."""
+    compute] in solve.py)."""
     start, first = time.perf_counter(), problems[0]
     assert first.virtual_stages == 1, "one stage per rank: [Note: split and recomputation chosen together]"
-    upper = mixed_key(problems, even_split(first))[0]
-    dp, bound = dp_time_policies(problems, min(upper, cap_s))
-    if dp is not None and bound > cap_s:  # over the cap by its messages: the optimum may not be
-        dp, bound = dp_time_policies(problems, upper)
+    dp, bound = dp_time_policies(problems, mixed_key(problems, even_split(first))[0], cap_s)
     if dp is None and math.isfinite(cap_s):
         raise BeyondCapError(f"no plan into {first.stages} stages fits with every stage's compute within "
                              f"{cap_s * 1e3:.3f} ms a microbatch under any recomputation policy")

@@ -80,9 +80,7 @@ def _contiguous(problem: PartitionProblem, cap_s: float = math.inf
     upper = _even_split_time(problem)
     settled = False
     if problem.virtual_stages == 1:
-        dp, bound = dp_time(problem, min(upper, cap_s))  # no run computes over the cap
-        if dp is not None and bound > cap_s:  # over the cap by its messages: the optimum may not be
-            dp, bound = dp_time(problem, upper)
+        dp, bound = dp_time(problem, upper, cap_s)
         balanced = dp_balanced(problem, bound) if dp is not None else None
     elif problem.spec.vee:
         start = _per_stage_plan(problem)
@@ -180,13 +178,13 @@ def solve(problem: PartitionProblem, time_limit_s: float = 30.0, *, seed: int = 
         none and raise BeyondCapError: no plan fits, or none is of use.  A DP's known
         plan bound (`upper_s`) only prunes, so the DP is exact wherever its optimum
         lies within the bound it is given:
-          - one stage per rank (`dp_time`): runs whose compute exceeds the cap are left
-            out; an optimum within the cap is then exact, none means every plan that
-            fits has a stage over it, and an optimum over the cap (by its messages: a
-            rank's time is its compute and messages) is solved again without it;
-          - the V (`vee_plans`): ranks whose time exceeds the cap plus the most messages
-            any rank can be charged are left out; every rank so left out computes over
-            the cap, so the DP is exact or finds none.
+          - one stage per rank (`dp_time`): runs whose time exceeds the cap plus the
+            most messages any run can be charged (its time over its compute) are left
+            out, and so is an optimum over that: each computes over the cap, so the DP
+            is exact or finds none;
+          - the V (`vee_plans`): the same with a rank's two runs;
+          - split and policies chosen together (`solve_policies` in policies.py): as one
+            stage per rank, each policy's runs by their own time.
         Interleaved 1F1B, paced by its slowest virtual stage under a memory held to 1/v
         per stage, takes no cap.
     """
