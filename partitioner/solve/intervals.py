@@ -83,8 +83,8 @@ def dp_time_policies(problems: Sequence[PartitionProblem], upper_s: float = math
     """`dp_time` where each run costs the least, over `problems` (one per recomputation
     policy, the same blocks, stages and limit, the first the fastest: no recomputation),
     of its time under the policies whose memory fits ([Note: split and recomputation
-    chosen together] in solve/policies.py); each policy's runs capped by their own
-    compute, which a stage of that policy computes."""
+    chosen together] in solve/policies.py); `cap_s` as for `dp_time`, each policy's runs
+    left out by their own time, which a stage of that policy takes."""
     ivs = _sharing([Intervals(p, upper_s) for p in problems])
     within = _capped(ivs, cap_s)
     plan, slowest = _interval_dp(ivs[0], problems[0].stages, _fastest_fit(ivs))
@@ -285,8 +285,8 @@ class Intervals:
         return _sum_corners(_corners(_first_reader_rects(0, blocks, self.n, 1), np.int64), c0, c1, a0, np.int64) > 0
 
     def most_messages_s(self) -> float:
-        """The most a run is charged for its messages (its time over its compute), as any
-        stage; at least that, counting cells of no run."""
+        """The most a run is charged for its messages (its time over its compute) as any
+        stage, or more: the cells that are no run count too."""
         return max(float(_sum_corners(self._comm_corners(reach), 1, self.n + 1, 0, np.float64).max(initial=0.0))
                    for reach in set(self.reach))
 
