@@ -64,11 +64,7 @@ def dp_time(problem: PartitionProblem, upper_s: float = math.inf, cap_s: float =
     prunes; `cap_s`, a stage's compute over which no plan is of use, leaves out the runs
     over it plus the most messages a run is charged: the same plan, or None where the
     optimum computes over it ([Note: a cap on a rank's compute] in solve.py)."""
-    limit = problem.memory_limit_bytes
-    iv = Intervals(problem, upper_s)
-    within = _capped([iv], cap_s)
-    plan, slowest = _interval_dp(iv, problem.stages, lambda c0, c1, a0: iv.allowed_time_s(c0, c1, a0, limit))
-    return (plan, slowest) if slowest <= within else (None, math.inf)
+    return dp_time_policies((problem,), upper_s, cap_s)
 
 
 def dp_balanced(problem: PartitionProblem, cap_s: float) -> tuple[int, ...] | None:
