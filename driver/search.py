@@ -311,7 +311,6 @@ class _Solves:
                  variants: list[_Variant]) -> None:
         self.base, self.opts, self.pp, self.microbatches, self.variants = base, opts, pp, microbatches, variants
         self._outcomes: dict[_Variant, tuple[Prepared, tuple[int, ...], SolverReport] | PlanError] = {}
-        self._caps: dict[_Variant, float] = {}  # the cap of each BeyondCapError kept
 
     def posed(self, variant: _Variant) -> Prepared:
         """`variant`'s problem: the base posed with its ZeRO stage, offloading and policy."""
@@ -328,19 +327,17 @@ class _Solves:
         """`variant` (posed as `prepared`, where given) solved, or its PlanError raised
         (InfeasiblePlanError: no split fits; BeyondCapError: none within `cap_s`, a rank's
         compute, [Note: a cap on a rank's compute]), once per variant and larger cap."""
-        if variant not in self._outcomes or self._caps.get(variant, math.inf) < cap_s:
+        outcome = self._outcomes.get(variant)
+        if outcome is None or isinstance(outcome, BeyondCapError) and outcome.cap_s < cap_s:
             p = prepared or self.posed(variant)
-            self._caps.pop(variant, None)
             try:
                 if variant[1] == MIXED:  # the walk is checked by `_solved` alone: a candidate is one DP
-                    self._outcomes[variant] = solve_jointly(p, cap_s=cap_s)
+                    outcome = solve_jointly(p, cap_s=cap_s)
                 else:
-                    self._outcomes[variant] = (p, *_solve_one(p, cap_s))
-            except BeyondCapError as exc:
-                self._outcomes[variant], self._caps[variant] = exc, cap_s
+                    outcome = (p, *_solve_one(p, cap_s))
             except PlanError as exc:
-                self._outcomes[variant] = exc
-        outcome = self._outcomes[variant]
+                outcome = exc
+            self._outcomes[variant] = outcome
         if isinstance(outcome, PlanError):
             raise outcome
         return outcome

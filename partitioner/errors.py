@@ -40,9 +40,16 @@ class InfeasiblePlanError(PlanError):
 
 
 class BeyondCapError(InfeasiblePlanError):
-    """No plan fits with every rank's compute within a search's cap (`solve(cap_s=...)`):
+    """No plan fits with every rank's compute within a search's cap, `cap_s` (`solve(cap_s=...)`):
     none fits at all, or every one that does is slower than the best step found.  The
     search catches it; it never reaches the user."""
+
+    def __init__(self, message: str, cap_s: float) -> None:
+        super().__init__(message)
+        self.cap_s = cap_s
+
+    def __reduce__(self) -> tuple[type, tuple[str, float]]:  # pickled whole, as a worker's error
+        return type(self), (str(self), self.cap_s)
 
 
 class PackageError(PartitionerError):

@@ -81,7 +81,7 @@ def solve_policies(problems: Sequence[PartitionProblem], cap_s: float = math.inf
     dp, bound = dp_time_policies(problems, mixed_key(problems, even_split(first))[0], cap_s)
     if dp is None and math.isfinite(cap_s):
         raise BeyondCapError(f"no plan into {first.stages} stages fits with every stage's compute within "
-                             f"{cap_s * 1e3:.3f} ms a microbatch under any recomputation policy")
+                             f"{cap_s * 1e3:.3f} ms a microbatch under any recomputation policy", cap_s)
     if dp is None:
         raise InfeasiblePlanError(f"no plan into {first.stages} stages fits {first.memory_limit_bytes} bytes per "
                                   f"stage under any recomputation policy")

@@ -217,7 +217,7 @@ def solve(problem: PartitionProblem, time_limit_s: float = 30.0, *, seed: int = 
         search = "chain" if exact and _summed(problem) else "proved" if report.status == "INFEASIBLE" else "unknown"
         if math.isfinite(cap_s) and _summed(problem):
             raise BeyondCapError(f"no plan into {problem.stages} stages fits with every rank's compute within "
-                                 f"{cap_s * 1e3:.3f} ms a microbatch")
+                                 f"{cap_s * 1e3:.3f} ms a microbatch", cap_s)
         if not explain:
             limit = problem.memory_limit_bytes or 0
             raise InfeasiblePlanError(f"no plan into {problem.stages} stages fits {_size(limit)} per {memory_unit(problem)}")
