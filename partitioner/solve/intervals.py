@@ -132,7 +132,7 @@ def _sharing(ivs: list["Intervals"]) -> list["Intervals"]:
         p = iv.problem
         assert (p.edges, p.comm_alpha_s, p.comm_beta_s_per_byte) == (first.edges, first.comm_alpha_s,
                                                                      first.comm_beta_s_per_byte)
-        iv._comm, iv._sent = ivs[0]._comm, ivs[0]._sent
+        iv._comm, iv._sent, iv._most = ivs[0]._comm, ivs[0]._sent, ivs[0]._most
     return ivs
 
 
@@ -172,11 +172,9 @@ class Intervals:
         self.kept = np.concatenate([[0], np.cumsum(p.block_kept_bytes or [0] * n, dtype=np.int64)])
         self.seeds = np.concatenate([[0], np.cumsum(p.block_seed_bytes or [0] * n, dtype=np.int64)])
         self.own = np.concatenate([[0], np.cumsum(own, dtype=np.int64)])
-        placed = problem.placement
-        span = max((v.readers[-1] - v.producer for v in values(problem)), default=0)  # the longest edge
-        self.reach = [_reach(placed, k, n, span) for k in range(p.stages)]
-        self._comm: dict[_Reach, tuple[np.ndarray, ...]] = {}
-        self._sent: dict[int, tuple[np.ndarray, ...]] = {}
+        links = _links(problem)
+        self.reach = links.reach(problem.placement)
+        self._comm, self._sent, self._most = links.comm, links.sent, links.most
         received: list[_Rect] = []
         if p.recompute:
             for v in values(problem):
@@ -283,8 +281,10 @@ class Intervals:
     def most_messages_s(self) -> float:
         """The most a run is charged for its messages (its time over its compute) as any
         stage, or more: the cells that are no run count too."""
-        return max(float(_sum_corners(self._comm_corners(reach), 1, self.n + 1, 0, np.float64).max(initial=0.0))
-                   for reach in set(self.reach))
+        most = self._most
+        for reach in set(self.reach) - most.keys():
+            most[reach] = float(_sum_corners(self._comm_corners(reach), 1, self.n + 1, 0, np.float64).max(initial=0.0))
+        return max(most[reach] for reach in set(self.reach))
 
     def _comm_corners(self, reach: _Reach) -> tuple[np.ndarray, ...]:
         """The corners of a run's messages (lower bound, forward and backward) for `reach`."""
@@ -297,6 +297,47 @@ class Intervals:
             rects += _message_rects(p, n, 2 * message_s(p.comm_alpha_s, 0.0, 0), reach)
             self._comm[reach] = _corners([r for r in rects if r[-1]], np.float64)
         return self._comm[reach]
+
+
+class _Links:
+    """What a run's messages cost depends on the edges and the links alone, and on its
+    stage's `_reach`: the same for every problem posed from one graph and mesh (each
+    variant, each policy, each stage count).  These tables are kept for the last few
+    (`_links`), filled as `Intervals` asks: the corners of `_comm_corners` and
+    `most_messages_s` by reach, those of `sent_bytes` by the blocks after, and each
+    placement's reach of every stage."""
+
+    def __init__(self, problem: PartitionProblem) -> None:
+        self.edges = problem.edges  # held: the key is its identity
+        self.n = problem.num_blocks
+        self.span = max((v.readers[-1] - v.producer for v in values(problem)), default=0)  # the longest edge
+        self.comm: dict[_Reach, tuple[np.ndarray, ...]] = {}
+        self.sent: dict[int, tuple[np.ndarray, ...]] = {}
+        self.most: dict[_Reach, float] = {}  # the most messages of any run, by reach
+        self._reach: dict[tuple[int, ...], list[_Reach]] = {}
+
+    def reach(self, placed: tuple[int, ...]) -> list[_Reach]:
+        """Each stage's `_reach` under `placed` (the rank of each stage)."""
+        if placed not in self._reach:
+            self._reach[placed] = [_reach(placed, k, self.n, self.span) for k in range(len(placed))]
+        return self._reach[placed]
+
+
+#: the `_Links` kept, by the identity of the edges, the block count and the links
+_LINKS: dict[tuple[int, int, float, float], _Links] = {}
+#: how many `_LINKS` are kept
+_LINKS_KEPT = 16
+
+
+def _links(problem: PartitionProblem) -> _Links:
+    """The `_Links` of `problem`'s edges and links, kept for the last few."""
+    key = (id(problem.edges), problem.num_blocks, problem.comm_alpha_s, problem.comm_beta_s_per_byte)
+    found = _LINKS.get(key)
+    if found is None or found.edges is not problem.edges:
+        if len(_LINKS) >= _LINKS_KEPT:
+            _LINKS.pop(next(iter(_LINKS)))
+        found = _LINKS[key] = _Links(problem)
+    return found
 
 
 def _reach(placed: Sequence[int], k: int, n: int, span: int) -> _Reach:

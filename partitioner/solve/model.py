@@ -201,7 +201,12 @@ def plan_key(problem: PartitionProblem, assignment: Sequence[int]) -> tuple[floa
     """What `solve` minimises, in order: the slowest rank, or virtual stage under
     interleaved 1F1B (`objective`; inf when invalid), the sum of their excess over the
     mean compute (balance), the bytes sent between ranks (each value once per stage that
-    receives it).  The plan is costed once."""
+    receives it).  The plan is costed once: a solve asks for the same few plans' keys of
+    one problem several times, which are kept (`_Keys`)."""
+    return _keys.of(problem, tuple(assignment))
+
+
+def _plan_key(problem: PartitionProblem, assignment: tuple[int, ...]) -> tuple[float, float, int]:
     if _misplaced(problem, assignment):
         return (math.inf, math.inf, 0)
     costs = stage_costs(problem, assignment)
@@ -211,6 +216,29 @@ def plan_key(problem: PartitionProblem, assignment: Sequence[int]) -> tuple[floa
     times = _paces(problem, costs, ranks)
     mean = sum(problem.block_time_s) / len(times)
     return (max(times), sum(max(0.0, t - mean) for t in times), sum(c.link_bytes for c in ranks))
+
+
+#: the most plan keys kept (a brute force asks for every plan's)
+_KEPT = 1024
+
+
+class _Keys:
+    """The plan keys of the last problem asked about, by plan: a problem is frozen, and the
+    one held keeps its identity its own."""
+
+    def __init__(self) -> None:
+        self.problem: PartitionProblem | None = None
+        self.keys: dict[tuple[int, ...], tuple[float, float, int]] = {}
+
+    def of(self, problem: PartitionProblem, assignment: tuple[int, ...]) -> tuple[float, float, int]:
+        if problem is not self.problem or len(self.keys) >= _KEPT:
+            self.problem, self.keys = problem, {}
+        if assignment not in self.keys:
+            self.keys[assignment] = _plan_key(problem, assignment)
+        return self.keys[assignment]
+
+
+_keys = _Keys()
 
 
 def key_below(a: tuple[float, float, int], b: tuple[float, float, int]) -> bool:
