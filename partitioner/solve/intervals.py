@@ -54,6 +54,14 @@ _CHUNK_ENTRIES = 1 << 21
 _Rect = tuple[int, int, int, int, float]
 #: how many blocks before and after a run certainly lie on other ranks (`_reach`)
 _Reach = tuple[int, int]
+#: rows and columns of a chunk's (b, a) matrices
+_Window = tuple[slice, slice]
+#: the whole chunk
+_WHOLE: _Window = (slice(None), slice(None))
+#: a sum over each run of a chunk as stage k, in a window of it (the whole by default): the
+#: DPs ask for the window of the runs a stage can have (`_bands`), taken there alone; the
+#: whole chunk's are kept per kind of stage
+_Cost = Callable[..., np.ndarray]
 
 
 def dp_time(problem: PartitionProblem, upper_s: float = math.inf, cap_s: float = math.inf
@@ -111,16 +119,17 @@ def dp_balanced_policies(problems: Sequence[PartitionProblem], cap_s: float) -> 
     excess[0, 0] = sent[0, 0] = 0.0
     arg = np.zeros((stages + 1, n + 1), dtype=np.int64)
     for c0, c1, a0 in iv.chunks():
-        cost, rows = fastest(c0, c1, a0), np.arange(c1 - c0)
-        run_sent = iv.sent_bytes(c0, c1, a0)
-        for k in range(stages):
-            time_s = cost(k)
-            cand = np.where(time_s <= cap, excess[k, None, a0:c1] + np.maximum(time_s - mean, 0.0), np.inf)
+        cost, run_sent = fastest(c0, c1, a0), iv.sent_bytes(c0, c1, a0)
+        for k, (b0, b1, s0, s1) in _bands(stages, n, c0, c1, a0):
+            window = (slice(b0 - c0, b1 - c0), slice(s0 - a0, s1 - a0))
+            time_s, rows = cost(k, window), np.arange(b1 - b0)
+            cand = np.where(time_s <= cap, excess[k, None, s0:s1] + np.maximum(time_s - mean, 0.0), np.inf)
             least = cand.min(axis=1, keepdims=True)
-            tied = np.where(np.isfinite(cand) & (cand <= least + tol), sent[k, None, a0:c1] + run_sent(k), np.inf)
+            tied = np.where(np.isfinite(cand) & (cand <= least + tol), sent[k, None, s0:s1] + run_sent(k)[window],
+                            np.inf)
             best = np.argmin(tied, axis=1)
-            excess[k + 1, c0:c1], sent[k + 1, c0:c1] = cand[rows, best], tied[rows, best]
-            arg[k + 1, c0:c1] = best + a0
+            excess[k + 1, b0:b1], sent[k + 1, b0:b1] = cand[rows, best], tied[rows, best]
+            arg[k + 1, b0:b1] = best + s0
     return _read_plan(arg, stages, n) if np.isfinite(excess[stages, n]) else None
 
 
@@ -136,12 +145,13 @@ def _sharing(ivs: list["Intervals"]) -> list["Intervals"]:
     return ivs
 
 
-def _fastest_fit(ivs: Sequence["Intervals"]) -> Callable[[int, int, int], Callable[[int], np.ndarray]]:
+def _fastest_fit(ivs: Sequence["Intervals"]) -> Callable[[int, int, int], _Cost]:
     """A chunk's cost of each run as stage k: the least over `ivs` (a problem each) of its
     time where its memory fits that problem's limit, inf where it fits none."""
-    def chunk_cost(c0: int, c1: int, a0: int) -> Callable[[int], np.ndarray]:
+    def chunk_cost(c0: int, c1: int, a0: int) -> _Cost:
         costs = [iv.allowed_time_s(c0, c1, a0, iv.problem.memory_limit_bytes) for iv in ivs]
-        return costs[0] if len(costs) == 1 else lambda k: np.minimum.reduce([c(k) for c in costs])
+        return costs[0] if len(costs) == 1 else \
+            lambda k, window=_WHOLE: np.minimum.reduce([c(k, window) for c in costs])
     return chunk_cost
 
 
@@ -199,9 +209,10 @@ class Intervals:
             c0 += width
         return out
 
-    def allowed_time_s(self, c0: int, c1: int, a0: int, limit: int | None) -> Callable[[int], np.ndarray]:
-        """Stage time of each run as stage k, as a function of k; inf where a >= b, where
-        it exceeds the memory limit or holds no compute while every stage can have some."""
+    def allowed_time_s(self, c0: int, c1: int, a0: int, limit: int | None) -> _Cost:
+        """Stage time of each run as stage k, as a function of k (and a window of the
+        chunk, `_Cost`); inf where a >= b, where it exceeds the memory limit or holds no
+        compute while every stage can have some."""
         b, a = np.arange(c0, c1)[:, None], np.arange(a0, c1)[None, :]
         valid = (a < b) & (self.computing[b] > self.computing[a]) if self.must_compute else a < b
         compute = np.where(valid, self.time[b] - self.time[a], np.inf)
@@ -209,20 +220,22 @@ class Intervals:
             compute[compute > self.upper_s] = np.inf
         by_reach: dict[_Reach, np.ndarray] = {}
 
-        def time_s(k: int) -> np.ndarray:
+        def time_s(k: int, window: _Window = _WHOLE) -> np.ndarray:
             reach = self.reach[k]
             if reach not in by_reach:
                 by_reach[reach] = compute + _sum_corners(self._comm_corners(reach), c0, c1, a0, np.float64)
-            return by_reach[reach]
+            return by_reach[reach][window]
 
         if limit is None:
             return time_s
         memory = self.memory(c0, c1, a0)
         by_kind: dict[tuple[_Reach, int, int], np.ndarray] = {}
 
-        def allowed(k: int) -> np.ndarray:  # once per kind of stage: many share their reach and counts
+        def allowed(k: int, window: _Window = _WHOLE) -> np.ndarray:
+            if window is not _WHOLE:
+                return np.where(memory(k, window) <= limit, time_s(k, window), np.inf)
             kind = (self.reach[k], self._held(k), self.problem.awaiting_w(k))
-            if kind not in by_kind:
+            if kind not in by_kind:  # once per kind of stage: many share their reach and counts
                 by_kind[kind] = np.where(memory(k) <= limit, time_s(k), np.inf)
             return by_kind[kind]
 
@@ -244,9 +257,9 @@ class Intervals:
 
         return sent
 
-    def memory(self, c0: int, c1: int, a0: int) -> Callable[[int], np.ndarray]:
-        """Memory of each run as stage k, as a function of k; inf where a >= b (the
-        memory model of `PartitionProblem`)."""
+    def memory(self, c0: int, c1: int, a0: int) -> _Cost:
+        """Memory of each run as stage k, as a function of k (and a window of the chunk,
+        `_Cost`); inf where a >= b (the memory model of `PartitionProblem`)."""
         b, a = np.arange(c0, c1)[:, None], np.arange(a0, c1)[None, :]
         p = self.problem
         held = _sum_corners(self.held, c0, c1, a0, np.int64)
@@ -259,11 +272,17 @@ class Intervals:
         seeds = (self.seeds[b] - self.seeds[a]).astype(np.float64)
         by_count: dict[tuple[int, int], np.ndarray] = {}
 
-        def memory(k: int) -> np.ndarray:  # once per count of microbatches held, and of W awaited
+        def of(count: int, awaiting: int, window: _Window) -> np.ndarray:
+            f, m = fixed[window], acts[window]
+            held = f + m + inputs[window] * count if inputs is not None else f + m * count
+            return held + seeds[window] * awaiting if awaiting else held
+
+        def memory(k: int, window: _Window = _WHOLE) -> np.ndarray:
             count, awaiting = self._held(k), self.problem.awaiting_w(k)
-            if (count, awaiting) not in by_count:
-                held = fixed + acts + inputs * count if inputs is not None else fixed + acts * count
-                by_count[(count, awaiting)] = held + seeds * awaiting if awaiting else held
+            if window is not _WHOLE:
+                return of(count, awaiting, window)
+            if (count, awaiting) not in by_count:  # once per count of microbatches held, and of W awaited
+                by_count[(count, awaiting)] = of(count, awaiting, window)
             return by_count[(count, awaiting)]
 
         return memory
@@ -438,8 +457,7 @@ def _sum_corners(corners: tuple[np.ndarray, ...], c0: int, c1: int, a0: int, dty
     return np.add.accumulate(grid, axis=1, out=grid)
 
 
-def _interval_dp(iv: Intervals, stages: int,
-                 chunk_cost: Callable[[int, int, int], Callable[[int], np.ndarray]]
+def _interval_dp(iv: Intervals, stages: int, chunk_cost: Callable[[int, int, int], _Cost]
                  ) -> tuple[tuple[int, ...] | None, float]:
     """The contiguous plan into `stages` runs that minimises the max over its runs of
     chunk_cost(c0, c1, a0)(stage) (a (b, a) matrix), or None if every plan costs inf,
@@ -452,14 +470,30 @@ def _interval_dp(iv: Intervals, stages: int,
     f[0, 0] = 0.0
     arg = np.zeros((stages + 1, n + 1), dtype=np.int64)
     for c0, c1, a0 in iv.chunks():
-        cost, rows = chunk_cost(c0, c1, a0), np.arange(c1 - c0)
-        for k in range(stages):
-            cand = np.maximum(f[k, None, a0:c1], cost(k))  # (b, a)
+        cost = chunk_cost(c0, c1, a0)
+        for k, (b0, b1, s0, s1) in _bands(stages, n, c0, c1, a0):
+            window = (slice(b0 - c0, b1 - c0), slice(s0 - a0, s1 - a0))
+            cand = np.maximum(f[k, None, s0:s1], cost(k, window))  # (b, a)
             best = np.argmin(cand, axis=1)
-            f[k + 1, c0:c1], arg[k + 1, c0:c1] = cand[rows, best], best + a0
+            f[k + 1, b0:b1], arg[k + 1, b0:b1] = cand[np.arange(b1 - b0), best], best + s0
     if not np.isfinite(f[stages, n]):
         return None, math.inf
     return _read_plan(arg, stages, n), float(f[stages, n])
+
+
+def _bands(stages: int, n: int, c0: int, c1: int, a0: int) -> list[tuple[int, tuple[int, int, int, int]]]:
+    """Each stage k's runs [a, b) within a chunk (ends [c0, c1), starts from a0) that can lie
+    on a plan's path, as (k, (b0, b1, s0, s1)): ends b0 <= b < b1, starts s0 <= a < s1.
+    Every stage holds a block, so stage k starts at k or later and ends leaving a block to
+    each stage after it; f[k + 1, b] outside is never read (left inf), and the starts left
+    out are inf already (f[k, a] for a < k, or a >= b), so the argmins are the same."""
+    out = []
+    for k in range(stages):
+        b0, b1 = max(c0, k + 1), min(c1, n - stages + k + 2)
+        s0, s1 = max(a0, k), b1 - 1
+        if b0 < b1 and s0 < s1:
+            out.append((k, (b0, b1, s0, s1)))
+    return out
 
 
 def _read_plan(arg: np.ndarray, stages: int, n: int) -> tuple[int, ...]:
