@@ -203,11 +203,12 @@ class Beaten:
     def __call__(self, bound_s: float) -> bool:
         return bound_s > self.best()
 
-    def cap_s(self, microbatches: int) -> float:
+    def cap_s(self, microbatches: int, after_s: float = 0.0) -> float:
         """A rank's compute per microbatch over which a plan of `microbatches` is beaten:
-        `bound` is at least M times its busiest rank's compute ([Note: a cap on a rank's
-        compute] in partitioner/solve/solve.py)."""
-        return self.best() * (1 + _CAP_SLACK) / microbatches
+        a step is at least M times its busiest rank's compute and what follows the walk,
+        at least `after_s` (`after_floor`), as `floor` counts them ([Note: a cap on a
+        rank's compute] in partitioner/solve/solve.py)."""
+        return (self.best() * (1 + _CAP_SLACK) - after_s) / microbatches
 
 
 class Ranking:

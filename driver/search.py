@@ -81,7 +81,7 @@ from .meshes import interleaved_schedule, meshes, nothing_fits, schedules, tp_li
 from .options import CompileOptions, mesh_of, stages_per_rank
 from .phases import apply_tp, finish, load_source, prepare, virtual_counts
 from .prepared import Compiled, Prepared, Source
-from .ranking import SHOWN, Beaten, Candidate, Ranking, Solved, bound, floor, step_bound
+from .ranking import SHOWN, Beaten, Candidate, Ranking, Solved, after_floor, bound, floor, step_bound
 from .recompute import AUTO as MIXED, joins, plan_policy, planned, solve_jointly, variant_rank, with_policy
 from .workers import outcomes, workers
 
@@ -259,7 +259,7 @@ def _solve(base: Prepared, opts: CompileOptions, pp: int, microbatches: int, zer
         if recompute != MIXED and beaten(floor(prepared)):
             continue  # a forward run again, ZeRO-1's broadcast: its own floor is beaten ([Note: the search's bounds])
         try:
-            cap = beaten.cap_s(microbatches)
+            cap = beaten.cap_s(microbatches, after_floor(prepared))
             solves.solved(solves.leanest(variant), cap)  # [Note: the leanest variant first]
             prepared, assignment, report = solves.solved(variant, cap, prepared)
         except BeyondCapError:
