@@ -12,7 +12,7 @@ import pytest
 from partitioner.ir import PartitionProblem
 from partitioner.predict.simulate import simulate
 from partitioner.solve.model import interleaved_step_s
-from partitioner.solve.solve import objective, solve, stage_costs
+from partitioner.solve.solve import objective, plan_key, solve, stage_costs
 
 from .test_solve import problem
 
@@ -78,3 +78,26 @@ def test_the_interleaved_objective_against_brute_force(seed: int) -> None:
     assert max(c.time_s for c in stage_costs(p, assignment)) == pytest.approx(best, rel=1e-9)
     slowest = max(c.compute_s for c in stage_costs(p, assignment))
     assert _simulated(p, assignment) <= interleaved_step_s(p, slowest) * (1 + 1e-9)
+
+
+@pytest.mark.parametrize("seed", range(24))
+def test_stages_near_the_block_count_keep_the_lexicographic_best(seed: int) -> None:
+    """Where the stages nearly fill the blocks, each stage's runs lie in a narrow band
+    (a block for every stage before and after it), which the DPs take alone: the plan is
+    still the least by `plan_key` over every contiguous split (slowest, balance, bytes),
+    ties of equal blocks included, one stage per rank or several."""
+    rng = random.Random(seed)
+    ranks, virtual = rng.choice([(2, 1), (3, 1), (4, 1), (2, 2), (2, 3), (3, 2)])
+    stages = ranks * virtual
+    n = stages + rng.randint(0, 3)
+    p = _chain([float(rng.randint(1, 3)) for _ in range(n)], stages, virtual_stages=virtual,
+               microbatches=ranks * rng.randint(1, 3), comm_alpha_s=rng.choice([0.0, 0.5]),
+               bytes={i: rng.randint(0, 3) for i in range(n)}, acts=tuple(rng.randint(0, 50) for _ in range(n)),
+               memory_limit_bytes=rng.choice([None, 120, 200]))
+    keys = [plan_key(p, a) for a in _contiguous_splits(n, stages)]
+    best = min((round(k[0], 9), round(k[1], 9), k[2]) for k in keys)
+    if best[0] == float("inf"):
+        return
+    assignment, _ = solve(p, time_limit_s=0.0)
+    k = plan_key(p, assignment)
+    assert (round(k[0], 9), round(k[1], 9), k[2]) == best
