@@ -39,11 +39,11 @@
     unsolved, and so is a memory variant whose own floor passes it (a forward run again
     under recomputation, ZeRO-1's broadcast); a solved split whose bound passes it is
     neither walked ([Note: walked only where it matters]) nor simulated.  A DP is given
-    the best step over M as a cap on a rank's compute per microbatch ([Note: a cap on a
-    rank's compute] in partitioner/solve/solve.py): it returns the split it would return
-    without the cap, or refuses where that split, like every other, is beaten; a variant
-    so refused is solved again without the cap only where it must say whether it fits,
-    to cover a costlier one that is not beaten.
+    the best step, less `after_floor`, over M as a cap on a rank's compute per microbatch
+    ([Note: a cap on a rank's compute] in partitioner/solve/solve.py): it returns the
+    split it would return without the cap, or refuses where that split, like every
+    other, is beaten; a variant so refused is solved again without the cap only where
+    it must say whether it fits, to cover a costlier one that is not beaten.
     A variant whose weights, gradients and optimizer state alone exceed the memory of
     its ranks is refused before its DP runs (partitioner/solve/solve.py).  No bound
     exceeds a step, so the fastest is the one solving and simulating every candidate

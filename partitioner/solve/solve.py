@@ -172,7 +172,8 @@ def solve(problem: PartitionProblem, time_limit_s: float = 30.0, *, seed: int = 
     [Note: a cap on a rank's compute]
         A search knows the best step found so far, and a plan one of whose ranks
         computes more than that step over M per microbatch is slower (`bound` in
-        driver/ranking.py).  Given that cap, the DPs of one stage per rank and of zb-v's
+        driver/ranking.py; less the least of what follows the walk, which every plan
+        pays: `Beaten.cap_s`).  Given that cap, the DPs of one stage per rank and of zb-v's
         V leave out what exceeds it, which is most of their work where the cap is near
         the mean rank; they either return the plan they return without it, or find
         none and raise BeyondCapError: no plan fits, or none is of use.  A DP's known
