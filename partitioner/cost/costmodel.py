@@ -41,8 +41,8 @@ from typing import Callable, Iterable, Mapping, Sequence, TypeVar
 
 from ..ir import PartitionProblem
 
-__all__ = ["Value", "boundary_s", "computing_blocks", "message_s", "pair_bytes", "param_bytes_once", "remote",
-           "shared_params", "values"]
+__all__ = ["Value", "boundary_s", "computing_blocks", "message_s", "pair_bytes", "param_bytes_once", "per_problem",
+           "remote", "shared_params", "values"]
 
 _T = TypeVar("_T")
 
@@ -56,20 +56,22 @@ class Value:
     bytes: int
 
 
-def _per_problem(*fields: str) -> Callable[[Callable[[PartitionProblem], _T]], Callable[[PartitionProblem], _T]]:
-    """Cache fn(problem) for the last few problems by the identity of the `fields` fn
-    reads (hashing them is slow); problems that share those tuples (one problem posed
-    for several stage counts, `dataclasses.replace`) share the entry."""
+def per_problem(*fields: str, by_value: tuple[str, ...] = (), kept: int = 8
+                ) -> Callable[[Callable[[PartitionProblem], _T]], Callable[[PartitionProblem], _T]]:
+    """Cache fn(problem) for the last `kept` problems by the identity of the `fields` fn
+    reads (hashing them is slow) and the values of the `by_value` ones (numbers each
+    problem is posed with anew); problems that share those tuples (one problem posed for
+    several stage counts, `dataclasses.replace`) share the entry."""
 
     def wrap(fn: Callable[[PartitionProblem], _T]) -> Callable[[PartitionProblem], _T]:
-        cache: dict[tuple[int, ...], tuple[tuple[object, ...], _T]] = {}
+        cache: dict[tuple[object, ...], tuple[tuple[object, ...], _T]] = {}
 
         def cached(problem: PartitionProblem) -> _T:
             parts = tuple(getattr(problem, f) for f in fields)
-            key = tuple(id(p) for p in parts)
+            key = tuple(id(p) for p in parts) + tuple(getattr(problem, f) for f in by_value)
             hit = cache.get(key)
             if hit is None or any(a is not b for a, b in zip(hit[0], parts)):
-                if len(cache) >= 8:
+                if len(cache) >= kept:
                     cache.pop(next(iter(cache)))
                 hit = cache[key] = (parts, fn(problem))  # the parts held, so their ids stay theirs
             return hit[1]
@@ -86,7 +88,7 @@ def computing_blocks(problem: PartitionProblem) -> list[int]:
     return [i for i, c in enumerate(computes) if c]
 
 
-@_per_problem("edges")
+@per_problem("edges")
 def values(problem: PartitionProblem) -> tuple[Value, ...]:
     """The distinct values that cross blocks, keyed by (producer, name), in edge order."""
     readers: dict[tuple[int, str], set[int]] = {}
@@ -98,7 +100,7 @@ def values(problem: PartitionProblem) -> tuple[Value, ...]:
     return tuple(Value(key[0], tuple(sorted(r)), sizes[key]) for key, r in readers.items())
 
 
-@_per_problem("block_params", "param_bytes_by_name", "block_param_bytes")
+@per_problem("block_params", "param_bytes_by_name", "block_param_bytes")
 def shared_params(problem: PartitionProblem) -> tuple[tuple[int, ...], tuple[tuple[int, tuple[int, ...]], ...]]:
     """(each block's bytes of unshared parameters, [(bytes, blocks)] of each shared one)."""
     size = dict(problem.param_bytes_by_name)

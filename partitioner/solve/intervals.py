@@ -43,7 +43,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from ..cost.costmodel import Value, computing_blocks, message_s, shared_params, values
+from ..cost.costmodel import Value, computing_blocks, message_s, per_problem, shared_params, values
 from ..ir import PartitionProblem
 
 __all__ = ["Intervals", "dp_balanced", "dp_balanced_policies", "dp_memory", "dp_time", "dp_time_policies"]
@@ -327,7 +327,6 @@ class _Links:
     placement's reach of every stage."""
 
     def __init__(self, problem: PartitionProblem) -> None:
-        self.edges = problem.edges  # held: the key is its identity
         self.n = problem.num_blocks
         self.span = max((v.readers[-1] - v.producer for v in values(problem)), default=0)  # the longest edge
         self.comm: dict[_Reach, tuple[np.ndarray, ...]] = {}
@@ -342,21 +341,10 @@ class _Links:
         return self._reach[placed]
 
 
-#: the `_Links` kept, by the identity of the edges, the block count and the links
-_LINKS: dict[tuple[int, int, float, float], _Links] = {}
-#: how many `_LINKS` are kept
-_LINKS_KEPT = 16
-
-
+@per_problem("edges", by_value=("num_blocks", "comm_alpha_s", "comm_beta_s_per_byte"), kept=16)
 def _links(problem: PartitionProblem) -> _Links:
     """The `_Links` of `problem`'s edges and links, kept for the last few."""
-    key = (id(problem.edges), problem.num_blocks, problem.comm_alpha_s, problem.comm_beta_s_per_byte)
-    found = _LINKS.get(key)
-    if found is None or found.edges is not problem.edges:
-        if len(_LINKS) >= _LINKS_KEPT:
-            _LINKS.pop(next(iter(_LINKS)))
-        found = _LINKS[key] = _Links(problem)
-    return found
+    return _Links(problem)
 
 
 def _reach(placed: Sequence[int], k: int, n: int, span: int) -> _Reach:
