@@ -91,46 +91,47 @@ def vee_memory(problem: PartitionProblem, limit: int | None = None) -> tuple[int
 
 
 class _Walk:
-    """Every run [a, b) as each of the 2p stages, as (n + 1) x (n + 1) matrices indexed
-    [a, b] (time inf where it is no run: empty, without compute while every stage can
+    """Every run [a, b) that each of the 2p stages can have, its time and memory
+    (`_Banded`: time inf where it is no run: empty, without compute while every stage can
     have some, over `upper_s`, or alone over the memory `limit`), and the walk."""
 
     def __init__(self, problem: PartitionProblem, upper_s: float, limit: int | None, cap_s: float = math.inf) -> None:
-        self.n, self.p, self.limit = problem.num_blocks, problem.ranks, limit
-        iv, full = Intervals(problem), (0, problem.num_blocks + 1, 0)
+        n, S = problem.num_blocks, problem.stages
+        self.n, self.p, self.limit = n, problem.ranks, limit
+        iv, full = Intervals(problem), (0, n + 1, 0)
         time_s, memory, sent = iv.allowed_time_s(*full, limit), iv.memory(*full), iv.sent_bytes(*full)
         prefix = np.concatenate([[0.0], np.cumsum(problem.block_time_s, dtype=np.float64)])
         self.inner = prefix[None, :] - prefix[:, None]  # the compute of [a, b), for every pair of cuts
-        S, tables = problem.stages, [t.T for t in map(time_s, range(problem.stages))]
+        a, b = _Banded.runs(S, n)
+        inner, self.blocks = self.inner[a, b], b - a  # of each stage's runs
+        time = _Banded.of(time_s, S, n)
         if math.isfinite(cap_s):  # a rank over the cap plus the most messages of its runs computes over the cap
-            most = [float(np.max(t - self.inner, where=np.isfinite(t), initial=0.0)) for t in tables]
+            most = np.max(time.inside - inner, where=np.isfinite(time.inside), initial=0.0, axis=(1, 2)).tolist()
             upper_s = min(upper_s, cap_s + max(most[r] + most[S - 1 - r] for r in range(self.p)))
         self.upper = upper = upper_s * (1 + 1e-9)
-        cut = np.arange(self.n + 1)
-        # stage k's run leaves a block to each other stage: k <= a, b <= n - (S - 1 - k)
-        self.time = [np.where((t <= upper) & (cut[:, None] >= k) & (cut[None, :] <= self.n - S + 1 + k), t, np.inf)
-                     for k, t in enumerate(tables)]
-        self.blocks = cut[None, :] - cut[:, None]
+        self.time = time.within(upper)
         # what the ranks inside the cuts after step r can take: U less the least messages of their runs
-        least = [float(np.min(t - self.inner, where=np.isfinite(t), initial=np.inf)) for t in self.time]
+        least = np.min(self.time.inside - inner, where=np.isfinite(self.time.inside), initial=np.inf,
+                       axis=(1, 2)).tolist()
         room = [upper - least[r] - least[2 * self.p - 1 - r] for r in range(self.p)]
         self.room = [sum(room[r + 1:]) for r in range(self.p)]
-        self.memory = [memory(k).T for k in range(problem.stages)]
-        self.sent = [sent(k).T for k in range(problem.stages)]
+        self.memory = _Banded.of(memory, S, n)
+        self.sent = [sent(k).T for k in range(S)]
         per = 2 + problem.optimizer_factor  # weights, gradients, optimizer state
         self.shared = [(size * per, iv.holds(blocks, *full).T) for size, blocks in iv.shared]
         self._fullest()
 
     def _fullest(self) -> None:
         """The most memory of any run of each stage (within `upper`), and its most blocks."""
-        self.fullest = [float(np.max(m, where=np.isfinite(t), initial=0.0)) for m, t in zip(self.memory, self.time)]
-        self.longest = [int(np.max(self.blocks, where=np.isfinite(t), initial=0)) for t in self.time]
+        finite = np.isfinite(self.time.inside)
+        self.fullest = np.max(self.memory.inside, where=finite, initial=0.0, axis=(1, 2)).tolist()
+        self.longest = np.max(self.blocks, where=finite, initial=0, axis=(1, 2)).tolist()
 
     def within(self, upper_s: float) -> _Walk:
         """The same walk over the runs within `upper_s` (at most this walk's)."""
         walk = copy.copy(self)
         walk.upper = upper = upper_s * (1 + 1e-9)
-        walk.time = [np.where(t <= upper, t, np.inf) for t in self.time]
+        walk.time = self.time.within(upper)
         walk.room = [room - (self.upper - upper) * (self.p - 1 - r) for r, room in enumerate(self.room)]
         walk._fullest()
         return walk
@@ -189,7 +190,7 @@ class _Walk:
         left, right = self.p - 1, self.p
         best: tuple[float, float, tuple[int, int, int]] | None = None
         for a in np.flatnonzero(np.isfinite(f1).any(axis=1)).tolist():
-            bs, xs = np.flatnonzero(np.isfinite(f1[a])), np.flatnonzero(np.isfinite(self.time[left][a]))
+            bs, xs = np.flatnonzero(np.isfinite(f1[a])), self.time.ends(left, a)
             if not len(xs):
                 continue
             k1, k2 = keys(f1[a, bs], f2[a, bs], _Rank(self, left, right, (a, xs[:, None]), (xs[:, None], bs)))
@@ -207,12 +208,13 @@ class _Rank:
 
     def __init__(self, walk: _Walk, left: int, right: int, lix: _Index, rix: _Index) -> None:
         self.walk, self.left, self.right, self.lix, self.rix = walk, left, right, lix, rix
-        self.time = walk.time[left][lix] + walk.time[right][rix]
+        self.at = (walk.time.index(left, lix), walk.time.index(right, rix))  # into the walk's `_Banded` tables
+        self.time = walk.time.values[self.at[0]] + walk.time.values[self.at[1]]
 
     def memory(self) -> np.ndarray:
         """The rank's memory: its runs', a parameter both read held once."""
         w, lix, rix = self.walk, self.lix, self.rix
-        memory = w.memory[self.left][lix] + w.memory[self.right][rix]
+        memory = w.memory.values[self.at[0]] + w.memory.values[self.at[1]]
         for size, holds in w.shared:
             left = holds[lix]
             if left.any():
@@ -224,13 +226,57 @@ class _Rank:
         w, limit = self.walk, self.walk.limit
         if limit is None or w.fullest[self.left] + w.fullest[self.right] <= limit:
             return True
-        fullest = sum(np.max(w.memory[k][ix], where=np.isfinite(w.time[k][ix]), initial=0.0)
-                      for k, ix in ((self.left, self.lix), (self.right, self.rix)))
+        fullest = sum(np.max(w.memory.values[at], where=np.isfinite(w.time.values[at]), initial=0.0) for at in self.at)
         return True if fullest <= limit else self.memory() <= limit
 
     def sent(self) -> np.ndarray:
         """The bytes the rank certainly sends other ranks (a lower bound, each value once)."""
         return self.walk.sent[self.left][self.lix] + self.walk.sent[self.right][self.rix]
+
+
+class _Banded:
+    """A table of every run [a, b) as each stage, over the runs the stage can have: every
+    other stage keeps a block, so stage k's are k <= a < k + w and k < b <= k + w, with w
+    = n - S + 1, held at [k, a - k, b - k - 1]; a last row and column of inf stand for
+    every run outside (`index`)."""
+
+    def __init__(self, values: np.ndarray) -> None:
+        self.values, self.width = values, values.shape[1] - 1
+        self.inside = values[:, :-1, :-1]  # the runs of each band
+
+    @staticmethod
+    def runs(stages: int, n: int) -> tuple[np.ndarray, np.ndarray]:
+        """The starts a and ends b of each stage's runs, as the bands hold them."""
+        width = n - stages + 1
+        k, i, j = np.ogrid[:stages, :width, :width]
+        return k + i, k + 1 + j
+
+    @classmethod
+    def of(cls, cost: Callable[..., np.ndarray], stages: int, n: int) -> _Banded:
+        """The bands of `Intervals` sums over the whole (b, a) matrix of n blocks (a `_Cost`): each
+        kind's whole sums, once, where the bands cover most of it, else each band's alone."""
+        width = n - stages + 1
+        values = np.full((stages, width + 1, width + 1), np.inf)
+        whole = 2 * width * width >= (n + 1) * (n + 1)
+        for k in range(stages):
+            window = (slice(k + 1, k + 1 + width), slice(k, k + width))
+            values[k, :-1, :-1] = (cost(k)[window] if whole else cost(k, window)).T
+        return cls(values)
+
+    def within(self, upper: float) -> _Banded:
+        """The same with inf over `upper`."""
+        return _Banded(np.where(self.values <= upper, self.values, np.inf))
+
+    def ends(self, k: int, a: int) -> np.ndarray:
+        """The ends b of stage k's runs [a, b) that are not inf."""
+        i = a - k
+        return k + 1 + np.flatnonzero(np.isfinite(self.inside[k, i])) if 0 <= i < self.width else np.zeros(0, np.int64)
+
+    def index(self, k: int, ix: _Index) -> _Index:
+        """Where stage k's runs at numpy indices ix = (a, b) are held (the inf row or column
+        where outside its band, -1 being the last)."""
+        a, b = ix
+        return k, np.clip(np.subtract(a, k), -1, self.width), np.clip(np.subtract(b, k + 1), -1, self.width)
 
 
 def _merge(g1: np.ndarray, g2: np.ndarray, came: np.ndarray, target: np.ndarray, k1: np.ndarray,

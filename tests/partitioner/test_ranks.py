@@ -124,13 +124,16 @@ def _contiguous_brute_force(p: PartitionProblem, key: Any) -> float:
     return found
 
 
+@pytest.mark.parametrize("ranks, blocks", [(3, (6, 9)), (2, (13, 16))])
 @pytest.mark.parametrize("seed", range(12))
-def test_the_v_dp_finds_the_best_contiguous_plan(seed: int) -> None:
+def test_the_v_dp_finds_the_best_contiguous_plan(seed: int, ranks: int, blocks: tuple[int, int]) -> None:
     """`vee_plans` on chains without skips (its bound exact there) and `vee_memory`
-    anywhere: the least over every contiguous plan of 3 ranks (6 stages)."""
+    anywhere: the least over every contiguous plan of 3 ranks (6 stages), whose runs the
+    walk takes band by band, and of 2 ranks on more blocks, whose it takes from whole
+    tables (`_Banded.of`)."""
     rng = random.Random(seed)
-    n = rng.randint(6, 9)
-    p = problem([rng.random() for _ in range(n)], [(i, i + 1) for i in range(n - 1)], 6, schedule="zb-v",
+    n = rng.randint(*blocks)
+    p = problem([rng.random() for _ in range(n)], [(i, i + 1) for i in range(n - 1)], 2 * ranks, schedule="zb-v",
                 virtual_stages=2, acts=tuple(rng.randint(0, 50) for _ in range(n)),
                 comm_alpha_s=rng.choice([0.0, 0.1]), comm_beta_s_per_byte=1e-3,
                 params=tuple(("t",) if i in (0, n - 1) else (f"w{i}",) for i in range(n)),
