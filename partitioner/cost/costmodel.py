@@ -39,10 +39,12 @@ import functools
 from dataclasses import dataclass
 from typing import Callable, Iterable, Mapping, Sequence, TypeVar
 
+import numpy as np
+
 from ..ir import PartitionProblem
 
 __all__ = ["Value", "boundary_s", "computing_blocks", "message_s", "pair_bytes", "param_bytes_once", "per_problem",
-           "remote", "shared_params", "values"]
+           "remote", "shared_params", "stage_pairs", "values"]
 
 _T = TypeVar("_T")
 
@@ -140,6 +142,35 @@ def pair_bytes(crossings: Iterable[tuple[int, Iterable[int], int]]) -> dict[tupl
         for k in sorted({r for r in readers if r > home}):
             pairs[(home, k)] = pairs.get((home, k), 0) + nbytes
     return pairs
+
+
+def stage_pairs(problem: PartitionProblem, assignment: Sequence[int]) -> dict[tuple[int, int], int]:
+    """`pair_bytes` of `problem`'s values under `assignment` (a stage per block), the same
+    dict in the same order (the order in which the values first reach each pair, which
+    sums of seconds over it follow), taken over the values' readers at once."""
+    producer, nbytes, value_of, reader = _crossings(problem)
+    stage = np.asarray(assignment, dtype=np.int64)
+    if not len(reader):
+        return {}
+    home, to, count = stage[producer], stage[reader], int(stage.max()) + 1
+    later = to > home[value_of]
+    value, k = np.divmod(np.unique(value_of[later] * count + to[later]), count)  # each value once per stage, in order
+    pairs, first, inverse = np.unique(home[value] * count + k, return_index=True, return_inverse=True)
+    sums = np.zeros(len(pairs), dtype=np.int64)
+    np.add.at(sums, inverse, nbytes[value])
+    order = np.argsort(first, kind="stable")
+    return {divmod(pair, count): nbytes for pair, nbytes in zip(pairs[order].tolist(), sums[order].tolist())}
+
+
+@per_problem("edges")
+def _crossings(problem: PartitionProblem) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """`values` as arrays: each value's producer and bytes, and per (value, reader) the
+    value's index and the reader."""
+    found = values(problem)
+    readers = [len(v.readers) for v in found]
+    return (np.array([v.producer for v in found], dtype=np.int64), np.array([v.bytes for v in found], dtype=np.int64),
+            np.repeat(np.arange(len(found), dtype=np.int64), readers),
+            np.array([r for v in found for r in v.readers], dtype=np.int64))
 
 
 def remote(pairs: Mapping[tuple[int, int], int], ranks: Sequence[int]) -> dict[tuple[int, int], int]:

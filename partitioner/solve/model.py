@@ -34,7 +34,7 @@ import math
 from dataclasses import dataclass
 from typing import Sequence
 
-from ..cost.costmodel import boundary_s, computing_blocks, pair_bytes, remote, shared_params, values
+from ..cost.costmodel import boundary_s, computing_blocks, remote, shared_params, stage_pairs
 from ..cost.roofline import stage_memory_bytes
 from ..ir import PartitionProblem
 
@@ -86,8 +86,7 @@ def stage_costs(problem: PartitionProblem, assignment: Sequence[int]) -> tuple[S
     for size, blocks in shared:
         for k in {assignment[b] for b in blocks}:
             weights[k] += size
-    pairs = pair_bytes((assignment[v.producer], [assignment[r] for r in v.readers], v.bytes)
-                       for v in values(problem))
+    pairs = stage_pairs(problem, assignment)
     linked = remote(pairs, problem.placement)
     comm_s = boundary_s(linked, problem.comm_alpha_s, problem.comm_beta_s_per_byte, stages)
     messages, traffic, received, over_links = [0] * stages, [0] * stages, [0] * stages, [0] * stages

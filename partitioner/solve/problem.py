@@ -17,7 +17,7 @@ import torch
 
 from runtime.recompute import parse_policy
 
-from ..cost.costmodel import pair_bytes, remote, values
+from ..cost.costmodel import remote, stage_pairs
 from ..cost.hardware import Hardware
 from ..cost.nodes import compute_nodes, param_names, selective_keeps, working_nodes
 from ..ir import (BlockCost, Edge, GraphNode, NodeCost, PartitionProblem, Plan, SolverReport, StagePlan,
@@ -154,7 +154,7 @@ def make_plan(problem: PartitionProblem, blocks: list[Any], assignment: tuple[in
         stage_nodes[stage].extend(n for n in block.nodes if n != "output")
     sent = [0] * problem.stages
     received = [0] * problem.stages
-    pairs = pair_bytes((assignment[v.producer], [assignment[r] for r in v.readers], v.bytes) for v in values(problem))
+    pairs = stage_pairs(problem, assignment)
     for (a, b), nbytes in remote(pairs, problem.placement).items():  # between ranks: the rest stays in memory
         sent[a] += nbytes
         received[b] += nbytes

@@ -10,6 +10,7 @@ from typing import Any, Sequence
 
 import pytest
 
+from partitioner.cost.costmodel import pair_bytes, stage_pairs, values
 from partitioner.errors import InfeasiblePlanError, PlanError
 from partitioner.ir import Edge, PartitionProblem, SolverReport
 from partitioner.solve.cpsat import solve_cpsat
@@ -124,6 +125,18 @@ def test_random_dags_equal_brute_force(seed: int) -> None:
 
 
 # -- the cost model, by hand -------------------------------------------------------------
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_stage_pairs_are_pair_bytes_of_the_values_in_their_order(seed: int) -> None:
+    """`stage_pairs` (the values' readers at once) is `pair_bytes` over the values, key
+    for key and in the same order, under every assignment: DAGs whose values have several
+    readers, and stages that run backward too."""
+    p = dataclasses.replace(_random_problem(seed), stages=3)
+    for assignment in itertools.product(range(3), repeat=p.num_blocks):
+        plain = pair_bytes((assignment[v.producer], [assignment[r] for r in v.readers], v.bytes) for v in values(p))
+        assert list(stage_pairs(p, assignment).items()) == list(plain.items())
+
 
 
 def test_cost_model_counts_values_once_and_tied_params_once_per_stage() -> None:
