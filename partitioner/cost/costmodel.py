@@ -159,7 +159,7 @@ def stage_pairs(problem: PartitionProblem, assignment: Sequence[int]) -> dict[tu
     sums = np.zeros(len(pairs), dtype=np.int64)
     np.add.at(sums, inverse, nbytes[value])
     order = np.argsort(first, kind="stable")
-    return {divmod(pair, count): nbytes for pair, nbytes in zip(pairs[order].tolist(), sums[order].tolist())}
+    return {divmod(pair, count): size for pair, size in zip(pairs[order].tolist(), sums[order].tolist())}
 
 
 @per_problem("edges")
