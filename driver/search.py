@@ -21,8 +21,9 @@
                  alone (`_solve_one`);
     4. simulate: each solved candidate, unless its bound shows it cannot be the fastest
                  ([Note: the search's bounds]); steps 3 and 4 in worker processes, one
-                 per core, on a large search ([Note: the search in worker processes]
-                 in driver/workers.py);
+                 per core, on a large search, the first microbatch shape's candidates
+                 in one while the others are prepared ([Note: the search in worker
+                 processes] in driver/workers.py);
     5. emit the best; the best SHOWN are recorded in the manifest for `show`.
 
 [Note: the search's bounds]
@@ -62,7 +63,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import sys
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable, Iterator, NamedTuple
 
 from runtime.schedule import registry
 
@@ -83,7 +84,7 @@ from .phases import apply_tp, finish, load_source, prepare, virtual_counts
 from .prepared import Compiled, Prepared, Source
 from .ranking import SHOWN, Beaten, Candidate, Ranking, Solved, after_floor, bound, floor, step_bound
 from .recompute import AUTO as MIXED, joins, plan_policy, planned, solve_jointly, variant_rank, with_policy
-from .workers import outcomes, workers
+from .workers import Early, Solve, outcomes, workers
 
 __all__ = ["Candidate", "search"]
 
@@ -98,9 +99,8 @@ def search(opts: CompileOptions, say: Callable[[str], None], source: Source | No
         raise PlanError(f"no mesh stages x tp x dp = {opts.devices} devices suits the options and a batch of "
                         f"{source.batch} rows: change --devices, or drop --stages/--tp/--dp to let the search choose.")
     say(f"searching {len(found)} meshes of {opts.devices} devices (stages x tp x dp, microbatches)")
-    posed = sorted(_posed(found, opts, _Shapes(source), source.batch), key=_order)
     ranking = Ranking(opts.devices, say)
-    failed = _rank(posed, opts, ranking)
+    failed = _rank(_posing(found, opts, _Shapes(source), source.batch), opts, ranking)
     if ranking.skipped:
         say(f"  {ranking.skipped} candidates skipped: a lower bound on their step (the busiest rank's compute, "
             f"pipeline fill and drain) exceeds the best step found")
@@ -125,23 +125,37 @@ class _Posed(NamedTuple):
     pp: int
     microbatches: int
     floor_s: float
+    seq: tuple[int, int]  # its mesh's place in `meshes` and its own in the mesh's: ties of `_order` keep it
 
 
-def _posed(meshes: list[tuple[int, int, int, int]], opts: CompileOptions, shapes: "_Shapes", batch: int
+def _posing(meshes: list[tuple[int, int, int, int]], opts: CompileOptions, shapes: "_Shapes", batch: int
+            ) -> Iterator[list[_Posed]]:
+    """Every mesh and schedule to solve (`_posed`), a microbatch shape at a time, in the order
+    `meshes` first comes to each (the shapes are prepared in that order, as they always
+    were; at a thousand GPUs and more the first is one row per microbatch, the most
+    microbatches, where most candidates and mostly the best step lie)."""
+    by_rows: dict[int, list[int]] = {}
+    for i, (_pp, _tp, dp, m) in enumerate(meshes):
+        by_rows.setdefault(batch // (m * dp), []).append(i)
+    for indices in by_rows.values():
+        yield [item for i in indices for item in _posed(i, meshes[i], opts, shapes, batch)]
+
+
+def _posed(i: int, mesh: tuple[int, int, int, int], opts: CompileOptions, shapes: "_Shapes", batch: int
            ) -> list[_Posed]:
-    """Every mesh and schedule to solve, each with `floor` of its problem; a tp degree that
-    splits nothing is left out."""
-    out = []
-    for pp, tp, dp, m in meshes:
-        for schedule in schedules(opts.schedule, pp) + interleaved_schedule(opts, pp, m, batch // (m * dp)):
-            sub = dataclasses.replace(opts, devices=None, stages=pp, tp=tp, dp=dp, microbatches=m, quiet=True,
-                                      schedule=schedule)
-            base = shapes.split(sub, batch // (m * dp), tp)
-            if base is None:
-                break  # the solver split nothing: tp ranks would only repeat each other's work
-            for v in _virtual(sub, pp, base):
-                each = dataclasses.replace(sub, virtual_stages=v) if v else sub
-                out.append(_Posed(each, base, pp, m, floor(_repose(base, each, pp, m))))
+    """Mesh `i`'s candidates, each schedule (and stages per rank) with `floor` of its problem;
+    none where its tp degree splits nothing."""
+    pp, tp, dp, m = mesh
+    out: list[_Posed] = []
+    for schedule in schedules(opts.schedule, pp) + interleaved_schedule(opts, pp, m, batch // (m * dp)):
+        sub = dataclasses.replace(opts, devices=None, stages=pp, tp=tp, dp=dp, microbatches=m, quiet=True,
+                                  schedule=schedule)
+        base = shapes.split(sub, batch // (m * dp), tp)
+        if base is None:
+            break  # the solver split nothing: tp ranks would only repeat each other's work
+        for v in _virtual(sub, pp, base):
+            each = dataclasses.replace(sub, virtual_stages=v) if v else sub
+            out.append(_Posed(each, base, pp, m, floor(_repose(base, each, pp, m)), (i, len(out))))
     return out
 
 
@@ -154,35 +168,50 @@ def _virtual(opts: CompileOptions, pp: int, base: Prepared) -> tuple[int | None,
     return virtual_counts(opts.virtual_stages, pp, len(base.coarse.blocks))
 
 
-def _order(item: "_Posed") -> float:
+def _order(item: "_Posed") -> tuple[float, tuple[int, int]]:
     """The order candidates are tried in: the floor, times a 1F1B bubble of (pp - 1) / (M v),
-    so that a good step is found early and prunes the rest (any order ranks the same)."""
+    so that a good step is found early and prunes the rest (any order ranks the same); then
+    the order of `meshes`."""
     v = item.opts.virtual_stages or 1
-    return item.floor_s * (1 + (item.pp - 1) / (item.microbatches * v))
+    return item.floor_s * (1 + (item.pp - 1) / (item.microbatches * v)), item.seq
 
 
-def _rank(posed: list[_Posed], opts: CompileOptions, ranking: Ranking) -> list[Candidate]:
-    """Solve and simulate each of `posed` (in order of floor) that may be the fastest into
-    `ranking` ([Note: the search's bounds]), in worker processes where that helps ([Note:
-    the search in worker processes] in driver/workers.py); the candidates that fit nowhere."""
+def _rank(posing: Iterator[list[_Posed]], opts: CompileOptions, ranking: Ranking) -> list[Candidate]:
+    """Solve and simulate each candidate `posing` yields (in order of floor) that may be the
+    fastest into `ranking` ([Note: the search's bounds]), in worker processes where that
+    helps, the first shape's starting while the rest are posed ([Note: the search in worker
+    processes] in driver/workers.py); the candidates that fit nowhere."""
 
-    def solve(index: int, beaten: Beaten) -> list[Solved] | Candidate | None:
-        item = posed[index]
-        if beaten(item.floor_s):
-            return None
-        found = _solve(item.base, item.opts, item.pp, item.microbatches, zeros(opts, item.opts.dp), beaten)
-        return [] if found is None else found
+    def solving(items: list[_Posed]) -> Solve:
+        def solve(index: int, beaten: Beaten) -> list[Solved] | Candidate | None:
+            item = items[index]
+            if beaten(item.floor_s):
+                return None
+            found = _solve(item.base, item.opts, item.pp, item.microbatches, zeros(opts, item.opts.dp), beaten)
+            return [] if found is None else found
+        return solve
 
-    failed: list[Candidate] = []
-    with _progress(opts, len(posed), "meshes") as bar:
-        for outcome in outcomes([item.base for item in posed], solve, ranking, workers(len(posed))):
-            bar.update(1)
-            for cand, item in outcome.simulated:
-                ranking.insert(cand, item, outcome.order)
-            failed += [outcome.failed] if outcome.failed else []
-            ranking.skipped += outcome.skipped
-            bar.set_postfix_str(ranking.best_text(), refresh=False)
-    return failed
+    first = sorted(next(posing, []), key=_order)
+    early = Early([item.base for item in first], solving(first), ranking) if workers(len(first)) > 1 else None
+    try:
+        posed = sorted(first + [item for shape in posing for item in shape], key=_order)
+        if early is not None:
+            local = {id(item): i for i, item in enumerate(first)}
+            early.place([local.get(id(item), -1) for item in posed])
+        failed: list[Candidate] = []
+        with _progress(opts, len(posed), "meshes") as bar:
+            for outcome in outcomes([item.base for item in posed], solving(posed), ranking, workers(len(posed)),
+                                    early):
+                bar.update(1)
+                for cand, item in outcome.simulated:
+                    ranking.insert(cand, item, outcome.order)
+                failed += [outcome.failed] if outcome.failed else []
+                ranking.skipped += outcome.skipped
+                bar.set_postfix_str(ranking.best_text(), refresh=False)
+        return failed
+    finally:
+        if early is not None:
+            early.close()
 
 
 def _progress(opts: CompileOptions, total: int, doing: str) -> Any:

@@ -13,6 +13,16 @@
     to see what autograd saves, and OpenMP's threads do not survive a fork).  Pruning only
     against the best, the winner is the one the search finds in one process; which
     others get simulated, and so listed by `show`, may differ.
+
+    Posing every candidate (tracing and costing each microbatch shape, splitting it for
+    each tp degree) takes one core: 15-21 s on Megatron-LM's largest rows.  So once the
+    first shape is posed (there, one row per microbatch: most of the candidates, and
+    mostly the best), one worker (`Early`) is forked to solve its candidates in their
+    order while the rest are posed; the pool forked after posing takes every candidate in
+    the search's order.  Each of the first shape's candidates is solved once, by whichever
+    worker claims it first (a flag per candidate in shared memory, set under its lock),
+    and the early worker claims no more once the pool starts; all share the best step.
+    On Megatron-LM's rows of 1536 and 2520 GPUs this uses the second core for 9-11 s.
 """
 
 from __future__ import annotations
@@ -28,7 +38,7 @@ import torch
 from .prepared import Prepared
 from .ranking import Beaten, Candidate, Ranking, Solved, simulate_fastest
 
-__all__ = ["PARALLEL_FROM", "Outcome", "Solve", "outcomes", "workers"]
+__all__ = ["PARALLEL_FROM", "Early", "Outcome", "Solve", "outcomes", "workers"]
 
 #: the fewest candidates worth the workers' start (a small search runs in one process)
 PARALLEL_FROM = 64
@@ -52,8 +62,10 @@ class Outcome(NamedTuple):
 #: the search's step for one candidate (`outcomes`)
 Solve = Callable[[int, Beaten], "list[Solved] | Candidate | None"]
 
-#: (base, solve) of each candidate, and the shared best step: set in the parent before the
-#: workers fork, which inherit it
+#: (base, solve) of each candidate, the shared best step, and the claims of the early
+#: worker's candidates (`Early`; with `local`, each candidate's index among them, -1 for
+#: none, or None in the early worker itself, which stops once `posed`): set in the parent
+#: before the workers fork, which inherit it
 _JOB: dict[str, Any] = {}
 
 
@@ -66,24 +78,90 @@ def workers(candidates: int) -> int:
     return max(1, min(cores, MOST_WORKERS))
 
 
-def outcomes(bases: Sequence[Prepared], solve: Solve, ranking: Ranking, count: int) -> Iterator[Outcome]:
+def outcomes(bases: Sequence[Prepared], solve: Solve, ranking: Ranking, count: int,
+             early: Early | None = None) -> Iterator[Outcome]:
     """Each candidate's Outcome, in `count` workers as they finish, or here in order (1):
     `solve(index, beaten)` is the search's own step for candidate `index` (None: skipped by
     its floor; a Candidate: fits nowhere; else its solved splits), `bases[index]` its base
-    Prepared.  What is simulated here goes into `ranking` at once; a worker's, returned."""
+    Prepared; `early`, a worker already solving some of them (placed among these).  What
+    is simulated here goes into `ranking` at once; a worker's, returned."""
     if count == 1:
+        assert early is None
         yield from (_here(index, solve(index, ranking.beaten), ranking) for index in range(len(bases)))
         return
     ctx = multiprocessing.get_context("fork")
-    best = ctx.Value("d", ranking.ranked[0][0].step_time_s if ranking.ranked else math.inf)
-    _JOB.update(bases=bases, solve=solve, best=best, devices=ranking.devices)
+    best = early.best if early is not None else \
+        ctx.Value("d", ranking.ranked[0][0].step_time_s if ranking.ranked else math.inf)
+    _JOB.update(bases=bases, solve=solve, best=best, devices=ranking.devices,
+                claims=early.claims if early is not None else None, local=early.local if early is not None else None)
     try:
         with ctx.Pool(count, initializer=_one_thread) as pool:
-            for outcome in pool.imap_unordered(_work, range(len(bases)), chunksize=1):
+            for outcome in _merged(pool.imap_unordered(_work, range(len(bases)), chunksize=1), early):
                 base = bases[outcome.order]
                 yield outcome._replace(simulated=[(c, _restore(s, base)) for c, s in outcome.simulated])
     finally:
         _JOB.clear()
+
+
+def _merged(pool: Iterator[Outcome | None], early: Early | None) -> Iterator[Outcome]:
+    """The pool's outcomes and the early worker's as they come, less those claimed by the other."""
+    for outcome in pool:
+        if early is not None:
+            yield from early.ready(wait=False)
+        if outcome is not None:
+            yield outcome
+    if early is not None:
+        yield from early.ready(wait=True)
+
+
+class Early:
+    """One worker forked to solve the first candidates posed (`bases`, in the order given,
+    by `solve`) while the search poses the rest ([Note: the search in worker processes]);
+    `place` says where they stand among all, and `outcomes` takes its Outcomes with the pool's."""
+
+    def __init__(self, bases: Sequence[Prepared], solve: Solve, ranking: Ranking) -> None:
+        ctx = multiprocessing.get_context("fork")
+        self.size, self.done = len(bases), False
+        self.best = ctx.Value("d", ranking.ranked[0][0].step_time_s if ranking.ranked else math.inf)
+        self.claims = ctx.Array("b", len(bases))  # 1: taken by a worker
+        self.posed = ctx.Value("b", 0, lock=False)  # 1: every candidate is posed (`place`)
+        self.local: list[int] = []  # each candidate's index among these, -1 for none (`place`)
+        self._global: list[int] = []
+        _JOB.update(bases=bases, solve=solve, best=self.best, devices=ranking.devices, claims=self.claims, local=None,
+                    posed=self.posed)
+        try:
+            self.pool = ctx.Pool(1, initializer=_one_thread)  # the worker forks here, with _JOB as it is
+        finally:
+            _JOB.clear()
+        self.results = self.pool.imap_unordered(_work, range(len(bases)), chunksize=1)
+
+    def place(self, local: list[int]) -> None:
+        """Each of the search's candidates' index among the early ones (-1: not one), once
+        every candidate is posed: the worker takes no more of them."""
+        self.posed.value = 1
+        self.local = local
+        self._global = [0] * self.size
+        for index, i in enumerate(local):
+            if i >= 0:
+                self._global[i] = index
+
+    def ready(self, wait: bool) -> Iterator[Outcome]:
+        """Its Outcomes finished so far, or (`wait`) all of them, numbered as the search's
+        candidates (what they simulated still stripped: `outcomes` restores it)."""
+        while not self.done:
+            try:
+                outcome = self.results.next(timeout=None if wait else 0)
+            except multiprocessing.TimeoutError:
+                return
+            except StopIteration:
+                self.done = True
+                return
+            if outcome is not None:
+                yield outcome._replace(order=self._global[outcome.order])
+
+    def close(self) -> None:
+        """Stop the worker (done, or the search failed)."""
+        self.pool.terminate()
 
 
 def _one_thread() -> None:
@@ -105,8 +183,28 @@ def _unsolved(index: int, found: Candidate | None) -> Outcome:
     return Outcome(index, [], found, int(found is None))
 
 
-def _work(index: int) -> Outcome:
-    """In a worker: candidate `index` solved, and each split that may be the fastest simulated."""
+def _mine(index: int) -> bool:
+    """In a worker: whether candidate `index` is this one's to solve.  Each of the early
+    worker's candidates is the first worker's to claim it, and the early worker claims
+    none once the search has posed every candidate (the pool then has the cores)."""
+    claims, local = _JOB["claims"], _JOB["local"]
+    if claims is None:
+        return True
+    if local is None and _JOB["posed"].value:  # the early worker, after posing
+        return False
+    i = index if local is None else local[index]
+    if i < 0:
+        return True
+    with claims.get_lock():
+        taken, claims[i] = claims[i], 1
+    return not taken
+
+
+def _work(index: int) -> Outcome | None:
+    """In a worker: candidate `index` solved, and each split that may be the fastest
+    simulated; None where it is not this worker's (`_mine`)."""
+    if not _mine(index):
+        return None
     best = _JOB["best"]
     beaten = Beaten(lambda: best.value)
     found = _JOB["solve"](index, beaten)

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import runtime
-from driver import ranking, search
+from driver import ranking, search, workers
 from driver.cli import main
 from driver.ranking import Beaten
 from partitioner.trace import model_file
@@ -303,7 +303,28 @@ def test_the_search_in_worker_processes_finds_the_same_best_mesh(tmp_path: Path,
 def test_the_search_in_worker_processes_after_this_one_ran_on_several_threads(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A search forks its workers after this process computed on two threads: a worker's ops
-    (the memory walk runs some) must not wait for OpenMP threads the fork left behind."""
+    (the memory walk runs some) must not wait for OpenMP threads the fork left behind.  The
+    first shape's candidates start in the early worker while the rest are posed, and every
+    candidate comes back once, from it or from the pool ([Note: the search in worker
+    processes])."""
+    early: list[int] = []
+    ready = workers.Early.ready
+
+    def counted(self: workers.Early, wait: bool) -> Any:
+        for outcome in ready(self, wait):
+            early.append(outcome.order)
+            yield outcome
+
+    every: list[int] = []
+    outcomes = search.outcomes
+
+    def each(*args: Any) -> Any:
+        for outcome in outcomes(*args):
+            every.append(outcome.order)
+            yield outcome
+
+    monkeypatch.setattr(workers.Early, "ready", counted)
+    monkeypatch.setattr(search, "outcomes", each)
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
@@ -313,6 +334,7 @@ def test_the_search_in_worker_processes_after_this_one_ran_on_several_threads(
     finally:
         torch.set_num_threads(threads)
     assert mesh.pp * mesh.tp * mesh.dp == 4
+    assert sorted(every) == list(range(len(every))) and early  # the early worker solved some: posing a shape takes long
 
 
 def test_least_slowest_is_the_best_split_of_blocks_into_runs() -> None:
