@@ -334,7 +334,8 @@ def test_the_search_in_worker_processes_after_this_one_ran_on_several_threads(
     finally:
         torch.set_num_threads(threads)
     assert mesh.pp * mesh.tp * mesh.dp == 4
-    assert sorted(every) == list(range(len(every))) and early  # the early worker solved some: posing a shape takes long
+    assert sorted(every) == list(range(len(every)))
+    assert early  # it claims its first candidate in milliseconds; posing the other shapes takes seconds
 
 
 def test_least_slowest_is_the_best_split_of_blocks_into_runs() -> None:

@@ -138,7 +138,6 @@ def test_stage_pairs_are_pair_bytes_of_the_values_in_their_order(seed: int) -> N
         assert list(stage_pairs(p, assignment).items()) == list(plain.items())
 
 
-
 def test_cost_model_counts_values_once_and_tied_params_once_per_stage() -> None:
     # 0 -> 1, 0 -> 2, 1 -> 2; stages (0, 1, 1): stage 0 sends v0 once though 1 and 2 read it
     p = problem([1.0, 2.0, 3.0], [(0, 1), (0, 2), (1, 2)], 2, comm_alpha_s=0.5, comm_beta_s_per_byte=0.01,
