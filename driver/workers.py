@@ -29,7 +29,6 @@
 from __future__ import annotations
 
 import dataclasses
-import math
 import multiprocessing
 import os
 from typing import Any, Callable, Iterator, NamedTuple, Sequence
@@ -91,8 +90,7 @@ def outcomes(bases: Sequence[Prepared], solve: Solve, ranking: Ranking, count: i
         yield from (_here(index, solve(index, ranking.beaten), ranking) for index in range(len(bases)))
         return
     ctx = multiprocessing.get_context("fork")
-    best = early.best if early is not None else \
-        ctx.Value("d", ranking.ranked[0][0].step_time_s if ranking.ranked else math.inf)
+    best = early.best if early is not None else ctx.Value("d", ranking.best_s())
     _JOB.update(bases=bases, solve=solve, best=best, devices=ranking.devices,
                 claims=early.claims if early is not None else None, local=early.local if early is not None else None)
     try:
@@ -123,7 +121,7 @@ class Early:
     def __init__(self, bases: Sequence[Prepared], solve: Solve, ranking: Ranking) -> None:
         ctx = multiprocessing.get_context("fork")
         self.size, self.done = len(bases), False
-        self.best = ctx.Value("d", ranking.ranked[0][0].step_time_s if ranking.ranked else math.inf)
+        self.best = ctx.Value("d", ranking.best_s())
         self.claims = ctx.Array("b", len(bases))  # 1: taken by a worker
         self.posed = ctx.Value("b", 0, lock=False)  # 1: every candidate is posed (`place`)
         self.local: list[int] = []  # each candidate's index among these, -1 for none (`place`)
