@@ -14,13 +14,15 @@ Like fx's own passes, each takes a GraphModule and writes `node.meta`:
 from __future__ import annotations
 
 import operator
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.fx
 from torch.fx.passes.shape_prop import TensorMetadata, _extract_tensor_metadata
 
-from ..cost.nodes import storage_key, tensors
+from torch._subclasses.fake_tensor import FakeTensor
+
+from ..cost.nodes import is_shape_only, storage_key, tensors
 from ..errors import TraceError
 from .batch import PROBE_EXTRA, FreeBatch, NotFree, batch_constant, batch_dim, probe_batch
 from .inputs import InputKey
@@ -38,10 +40,19 @@ _ASSERTS = {
 
 
 def propagate(gm: torch.fx.GraphModule, flat_inputs: list[Any], model_path: str = "") -> dict[torch.fx.Node, Any]:
-    """Run `gm` on `flat_inputs` with autograd on; return each node's value."""
+    """Run `gm` on `flat_inputs` with autograd on; return each node's value (on the meta
+    device, a repeated op's result is a copy of its first: [Note: repeated ops on the meta
+    device])."""
     values: dict[torch.fx.Node, Any] = {}
+    repeats = _Repeats()
 
     class _Recorder(torch.fx.Interpreter):
+        def call_function(self, target: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+            return repeats.call(super().call_function, target, args, kwargs)
+
+        def call_method(self, target: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+            return repeats.call(super().call_method, target, args, kwargs)
+
         def run_node(self, n: torch.fx.Node) -> Any:
             versions = _versions(n, values)
             try:
@@ -62,6 +73,98 @@ def propagate(gm: torch.fx.GraphModule, flat_inputs: list[Any], model_path: str 
     with torch.enable_grad():
         _Recorder(gm).run(*flat_inputs)
     return values
+
+
+class _Repeats:
+    """[Note: repeated ops on the meta device]
+    A model too large to build runs on shape-only tensors (meta ones, or the fake CPU
+    tensors of [Note: mixed precision on the meta device]), where an op only works out its
+    result's shape and dtype, yet does so in Python (`_refs` decompositions: a layer_norm
+    takes a millisecond, a clone two microseconds on meta), and such a model repeats one
+    block a hundred times.  So within one run, a torch op whose every tensor holds only a
+    shape, and whose result is new (a tensor or a list of them, sharing no storage with
+    its inputs or each other, none of its inputs written), runs once per signature: the
+    type and value of each argument, each tensor's type, device, shape, strides, dtype
+    and requires_grad, and the grad and autocast modes.  A repeat gets a clone of the
+    first result: the same shape, strides, dtype and requires_grad, on storage of its own,
+    as the op's own result would be.  Views, in-place ops, what is not torch's own (a
+    function the model wraps) and anything with data always run.  On Megatron-LM's
+    529.6B model (105 blocks, 4951 nodes) a run took 0.3-0.5 s instead of 1.2-1.4 s."""
+
+    def __init__(self) -> None:
+        self.first: dict[Any, Any] = {}
+
+    def call(self, run: Callable[[Any, tuple[Any, ...], dict[str, Any]], Any], target: Any, args: tuple[Any, ...],
+             kwargs: dict[str, Any]) -> Any:
+        key = _signature(target, args, kwargs)
+        if key is None:
+            return run(target, args, kwargs)
+        first = self.first.get(key)
+        if first is not None:
+            return _clone(first)
+        inputs = tensors((args, kwargs))
+        versions = [t._version for t in inputs]
+        result = run(target, args, kwargs)
+        if _new(result, inputs) and versions == [t._version for t in inputs]:
+            self.first[key] = _clone(result)  # its own copy: the model may write the result
+        return result
+
+
+def _clone(result: Any) -> Any:
+    return type(result)(t.clone() for t in result) if isinstance(result, (tuple, list)) else result.clone()
+
+
+def _signature(target: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """What decides a torch op's result on the meta device ([Note: repeated ops on the meta
+    device]); None where the op is not torch's own or an argument is not a shape-only tensor
+    (meta or fake) or a plain value."""
+    if not (isinstance(target, str) or getattr(target, "__objclass__", None) is torch._C.TensorBase
+            or (getattr(target, "__module__", None) or "").startswith(("torch", "_operator"))):
+        return None
+    try:
+        key = (target, torch.is_grad_enabled(), torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu"),
+               _plain(args), _plain(kwargs))
+        hash(key)
+    except (_Unplain, TypeError):  # TypeError: a symbolic size
+        return None
+    return key
+
+
+class _Unplain(Exception):
+    pass
+
+
+_SHAPE_ONLY = (torch.Tensor, torch.nn.Parameter, FakeTensor)
+_PLAIN = (bool, int, float, str, torch.dtype, torch.device, torch.layout, torch.memory_format, type(None),
+          type(Ellipsis))
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        if type(value) not in _SHAPE_ONLY or not is_shape_only(value):
+            raise _Unplain
+        return (type(value), value.device, value.shape, value.stride(), value.dtype, value.layout,
+                value.requires_grad)
+    if isinstance(value, (tuple, list)):  # fx's immutable_list and torch.Size too
+        return type(value), tuple(_plain(v) for v in value)
+    if isinstance(value, dict):
+        return dict, tuple((k, _plain(v)) for k, v in value.items())
+    if type(value) is slice:
+        return slice, _plain(value.start), _plain(value.stop), _plain(value.step)
+    if type(value) in _PLAIN:
+        return type(value), value
+    raise _Unplain
+
+
+def _new(result: Any, inputs: list[torch.Tensor]) -> bool:
+    """Whether `result` is new shape-only tensors a clone reproduces ([Note: repeated ops on the
+    meta device])."""
+    made = [result] if isinstance(result, torch.Tensor) else list(result) if type(result) in (tuple, list) else []
+    if not made or any(type(t) not in _SHAPE_ONLY or not is_shape_only(t) for t in made):
+        return False
+    storages = {storage_key(t) for t in made}
+    return (len(storages) == len(made) and not storages & {storage_key(t) for t in inputs}
+            and all(not (t.requires_grad and t.is_leaf) and t.clone().stride() == t.stride() for t in made))
 
 
 def probe(gm: torch.fx.GraphModule, keyed: dict[InputKey, Any], input_keys: list[tuple[str, InputKey]],
