@@ -49,7 +49,7 @@ def node_costs(gm: torch.fx.GraphModule, values: dict[torch.fx.Node, Any], hardw
         json.dumps([PROFILE_VERSION, gm.code, [str(n.meta.get("tensor_meta")) for n in gm.graph.nodes],
                     hardware.name, measure, opts.repeats, torch.__version__, RANK_THREADS,
                     wait, timer.key]).encode()
-    ).hexdigest()[:32]
+    ).hexdigest()[:32] if measure else ""  # analytic costs are not cached (nor the graph compiled to name them)
     cached = None if (opts.reprofile or not measure) else cache.get(key)
     nodes = compute_nodes(gm)
     if cached is not None and set(cached) == {n.name for n in nodes}:
@@ -79,7 +79,7 @@ def loss_costs(mf: model_file.ModelFile, traced: Traced, values: dict[torch.fx.N
     key = "loss-" + hashlib.sha256(json.dumps(
         [PROFILE_VERSION, mf.sha256, traced.gm.code, [str(x.meta.get("tensor_meta")) for x in traced.gm.graph.nodes],
          hardware.name, measure, opts.repeats, torch.__version__, RANK_THREADS, rows, timer.key]
-    ).encode()).hexdigest()[:32]
+    ).encode()).hexdigest()[:32] if measure else ""
     cached = None if (opts.reprofile or not measure) else cache.get(key)
     if isinstance(cached, dict):
         return NodeCost(**cached)

@@ -43,14 +43,16 @@ def update_golden(request: pytest.FixtureRequest) -> bool:
 
 
 def compile_example(path: str, out: Path, **options: Any) -> Any:
-    """Compile a model file quietly with deterministic (analytic) costs unless told."""
+    """Compile a model file quietly with deterministic (analytic) costs unless told, and a
+    second of CP-SAT's deterministic time: these check what a plan trains like, and the
+    solver's own tests how good it is."""
     from driver.compile import compile_model
     from driver.options import CompileOptions
 
     options.setdefault("analytic", True)
     options.setdefault("hardware", "a100")
     options.setdefault("quiet", True)
-    options.setdefault("time_limit", 5.0)
+    options.setdefault("time_limit", 1.0)
     return compile_model(CompileOptions(model=path, out=str(out), **options))
 
 

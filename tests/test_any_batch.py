@@ -208,7 +208,7 @@ def test_an_input_named_batch_keeps_its_name(tmp_path: Path) -> None:
 
 @pytest.mark.multiproc
 @pytest.mark.parametrize("example, options, rows", [
-    ("mlp", {"stages": 2}, 5),
+    pytest.param("mlp", {"stages": 2}, 5, marks=pytest.mark.slow),  # as gpt's below
     ("gpt", {"stages": 2}, 5),
     pytest.param("hf_gpt2", {"stages": 2}, 5, marks=pytest.mark.slow),  # ~25 s
     ("gpt", {"stages": 1, "dp": 2}, 6),

@@ -25,12 +25,13 @@ from .runtime.test_distributed import _ok, launch
         ("gpt_2x2_1f1b", "gpt", {"stages": 2, "dp": 2, "schedule": "1f1b"}, 4),
         ("gpt_interleaved", "gpt", {"stages": 2, "schedule": "interleaved", "microbatches": 4}, 2),
         ("skip_3_gpipe", "skip", {"stages": 3, "schedule": "gpipe"}, 3),
-        ("gpt_tp2", "gpt", {"stages": 1, "tp": 2, "hardware": FREE}, 2),
+        # tp alone: the same rules run again under a pipeline in the "2_stages_x_tp2" cases
+        pytest.param("gpt_tp2", "gpt", {"stages": 1, "tp": 2, "hardware": FREE}, 2, marks=pytest.mark.slow),
         ("gpt_2_stages_x_tp2", "gpt", {"stages": 2, "tp": 2, "hardware": FREE}, 4),
         ("gpt_tp2_x_dp2", "gpt", {"stages": 1, "tp": 2, "dp": 2, "hardware": FREE}, 4),
-        ("hf_gpt2_tp2", "hf_gpt2", {"stages": 1, "tp": 2, "hardware": FREE}, 2),
+        pytest.param("hf_gpt2_tp2", "hf_gpt2", {"stages": 1, "tp": 2, "hardware": FREE}, 2, marks=pytest.mark.slow),
         ("hf_gpt2_2_stages_x_tp2", "hf_gpt2", {"stages": 2, "tp": 2, "hardware": FREE}, 4),
-        ("bert_tp2", "bert", {"stages": 1, "tp": 2, "hardware": FREE}, 2),
+        pytest.param("bert_tp2", "bert", {"stages": 1, "tp": 2, "hardware": FREE}, 2, marks=pytest.mark.slow),
         ("bert_2_stages_x_tp2", "bert", {"stages": 2, "tp": 2, "schedule": "gpipe", "hardware": FREE}, 4),
     ],
 )

@@ -25,6 +25,7 @@ import torch.fx
 from ..cost.hardware import Hardware
 from ..cost.waves import shard_factor
 from ..ir import REPLICATED, Layout, NodeCost
+from ..trace.traced import graph_module
 from .problem import ShardingReport
 from .pose import PAIRS, Posed, call_s, needs_grad, value_bytes
 from .rules import Strategy, insert
@@ -78,7 +79,7 @@ def rewrite(gm: torch.fx.GraphModule, posed: Posed, choice: tuple[int, ...], cos
         layout[n] = s.output
         n.meta["tp_layout"] = s.output  # codegen gives a sharded value's dropout its rank's stream
         _localize(n, s.output, tp)  # 4. local shape
-    local = torch.fx.GraphModule(gm, graph)
+    local = graph_module(gm, graph)
     local.graph.lint()
     rules = {name: s.rule for name, s in strategy_of.items() if s.rule not in ("replicate", "input", "output")}
     rank = _Rank(strategy_of, tp, hardware, collectives, {n.name: _shape(n) for n in gm.graph.nodes}, params)

@@ -16,7 +16,7 @@ from .autocast import recording_autocast
 from .functions import functions_as_leaves, short_name
 from .inputs import InputKey, fix_placeholder, flat_codegen, leaves_of, nested_placeholders
 from .kept import rewrite_kept
-from .traced import Traced
+from .traced import Traced, graph_module
 
 __all__ = ["trace_fx"]
 
@@ -90,7 +90,7 @@ def trace_fx(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, An
     for node in graph.nodes:  # a tensor default would be written as an unbound `_tensor_constant0`
         if node.op == "placeholder" and any(isinstance(a, (torch.Tensor, torch.fx.Node)) for a in node.args):
             node.args = ()
-    gm = torch.fx.GraphModule(model, graph)
+    gm = graph_module(model, graph)
     # fx makes a placeholder for every parameter of forward(), in signature order (one per
     # leaf of a nested one); those fixed to their defaults are replaced by the default and
     # their guards dropped, and so are the non-tensor leaves of nested ones

@@ -27,8 +27,8 @@ from ..errors import TraceError
 from .batch import PROBE_EXTRA, FreeBatch, NotFree, batch_constant, batch_dim, probe_batch
 from .inputs import InputKey
 
-__all__ = ["Seen", "get_attr", "inline_higher_order", "probe", "propagate", "seen_run", "specialize", "is_tensor_node",
-           "node_module"]
+__all__ = ["Repeating", "Seen", "get_attr", "inline_higher_order", "probe", "propagate", "seen_run", "specialize",
+           "is_tensor_node", "node_module"]
 
 _ASSERTS = {
     "_assert_tensor_metadata",
@@ -44,15 +44,8 @@ def propagate(gm: torch.fx.GraphModule, flat_inputs: list[Any], model_path: str 
     device, a repeated op's result is a copy of its first: [Note: repeated ops on the meta
     device])."""
     values: dict[torch.fx.Node, Any] = {}
-    repeats = _Repeats()
 
-    class _Recorder(torch.fx.Interpreter):
-        def call_function(self, target: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-            return repeats.call(super().call_function, target, args, kwargs)
-
-        def call_method(self, target: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-            return repeats.call(super().call_method, target, args, kwargs)
-
+    class _Recorder(Repeating):
         def run_node(self, n: torch.fx.Node) -> Any:
             versions = _versions(n, values)
             try:
@@ -73,6 +66,21 @@ def propagate(gm: torch.fx.GraphModule, flat_inputs: list[Any], model_path: str 
     with torch.enable_grad():
         _Recorder(gm).run(*flat_inputs)
     return values
+
+
+class Repeating(torch.fx.Interpreter):
+    """fx's Interpreter, a repeated op on shape-only tensors served a copy of its first
+    result ([Note: repeated ops on the meta device])."""
+
+    def __init__(self, gm: torch.fx.GraphModule, **kwargs: Any) -> None:
+        super().__init__(gm, **kwargs)
+        self.repeats = _Repeats()
+
+    def call_function(self, target: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        return self.repeats.call(super().call_function, target, args, kwargs)
+
+    def call_method(self, target: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        return self.repeats.call(super().call_method, target, args, kwargs)
 
 
 class _Repeats:

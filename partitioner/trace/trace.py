@@ -35,6 +35,7 @@ from .inputs import InputKey, expand_outputs
 from .kept import failing_submodule
 from .messages import failure_message, library_frame
 from .model_file import user_frame
+from .passes import Repeating
 from .traced import Traced, by_input_key, copy_traced
 
 # _ThroughTracer: re-exported for tests that time fx's own name lookup against it
@@ -121,6 +122,6 @@ def _check_runs(traced: Traced, model: torch.nn.Module, args: tuple[Any, ...], k
     flat = [by_key[key] for _name, key in traced.input_keys]
     with torch.no_grad():
         traced.gm.graph.lint()
-        run = torch.fx.Interpreter(traced.gm, garbage_collect_values=False)
+        run = Repeating(traced.gm, garbage_collect_values=False)  # [Note: repeated ops on the meta device]
         _ = run.run(*flat)
     return expand_outputs(traced, run.env)
