@@ -18,9 +18,8 @@ from typing import Any, Callable
 
 import torch
 import torch.fx
-from torch.fx.passes.shape_prop import TensorMetadata, _extract_tensor_metadata
-
 from torch._subclasses.fake_tensor import FakeTensor
+from torch.fx.passes.shape_prop import TensorMetadata, _extract_tensor_metadata
 
 from ..cost.nodes import is_shape_only, storage_key, tensors
 from ..errors import TraceError
@@ -40,8 +39,8 @@ _ASSERTS = {
 
 
 def propagate(gm: torch.fx.GraphModule, flat_inputs: list[Any], model_path: str = "") -> dict[torch.fx.Node, Any]:
-    """Run `gm` on `flat_inputs` with autograd on; return each node's value (on the meta
-    device, a repeated op's result is a copy of its first: [Note: repeated ops on the meta
+    """Run `gm` on `flat_inputs` with autograd on; return each node's value (on shape-only
+    tensors, a repeated op's result is a copy of its first: [Note: repeated ops on the meta
     device])."""
     values: dict[torch.fx.Node, Any] = {}
 
@@ -123,9 +122,9 @@ def _clone(result: Any) -> Any:
 
 
 def _signature(target: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    """What decides a torch op's result on the meta device ([Note: repeated ops on the meta
-    device]); None where the op is not torch's own or an argument is not a shape-only tensor
-    (meta or fake) or a plain value."""
+    """What decides a torch op's result on shape-only tensors ([Note: repeated ops on the
+    meta device]); None where the op is not torch's own or an argument is neither a
+    shape-only tensor (meta or fake) nor a plain value."""
     if not (isinstance(target, str) or getattr(target, "__objclass__", None) is torch._C.TensorBase
             or (getattr(target, "__module__", None) or "").startswith(("torch", "_operator"))):
         return None
