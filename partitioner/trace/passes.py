@@ -169,6 +169,8 @@ def _new(result: Any, inputs: list[torch.Tensor]) -> bool:
     made = [result] if isinstance(result, torch.Tensor) else list(result) if type(result) in (tuple, list) else []
     if not made or any(type(t) not in _SHAPE_ONLY or not is_shape_only(t) for t in made):
         return False
+    if any(type(d) is not int for t in made for d in t.shape):  # a size an op makes up (unbacked) each run
+        return False
     storages = {storage_key(t) for t in made}
     return (len(storages) == len(made) and not storages & {storage_key(t) for t in inputs}
             and all(not (t.requires_grad and t.is_leaf) and t.clone().stride() == t.stride() for t in made))
