@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from .conftest import FREE_LINKS as FREE, ROOT, compile_example
+from .conftest import ANY_PLAN_S, FREE_LINKS as FREE, ROOT, compile_example
 from .runtime.test_distributed import _ok, launch
 
 
@@ -37,7 +37,7 @@ from .runtime.test_distributed import _ok, launch
 )
 def test_compiled_example_trains_like_the_original(name: str, model: str, options: dict[str, object], ranks: int,
                                                    tmp_path: Path) -> None:
-    compiled = compile_example(f"examples/{model}.py", tmp_path / name, **options)
+    compiled = compile_example(f"examples/{model}.py", tmp_path / name, time_limit=ANY_PLAN_S, **options)
     if options.get("tp", 1) != 1:
         assert compiled.manifest.tensor_parallel["rules"], "the tp tests need something split"
     copy = tmp_path / f"{model}.py"  # the launcher writes its rank logs beside the model file

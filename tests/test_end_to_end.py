@@ -15,7 +15,7 @@ import torch
 import runtime
 from partitioner.trace import model_file
 
-from .conftest import compile_example, train_original, train_pipeline
+from .conftest import ANY_PLAN_S, compile_example, train_original, train_pipeline
 from .fake_gpu import check_stages_on_fake_gpu
 
 EXAMPLES = ["mlp", "gpt", "bert", "ncf", "skip", "hf_gpt2", "hf_bert"]
@@ -29,7 +29,7 @@ def _reference(path: str) -> tuple[list[float], dict[str, torch.Tensor]]:
 
 
 def _partitioned(path: str, out: Path, **options: Any) -> tuple[list[float], dict[str, torch.Tensor]]:
-    compile_example(path, out, **options)
+    compile_example(path, out, time_limit=ANY_PLAN_S, **options)
     check_stages_on_fake_gpu(out)  # no device constant: every stage runs on a (fake) GPU
     mf = model_file.load(path)
     pipe = runtime.LocalPipeline(str(out))
