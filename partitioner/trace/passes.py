@@ -113,12 +113,19 @@ class _Repeats:
         versions = [t._version for t in inputs]
         result = run(target, args, kwargs)
         if _new(result, inputs) and versions == [t._version for t in inputs]:
-            self.first[key] = _clone(result)  # its own copy: the model may write the result
+            copy = _clone(result)  # its own: the model may write the result
+            if all(c.stride() == t.stride() for c, t in zip(_tensors_of(copy), _tensors_of(result))):
+                self.first[key] = copy
         return result
 
 
 def _clone(result: Any) -> Any:
     return type(result)(t.clone() for t in result) if isinstance(result, (tuple, list)) else result.clone()
+
+
+def _tensors_of(result: Any) -> list[Any]:
+    """A result's tensors, were it a tensor or a tuple or list of them (anything else: none)."""
+    return [result] if isinstance(result, torch.Tensor) else list(result) if type(result) in (tuple, list) else []
 
 
 def _signature(target: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -164,16 +171,16 @@ def _plain(value: Any) -> Any:
 
 
 def _new(result: Any, inputs: list[torch.Tensor]) -> bool:
-    """Whether `result` is new shape-only tensors a clone reproduces ([Note: repeated ops on the
-    meta device])."""
-    made = [result] if isinstance(result, torch.Tensor) else list(result) if type(result) in (tuple, list) else []
+    """Whether `result` is new shape-only tensors ([Note: repeated ops on the meta device]; a
+    clone must also keep their strides)."""
+    made = _tensors_of(result)
     if not made or any(type(t) not in _SHAPE_ONLY or not is_shape_only(t) for t in made):
         return False
     if any(type(d) is not int for t in made for d in t.shape):  # a size an op makes up (unbacked) each run
         return False
     storages = {storage_key(t) for t in made}
     return (len(storages) == len(made) and not storages & {storage_key(t) for t in inputs}
-            and all(not (t.requires_grad and t.is_leaf) and t.clone().stride() == t.stride() for t in made))
+            and not any(t.requires_grad and t.is_leaf for t in made))
 
 
 def probe(gm: torch.fx.GraphModule, keyed: dict[InputKey, Any], input_keys: list[tuple[str, InputKey]],
