@@ -45,6 +45,7 @@ class PackageInfo:
     #: each output leaf's batch dimension ([Note: input leaves] in partitioner/trace/inputs.py)
     output_batch_dims: tuple[int | None, ...] = ()
     precision: str = "fp32"  # runtime.precision ([Note: mixed precision])
+    loss_reduction: str = "mean"  # how loss_fn reduces over the batch (driver/loss_check.py)
     source_text: bytes = b""  # the model file's bytes, copied into the package as MODEL_COPY
     source_modules: dict[str, bytes] = field(default_factory=dict)  # `<name>.py` of its folder it imports
 

@@ -90,6 +90,7 @@ def _manifest(plan: Plan, info: PackageInfo, stages: list[StageSpec], modules: t
         free_dims=("batch",) if info.free_batch else (),
         output_batch_dims=info.output_batch_dims if any(d not in (0, None) for d in info.output_batch_dims) else (),
         precision=info.precision,
+        loss_reduction=info.loss_reduction,
         inputs=info.inputs,
         stages=tuple(stages),
         tied_parameters=tuple(TiedParameter(n, tuple(s)) for n, s in tied.items() if len(s) > 1),

@@ -68,7 +68,7 @@ def package_info(p: Prepared, plan: Plan, predicted: dict[str, Any]) -> PackageI
         predicted=Predicted.from_dict(predicted) if predicted else None, options=options, tp=plan.tp,
         shards=dict(sharded.params) if sharded is not None else {},
         tensor_parallel=_tp_summary(sharded), recompute=plan.recompute, offload=plan.offload, free_batch=p.free_batch,
-        precision=opts.precision,
+        precision=opts.precision, loss_reduction=p.loss_reduction,
         output_batch_dims=output_batch_dims(traced.output_leaves, p.rows, _input_dims_by_shape(inputs)),
     )
 

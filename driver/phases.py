@@ -64,6 +64,7 @@ from runtime.precision import autocast, cast_inputs, cast_model
 from . import offloading
 from .check import calibration_block, check_plan
 from .costs import loss_costs, node_costs, calibrated_costs, stage_peaks
+from .loss_check import loss_reduction
 from .options import (CompileOptions, batch_size, check, default_microbatches, fixed_tp, mesh_of, rows_per_microbatch,
                       split_batch)
 from .package_info import model_flops, package_info
@@ -146,6 +147,7 @@ def prepare(opts: CompileOptions, say: Callable[[str], None] = lambda _m: None, 
         check_modes(traced.gm)  # [Note: modes in generated code]
         note_dropout(traced.gm, None if opts.quiet else say)
         phase("trace")
+        reduction = loss_reduction(mf, traced, values, dims, batch, rows, say)  # [Note: the loss's reduction]
         # 3. cost every node, measured (cached) or analytic (partitioner.cost).
         with rank_threads(), autocast(opts.precision, src.device.type):  # measured as a rank will compute
             costs = node_costs(traced.gm, values, hardware, opts, say, timer)
@@ -165,7 +167,7 @@ def prepare(opts: CompileOptions, say: Callable[[str], None] = lambda _m: None, 
     return Prepared(opts=opts, mf=mf, model=model, traced=traced, costs=costs, hardware=hardware, problem=problem,
                     blocks=coarse.blocks, batch=batch, rows=rows, args=args, kwargs=kwargs, mesh=mesh, timings=timings,
                     whole=whole, sharded=sharded, coarse=coarse, values=values if sharded is None else None, say=say,
-                    free_batch=free_batch, loss=loss, timer=timer)
+                    free_batch=free_batch, loss=loss, loss_reduction=reduction, timer=timer)
 
 
 def _trace(src: Source, margs: tuple[Any, ...], mkwargs: dict[str, Any], opts: CompileOptions, rows: int,

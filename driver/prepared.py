@@ -62,6 +62,7 @@ class Prepared:
     say: Callable[[str], None] = field(default=lambda _m: None, repr=False)  # progress and warnings
     free_batch: bool = False  # the batch dimension is left free ([Note: free batch])
     loss: NodeCost | None = None  # the loss_fn on one microbatch's output (partitioner.cost.loss)
+    loss_reduction: str = "mean"  # how loss_fn reduces over the batch (driver/loss_check.py)
     timer: DeviceTimer = CPU_TIMER  # times every measurement, on the device the model runs on
     #: each stage's recomputation policy where it was chosen with the split ([Note:
     #: recomputation chosen per rank] in driver/recompute.py); None: the problem's own

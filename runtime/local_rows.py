@@ -12,7 +12,8 @@ whose stages do not read a value may be given None for it.
     replicas' schedules stay alike.  Replica r's microbatch i of r_i rows then has divisor
     B / (dp r_i) (`scales`): the replicas' gradients are averaged (/ dp) and their losses
     summed and divided by dp, so each row counts 1/B, as [Note: microbatch weights] in
-    microbatches.py asks.  With equal rows this is the global form's divisor exactly.
+    microbatches.py asks.  With equal rows this is the global form's divisor exactly.  A
+    loss_fn that sums over its rows divides by 1 / dp, whatever the rows.
 """
 
 from __future__ import annotations
@@ -71,8 +72,11 @@ def microbatch_rows(rows: int, count: int) -> list[int]:
     return [p.numel() for p in torch.tensor_split(torch.empty(rows), count)]
 
 
-def scales(rows: list[int], total: int, replicas: int) -> list[float]:
-    """Each microbatch's divisor B / (dp r_i) ([Note: local rows])."""
+def scales(rows: list[int], total: int, replicas: int, reduction: str = "mean") -> list[float]:
+    """Each microbatch's divisor B / (dp r_i) ([Note: local rows]); 1 / dp for a loss_fn
+    that sums over its rows ([Note: microbatch weights] in microbatches.py)."""
+    if reduction == "sum":
+        return [1 / replicas] * len(rows)
     return [total / (replicas * r) for r in rows]
 
 

@@ -30,6 +30,7 @@ from .stage_spec import (REPLICATED_SHARD, BufferSpec, ParamSpec, Shard, StageIn
 
 __all__ = [
     "FORMAT_VERSION",
+    "LOSS_REDUCTIONS",
     "SCHEDULES",
     "Manifest",
     "read_manifest",
@@ -51,6 +52,7 @@ __all__ = [
 ]
 
 FORMAT_VERSION = 1
+LOSS_REDUCTIONS = ("mean", "sum")  # the manifest's `loss_reduction` ([Note: microbatch weights] in microbatches.py)
 _RECOMPILE = "compile the model again"
 _RECOMPILE_WITH = "compile the model again with `python -m partitioner compile MODEL.py --out DIR`"
 MODEL_COPY = "model_file.py"  # the package's copy of the model file ([Note: the model file's copy])
@@ -182,6 +184,9 @@ class Manifest:
     output_batch_dims: tuple[int | None, ...] = ()
     #: `compile --precision` (runtime.precision), written only when not "fp32"
     precision: str = "fp32"
+    #: how loss_fn reduces over the batch, as the compile found it on the example batch
+    #: ([Note: microbatch weights] in microbatches.py): "mean" or "sum", written only when "sum"
+    loss_reduction: str = "mean"
     tied_parameters: tuple[TiedParameter, ...] = ()
     state_dict_aliases: Mapping[str, str] = field(default_factory=dict)  # extra state_dict key -> canonical name
     meta_constants: tuple[str, ...] = ()
@@ -198,6 +203,7 @@ class Manifest:
             "batch_size": self.batch_size, **({"free_dims": list(self.free_dims)} if self.free_dims else {}),
             **({"output_batch_dims": list(self.output_batch_dims)} if self.output_batch_dims else {}),
             **({"precision": self.precision} if self.precision != "fp32" else {}),
+            **({"loss_reduction": self.loss_reduction} if self.loss_reduction != "mean" else {}),
             "inputs": [i.to_dict() for i in self.inputs],
             "stages": [s.to_dict() for s in self.stages],
             "tied_parameters": [t.to_dict() for t in self.tied_parameters],
@@ -304,7 +310,7 @@ def _read_manifest(data: Mapping[str, Any]) -> Manifest:
         options=m.get("options", _mapping, {}), virtual_stages=m.get("virtual_stages", _count, 1),
         batch_size=m.get("batch_size", _opt_int, None), free_dims=tuple(m.get("free_dims", _free, [])),
         output_batch_dims=tuple(m.get("output_batch_dims", _opt_ints_list, [])),
-        precision=m.get("precision", _precision, "fp32"),
+        precision=m.get("precision", _precision, "fp32"), loss_reduction=m.get("loss_reduction", _reduction, "mean"),
         tied_parameters=m.each("tied_parameters", _tied, optional=True),
         state_dict_aliases=m.get("state_dict_aliases", _mapping, {}),
         meta_constants=tuple(m.get("meta_constants", _strs, [])),
@@ -317,6 +323,13 @@ def _read_manifest(data: Mapping[str, Any]) -> Manifest:
 def _precision(value: Any, path: str) -> str:
     if value not in PRECISIONS:
         raise _Bad(f"{path}: expected one of {', '.join(PRECISIONS)} (the precisions this runtime runs), got {value!r}")
+    return str(value)
+
+
+def _reduction(value: Any, path: str) -> str:
+    if value not in LOSS_REDUCTIONS:
+        raise _Bad(f"{path}: expected one of {', '.join(LOSS_REDUCTIONS)} (how loss_fn reduces over the batch), "
+                   f"got {value!r}")
     return str(value)
 
 

@@ -90,9 +90,10 @@ def microbatch_rows(inputs: Any, manifest: Manifest, count: int | None = None) -
     return [p.numel() for p in torch.tensor_split(torch.empty(rows), m)]
 
 
-def loss_scales(rows: list[int], replicas: int = 1) -> list[float]:
-    """What each microbatch's mean loss is divided by, so the sum over the microbatches (and
-    `replicas` replicas of equal rows) is the whole batch's mean loss.
+def loss_scales(rows: list[int], replicas: int = 1, reduction: str = "mean", dp: int | None = None) -> list[float]:
+    """What each microbatch's loss is divided by, so the sum over the microbatches (and
+    `replicas` replicas of equal rows, of `dp`, default `replicas`) is the whole batch's
+    loss: its mean, or with `reduction` "sum" its sum.
 
     [Note: microbatch weights]
         A batch of B rows is cut into dp replicas of B/dp rows (dp must divide B) and each
@@ -106,7 +107,14 @@ def loss_scales(rows: list[int], replicas: int = 1) -> list[float]:
         gradients' mean across replicas) by dp.  Given each replica's own rows (local=True),
         which may differ, a replica divides by B / (dp r_i): [Note: local rows] in
         local_rows.py.
+        A loss_fn that sums over its rows (the manifest's `loss_reduction` "sum", found by the
+        compile on the example batch: driver/loss_check.py) has the whole batch's loss
+        sum_i L_i, each microbatch's counting whole: LocalPipeline divides by 1, a
+        DistributedPipeline replica by 1/dp (the mean across replicas then leaves the sum),
+        whatever the rows.
     """
+    if reduction == "sum":
+        return [replicas / (dp or replicas)] * len(rows)
     total = sum(rows) * replicas
     return [total / r for r in rows]
 

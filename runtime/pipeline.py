@@ -311,7 +311,7 @@ class Pipeline(ABC, Generic[Order]):
         count = self._counts.fit(microbatches.replica_rows(inputs, m))
         rows = microbatches.microbatch_rows(inputs, m, count)
         cut = {r: microbatches.split_inputs(inputs, m, r, count) for r in replicas}
-        return Batch(rows, microbatches.loss_scales(rows, len(replicas)), cut)
+        return Batch(rows, microbatches.loss_scales(rows, len(replicas), m.loss_reduction, m.mesh.dp), cut)
 
     def _prepare(self, inputs: Any, target: Any, loss_fn: LossFn | None, local: bool, with_target: bool) -> Batch:
         """Steps 2 and 3: the global batch is cut before the ranks meet (a wrong batch fails
@@ -336,7 +336,7 @@ class Pipeline(ABC, Generic[Order]):
         cut = microbatches.split_inputs(inputs, m, 0, count, replicas=1) if needs.inputs else [{} for _ in rows]
         targets = microbatches.split_target(target, count, batch_size=mine) if needs.target else [None] * count
         fn = (loss_fn or self._default_loss_fn()) if needs.target else None
-        return Batch(rows, local_rows.scales(rows, sum(every), len(every)), {self.replica: cut},
+        return Batch(rows, local_rows.scales(rows, sum(every), len(every), m.loss_reduction), {self.replica: cut},
                      {self.replica: targets} if with_target else {}, fn, local=True)
 
     def _default_rows(self) -> int:
