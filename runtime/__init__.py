@@ -26,7 +26,7 @@ if TYPE_CHECKING:  # what the names are, for the type checker; at run time `__ge
     from .initialize import init_weights
     from .local import LocalPipeline
     from .manifest import FORMAT_VERSION, Manifest
-    from .scaler import GradScaler, finite_step
+    from .scaler import GradScaler, NonFiniteSteps, finite_step
     from .schedule import (SCHEDULES, Action, Kind, StageGraph, execution_order, format_grid, format_schedule, gpipe,
                            interleaved_1f1b, lower, make_schedule, one_f_one_b, parse_schedule, validate)
 
@@ -37,6 +37,7 @@ __all__ = [
     "latest_checkpoint",
     "load_latest",
     "finite_step",
+    "NonFiniteSteps",
     "init_weights",
     "GradScaler",
     "Manifest",
@@ -65,6 +66,7 @@ _EXPORTS = {
     "latest_checkpoint": "checkpoint",
     "load_latest": "checkpoint",
     "finite_step": "scaler",
+    "NonFiniteSteps": "scaler",
     "init_weights": "initialize",
     "GradScaler": "scaler",
     "Manifest": "manifest",

@@ -7,11 +7,13 @@ loads them into this rank's stages and trains K steps (--optimizer sgd | adamw, 
 --resume, from the newest checkpoint's step on; --checkpoint saves); fp16-mixed packages
 scale the loss ([Note: a global loss scale]) and, with --clip, unscale the gradients before
 clipping them; --on-nonfinite skip|stop skips a step whose loss or gradients are not
-finite on every rank, or stops there ([Note: non-finite steps]). Rank 0 prints
-`step k  loss X.XXXXXX  time Y ms` (with --clip, `step k  loss X.XXXXXX  norm N.NNNNNN  time
-Y ms`: the gradient norm before clipping), and after the run's second step (its first when
-it runs one) `memory rank r  measured ...; predicted ...` for each rank (its peak bytes by
-kind in that step beside the plan's prediction: runtime/memory.py).
+finite on every rank (at most --max-skips K in a row), or stops there ([Note: non-finite
+steps]), looking before clipping. Rank 0 prints `step k  loss X.XXXXXX  time Y ms` (with
+--clip, `step k  loss X.XXXXXX  norm N.NNNNNN  time Y ms`: the gradient norm before
+clipping; a skipped step, `skipped (WHAT is not finite)` for the norm), and after the
+run's second step (its first when it runs one) `memory rank r  measured ...; predicted
+...` for each rank (its peak bytes by kind in that step beside the plan's prediction:
+runtime/memory.py).
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from runtime import DistributedPipeline, GradScaler, faults, package, restarts
 from runtime.checkpoint import run as checkpointing
 from runtime.errors import PipelineError
 from runtime.launch import add_training_arguments
-from runtime.scaler import finite_step
+from runtime.scaler import MAX_SKIPS, NonFiniteSteps
 
 __all__ = ["main", "OPTIMIZERS"]
 
@@ -45,15 +47,23 @@ def _batches(model_file: Any) -> Iterator[tuple[Any, Any]]:
     return itertools.chain.from_iterable(model_file.batches() for _ in itertools.count())
 
 
-def _finite(ns: argparse.Namespace, loss: torch.Tensor, opt: torch.optim.Optimizer | None, step: int,
-            scaler: GradScaler) -> bool:
-    """--on-nonfinite: whether to take step `step` ([Note: non-finite steps]); a skipped
-    step leaves the fp16 scale as it was."""
-    if ns.on_nonfinite is None or finite_step(loss, opt, step, ns.on_nonfinite, grads=not scaler.is_enabled()):
-        return True
+def _skipped(check: NonFiniteSteps | None, loss: torch.Tensor, opt: torch.optim.Optimizer | None, step: int,
+             scaler: GradScaler) -> str | None:
+    """--on-nonfinite: what was not finite in step `step`, which is skipped, or None to
+    take it ([Note: non-finite steps]); a skipped step leaves the fp16 scale as it was."""
+    if check is None or check(loss, opt, step):
+        return None
     if scaler.is_enabled():
         scaler.update(scaler.get_scale())
-    return False
+    return check.skipped
+
+
+def _nonfinite_check(ns: argparse.Namespace, pipe: DistributedPipeline, scaler: GradScaler) -> NonFiniteSteps | None:
+    """--on-nonfinite skip|stop [--max-skips K]: the check of every step, or None."""
+    if ns.on_nonfinite is None:
+        return None
+    return NonFiniteSteps(ns.on_nonfinite, max_skips=MAX_SKIPS if ns.max_skips is None else ns.max_skips,
+                          grads=not scaler.is_enabled(), names=pipe.named_parameters())
 
 
 def _train(ns: argparse.Namespace) -> None:
@@ -69,6 +79,7 @@ def _train(ns: argparse.Namespace) -> None:
     # fp16-mixed scales the loss ([Note: a global loss scale]); otherwise the scaler does nothing
     scaler = GradScaler(pipe.device.type, enabled=pipe.manifest.precision == "fp16-mixed")
     loss_fn = scaler.loss_fn(model_file.loss_fn)
+    check = _nonfinite_check(ns, pipe, scaler)
     first = checkpointing.resume(pipe, opt, ns) + 1
     measured = min(first + 1, ns.steps)  # the steady state the plan predicts: optimizer state made by the step before
     data = itertools.islice(_batches(model_file), first - 1, None)  # a resumed run goes on with the next batch
@@ -84,12 +95,14 @@ def _train(ns: argparse.Namespace) -> None:
         norm = ""
         if ns.clip is not None:  # the true gradients (fp16-mixed: unscaled, and the global inf check) are clipped
             scaler.unscale_(opt)
-            norm = f"  norm {pipe.clip_grad_norm_(ns.clip).item():.6f}"
-        if _finite(ns, loss, opt, k, scaler):
+        skipped = _skipped(check, loss, opt, k, scaler)  # before clipping, which makes every gradient nan if one is
+        if skipped is not None:
+            norm = f"  skipped ({skipped} is not finite)"
+        else:
+            if ns.clip is not None:
+                norm = f"  norm {pipe.clip_grad_norm_(ns.clip).item():.6f}"
             scaler.step(opt)
             scaler.update()
-        else:
-            norm += "  skipped (not finite)"
         if pipe.device.type == "cuda":
             torch.cuda.synchronize(pipe.device)
         ms = (time.perf_counter() - start) * 1e3
@@ -134,12 +147,13 @@ def main(argv: list[str]) -> int:
     checkpointing.add_arguments(parser)
     ns = parser.parse_args(argv)
     ns.step = 0
+    restarts.start_heartbeat(int(os.environ.get("RANK", "0")))  # [Note: heartbeats] in runtime/restarts.py
     try:
         _train(ns)
     except PipelineError as exc:
         rank = int(os.environ.get("RANK", "0"))
-        restarts.report_error(rank, ns.step, exc)
-        print(f"rank {rank}: error: {exc}", file=sys.stderr, flush=True)
+        if not restarts.report_error(rank, ns.step, exc):  # else the launcher says it, once, last
+            print(f"rank {rank}: error: {exc}", file=sys.stderr, flush=True)
         os._exit(2)  # do not wait on a process group whose peers are gone
     return 0
 

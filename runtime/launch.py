@@ -1,4 +1,4 @@
-"""`partitioner run DIR --nproc N [--steps K] [--lr LR] [--trace FILE] [--on-nonfinite skip|stop]`
+"""`partitioner run DIR --nproc N [--steps K] [--lr LR] [--trace FILE] [--on-nonfinite skip|stop [--max-skips K]]`
 (and the checkpoint options of checkpoint/run.py: --checkpoint DIR --save-every K --keep N --resume --init --load
 PATH --max-restarts R: a failed job restarts from its newest checkpoint, restarts.py): train a package for a few steps, one process per rank, through torchrun (the
 user-facing contract: README.md, "Use", and docs/checkpoints.md).
@@ -14,15 +14,19 @@ import argparse
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
+
+import torch
 
 from . import package, restarts
 from .checkpoint import run as checkpointing
 from .engines import DEFAULT_ENGINE, ENGINES
 from .errors import ManifestError, MeshError, PipelineError
 from .manifest import Manifest
+from .scaler import MAX_SKIPS
 
-__all__ = ["add_training_arguments", "main", "torchrun_command", "training_arguments"]
+__all__ = ["add_training_arguments", "check_max_skips", "main", "shared_cores", "torchrun_command", "training_arguments"]
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -43,21 +47,38 @@ def add_training_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--clip", type=float, help="clip the whole model's gradient norm to this (pipe.clip_grad_norm_)")
     parser.add_argument("--on-nonfinite", choices=["skip", "stop"],
                         help="a step whose loss or gradients are not finite: skip it on every rank, or stop the run")
+    parser.add_argument("--max-skips", type=int, metavar="K",
+                        help=f"with --on-nonfinite skip: skip at most K steps in a row, the next one in a row stops "
+                             f"the run (default {MAX_SKIPS})")
     parser.add_argument("--engine", choices=list(ENGINES), default=DEFAULT_ENGINE,
                         help="what runs the schedule: our runtime, or torch.distributed.pipelining (docs/engines.md)")
+
+
+def check_max_skips(ns: argparse.Namespace) -> None:
+    """--max-skips K counts the steps --on-nonfinite skip skipped: K >= 0, and only with it."""
+    if ns.max_skips is None:
+        return
+    if ns.on_nonfinite != "skip":
+        raise PipelineError(f"--max-skips {ns.max_skips} bounds the steps skipped in a row by --on-nonfinite skip: "
+                            f"add --on-nonfinite skip, or leave --max-skips out.")
+    if ns.max_skips < 0:
+        raise PipelineError(f"--max-skips {ns.max_skips}: give how many non-finite steps in a row to skip before the "
+                            f"run stops, 0 or more.")
 
 
 def training_arguments(ns: argparse.Namespace) -> list[str]:
     """The worker's arguments for `add_training_arguments`' choices."""
     return (["--optimizer", ns.optimizer] + (["--clip", repr(ns.clip)] if ns.clip is not None else [])
             + (["--on-nonfinite", ns.on_nonfinite] if ns.on_nonfinite else [])
+            + (["--max-skips", str(ns.max_skips)] if ns.max_skips is not None else [])
             + (["--engine", ns.engine] if ns.engine != DEFAULT_ENGINE else []))
 
 
 def torchrun_command(directory: str, nproc: int, steps: int, lr: float, trace: str | None,
                      more: list[str] | None = None) -> list[str]:
-    """The torchrun command line that runs `_worker.py` on every rank (`more`: its checkpoint options)."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+    """The torchrun command line that runs `_worker.py` on every rank (`more`: its checkpoint options),
+    through runtime/_torchrun.py: each rank's error said once, last, without torchrun's traceback."""
+    cmd = [sys.executable, "-m", "runtime._torchrun", "--standalone", f"--nproc-per-node={nproc}",
            "-m", "runtime._worker", directory, "--steps", str(steps), "--lr", repr(lr)]
     return cmd + (["--trace", trace] if trace else []) + (more or [])
 
@@ -79,7 +100,11 @@ def main(argv: list[str]) -> int:
         raise PipelineError(f"--steps {ns.steps} --lr {ns.lr}: give at least one step and a positive learning rate.")
     if ns.clip is not None and not ns.clip > 0:
         raise PipelineError(f"--clip {ns.clip}: give the largest gradient norm to keep, a positive number.")
+    check_max_skips(ns)
     _check_model_file(manifest, ns.dir)
+    note = shared_cores(manifest, ns.nproc)
+    if note:
+        print(f"partitioner run: {note}", file=sys.stderr, flush=True)
     checkpointing.check_arguments(ns)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     root = str(Path(__file__).resolve().parents[1])  # so that every rank imports this runtime
@@ -95,7 +120,23 @@ def main(argv: list[str]) -> int:
 
     if ns.max_restarts:
         return restarts.run_attempts(command, env, ns.max_restarts, Path(ns.checkpoint))
-    return 0 if subprocess.call(command(1), env=env) == 0 else 1
+    with tempfile.TemporaryDirectory(prefix="partitioner-status-") as folder:  # rank errors told once, last
+        return 0 if subprocess.call(command(1), env={**env, restarts.STATUS_ENV: folder}) == 0 else 1
+
+
+def shared_cores(manifest: Manifest, nproc: int) -> str | None:
+    """Where `nproc` CPU ranks outnumber the cores this process may use, what that does to
+    the step times ([Note: binding CPU ranks to cores] in affinity.py); else None."""
+    if torch.cuda.is_available() or not hasattr(os, "sched_getaffinity"):
+        return None
+    cores = len(os.sched_getaffinity(0))
+    if nproc <= cores:
+        return None
+    predicted = f" ({manifest.predicted.step_time_s * 1e3:.1f} ms)" if manifest.predicted else ""
+    return (f"{nproc} ranks share the {cores} cores this run may use (os.sched_getaffinity), so they take turns on "
+            f"them and each step takes longer than the plan's prediction{predicted}, which gives every rank a core of "
+            f"its own: run it where it may use {nproc} cores or more, or compile for {cores} devices "
+            f"(--devices {cores}).")
 
 
 def _check_model_file(manifest: Manifest, directory: str) -> None:

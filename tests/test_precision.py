@@ -287,8 +287,8 @@ def test_a_step_skipped_on_one_rank_is_skipped_on_all(tmp_path: Path) -> None:
 @pytest.mark.multiproc
 @pytest.mark.parametrize("precision", ["bf16-mixed", "bf16"])
 def test_bf16_on_two_ranks(precision: str, tmp_path: Path) -> None:
-    """The issue's failure: the MLP under autocast sent bfloat16 where the manifest said float32;
-    and bf16 with master weights on two ranks."""
+    """Under autocast a stage sends the dtype its manifest names (the MLP once sent bfloat16
+    where it said float32); and bf16 with master weights on two ranks."""
     compile_example("examples/mlp.py", tmp_path / "pkg", stages=2, precision=precision)
     copy = tmp_path / "mlp.py"
     shutil.copy(ROOT / "examples" / "mlp.py", copy)

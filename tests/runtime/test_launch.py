@@ -38,9 +38,28 @@ def test_model_file_must_be_trainable(make_tiny: Callable[..., Tiny]) -> None:
         launch.main([str(t.dir), "--nproc", "2"])
 
 
+def test_ranks_sharing_cores_are_told(make_tiny: Callable[..., Tiny], monkeypatch: pytest.MonkeyPatch,
+                                      capfd: pytest.CaptureFixture[str]) -> None:
+    """4 CPU ranks on 2 cores take turns, so their steps take longer than the plan says:
+    the launcher says so in one line before torchrun starts; on 4 cores, nothing."""
+    t = make_tiny(stages=2, dp=2, microbatches=2)
+    step_ms = read_manifest(t.dir).predicted.step_time_s * 1e3  # type: ignore[union-attr]
+    started: list[list[str]] = []
+    monkeypatch.setattr(launch.subprocess, "call", lambda cmd, **_: started.append(cmd) or 0)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    for cores in ({0, 1}, {0, 1, 2, 3}):
+        monkeypatch.setattr(os, "sched_getaffinity", lambda _pid, cores=cores: cores)
+        assert launch.main([str(t.dir), "--nproc", "4", "--steps", "1"]) == 0
+    assert len(started) == 2
+    assert capfd.readouterr().err == (
+        f"partitioner run: 4 ranks share the 2 cores this run may use (os.sched_getaffinity), so they take turns on "
+        f"them and each step takes longer than the plan's prediction ({step_ms:.1f} ms), which gives every rank a "
+        f"core of its own: run it where it may use 4 cores or more, or compile for 2 devices (--devices 2).\n")
+
+
 def test_torchrun_command() -> None:
     cmd = launch.torchrun_command("/p", 4, 5, 0.01, "/t.json")
-    assert cmd[1:6] == ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4", "-m"]
+    assert cmd[1:6] == ["-m", "runtime._torchrun", "--standalone", "--nproc-per-node=4", "-m"]
     assert cmd[6:] == ["runtime._worker", "/p", "--steps", "5", "--lr", "0.01", "--trace", "/t.json"]
 
 

@@ -13,6 +13,8 @@ import re
 import signal
 import subprocess
 import sys
+import threading
+import time
 import traceback
 from pathlib import Path
 from typing import Any
@@ -84,6 +86,66 @@ def test_a_failure_is_named_and_a_user_error_is_not_restarted() -> None:
     assert str(killed) == "attempt 2: rank 1 at step 4: killed by signal 9 (SIGKILL)", (killed, first_seen)
     user = restarts.failure(1, {0: peer, 1: {"pid": 2, "step": 1, "error": "bad batch", "fault": False}}, torchrun)
     assert (user.rank, user.what, user.retry) == (1, "bad batch", False)
+
+
+def test_a_hang_is_blamed_on_the_rank_whose_heartbeat_stopped(tmp_path: Path) -> None:
+    """[Note: heartbeats]: rank 1 stopped; rank 0's wait timed out first and rank 2's after it;
+    the watcher notes rank 1's old beat when rank 0 reports, and the failure names rank 1."""
+    statuses = {0: {"pid": os.getpid(), "step": 5, "error": "rank 0 timed out in RECV_B: rank 1 stopped", "fault": True,
+                    "at": 10.0},
+                1: {"pid": os.getpid(), "step": 5},
+                2: {"pid": os.getpid(), "step": 5, "error": "rank 2 timed out in RECV_F: rank 1 stopped", "fault": True,
+                    "at": 11.0}}
+    for rank in (0, 1, 2):
+        (tmp_path / f"rank-{rank}.beat").touch()
+    old = time.time() - 20
+    os.utime(tmp_path / "rank-1.beat", (old, old))
+    (tmp_path / "rank-0.json").write_text(json.dumps(statuses[0]))
+    done = threading.Event()
+    watcher = threading.Thread(target=restarts.watch, args=(tmp_path, done))
+    watcher.start()
+    for _ in range(600):  # the watcher notes the stalled ranks within its first poll or two
+        if "stalled" in restarts.records(tmp_path):
+            break
+        time.sleep(0.1)
+    done.set()
+    watcher.join(5)
+    record = restarts.records(tmp_path)
+    assert set(record["stalled"]) == {1} and 19 < record["stalled"][1] < 60, record
+    record.update(exits={0: 2, 1: -15, 2: -15}, first=(0, 2))  # as torchrun's wrapper writes them
+    hung = restarts.failure(3, statuses, "", record)
+    assert str(hung) == ("attempt 3: rank 1 at step 5: stopped making progress (no heartbeat for 20 s); rank 0's "
+                         "error came from waiting on it") and hung.retry, hung
+    killed = restarts.failure(3, statuses, "", {**record, "exits": {0: 2, 1: -9, 2: -15}})  # not a hang: a kill
+    assert str(killed) == "attempt 3: rank 1 at step 5: killed by signal 9 (SIGKILL)", killed
+    user = {**statuses, 1: {"pid": 1, "step": 5, "error": "bad batch", "fault": False}}
+    assert restarts.failure(3, user, "", record).what == "bad batch"  # and a rank's own error before both
+
+
+def test_the_rank_errors_are_told_once_after_the_peers_failures(tmp_path: Path, capfd: pytest.CaptureFixture[str],
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """torchrun's wrapper: the same message from several ranks once, a rank's own error last,
+    and the failure only where it names a rank that said nothing (killed, or hung)."""
+    monkeypatch.delenv(restarts.LEFT_ENV, raising=False)
+    own = "step 2: the loss (nan) is not finite"
+    peer = "rank 2 (stage 1) failed in RECV_F from stage 0: rank 0 stopped or failed"
+    for rank, message, fault in ((0, own, False), (1, own, False), (2, peer, True)):
+        (tmp_path / f"rank-{rank}.json").write_text(json.dumps({"pid": 1, "step": 2, "error": message, "fault": fault}))
+    restarts.tell(tmp_path, {0: 2, 1: 2, 2: 2}, (0, 2))
+    assert capfd.readouterr().err == f"rank 2: error: {peer}\nranks 0, 1: error: {own}\n"
+    (tmp_path / "rank-0.json").write_text(json.dumps({"pid": 1, "step": 2}))
+    (tmp_path / "rank-1.json").write_text(json.dumps({"pid": 1, "step": 2}))
+    restarts.tell(tmp_path, {0: -9, 2: 2}, (2, 2))  # a rank killed: said last, as the failure
+    assert capfd.readouterr().err == (f"rank 2: error: {peer}\npartitioner run: rank 0 at step 2: killed by signal 9 "
+                                      f"(SIGKILL)\n")
+    restarts.tell(tmp_path, {0: -15, 2: 2}, (2, 2))  # rank 2's own report names the failure: said once
+    assert capfd.readouterr().err == f"rank 2: error: {peer}\n"
+    (tmp_path / "stalled.json").write_text(json.dumps({"0": 7.2}))  # as the watcher notes a hung rank 0
+    (tmp_path / "rank-0.json").write_text(json.dumps({"pid": 1, "step": 2, "error": "woken, its peers gone",
+                                                      "fault": True}))
+    restarts.tell(tmp_path, {0: 2, 2: 2}, (2, 2))
+    assert capfd.readouterr().err == (f"rank 2: error: {peer}\npartitioner run: rank 0 at step 2: stopped making "
+                                      f"progress (no heartbeat for 7 s); rank 2's error came from waiting on it\n")
 
 
 # a stand-in for one torchrun: fails attempt 1 as a rank killed at step 3 would, or with a user error
@@ -177,7 +239,8 @@ def test_a_job_survives_a_kill_a_kill_during_a_save_and_a_hang(uninterrupted: di
     """Attempt 1: rank 1 SIGKILLs itself mid-step 3 (after its forward, before its backward);
     2: it is killed saving step 4, so step 2 stays the newest and step 4's partial folder is
     removed before attempt 3; 3: step 4's save is corrupted once written, then rank 1 SIGSTOPs
-    itself in step 5 and rank 0's timeout names it; 4: from step 2 (step 4's checkpoint is
+    itself in step 5, rank 0's wait times out and the summary blames rank 1, whose heartbeat
+    stopped; 4: from step 2 (step 4's checkpoint is
     corrupt) to the end.  The weights are the uninterrupted run's."""
     pkg = write_package(tmp_path, stages=2, microbatches=2)
     out = _run(tmp_path, "--checkpoint", "ck", "--max-restarts", "3",
@@ -193,8 +256,9 @@ def test_a_job_survives_a_kill_a_kill_during_a_save_and_a_hang(uninterrupted: di
     summary = out[out.index("finished after 3 fault(s) survived:"):]
     assert "\n  attempt 1: rank 1 at step 3: killed by signal 9 (SIGKILL)" in summary, summary
     assert "\n  attempt 2: rank 1 at step 4: killed by signal 9 (SIGKILL)" in summary, summary
-    assert re.search(r"\n  attempt 3: rank 0 at step 5: rank 0 \(stage 0\) timed out in RECV_B from stage 1, "
-                     r"microbatch 0: rank 1 stopped", summary), summary
+    assert re.search(r"\n  attempt 3: rank 1 at step 5: stopped making progress \(no heartbeat for \d+ s\); rank 0's "
+                     r"error came from waiting on it\n", summary), summary
+    assert "rank 0: error: rank 0 (stage 0) timed out in RECV_B from stage 1, microbatch 0: rank 1 stopped" in out
     assert sorted(p.name for p in ck.iterdir()) == [restarts.LOCK, "step-000002", "step-000004", "step-000006"]
     _same(_weights(pkg, ck / "step-000006"), uninterrupted)
 
@@ -213,3 +277,28 @@ def test_a_full_disk_at_a_save_is_told_and_training_goes_on(uninterrupted: dict[
     assert "Training goes on; the next save tries again." in out and "Traceback" not in out
     assert sorted(p.name for p in ck.iterdir()) == ["step-000002", "step-000006"]
     _same(_weights(pkg, ck / "step-000006"), uninterrupted)
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+@pytest.mark.timeout(200)
+def test_a_hang_without_restarts_is_blamed_on_the_rank_that_hung(tmp_path: Path) -> None:
+    """Rank 1 SIGSTOPs itself in step 2 and rank 0's wait times out: the run ends with rank 0's
+    error and then the failure, which names rank 1, and no launcher traceback."""
+    write_package(tmp_path, stages=2, microbatches=2)
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "PIPELINE_TIMEOUT_S": "6",
+           faults.FAULT_ENV: "hang:rank=1:step=2"}
+    proc = subprocess.Popen([sys.executable, "-m", "partitioner", "run", "pkg", "--nproc", "2", "--steps", "3"],
+                            cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=150)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+    assert proc.returncode == 1, out[-4000:]
+    lines = out.rstrip().splitlines()
+    assert lines[-2].startswith("rank 0: error: rank 0 (stage 0) timed out in RECV_B from stage 1"), out
+    assert re.fullmatch(r"partitioner run: rank 1 at step 2: stopped making progress \(no heartbeat for \d+ s\); "
+                        r"rank 0's error came from waiting on it", lines[-1]), out
+    assert "Traceback" not in out and "ChildFailedError" not in out and "rank 1: error" not in out, out
