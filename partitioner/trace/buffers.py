@@ -7,6 +7,9 @@
   microbatch's own mean and variance, which differ from the whole batch's; with more than
   one microbatch the partitioned model would train differently from the original, so the
   compile says so, naming the modules and the fixes.
+- `warn_state_updates`: any other parameter or buffer the forward writes in place (a
+  momentum teacher, spectral norm's power iteration, a counter) is written once per call,
+  so once per microbatch where the original writes it once per batch; the compile says so.
 - `mutated_buffers`: the nodes that touch each buffer the forward writes in place, which
   the solver keeps on one stage.
 
@@ -37,12 +40,16 @@ import torch.fx
 
 from .passes import node_module
 
-__all__ = ["BatchStatisticsWarning", "BufferSnapshot", "batch_statistics_modules", "kept_buffers", "mutated_buffers",
-           "warn_batch_statistics"]
+__all__ = ["BatchStatisticsWarning", "BufferSnapshot", "StateUpdateWarning", "batch_statistics_modules", "kept_buffers",
+           "mutated_buffers", "updated_state", "warn_batch_statistics", "warn_state_updates"]
 
 
 class BatchStatisticsWarning(UserWarning):
     """A train-mode BatchNorm in a model compiled for more than one microbatch."""
+
+
+class StateUpdateWarning(UserWarning):
+    """A forward that updates parameters or buffers in place, compiled for more than one microbatch."""
 
 
 class BufferSnapshot:
@@ -70,13 +77,8 @@ def kept_buffers(module: torch.nn.Module) -> Iterator[None]:
 def mutated_buffers(gm: torch.fx.GraphModule) -> dict[str, tuple[str, ...]]:
     """For each call node that reads or writes a buffer the forward writes in place, directly
     or through an alias, those buffers' names ([Note: a mutated buffer lives on one stage])."""
-    roots: dict[str, set[str]] = {}  # node -> the attributes (buffers, constants) its value aliases
-    for node in gm.graph.nodes:
-        if node.op == "get_attr":
-            roots[node.name] = {str(node.target)}
-        else:
-            roots[node.name] = {r for name in node.meta.get("aliases", ()) for r in roots.get(name, ())}
-    written = {r for node in gm.graph.nodes for name in node.meta.get("writes", ()) for r in roots[name]}
+    roots, order = _written_attributes(gm)
+    written = set(order)
     found: dict[str, tuple[str, ...]] = {}
     for node in gm.graph.nodes:
         if node.op in ("call_function", "call_method", "call_module"):
@@ -84,6 +86,19 @@ def mutated_buffers(gm: torch.fx.GraphModule) -> dict[str, tuple[str, ...]]:
             if touched:
                 found[node.name] = tuple(sorted(touched))
     return found
+
+
+def _written_attributes(gm: torch.fx.GraphModule) -> tuple[dict[str, set[str]], list[str]]:
+    """For each node, the attributes (parameters, buffers, constants) its value aliases; and
+    the attributes some node writes in place, directly or through an alias (graph order)."""
+    roots: dict[str, set[str]] = {}
+    for node in gm.graph.nodes:
+        if node.op == "get_attr":
+            roots[node.name] = {str(node.target)}
+        else:
+            roots[node.name] = {r for name in node.meta.get("aliases", ()) for r in roots.get(name, ())}
+    written = {r: None for node in gm.graph.nodes for name in node.meta.get("writes", ()) for r in sorted(roots[name])}
+    return roots, list(written)
 
 
 def batch_statistics_modules(gm: torch.fx.GraphModule) -> list[str]:
@@ -113,6 +128,36 @@ def warn_batch_statistics(gm: torch.fx.GraphModule, microbatches: int, say: Call
     )
     if say is None:
         warnings.warn(message, BatchStatisticsWarning, stacklevel=3)
+    else:
+        say(f"warning: {message}")
+    return message
+
+
+def updated_state(gm: torch.fx.GraphModule) -> list[str]:
+    """The parameters and buffers (graph order) the forward writes in place, a train-mode
+    batch norm's running statistics and counter left out (`warn_batch_statistics` says those)."""
+    norms = set(batch_statistics_modules(gm))
+    return [name for name in _written_attributes(gm)[1] if name.rpartition(".")[0] not in norms]
+
+
+def warn_state_updates(gm: torch.fx.GraphModule, microbatches: int, say: Callable[[str], None] | None = None) -> str | None:
+    """When the forward updates state in place (a momentum teacher's weights, spectral norm's
+    power iteration, a counter) and there are several microbatches: `say("warning: ...")`,
+    or without `say` a `StateUpdateWarning`; the message, or None.  The stages run the
+    update as the forward does, once per call: once per microbatch."""
+    names = updated_state(gm)
+    if microbatches <= 1 or not names:
+        return None
+    shown = ", ".join(names[:6]) + (f" and {len(names) - 6} more" if len(names) > 6 else "")
+    message = (
+        f"forward() updates {len(names)} parameter(s) or buffer(s) in place on every call ({shown}), as a "
+        f"momentum teacher, spectral norm's power iteration or a counter does: with {microbatches} microbatches "
+        f"the update runs once per microbatch, {microbatches} times per batch where the original model runs it "
+        f"once, so training will differ from the original model's. Compile with --microbatches 1, or make the "
+        f"update once per step outside forward() (after optimizer.step() in the training loop)."
+    )
+    if say is None:
+        warnings.warn(message, StateUpdateWarning, stacklevel=3)
     else:
         say(f"warning: {message}")
     return message

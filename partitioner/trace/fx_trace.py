@@ -14,8 +14,10 @@ import torch.utils._pytree as pytree
 from ..errors import TraceError
 from .autocast import recording_autocast
 from .functions import functions_as_leaves, short_name
+from .grad_mode import mark_grad_mode
 from .inputs import InputKey, fix_placeholder, flat_codegen, leaves_of, nested_placeholders
 from .kept import rewrite_kept
+from .state import watching_state
 from .traced import Traced, graph_module
 
 __all__ = ["trace_fx"]
@@ -41,6 +43,12 @@ class _ThroughTracer(torch.fx.Tracer):
 
     def is_leaf_module(self, m: torch.nn.Module, module_qualified_name: str) -> bool:
         return module_qualified_name in self.leaves
+
+    def create_node(self, *args: Any, **kwargs: Any) -> torch.fx.Node:
+        """fx's node, marked when made under `torch.no_grad()` ([Note: no_grad regions])."""
+        node = super().create_node(*args, **kwargs)
+        mark_grad_mode(node)
+        return node
 
     def getattr(self, attr: str, attr_val: Any, parameter_proxy_cache: dict[str, Any]) -> Any:
         if not isinstance(attr_val, torch.Tensor):
@@ -128,7 +136,8 @@ def _traced_keeping_buffers(model: torch.nn.Module, concrete: dict[str, Any], ke
     owners = [(path, m, name, b) for path, m in model.named_modules() for name, b in m._buffers.items()]
     tracer, inlined = _ThroughTracer(kept), list[str]()
     try:
-        with functions_as_leaves(tracer, inlined):
+        # the model's own torch.no_grad() regions are told apart from the trace's grad mode
+        with functions_as_leaves(tracer, inlined), torch.enable_grad(), watching_state(model):
             graph = tracer.trace(model, concrete_args=concrete or None)
     finally:
         rebound = [f"{path}.{name}".lstrip(".") for path, m, name, b in owners if m._buffers.get(name) is not b]

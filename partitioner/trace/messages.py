@@ -7,6 +7,7 @@ import traceback
 from pathlib import Path
 
 from .model_file import user_frame
+from .state import StateUpdatedWhileTracing
 
 __all__ = ["failure_message", "library_frame"]
 
@@ -18,7 +19,8 @@ def failure_message(failures: list[tuple[str, BaseException]], model_path: str) 
         where = user_frame(exc, model_path) if model_path else ""
         line = line or where
         first = str(exc).strip().splitlines()[0].rstrip(".") if str(exc).strip() else ""
-        parts.append(f"{name}: {type(exc).__name__}: {first[:300]}")
+        limit = 1000 if isinstance(exc, StateUpdatedWhileTracing) else 300  # its fix comes last
+        parts.append(f"{name}: {type(exc).__name__}: {first[:limit]}")
     data_dependent = any(
         "control flow" in str(e) or "data-dependent" in str(e).lower() or "GuardOnDataDependent" in type(e).__name__
         for _, e in failures
@@ -32,6 +34,8 @@ def failure_message(failures: list[tuple[str, BaseException]], model_path: str) 
         else "The model's Python control flow depends on tensor values; rewrite the branch with "
         "tensor ops (torch.where, masking) or move it out of forward()."
         if data_dependent
+        else "Write the update as the fx failure says (in-place ops, not through `.data`)."
+        if any(isinstance(e, StateUpdatedWhileTracing) for _, e in failures)
         else "Make forward() traceable (no Python branching on tensor values, no unsupported "
         "calls), or force the other tracer with --tracer."
     )

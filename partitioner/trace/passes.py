@@ -24,6 +24,7 @@ from torch.fx.passes.shape_prop import TensorMetadata, _extract_tensor_metadata
 from ..cost.nodes import is_shape_only, storage_key, tensors
 from ..errors import TraceError
 from .batch import PROBE_EXTRA, FreeBatch, NotFree, batch_constant, batch_dim, probe_batch
+from .grad_mode import mark_grad_mode
 from .inputs import InputKey
 
 __all__ = ["Repeating", "Seen", "get_attr", "inline_higher_order", "probe", "propagate", "seen_run", "specialize",
@@ -313,7 +314,8 @@ def inline_higher_order(gm: torch.fx.GraphModule) -> list[bool]:
     """Inline torch.export's grad-mode and autocast wrappers into the graph.
 
     `wrap_with_set_grad_enabled(False, submod, *args)` (e.g. Llama's rotary embedding under
-    `torch.no_grad()`) becomes the submodule's nodes followed by `aten.detach` on each
+    `torch.no_grad()`) becomes the submodule's nodes, marked for `grad_mode.keep_no_grad` to
+    detach what they read ([Note: no_grad regions]), followed by `aten.detach` on each
     output, which stops gradients exactly as no_grad did.  Autocast regions are inlined
     as they are and reported, for `trace.check_autocast` to refuse where that changes what
     the model computes (a disabled region in a float32 model is a no-op).
@@ -365,6 +367,7 @@ def _inline(graph: torch.fx.Graph, at: torch.fx.Node, sub: torch.fx.GraphModule,
                 raise TraceError(f"cannot inline {at.format_node()}: its body reads attribute {n.target}")
             else:
                 env[n] = graph.node_copy(n, lambda a: env[a])
+                mark_grad_mode(env[n], enabled=not detach)  # [Note: no_grad regions]
     return outputs
 
 

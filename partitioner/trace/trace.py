@@ -31,11 +31,13 @@ from .autocast import AutocastRefused, refuse_autocast
 from .checkpointing import inlined_checkpoints
 from .export_trace import trace_export
 from .fx_trace import _ThroughTracer, trace_fx
+from .grad_mode import keep_no_grad
 from .inputs import InputKey, expand_outputs
 from .kept import failing_submodule
 from .messages import failure_message, library_frame
 from .model_file import user_frame
 from .passes import Repeating
+from .state import StateUpdatedWhileTracing
 from .traced import Traced, by_input_key, copy_traced
 
 # _ThroughTracer: re-exported for tests that time fx's own name lookup against it
@@ -69,6 +71,10 @@ def trace(
                     return dataclasses.replace(traced, checkpointed=tuple(checkpointed))
                 except AutocastRefused:
                     raise
+                except StateUpdatedWhileTracing as updated:  # export records it ([Note: state updated outside the graph])
+                    if tracer == "fx":
+                        raise
+                    failures.append((name, updated))
                 except Exception as exc:  # every tracer failure is reported together below
                     failures.append((name, exc))
             kept = _trace_keeping_whole(model, args, kwargs, failures[0][1], model_path) if order[0] == "fx" else None
@@ -124,4 +130,5 @@ def _check_runs(traced: Traced, model: torch.nn.Module, args: tuple[Any, ...], k
         traced.gm.graph.lint()
         run = Repeating(traced.gm, garbage_collect_values=False)  # [Note: repeated ops on the meta device]
         _ = run.run(*flat)
+    keep_no_grad(traced.gm, run.env, aten=traced.tracer == "export")  # [Note: no_grad regions]
     return expand_outputs(traced, run.env)

@@ -156,3 +156,43 @@ def test_a_repeat_is_a_copy_of_the_first_result() -> None:
     assert _meta(first) == _meta(again) and not again.is_leaf and again.requires_grad
     assert again.untyped_storage()._cdata != first.untyped_storage()._cdata
     assert other.dtype == first.dtype and views[1]._base is x and cpu[1].sum().item() == 4.0
+
+
+class NoGradRegion(nn.Module):
+    """A `torch.no_grad()` region that reads a parameter, computes from the input and from an
+    item of a tuple made with gradients, writes a buffer with `out=`, and whose result is
+    added to the path with gradients."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.register_buffer("scale", torch.zeros(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.fc(x)
+        pair = torch.var_mean(h, dim=0)
+        with torch.no_grad():
+            torch.mul(self.fc.weight.sum(0), 0.5, out=self.scale)
+            stopped = h * 2 + x * pair[0]
+        return h * self.scale + stopped + x
+
+
+@pytest.mark.parametrize("tracer", ["fx", "export"])
+def test_no_grad_regions_are_kept(tracer: str) -> None:
+    """[Note: no_grad regions]: the graph run with gradients on computes the gradients the
+    original does (nothing flows through the region), and writes the buffer `out=` as it."""
+    torch.manual_seed(0)
+    model, x = NoGradRegion(), torch.randn(3, 4)
+    t = trace(model, (x,), {}, tracer)
+    x1, x2 = x.clone().requires_grad_(), x.clone().requires_grad_()
+    model(x1).square().sum().backward()
+    want = [p.grad.clone() for p in model.parameters()] + [x1.grad]  # type: ignore[union-attr]
+    scale = model.scale.clone()
+    model.zero_grad()
+    model.scale.zero_()
+    out = t.gm(x2)
+    (out[0] if isinstance(out, (list, tuple)) else out).square().sum().backward()  # the graph's one output leaf
+    got = [p.grad for p in model.parameters()] + [x2.grad]
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(model.scale, scale, rtol=0, atol=0)
