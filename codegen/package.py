@@ -1,7 +1,9 @@
 """Emit the generated package DIR: stage sources, manifest.json, plan.txt, __init__.py.
 
-The package is written into a temporary folder beside DIR and renamed into place, so a
-failure never leaves half a package (and an old package is replaced whole).  Output is
+The package is written into a temporary folder and moved into DIR, so a failure never
+leaves half a package: DIR is new, empty, or an earlier package, replaced whole; a folder
+holding anything else is refused unless forced, and even forced, no file the compiler did
+not write is deleted ([Note: output folders] in runtime/outdir.py).  Output is
 deterministic: the same graph, plan and info give the same bytes.
 """
 
@@ -11,17 +13,16 @@ import dataclasses
 import hashlib
 import io
 import json
-import os
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.fx
 
+from partitioner.errors import PackageError
 from partitioner.ir import Plan
 from partitioner.trace.passes import get_attr
+from runtime import outdir
 from runtime.manifest import FORMAT_VERSION, MODEL_COPY, Manifest, Mesh, Source, StageSpec, TiedParameter
 
 from .copies import model_copies
@@ -32,11 +33,12 @@ from .report import format_kept, format_plan
 from .source import BATCH, uses_batch
 from .stage import batch_input, stage_entry
 
-__all__ = ["PackageInfo", "emit", "FORMAT_VERSION", "GENERATOR"]
+__all__ = ["PackageInfo", "emit", "check_out", "earlier_package", "FORMAT_VERSION", "GENERATOR"]
 
 
-def emit(out: str | Path, gm: torch.fx.GraphModule, plan: Plan, info: PackageInfo) -> Manifest:
-    """Write the package for `plan` into `out`; return its manifest, as manifest.json has it."""
+def emit(out: str | Path, gm: torch.fx.GraphModule, plan: Plan, info: PackageInfo, force: bool = False) -> Manifest:
+    """Write the package for `plan` into `out`; return its manifest, as manifest.json has it.
+    `force`: into a folder that holds other files too, beside them (`check_out`)."""
     layouts = lay_out(gm.graph, plan.stage_of(), plan.num_stages)
     if info.free_batch and any(batch_input(layout) is None for layout in layouts if uses_batch(layout.nodes)):
         info = dataclasses.replace(info, free_batch=False)  # a stage could not read the batch: fixed for all
@@ -60,7 +62,8 @@ def emit(out: str | Path, gm: torch.fx.GraphModule, plan: Plan, info: PackageInf
     sources = [files[f"{s.module}.py"].decode() for s in stages]
     files["plan.txt"] = (format_plan(manifest) + format_kept(sources)).encode()
     files["__init__.py"] = _INIT.format(source=Path(info.source_path).name).encode()
-    _write_atomically(Path(out), files)
+    check_out(out, force, "--force", writes=set(files))
+    outdir.write(Path(out), lambda tmp: _write_files(tmp, files), earlier_package, force=force, last="manifest.json")
     return manifest
 
 
@@ -131,24 +134,50 @@ def _hash(manifest: dict[str, Any], files: dict[str, bytes]) -> str:
     return digest.hexdigest()
 
 
-def _write_atomically(out: Path, files: dict[str, bytes]) -> None:
-    out = out.resolve()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+def _write_files(folder: Path, files: dict[str, bytes]) -> None:
+    for name, data in files.items():
+        (folder / name).write_bytes(data)
+
+
+# -- the out folder ----------------------------------------------------------------------
+
+
+def earlier_package(folder: Path) -> set[str] | None:
+    """The files of the package partitioner wrote in `folder`, as its manifest.json lists
+    them (stages, the model file's copies, the fixed files); None when `folder` holds no
+    manifest.json that this compiler wrote (no generator stamp, another format, unreadable)."""
     try:
-        for name, data in files.items():
-            (tmp / name).write_bytes(data)
-        if out.exists():
-            old = out.with_name(f".{out.name}.old")
-            shutil.rmtree(old, ignore_errors=True)
-            os.replace(out, old)
-            os.replace(tmp, out)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        data = json.loads((folder / "manifest.json").read_text())
+        if not str(data["generator"]).startswith(GENERATOR.split()[0] + " "):
+            return None
+        source = data.get("source") or {}
+        modules = [f"{stage['module']}.py" for stage in data["stages"]]
+        copies = [str(source["copy"])] if source.get("copy") else []
+        names = {"manifest.json", "plan.txt", "__init__.py", "constants.pt", *modules, *copies,
+                 *map(str, source.get("modules") or [])}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
+    return names if all(outdir.plain(n) for n in names) else None
+
+
+def check_out(out: str | Path, force: bool, flag: str, writes: set[str] | None = None) -> None:
+    """Refuse an out folder the compile would delete or overwrite a file of that it did
+    not write ([Note: output folders] in runtime/outdir.py); `flag`: how the caller forces
+    (`--force`, `force=True`)."""
+    folder = Path(out)
+    if folder.exists() and not folder.is_dir():
+        raise PackageError(f"the out folder {str(out)!r} is a file, not a folder: give a new folder for the package.")
+    blocking = outdir.in_the_way(folder, earlier_package, force, writes)
+    if not blocking:
+        return
+    shown = outdir.listing(blocking)
+    if force:
+        raise PackageError(f"the out folder {str(out)!r} holds {shown}, which the package would overwrite, and the "
+                           f"compiler did not write them: move them away, or give another folder.")
+    raise PackageError(f"the out folder {str(out)!r} holds files that are not an earlier package ({shown}), and a "
+                       f"compile never deletes what it did not write: give a new or empty folder (or one holding "
+                       f"an earlier package, which is replaced whole), or pass {flag} to write the package's files "
+                       f"beside them.")
 
 
 _INIT = '''"""A pipeline package generated by partitioner from {source}.

@@ -21,6 +21,7 @@ from runtime.manifest import read_manifest
 from runtime.schedule.registry import DEFAULT_SCHEDULE, SCHEDULES
 
 from codegen import format_kept, format_plan
+from codegen.package import check_out
 from partitioner.errors import PackageError, PartitionerError, PlanError
 
 from .compile import compile_model
@@ -84,6 +85,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="move the activations each stage saves for backward to host memory after its forward and "
                         "bring them back ahead of its backward: auto (where the mesh does not fit otherwise), none, "
                         "all (default auto)")
+    c.add_argument("--force", action="store_true",
+                   help="write into an --out folder that holds other files too: the package's files beside them "
+                        "(nothing the compiler did not write is deleted or overwritten)")
     c.add_argument("--quiet", action="store_true")
     s = sub.add_parser("show", help="print a package's plan")
     s.add_argument("dir")
@@ -103,20 +107,21 @@ def _parser() -> argparse.ArgumentParser:
     e.add_argument("--out", required=True, help="the folder to write")
     e.add_argument("--hf", action="store_true", help="a Hugging Face model's save_pretrained folder")
     e.add_argument("--max-shard-size", default="5GB", help="split the weights into files of at most this size")
+    e.add_argument("--force", action="store_true",
+                   help="write into an --out folder that holds other files too: the export's files beside them")
     return parser
 
 
 def _compile(ns: argparse.Namespace) -> int:
     out = Path(ns.out)
-    if out.exists() and not out.is_dir():
-        raise PlanError(f"--out {ns.out} is a file, not a directory: give a new or existing directory.")
+    check_out(out, ns.force, "--force")  # before the compile's work: [Note: output folders]
     opts = CompileOptions(
         model=ns.model, out=ns.out, stages=ns.stages, tp=ns.tp, dp=ns.dp, devices=ns.devices,
         microbatches=ns.microbatches, schedule=ns.schedule, virtual_stages=ns.virtual_stages,
         memory=parse_size(ns.memory) if ns.memory else None, hardware=ns.hardware, analytic=ns.analytic,
         tracer=ns.tracer, time_limit=ns.time_limit, seed=ns.seed, entry=ns.entry, optimizer=ns.optimizer,
         reprofile=ns.reprofile, quiet=ns.quiet, meta=ns.meta, recompute=ns.recompute, zero=ns.zero,
-        precision=ns.precision, offload=ns.offload,
+        precision=ns.precision, offload=ns.offload, force=ns.force,
     )
     compile_model(opts)
     if not ns.quiet:
@@ -147,6 +152,7 @@ def _run(ns: argparse.Namespace) -> int:
     if ns.trace:
         argv += ["--trace", ns.trace]
     checkpointing.check_arguments(ns)
+    checkpointing.overwrite(ns)  # once, before any rank starts: [Note: one run per checkpoint folder]
     rc = launch.main(argv + checkpointing.worker_arguments(ns))
     if rc == 0 and ns.timeline:
         from partitioner.predict import timeline
@@ -164,7 +170,7 @@ def _export(ns: argparse.Namespace) -> int:
         limit = parse_size(ns.max_shard_size)
     except PlanError:
         raise PlanError(f"--max-shard-size {ns.max_shard_size!r} is not a size: write e.g. 5GB or 500MiB.") from None
-    for path in export(ns.ckpt, ns.out, hf=ns.hf, max_shard_bytes=limit):
+    for path in export(ns.ckpt, ns.out, hf=ns.hf, max_shard_bytes=limit, force=ns.force):
         print(path)
     return 0
 

@@ -36,7 +36,7 @@ __all__ = ["KEYWORDS", "cache_key", "compile_options"]
 
 #: the options parallelize takes by keyword: every compile option but what it fills itself
 KEYWORDS = tuple(f.name for f in dataclasses.fields(CompileOptions) if f.name not in ("model", "out", "entry"))
-_UNPLANNED = ("quiet", "reprofile")  # options that leave the package as it is: not in the key
+_UNPLANNED = ("quiet", "reprofile", "force")  # options that leave the package as it is: not in the key
 
 
 def compile_options(model_path: str, out: str, options: dict[str, Any]) -> CompileOptions:

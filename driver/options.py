@@ -66,6 +66,8 @@ class CompileOptions:
     #: activations] in partitioner/solve/offload.py)
     offload: str = "auto"
     precision: str = "fp32"  # runtime.precision.PRECISIONS ([Note: mixed precision], [Note: bf16 with master weights])
+    #: write into an out folder that holds other files too, beside them ([Note: output folders] in runtime/outdir.py)
+    force: bool = False
 
     def __post_init__(self) -> None:
         """The default schedule and recomputation: auto (the fastest that fits) where

@@ -27,7 +27,8 @@ from typing import Any, Callable
 
 import torch
 
-from partitioner.errors import ParallelizeError
+from codegen.package import check_out
+from partitioner.errors import PackageError, ParallelizeError
 from partitioner.trace.model_file import split_example
 from runtime.pipeline import Pipeline
 
@@ -84,7 +85,7 @@ def _package(model: torch.nn.Module, example: tuple[tuple[Any, ...], dict[str, A
         print(f"parallelize: reusing the package in {folder} (same model, example shapes, options and hardware; "
               f"no compile)", file=sys.stderr)
         return folder
-    _check_writable(folder)
+    _check_writable(folder, bool(options.get("force")))
     recorded = record(model, loss_fn, key)
     with tempfile.TemporaryDirectory(prefix="parallelize-") as staging:
         opts = compile_options(str(recorded.write(Path(staging))), str(folder), _meta(model, options))
@@ -92,11 +93,13 @@ def _package(model: torch.nn.Module, example: tuple[tuple[Any, ...], dict[str, A
     return folder
 
 
-def _check_writable(folder: Path) -> None:
-    """`folder` is new, empty or a package: a compile replaces it whole."""
-    if folder.exists() and (not folder.is_dir() or (any(folder.iterdir()) and not (folder / "manifest.json").is_file())):
-        raise ParallelizeError(f"out={str(folder)!r} is a file or a folder of other files, and the compile replaces its "
-                               f"out folder whole: give a new folder (or one parallelize wrote before).")
+def _check_writable(folder: Path, force: bool) -> None:
+    """`folder` is new, empty or an earlier package, or `force` is given: the command line's
+    check ([Note: output folders] in runtime/outdir.py), raised as parallelize's error."""
+    try:
+        check_out(folder, force, "force=True")
+    except PackageError as exc:
+        raise ParallelizeError(str(exc)) from None
 
 
 def _key_of(folder: Path) -> str | None:

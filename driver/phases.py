@@ -271,7 +271,7 @@ def emit_plan(p: Prepared, plan: Plan, extra: dict[str, Any] | None = None, *, r
                             optimizer_factor=p.problem.optimizer_factor, values=p.values)
     predicted.update(rounded({**calibration_block(p, plan, costs, resolved, peaks), **(extra or {})}))
     # 7. emit the package's files (codegen).
-    manifest = emit(p.opts.out, p.traced.gm, plan, package_info(p, plan, predicted))
+    manifest = emit(p.opts.out, p.traced.gm, plan, package_info(p, plan, predicted), force=p.opts.force)
     p.timings["emit"] = time.perf_counter() - start
     return Compiled(manifest=manifest, plan=plan, traced=p.traced, costs=costs, timings=dict(p.timings))
 

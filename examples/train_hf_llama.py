@@ -1,8 +1,11 @@
 """Train a Hugging Face Llama with pipeline, tensor and data parallelism from your own script.
 
     torchrun --nproc-per-node 2 examples/train_hf_llama.py --steps 20
-    torchrun --nproc-per-node 4 examples/train_hf_llama.py --stages 2 --dp 2 --precision bf16-mixed
-    torchrun --nproc-per-node 2 examples/train_hf_llama.py --pretrained ./my-llama   # a from_pretrained folder
+    torchrun --nproc-per-node 2 examples/train_hf_llama.py --steps 40   # resumes at step 20, trains to 40
+    torchrun --nproc-per-node 4 examples/train_hf_llama.py --stages 2 --dp 2 --precision bf16-mixed \
+        --checkpoints checkpoints-dp2 --export llama-dp2                # another run: folders of its own
+    torchrun --nproc-per-node 2 examples/train_hf_llama.py --pretrained ./my-llama \
+        --checkpoints checkpoints-mine --export my-llama-trained        # from a from_pretrained folder
 
 A complete loop to start from (docs/from-your-script.md): a LlamaForCausalLM from a small
 config (or a local folder), `partitioner.parallelize`, a DataLoader whose DistributedSampler
@@ -10,7 +13,9 @@ gives each data-parallel replica only its own rows (`local=True`), AdamW with we
 groups, a cosine schedule with warm-up, gradient clipping, periodic evaluation, a checkpoint
 every K steps and resume from the newest complete one, and a `from_pretrained` folder at the
 end.  The text is made up on the fly (no downloads) and read as bytes: token id = byte value.
-Run it again with the same --checkpoints folder and it resumes where it stopped.
+Run it again with the same --checkpoints folder and it resumes where it stopped: --steps is
+the total to train to, so a run whose newest checkpoint is already there (or past it) trains
+nothing, leaves the export as it is and exits with status 2, saying so.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import argparse
 import itertools
 import math
 import random
+import sys
 import time
 from pathlib import Path
 
@@ -93,7 +99,7 @@ def evaluate(pipe, loader: DataLoader) -> float:
     return sum(losses) / len(losses)
 
 
-def parse_args() -> argparse.Namespace:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--pretrained", help="a local from_pretrained folder (default: a small config)")
     p.add_argument("--layers", type=int, default=2)
@@ -115,7 +121,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--save-every", type=int, default=5)
     p.add_argument("--export", default="llama-trained", help="the from_pretrained folder written at the end")
     p.add_argument("--seed", type=int, default=0)
-    return p.parse_args()
+    return p.parse_args(argv)
 
 
 def main() -> None:
@@ -143,13 +149,19 @@ def main() -> None:
     opt = pipe.make_optimizer(torch.optim.AdamW, no_decay, lr=args.lr, weight_decay=0.1)
     sched = cosine_with_warmup(opt, args.warmup, args.steps)
     step, loss = 0, None
-    Path(args.checkpoints).mkdir(parents=True, exist_ok=True)
-    found = runtime.load_latest(pipe, args.checkpoints, optimizer=opt)
+    found = runtime.load_latest(pipe, args.checkpoints, optimizer=opt)  # None on the first start
     if found is not None:
         step = found[1]["step"]
         sched.load_state_dict(found[1]["scheduler"])
         if rank0:
             print(f"resumed from {found[0]} at step {step}", flush=True)
+    if step >= args.steps:  # nothing left to train: the export is left as it is
+        if rank0:
+            print(f"error: {found[0] if found else args.checkpoints} is at step {step} and --steps {args.steps} is the "
+                  f"total to train to, so there is nothing left to train and {args.export} is left as it is: pass "
+                  f"--steps above {step} to train on from it, or another --checkpoints folder to start afresh.",
+                  file=sys.stderr, flush=True)
+        sys.exit(2)
 
     # 4. the loop
     predicted = pipe.manifest.predicted.step_time_s if pipe.manifest.predicted else float("nan")

@@ -7,6 +7,8 @@ namespace per page:
 - a ```python block is executed; one preceded by `<!-- file: NAME -->` is written to NAME
   instead (a model file the next blocks compile), and one preceded by `<!-- skip-test -->`
   is left out (torchrun-only snippets);
+- a block preceded by `<!-- output -->` holds what the python block before it prints, and
+  must match it line by line (`...` stands for any text within a line);
 - a ```sh / ```bash block preceded by `<!-- run -->` runs line by line as a command;
   in every other one, each `python -m partitioner ...` line must parse with the CLI's own
   argparse (`driver.cli`), so an option renamed or removed fails here.
@@ -17,6 +19,8 @@ must name every module of the four packages.
 
 from __future__ import annotations
 
+import contextlib
+import io
 import os
 import re
 import shlex
@@ -85,17 +89,32 @@ def run_shell(body: str, cwd: Path, where: str) -> None:
         assert done.returncode == 0, f"{where}: `{command}` exited {done.returncode}:\n{done.stdout}{done.stderr}"
 
 
+def check_output(printed: str, shown: str, where: str) -> None:
+    """What a python block printed against the `<!-- output -->` block after it: line by
+    line, `...` any text within a line, trailing spaces ignored."""
+    got = [line.rstrip() for line in printed.rstrip("\n").splitlines()]
+    want = [line.rstrip() for line in shown.splitlines()]
+    same = len(got) == len(want) and all(
+        re.fullmatch("[^\n]*".join(map(re.escape, w.split("..."))), g) for g, w in zip(got, want))
+    assert same, f"{where}: the block above printed\n{printed}\nnot what the page shows:\n{shown}"
+
+
 def run_page(page: Path, work: Path) -> None:
     """Every block of `page`, in order, in `work`, one namespace for the page."""
     namespace: dict[str, Any] = {"__name__": f"docs_{page.stem}"}
+    printed = ""
     for block in blocks(page):
         where = f"{page.name}, line {block.line}"
         if block.marker == "skip-test":
             continue
-        if block.lang == "python" and block.marker.startswith("file:"):
+        if block.marker == "output":
+            check_output(printed, block.body, where)
+        elif block.lang == "python" and block.marker.startswith("file:"):
             (work / block.marker.split(":", 1)[1].strip()).write_text(block.body + "\n")
         elif block.lang == "python":
-            exec(compile(block.body, where, "exec"), namespace)
+            with contextlib.redirect_stdout(io.StringIO()) as out:
+                exec(compile(block.body, where, "exec"), namespace)
+            printed = out.getvalue()
         elif block.lang in ("sh", "bash") and block.marker == "run":
             run_shell(block.body, work, where)
         elif block.lang in ("sh", "bash"):
@@ -162,3 +181,8 @@ def test_a_drifting_snippet_fails(workdir: Path, tmp_path: Path) -> None:
     page.write_text("```sh\npython -m partitioner compile m.py --out d --no-such-option\n```\n")
     with pytest.raises(SystemExit):
         run_page(page, workdir)
+    page.write_text("```python\nprint('offload', 'all', 1)\n```\n<!-- output -->\n```text\nmemory ... 1\n```\n")
+    with pytest.raises(AssertionError, match="not what the page shows"):
+        run_page(page, workdir)
+    page.write_text("```python\nprint('offload', 'all', 1)\n```\n<!-- output -->\n```text\noffload ... 1\n```\n")
+    run_page(page, workdir)

@@ -111,9 +111,11 @@ def test_unknown_option_names_the_known_ones() -> None:
 def test_a_folder_of_other_files_is_not_replaced(tmp_path: Path) -> None:
     model, example, _target, loss_fn = build("gpt")
     (tmp_path / "notes.txt").write_text("mine")
-    with pytest.raises(ParallelizeError, match=r"folder of other files.*give a new folder"):
+    with pytest.raises(ParallelizeError, match=r"not an earlier package \(notes.txt\).*give a new or empty folder.*force=True"):
         partitioner.parallelize(model, example[0], loss_fn, out=tmp_path, stages=2, **FAST)
     assert (tmp_path / "notes.txt").read_text() == "mine"
+    partitioner.parallelize(model, example[0], loss_fn, out=tmp_path, stages=2, force=True, **FAST)
+    assert (tmp_path / "notes.txt").read_text() == "mine" and (tmp_path / "manifest.json").is_file()
 
 
 def test_lambda_loss_fn_is_refused_with_the_fix(tmp_path: Path) -> None:

@@ -53,9 +53,10 @@ def load_latest(pipe: Any, root: str | os.PathLike[str], optimizer: torch.optim.
     """`pipe.load_checkpoint` of the newest complete checkpoint under `root`, or, when a file
     of it is corrupt ([Note: checkpoint checksums]), of the newest one before it that is
     not (rank 0 says so in one line on stderr): (its path, its `extra`); None when `root`
-    holds no complete checkpoint.  Raises CheckpointCorruptError when every one is corrupt,
-    CheckpointNotFoundError when `root` is not a folder.  On every rank (collective)."""
-    latest_checkpoint(root)  # the same refusal of a `root` that is not a folder
+    holds no complete checkpoint (or does not exist).  Raises CheckpointCorruptError when
+    every one is corrupt, CheckpointNotFoundError when `root` is a file.  On every rank
+    (collective)."""
+    latest_checkpoint(root)  # the same refusal of a `root` that is a file
     found = complete(root)
     for path in found:
         try:

@@ -36,7 +36,7 @@ from typing import Any, Callable
 from ..errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError
 
 __all__ = ["MARKER", "partial_dir", "begin", "commit", "verify", "write_checksums", "check_checksums", "complete", "latest_checkpoint", "prune",
-           "clean_partial"]
+           "clean_partial", "is_marked"]
 
 MARKER = "COMPLETE.json"
 FORMAT = 1
@@ -118,6 +118,15 @@ def verify(path: Path) -> dict[str, Any]:
     return info  # type: ignore[no-any-return]
 
 
+def is_marked(path: Path) -> bool:
+    """`path` holds a completion marker this project wrote (the checkpoint may be corrupt)."""
+    try:
+        info = json.loads((path / MARKER).read_text())
+        return isinstance(info, dict) and "format" in info and "files" in info
+    except (OSError, ValueError):
+        return False
+
+
 def _complete(root: Path) -> list[tuple[float, Path]]:
     """(saved_at, path) of every complete checkpoint directly under `root`."""
     out = []
@@ -138,14 +147,16 @@ def complete(root: str | os.PathLike[str]) -> list[Path]:
 
 def latest_checkpoint(root: str | os.PathLike[str]) -> Path | None:
     """The newest complete checkpoint directly under `root` (by the time its save
-    finished), or None when the folder holds none; incomplete and corrupt ones are skipped.
-    Raises CheckpointNotFoundError when `root` is not a folder (a typo is not "no checkpoint")."""
+    finished), or None when there is none: the folder holds none, or does not exist yet (a
+    script's first start, before its first save made it); incomplete and corrupt ones are
+    skipped.  Raises CheckpointNotFoundError when `root` is a file."""
     path = Path(root)
+    if not path.exists():
+        return None
     if not path.is_dir():
-        what = "is a file, not a folder" if path.exists() else "does not exist"
-        raise CheckpointNotFoundError(f"checkpoint folder {str(root)!r} {what} (from {os.getcwd()}): give the "
-                                      f"folder the checkpoints were saved under (the --checkpoint of the run that "
-                                      f"saved them; step-NNNNNN folders are inside it).")
+        raise CheckpointNotFoundError(f"checkpoint folder {str(root)!r} is a file, not a folder (from "
+                                      f"{os.getcwd()}): give the folder the checkpoints were saved under (the "
+                                      f"--checkpoint of the run that saved them; step-NNNNNN folders are inside it).")
     found = _complete(path)
     return found[-1][1] if found else None
 

@@ -6,11 +6,18 @@ DIR/model.safetensors, or, above `max_shard_bytes`, model-0000i-of-0000N.safeten
 model.safetensors.index.json that Hugging Face writes; with `hf`, the model file's model is
 built on the meta device, takes the tensors (assign: no second copy) and `save_pretrained`
 writes a folder that `from_pretrained` loads (config.json included).
+
+DIR is new, empty, or an earlier export (recognised by its stamp, EXPORT_STAMP, which lists
+the files it wrote), replaced whole; a folder holding anything else is refused unless
+`force`, and even then nothing export did not write is deleted or overwritten ([Note:
+output folders] in runtime/outdir.py).
 """
 
 from __future__ import annotations
 
 import json
+import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -19,14 +26,19 @@ import torch.distributed.checkpoint as dcp
 from safetensors.torch import save_file
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from .. import package
+from .. import outdir, package
 from ..errors import CheckpointError
 from . import commit
 from .dcp import _quiet
 
-__all__ = ["export", "read_model_state", "write_safetensors"]
+__all__ = ["EXPORT_STAMP", "check_out", "earlier_export", "export", "read_model_state", "write_safetensors"]
 
 DEFAULT_SHARD_BYTES = 5 * 10**9
+#: the file an export writes last: the files it wrote, so a later export may replace them
+EXPORT_STAMP = ".partitioner-export.json"
+#: the names an export may write (the safetensors files, their index, a Hugging Face folder's json files)
+_WRITES = re.compile(r"model(-\d{5}-of-\d{5})?\.safetensors(\.index\.json)?|[a-z_]*config\.json|"
+                     + re.escape(EXPORT_STAMP))
 
 
 def read_model_state(ckpt: Path) -> dict[str, torch.Tensor]:
@@ -65,22 +77,63 @@ def write_safetensors(state: dict[str, torch.Tensor], out: Path, max_shard_bytes
     return [out / n for n in names] + [out / "model.safetensors.index.json"]
 
 
-def export(ckpt: str | Path, out: str | Path, hf: bool = False, max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> list[Path]:
+def export(ckpt: str | Path, out: str | Path, hf: bool = False, max_shard_bytes: int = DEFAULT_SHARD_BYTES,
+           force: bool = False) -> list[Path]:
     """Write checkpoint `ckpt`'s weights into folder `out`; the files written."""
     ckpt, out = Path(ckpt), Path(out)
+    check_out(out, force)
     info = commit.verify(ckpt)
     state = read_model_state(ckpt)
-    if not hf:
-        return write_safetensors(state, out, max_shard_bytes)
-    model: Any = _build_meta(info, ckpt)
-    if not callable(getattr(model, "save_pretrained", None)):
+    model: Any = _build_meta(info, ckpt) if hf else None
+    if hf and not callable(getattr(model, "save_pretrained", None)):
         raise CheckpointError(f"--hf: the model of {ckpt} ({type(model).__name__}) is not a Hugging Face model (it has "
                               f"no save_pretrained): export without --hf for a plain model.safetensors.")
-    model.load_state_dict(state, assign=True)
-    if callable(getattr(model, "tie_weights", None)):
-        model.tie_weights()
-    model.save_pretrained(out, max_shard_size=max_shard_bytes)
-    return sorted(p for p in out.iterdir() if p.is_file())
+    written: list[str] = []
+
+    def produce(folder: Path) -> None:
+        if model is None:
+            write_safetensors(state, folder, max_shard_bytes)
+        else:
+            model.load_state_dict(state, assign=True)
+            if callable(getattr(model, "tie_weights", None)):
+                model.tie_weights()
+            model.save_pretrained(folder, max_shard_size=max_shard_bytes)
+        written.extend(sorted(os.listdir(folder)))
+        (folder / EXPORT_STAMP).write_text(json.dumps({"checkpoint": str(ckpt), "files": written}, indent=1) + "\n")
+
+    try:
+        outdir.write(out, produce, earlier_export, force=force, last=EXPORT_STAMP)
+    except FileExistsError as exc:  # written there since the check
+        raise CheckpointError(f"export --out {out}: {exc}: give another folder.") from None
+    return [out / name for name in written]
+
+
+def earlier_export(folder: Path) -> set[str] | None:
+    """The files an earlier export wrote in `folder`, as its stamp lists them; None when
+    there is no stamp (then nothing there is export's)."""
+    try:
+        files = json.loads((folder / EXPORT_STAMP).read_text())["files"]
+        return {EXPORT_STAMP, *(str(name) for name in files)}
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def check_out(out: Path, force: bool) -> None:
+    """Refuse an --out folder holding what export did not write (without `force`), or,
+    with it, a file of the name it writes ([Note: output folders])."""
+    if out.exists() and not out.is_dir():
+        raise CheckpointError(f"export --out {out} is a file, not a folder: give a new folder.")
+    stray = outdir.in_the_way(out, earlier_export, False)
+    blocking = [n for n in stray if _WRITES.fullmatch(n)] if force else stray
+    if not blocking:
+        return
+    shown = outdir.listing(blocking)
+    if force:
+        raise CheckpointError(f"export --out {out} holds {shown}, which the export would overwrite, and export did not "
+                              f"write them: move them away, or give another folder.")
+    raise CheckpointError(f"export --out {out} holds files that are not an earlier export ({shown}), and export "
+                          f"never deletes what it did not write: give a new or empty folder (or an earlier export's, "
+                          f"which is replaced whole), or pass --force to write the export's files beside them.")
 
 
 def _build_meta(info: dict[str, Any], ckpt: Path) -> torch.nn.Module:

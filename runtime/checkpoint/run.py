@@ -1,21 +1,40 @@
 """What `partitioner run --checkpoint DIR --save-every K --resume --init --load PATH
---max-restarts R` does on each rank (runtime/_worker.py calls these; docs/checkpoints.md)."""
+--max-restarts R --overwrite` does on each rank (runtime/_worker.py calls these;
+docs/checkpoints.md).
+
+[Note: one run per checkpoint folder]
+    A run saves step-NNNNNN folders under --checkpoint, and --resume, --keep and restarts
+    take the newest complete one there, so another run's checkpoints in the same folder
+    would be mixed with this run's.  A folder that holds checkpoints already is refused
+    before any rank starts unless the run continues from them (--resume, --resume-if-any)
+    or --overwrite says to start afresh: that removes the checkpoints this project wrote
+    there (folders with its COMPLETE.json, and unfinished .NAME.partial ones) and nothing
+    else; a step-NNNNNN folder without the marker is not taken for one, so a run that
+    would save over it is refused even then.
+"""
 
 from __future__ import annotations
 
 import argparse
+import os
+import re
+import shutil
 import sys
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from .. import outdir
 from ..errors import CheckpointError, CheckpointSpaceError
 from ..restarts import announce_resume
+from . import commit
 from .commit import latest_checkpoint
 
+_STEP = re.compile(r"step-\d+")
+
 __all__ = ["add_arguments", "check_arguments", "worker_arguments", "initial_weights", "resume", "resume_from",
-           "maybe_save"]
+           "maybe_save", "saved_before", "overwrite"]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -28,6 +47,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        help="continue from the newest complete checkpoint under --checkpoint (an error if none)")
     again.add_argument("--resume-if-any", action="store_true",
                        help="continue from it if there is one, else start afresh (a job restarted in a loop)")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="start afresh in a --checkpoint folder that holds another run's checkpoints: they are "
+                             "removed first (nothing else there is)")
     parser.add_argument("--max-restarts", type=int, default=0,
                         help="a failed job starts again from the newest complete checkpoint, up to R times")
     start = parser.add_mutually_exclusive_group()
@@ -40,6 +62,12 @@ def check_arguments(ns: argparse.Namespace) -> None:
     if (ns.save_every or ns.resume or ns.resume_if_any or ns.keep is not None) and not ns.checkpoint:
         raise CheckpointError("--save-every, --keep and --resume need --checkpoint DIR: the folder the checkpoints "
                               "are saved in and resumed from.")
+    if ns.overwrite and not ns.checkpoint:
+        raise CheckpointError("--overwrite needs --checkpoint DIR: the folder whose earlier checkpoints a fresh run "
+                              "removes.")
+    if ns.overwrite and (ns.resume or ns.resume_if_any):
+        raise CheckpointError(f"--overwrite starts afresh and --{'resume' if ns.resume else 'resume-if-any'} "
+                              f"continues from the checkpoints in {ns.checkpoint!r}: give one of them.")
     if ns.max_restarts and not ns.checkpoint:
         raise CheckpointError(f"--max-restarts {ns.max_restarts} needs --checkpoint DIR (and --save-every K): a "
                               f"restarted job resumes from the newest complete checkpoint saved there.")
@@ -51,6 +79,55 @@ def check_arguments(ns: argparse.Namespace) -> None:
         raise CheckpointError(f"--load {ns.load} does not exist: give a checkpoint folder, a .safetensors file or a "
                               f"Hugging Face model folder.")
     resume_from(ns)  # --resume with nothing to resume from: refused before any rank starts
+    _check_fresh(ns)
+
+
+def saved_before(root: Path) -> tuple[list[Path], list[Path]]:
+    """What a run finds in its --checkpoint folder ([Note: one run per checkpoint folder]):
+    the checkpoints this project wrote there (complete or not), and the step-NNNNNN folders
+    without its marker, which a save would replace."""
+    ours, others = [], []
+    for child in sorted(root.iterdir()) if root.is_dir() else []:
+        if not child.is_dir() or child.is_symlink():
+            continue
+        if commit.is_marked(child) or (child.name.startswith(".") and child.name.endswith(".partial")):
+            ours.append(child)
+        elif _STEP.fullmatch(child.name):
+            others.append(child)
+    return ours, others
+
+
+def _check_fresh(ns: argparse.Namespace) -> None:
+    """A run that starts afresh in a folder holding checkpoints: refused without --overwrite."""
+    if not ns.checkpoint or ns.resume or ns.resume_if_any:
+        return
+    ours, others = saved_before(Path(ns.checkpoint))
+    if others:
+        raise CheckpointError(f"--checkpoint {ns.checkpoint!r} holds {_few(others)}, not checkpoints this project "
+                              f"saved (no {commit.MARKER}), which this run's saves would replace: move "
+                              f"{'it' if len(others) == 1 else 'them'} away, or give another --checkpoint folder.")
+    if ours and not ns.overwrite:
+        raise CheckpointError(f"--checkpoint {ns.checkpoint!r} holds another run's checkpoints ({_few(ours)}), and a "
+                              f"fresh run would mix its own with them: pass --resume to continue from the newest, "
+                              f"--overwrite to remove them and start afresh, or give another --checkpoint folder.")
+
+
+def overwrite(ns: argparse.Namespace) -> list[Path]:
+    """--overwrite: remove the checkpoints the folder held ([Note: one run per checkpoint
+    folder]), once, before any rank starts; the removed.  Call after `check_arguments`."""
+    if not (ns.checkpoint and ns.overwrite):
+        return []
+    ours, _ = saved_before(Path(ns.checkpoint))
+    for path in ours:
+        shutil.rmtree(path)
+    if ours:
+        print(f"--overwrite: removed {len(ours)} earlier checkpoint{'s' if len(ours) > 1 else ''} from "
+              f"{ns.checkpoint} ({_few(ours)})", file=sys.stderr, flush=True)
+    return ours
+
+
+def _few(paths: list[Path]) -> str:
+    return outdir.listing([p.name for p in paths], most=3)
 
 
 def worker_arguments(ns: argparse.Namespace) -> list[str]:
@@ -89,6 +166,10 @@ def resume_from(ns: argparse.Namespace) -> Path | None:
     root = Path(ns.checkpoint)
     if ns.resume_if_any and not root.exists():
         return None
+    if not root.exists():  # a typo is not "nothing to resume"
+        raise CheckpointError(f"--resume: checkpoint folder {ns.checkpoint!r} does not exist (from {os.getcwd()}): "
+                              f"give the folder the checkpoints were saved under (the --checkpoint of the run that "
+                              f"saved them). Or pass --resume-if-any to start afresh when there is nothing to resume.")
     try:
         path = latest_checkpoint(root)
     except CheckpointError as exc:

@@ -107,7 +107,7 @@ def test_out_is_a_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> No
     out = tmp_path / "file"
     out.write_text("x")
     code, err = _run(capsys, "compile", GOOD, "--out", str(out), "--quiet")
-    assert code == 2 and "is a file, not a directory" in err
+    assert code == 2 and "is a file, not a folder" in err
 
 
 def test_show(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -156,3 +156,67 @@ def test_subprocess_exit_status(tmp_path: Path) -> None:
 @pytest.mark.parametrize("text, size", [("16GiB", 16 << 30), ("512MiB", 512 << 20), ("80GB", 80 * 10**9), ("1000", 1000)])
 def test_parse_size(text: str, size: int) -> None:
     assert parse_size(text) == size
+
+
+def _package_files(folder: Path) -> set[str]:
+    return {p.name for p in folder.iterdir() if p.name != "__pycache__"}
+
+
+def test_out_dot_keeps_the_users_files_and_the_working_directory(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """`--out .` beside the model file: refused (exit 2, the folder and --force named); with
+    --force the package is written beside the user's files, the working directory stays the
+    same folder, and a later compile replaces only the package's files."""
+    (tmp_path / "my_model.py").write_text(Path(GOOD).read_text())
+    (tmp_path / "notes.txt").write_text("mine")
+    monkeypatch.chdir(tmp_path)
+    before = tmp_path.stat().st_ino
+    args = ["compile", "my_model.py", "--out", ".", "--analytic", "--quiet"]
+    code, err = _run(capsys, *args, "--stages", "3")
+    assert code == 2 and "Traceback" not in err
+    assert "'.'" in err and "my_model.py, notes.txt" in err and "--force" in err, err
+    assert _package_files(tmp_path) == {"my_model.py", "notes.txt"}
+    assert _run(capsys, *args, "--stages", "3", "--force")[0] == 0
+    assert {"my_model.py", "notes.txt", "manifest.json", "stage_2.py"} <= _package_files(tmp_path)
+    assert Path.cwd().stat().st_ino == before and (tmp_path / "notes.txt").read_text() == "mine"
+    assert _run(capsys, *args, "--stages", "2", "--force")[0] == 0
+    assert "stage_2.py" not in _package_files(tmp_path)  # the earlier package's own file, gone
+    assert {"my_model.py", "notes.txt", "stage_1.py"} <= _package_files(tmp_path)
+    assert json.loads((tmp_path / "manifest.json").read_text())["mesh"]["pp"] == 2
+
+
+def test_out_folder_of_other_files_is_refused_and_forced_keeps_them(tmp_path: Path,
+                                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "mydata"
+    out.mkdir()
+    (out / "important.txt").write_text("mine")
+    args = ["compile", GOOD, "--out", str(out), "--analytic", "--quiet"]
+    code, err = _run(capsys, *args)
+    assert code == 2 and "important.txt" in err and "--force" in err and str(out) in err, err
+    assert _package_files(out) == {"important.txt"}
+    assert _run(capsys, *args, "--force")[0] == 0
+    assert (out / "important.txt").read_text() == "mine" and (out / "manifest.json").is_file()
+    (out / "plan.txt").unlink()
+    (out / "plan.txt").write_text("my plan")  # a file of a package's name that the compiler did not write
+    (out / "manifest.json").unlink()
+    code, err = _run(capsys, *args, "--force")
+    assert code == 2 and "plan.txt" in err and "overwrite" in err, err
+    assert (out / "plan.txt").read_text() == "my plan"
+
+
+def test_an_earlier_package_is_replaced_whole(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """An earlier package (its manifest stamped by partitioner) goes whole, stale stages
+    included; a manifest.json another program wrote is not taken for one."""
+    args = ["compile", GOOD, "--analytic", "--quiet"]
+    assert main([*args, "--out", str(tmp_path / "pkg"), "--stages", "3"]) == 0
+    assert main([*args, "--out", str(tmp_path / "pkg"), "--stages", "2"]) == 0
+    assert main([*args, "--out", str(tmp_path / "fresh"), "--stages", "2"]) == 0
+    assert _package_files(tmp_path / "pkg") == _package_files(tmp_path / "fresh")
+    for name in _package_files(tmp_path / "fresh"):
+        assert (tmp_path / "pkg" / name).read_bytes() == (tmp_path / "fresh" / name).read_bytes(), name
+    other = tmp_path / "app"
+    other.mkdir()
+    (other / "manifest.json").write_text(json.dumps({"name": "my app", "stages": []}))
+    code, err = _run(capsys, *args, "--out", str(other))
+    assert code == 2 and "manifest.json" in err
+    assert _package_files(other) == {"manifest.json"}

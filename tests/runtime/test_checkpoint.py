@@ -185,14 +185,15 @@ def test_a_checkpoint_of_another_model_is_refused(make_tiny: Callable[..., Tiny]
         other.load_checkpoint(tmp_path / "ckpt")
 
 
-def test_latest_checkpoint_of_a_missing_folder_is_an_error(tmp_path: Path) -> None:
-    """A folder that does not exist (a typo) is not "no checkpoint yet": an empty one is."""
+def test_latest_checkpoint_of_a_missing_folder_is_none(tmp_path: Path) -> None:
+    """An empty folder and one that does not exist yet (a script's first start) hold no
+    checkpoint: None, as load_latest; a file in its place is an error."""
     from runtime.errors import CheckpointNotFoundError
 
     assert runtime.latest_checkpoint(tmp_path) is None
-    with pytest.raises(CheckpointNotFoundError, match=r"checkpoint folder '.*/nowhere' does not exist .*: give the "
-                                                      r"folder the checkpoints were saved under"):
-        runtime.latest_checkpoint(tmp_path / "nowhere")
+    assert runtime.latest_checkpoint(tmp_path / "nowhere") is None
+    assert runtime.load_latest(object(), tmp_path / "nowhere") is None
+    assert not (tmp_path / "nowhere").exists()
     (tmp_path / "file").write_text("")
     with pytest.raises(FileNotFoundError, match=r"'.*/file' is a file, not a folder"):
         runtime.latest_checkpoint(tmp_path / "file")

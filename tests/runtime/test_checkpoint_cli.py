@@ -132,3 +132,60 @@ def test_the_worker_resumes_or_starts_afresh(flag: str, tmp_path: Path) -> None:
             checkpointing.resume(Pipe(), None, ns)
     else:
         assert checkpointing.resume(Pipe(), None, ns) == 0
+
+
+def test_a_fresh_run_in_a_folder_of_checkpoints_is_refused(make_tiny: Callable[..., Tiny], tmp_path: Path,
+                                                          capsys: pytest.CaptureFixture[str],
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """--checkpoint D holding another run's checkpoints, without --resume: exit 2 before any
+    rank starts; --overwrite removes them (complete and unfinished ones) and nothing else."""
+    t = make_tiny(stages=2)
+    pkg, ck = str(t.dir), tmp_path / "ck"
+    started: list[list[str]] = []
+    monkeypatch.setattr(launch.subprocess, "call", lambda cmd, env: started.append(cmd) or 0)
+    runtime.LocalPipeline(pkg).save_checkpoint(ck / "step-000003")
+    (ck / ".step-000004.partial").mkdir()  # a save that never finished
+    (ck / "notes.txt").write_text("mine")
+    assert cli(["run", pkg, "--nproc", "2", "--checkpoint", str(ck)]) == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert "another run's checkpoints" in err and "step-000003" in err and "--resume" in err, err
+    assert "--overwrite" in err and "Traceback" not in err
+    assert cli(["run", pkg, "--nproc", "2", "--checkpoint", str(ck), "--overwrite", "--resume"]) == 2
+    assert not started and (ck / "step-000003").is_dir()
+    assert cli(["run", pkg, "--nproc", "2", "--checkpoint", str(ck), "--resume"]) == 0
+    assert cli(["run", pkg, "--nproc", "2", "--checkpoint", str(ck), "--overwrite"]) == 0
+    assert "--overwrite" not in started[-1] and "--resume" not in started[-1]  # the workers start afresh
+    assert sorted(p.name for p in ck.iterdir()) == ["notes.txt"]
+    (ck / "step-000002").mkdir()  # not a checkpoint the project saved, where a save would go
+    assert cli(["run", pkg, "--nproc", "2", "--checkpoint", str(ck), "--overwrite"]) == 2
+    assert "step-000002, not checkpoints this project saved" in " ".join(capsys.readouterr().err.split())
+    assert sorted(p.name for p in ck.iterdir()) == ["notes.txt", "step-000002"] and len(started) == 2
+
+
+def test_export_never_deletes_what_it_did_not_write(make_tiny: Callable[..., Tiny], tmp_path: Path,
+                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    """export --out: a folder of other files is refused (exit 2) and, with --force, gets the
+    export beside them, never over a file of the same name; an earlier export (its stamp)
+    is replaced whole, its shards included."""
+    pipe = runtime.LocalPipeline(str(make_tiny(stages=2).dir))
+    pipe.save_checkpoint(tmp_path / "ck")
+    mine = tmp_path / "mydata"
+    mine.mkdir()
+    (mine / "important.txt").write_text("mine")
+    (mine / "model.safetensors").write_text("my weights")
+    export = ["export", str(tmp_path / "ck"), "--out", str(mine)]
+    assert cli(export) == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert "important.txt, model.safetensors" in err and "--force" in err and "Traceback" not in err, err
+    assert cli([*export, "--force"]) == 2
+    assert "model.safetensors, which the export would overwrite" in " ".join(capsys.readouterr().err.split())
+    assert (mine / "model.safetensors").read_text() == "my weights"
+    (mine / "model.safetensors").unlink()
+    assert cli([*export, "--force"]) == 0
+    assert (mine / "important.txt").read_text() == "mine" and set(load_file(mine / "model.safetensors")) == set(
+        pipe.state_dict())
+    out = tmp_path / "st"
+    assert cli(["export", str(tmp_path / "ck"), "--out", str(out), "--max-shard-size", "100B"]) == 0
+    assert (out / "model.safetensors.index.json").is_file()
+    assert cli(["export", str(tmp_path / "ck"), "--out", str(out)]) == 0
+    assert sorted(p.name for p in out.iterdir()) == [".partitioner-export.json", "model.safetensors"]
