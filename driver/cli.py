@@ -152,8 +152,8 @@ def _run(ns: argparse.Namespace) -> int:
     if ns.trace:
         argv += ["--trace", ns.trace]
     checkpointing.check_arguments(ns)
-    checkpointing.overwrite(ns)  # once, before any rank starts: [Note: one run per checkpoint folder]
-    rc = launch.main(argv + checkpointing.worker_arguments(ns))
+    overwrite = ["--overwrite"] if ns.overwrite else []  # done by the launcher once its checks pass
+    rc = launch.main(argv + checkpointing.worker_arguments(ns) + overwrite)
     if rc == 0 and ns.timeline:
         from partitioner.predict import timeline
 

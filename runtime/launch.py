@@ -106,6 +106,7 @@ def main(argv: list[str]) -> int:
     if note:
         print(f"partitioner run: {note}", file=sys.stderr, flush=True)
     checkpointing.check_arguments(ns)
+    checkpointing.overwrite(ns)  # once every check has passed, before any rank: [Note: one run per checkpoint folder]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     root = str(Path(__file__).resolve().parents[1])  # so that every rank imports this runtime
     env["PYTHONPATH"] = os.pathsep.join([root] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))

@@ -138,7 +138,8 @@ def test_a_fresh_run_in_a_folder_of_checkpoints_is_refused(make_tiny: Callable[.
                                                           capsys: pytest.CaptureFixture[str],
                                                           monkeypatch: pytest.MonkeyPatch) -> None:
     """--checkpoint D holding another run's checkpoints, without --resume: exit 2 before any
-    rank starts; --overwrite removes them (complete and unfinished ones) and nothing else."""
+    rank starts; --overwrite removes them (complete and unfinished ones) and nothing else,
+    and only once the run has passed every check."""
     t = make_tiny(stages=2)
     pkg, ck = str(t.dir), tmp_path / "ck"
     started: list[list[str]] = []
@@ -153,6 +154,8 @@ def test_a_fresh_run_in_a_folder_of_checkpoints_is_refused(make_tiny: Callable[.
     assert cli(["run", pkg, "--nproc", "2", "--checkpoint", str(ck), "--overwrite", "--resume"]) == 2
     assert not started and (ck / "step-000003").is_dir()
     assert cli(["run", pkg, "--nproc", "2", "--checkpoint", str(ck), "--resume"]) == 0
+    assert cli(["run", pkg, "--nproc", "3", "--checkpoint", str(ck), "--overwrite"]) == 2  # refused: nothing removed
+    assert (ck / "step-000003").is_dir() and len(started) == 1
     assert cli(["run", pkg, "--nproc", "2", "--checkpoint", str(ck), "--overwrite"]) == 0
     assert "--overwrite" not in started[-1] and "--resume" not in started[-1]  # the workers start afresh
     assert sorted(p.name for p in ck.iterdir()) == ["notes.txt"]
