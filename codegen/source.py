@@ -160,15 +160,17 @@ class StageSource:
         self.imports.add(f"import {module}")
         return qualified
 
-    def _kept_call(self, target: KeptModule, args: Any, kwargs: Any, fmt: Callable[[Any], str]) -> str:
+    def _kept_call(self, target: KeptModule, args: Any, kwargs: Any, fmt: Callable[[Any], str], state: str) -> str:
         """`torch.func.functional_call(self.<module>, {<its tensors>}, (<inputs>,))`: the user's
-        module kept whole, run on the stage's parameters and buffers."""
+        module kept whole, run on the stage's parameters and buffers; `state` names the dict
+        of them where the stage takes back the buffers the call rebinds ([Note: buffers a
+        kept module rebinds]), else it is written inline."""
         attr = f"{attr_name(target.path)}_module"
         self.kept[attr] = target
         self.imports.add("from runtime.package import kept_module")
         inputs = fmt(tuple(args[1:]))
         extra = f", {fmt(dict(kwargs))}" if kwargs else ""
-        return f"torch.func.functional_call(self.{attr}, {fmt(args[0])}, {inputs}{extra})"
+        return f"torch.func.functional_call(self.{attr}, {state or fmt(args[0])}, {inputs}{extra})"
 
     def user_class(self, cls: type) -> str:
         """How a stage names a class of the user's: `model.<Name>` when the model file defines
@@ -214,7 +216,8 @@ class StageSource:
             call = ", ".join([fmt(a) for a in args[1:]] + [f"{k}={fmt(v)}" for k, v in kwargs.items()])
             expr = f"{fmt(args[0])}.{target}({call})"
         elif node.op == "call_function" and isinstance(target, KeptModule):
-            expr = self._kept_call(target, args, kwargs, fmt)
+            state = f"{names[node]}_state" if _held_buffers(node, names) else ""
+            expr = self._kept_call(target, args, kwargs, fmt, state)
         elif node.op == "call_function":
             args, kwargs = with_mode(target, args, dict(kwargs))  # [Note: modes in generated code]
             kwargs = _without_defaults(target, kwargs)
@@ -241,7 +244,7 @@ class StageSource:
                 self.imports.add("from runtime import tp")
                 lines.append(f"with tp.rank_stream({names[node.all_input_nodes[0]]}.device, self.training):")
                 line = f"    {line}"
-            lines.append(line)
+            lines += _with_kept_state(line, node, names)
         return lines
 
     def build_output(self, spec: pytree.TreeSpec, leaves: list[Any], names: dict[torch.fx.Node, str]) -> str:
@@ -265,6 +268,44 @@ class StageSource:
         if isinstance(spec.context, (list, tuple)) and all(isinstance(k, str) for k in spec.context):
             return f"{cls}(" + ", ".join(f"{k}={v}" for k, v in zip(spec.context, children)) + ")"
         return f"{cls}({', '.join(children)})"
+
+
+# [Note: buffers a kept module rebinds]
+# A module kept whole may rebind its own buffers in forward (a dynamic rotary embedding's
+# `self.register_buffer("inv_freq", ...)` past its maximum length) beside Python state of
+# its own (`self.max_seq_len_cached`).  The stage holds the module, whose Python state so
+# lives from call to call as in the original, and the buffers; it calls the module on a
+# dict of them, which `torch.func.functional_call` updates with what forward rebound, and
+# takes them back:
+#     rotary_state = {'inv_freq': self.rotary_inv_freq}
+#     rotary = torch.func.functional_call(self.rotary_module, rotary_state, (x, position_ids))
+#     self.rotary_inv_freq = rotary_state['inv_freq']
+# so the next call (the next microbatch, the next step) reads what the original's reads.
+
+
+def _held_buffers(node: torch.fx.Node, names: dict[torch.fx.Node, str]) -> dict[str, str]:
+    """Buffer name -> the stage's attribute holding it, for a call of a module kept whole
+    ([Note: buffers a kept module rebinds]); {} for any other node."""
+    target = node.target
+    if node.op != "call_function" or not isinstance(target, KeptModule):
+        return {}
+    buffers = {name for name, _ in target.module.named_buffers(remove_duplicate=False)}
+    state = node.args[0]
+    assert isinstance(state, dict)
+    return {name: names[value] for name, value in state.items()
+            if name in buffers and isinstance(value, torch.fx.Node) and names[value].startswith("self.")}
+
+
+def _with_kept_state(line: str, node: torch.fx.Node, names: dict[torch.fx.Node, str]) -> list[str]:
+    """`line` alone, or, for a call of a module kept whole whose buffers the stage holds,
+    between `<name>_state = {...}` and `self.<buffer> = <name>_state[<its name>]` for each
+    ([Note: buffers a kept module rebinds])."""
+    held = _held_buffers(node, names)
+    if not held:
+        return [line]
+    local = f"{names[node]}_state"
+    return [f"{local} = {format_value(node.args[0], names)}", line,
+            *(f"{attr} = {local}[{name!r}]" for name, attr in held.items())]
 
 
 #: torch's factory functions: they make a tensor from sizes or data, on the CPU unless told

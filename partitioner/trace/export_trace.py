@@ -18,6 +18,7 @@ from ..errors import TraceError
 from .autocast import refuse_autocast
 from .functions import recorded_functions, short_name
 from .inputs import InputKey, leaves_of, path_entry, tops
+from .kept import rewrite_kept_export, stubbed_for_export
 from .passes import inline_higher_order
 from .traced import Traced
 
@@ -46,9 +47,10 @@ def _dynamic_dim(value: Any, dim: int) -> dict[int, Any] | None:
 
 
 def trace_export(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
-                  batch_dims: dict[InputKey, int] | None = None) -> Traced:
+                  batch_dims: dict[InputKey, int] | None = None, kept: dict[str, str] | None = None) -> Traced:
     """The torch.export trace of `model(*args, **kwargs)`, un-lifted into an fx graph; the
-    dimensions of `batch_dims` left to export ([Note: free batch])."""
+    dimensions of `batch_dims` left to export ([Note: free batch]); the submodules of `kept`
+    (path -> why) kept whole as calls ([Note: kept whole under export] in kept.py)."""
     # export logs and prints its own failures (graph dumps, tracebacks); the TraceError
     # we raise says what matters, so its output is silenced while it runs.
     logging.disable(logging.CRITICAL)
@@ -56,7 +58,7 @@ def trace_export(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str
     try:
         with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
             warnings.simplefilter("ignore")
-            with recorded_functions(called):
+            with recorded_functions(called), stubbed_for_export(model, args, kwargs, list(kept or {})) as calls:
                 ep = torch.export.export(model, args, kwargs, strict=False,
                                          dynamic_shapes=_dynamic_shapes(model, args, kwargs, batch_dims))
     finally:
@@ -67,6 +69,8 @@ def trace_export(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str
                          f"`{short_name(called[0])}.apply(...)` as one call the stage makes.")
     gm = ep.module()
     assert isinstance(gm, torch.fx.GraphModule)
+    if kept:
+        rewrite_kept_export(gm, model, calls, kept)
     regions = inline_higher_order(gm)
     if any(regions):  # an enabled region is refused at any precision, before the graph runs
         refuse_autocast(tuple(regions), "export", "fp32")
@@ -85,4 +89,4 @@ def trace_export(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str
     leaves = list(out.args[0])
     spec = ep.call_spec.out_spec
     assert spec is not None
-    return Traced(gm, "export", keys, spec, leaves, tuple(regions))
+    return Traced(gm, "export", keys, spec, leaves, tuple(regions), dict(kept or {}))

@@ -33,7 +33,7 @@ from .export_trace import trace_export
 from .fx_trace import _ThroughTracer, trace_fx
 from .grad_mode import keep_no_grad
 from .inputs import InputKey, expand_outputs
-from .kept import failing_submodule
+from .kept import failing_submodule, module_line
 from .messages import failure_message, library_frame
 from .model_file import user_frame
 from .passes import Repeating
@@ -77,9 +77,10 @@ def trace(
                     failures.append((name, updated))
                 except Exception as exc:  # every tracer failure is reported together below
                     failures.append((name, exc))
-            kept = _trace_keeping_whole(model, args, kwargs, failures[0][1], model_path) if order[0] == "fx" else None
-            if kept is not None:
-                return dataclasses.replace(kept, checkpointed=tuple(checkpointed))
+            for name, failure in failures:
+                kept = _trace_keeping_whole(model, args, kwargs, failure, model_path, name, batch_dims)
+                if kept is not None:
+                    return dataclasses.replace(kept, checkpointed=tuple(checkpointed))
     finally:
         model.train(was_training)
     raise TraceError(failure_message(failures, model_path))
@@ -90,9 +91,11 @@ MAX_KEPT = 32
 
 
 def _trace_keeping_whole(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], exc: BaseException,
-                         model_path: str) -> Traced | None:
-    """fx again with the submodule that broke tracing kept whole, as often as it helps
-    (partitioner.trace.kept); None when the failure is in the top-level module itself."""
+                         model_path: str, tracer: str, batch_dims: dict[InputKey, int] | None) -> Traced | None:
+    """`tracer` again with the submodule that broke tracing kept whole, as often as it helps
+    (partitioner.trace.kept); None when the failure is in the top-level module itself (fx
+    fails there on a Hugging Face model's decorated forward; export then keeps its dynamic
+    RoPE whole)."""
     reasons: dict[str, str] = {}
     for _ in range(MAX_KEPT):
         path = failing_submodule(exc, model)
@@ -100,11 +103,12 @@ def _trace_keeping_whole(model: torch.nn.Module, args: tuple[Any, ...], kwargs: 
             return None
         where = user_frame(exc, model_path, Path(model_path).name).strip() if model_path else ""
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        inside = library_frame(exc, model_path)
-        reasons[path] = (f"{where.removeprefix('at ')}" + (f", inside{inside}" if inside else "") +
-                         f": {first[:120]}") if where else first[:160]
+        inside = library_frame(exc, model_path) if tracer == "fx" else ""  # export's own frames say nothing
+        line = where.removeprefix("at ") or module_line(exc, model.get_submodule(path))
+        reasons[path] = (line + (f", inside{inside}" if inside and where else "") + f": {first[:120]}") if line else first[:160]
         try:
-            traced = trace_fx(model, args, kwargs, reasons)
+            traced = (trace_fx(model, args, kwargs, reasons) if tracer == "fx"
+                      else trace_export(model, args, kwargs, batch_dims, reasons))
             return _check_runs(traced, model, args, kwargs)
         except Exception as again:  # the next module to keep whole, or give up
             exc = again

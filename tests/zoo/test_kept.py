@@ -38,3 +38,47 @@ def test_a_top_level_module_with_data_dependent_control_flow_is_refused(tmp_path
     assert done.returncode == 2, done.stderr
     said = " ".join(done.stderr.split())
     assert "data_dependent.py, line 17: `if h.sum() > 0:`" in said and "Traceback" not in said
+
+
+@pytest.mark.parametrize("name", ["rope_dynamic_ntk", "rope_dynamic_ntk_short"])
+@pytest.mark.parametrize("tracer", ["fx", "export"])
+def test_a_kept_rotary_that_re_registers_its_buffer_trains_like_the_original(name: str, tracer: str,
+                                                                             tmp_path: Path) -> None:
+    """Dynamic NTK RoPE written by hand, kept whole: past its maximum length (rope_dynamic_ntk)
+    its forward re-registers `inv_freq`, and every later call (the other microbatches, the
+    next steps) must use the rebound buffer, as the original's module does; below it
+    (rope_dynamic_ntk_short) the buffer stays."""
+    trains_like_original(name, tmp_path / "pkg", steps=3, stages=2, microbatches=4, tracer=tracer)
+    holding = next(s for s in (p.read_text() for p in sorted((tmp_path / "pkg").glob("stage_*.py"))) if "rotary_module" in s)
+    assert "self.rotary_inv_freq = rotary_state['inv_freq']" in holding
+
+
+@pytest.mark.parametrize("name", ["hf_llama_dynamic_rope", "hf_llama_dynamic_rope_short"])
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_hugging_face_dynamic_rope_is_kept_whole_under_export(name: str, schedule: str, tmp_path: Path) -> None:
+    """`LlamaForCausalLM` with `rope_scaling={"rope_type": "dynamic"}`: fx fails on its
+    decorated forward, export on `dynamic_rope_update`'s branch on `torch.max(position_ids)`;
+    export keeps the rotary embedding whole and the pipeline trains as the original, with
+    the batch's length past `max_position_embeddings` (rescaled) and below it."""
+    trains_like_original(name, tmp_path / "pkg", steps=3, stages=2, schedule=schedule, microbatches=4)
+    plan = (tmp_path / "pkg" / "plan.txt").read_text()
+    assert "model.rotary_emb (stage 0): transformers/modeling_rope_utils.py, line " in plan
+    assert "`if seq_len > max_seq_len_cached:" in plan
+    assert "traced with export" in (tmp_path / "pkg" / "stage_0.py").read_text()
+
+
+def test_compiling_leaves_a_kept_modules_own_state_as_it_was() -> None:
+    """The compiler runs a module kept whole on its own copy: the user's dynamic RoPE keeps
+    its cached length, so the model still computes what a fresh one does."""
+    import torch
+
+    from partitioner.trace import model_file
+    from partitioner.trace.trace import trace
+
+    mf = model_file.load(str(Path(__file__).parent / "models" / "hf_llama_dynamic_rope.py"))
+    model, fresh = mf.build(0), mf.build(0)
+    args, kwargs = mf.example_inputs()
+    traced = trace(model, args, kwargs)
+    assert traced.kept and model.model.rotary_emb.max_seq_len_cached == 4
+    with torch.no_grad():
+        torch.testing.assert_close(model(*args, **kwargs).logits, fresh(*args, **kwargs).logits, rtol=0, atol=0)
