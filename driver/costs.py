@@ -55,12 +55,21 @@ def node_costs(gm: torch.fx.GraphModule, values: dict[torch.fx.Node, Any], hardw
     if cached is not None and set(cached) == {n.name for n in nodes}:
         costs = {name: NodeCost(**c) for name, c in cached.items()}
         say(f"costs: {len(costs)} nodes from the profile cache (--reprofile to measure again)")
+        for line in cache.get(key + "-notes") or []:  # nodes costed analytically when measured
+            say(str(line))
         return costs
     say(f"costs: {'profiling' if measure else 'estimating'} {len(nodes)} nodes on {hardware.name}"
         + (f", measured on {timer.key}" if measure and timer.is_cuda else ""))
-    costs = annotate(gm, values, hardware, measure, opts.repeats, _progress(opts, len(nodes)), wait, timer)
+    notes: list[str] = []  # said again whenever the cached costs are read
+
+    def note(line: str) -> None:
+        notes.append(line)
+        say(line)
+
+    costs = annotate(gm, values, hardware, measure, opts.repeats, _progress(opts, len(nodes)), wait, timer, note)
     if measure:
         cache.put(key, {name: asdict(c) for name, c in costs.items()})
+        cache.put(key + "-notes", notes)
     return costs
 
 

@@ -234,7 +234,8 @@ class StageRunner:
             return
         params = [p for p in self.module.parameters() if p.requires_grad]
         if saved.roots and params:
-            torch.autograd.backward(saved.roots, saved.root_grads or None, inputs=params)
+            torch.autograd.backward(saved.roots, saved.root_grads or None,
+                                    inputs=split_backward.weight_inputs(saved.roots, params))
 
     def _roots(self, microbatch: int, saved: _Saved,
                grads: list[torch.Tensor | None] | None) -> tuple[list[torch.Tensor], list[torch.Tensor]]:

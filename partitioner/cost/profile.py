@@ -10,11 +10,12 @@ Two sources, one result type:
   (`torch.autograd.graph.saved_tensors_hooks`), parameters excluded, and where the device
   counts its allocations (CUDA) the peak memory of its forward and backward.  Every time and
   peak is taken through the device's timer (`timer.py`: CUDA events on a GPU, the wall
-  clock on the CPU).  The node times are
-  then calibrated against the whole graph run as one forward and one backward
-  (`calibrate.calibrate_graph`): what isolation misses (the generated forward's own dispatch, the
-  autograd engine walking one graph, gradient accumulation) is spread over the nodes, so
-  the sum of a stage's node times is what the stage takes.
+  clock on the CPU); on the CPU the nodes run in a forked child, where one that crashes the
+  process is costed as `estimate` costs it ([Note: a profiled op that crashes] in guard.py).
+  The node times are then calibrated against the whole graph run as one forward and one
+  backward (`calibrate.calibrate_graph`): what isolation misses (the generated forward's own
+  dispatch, the autograd engine walking one graph, gradient accumulation) is spread over
+  the nodes, so the sum of a stage's node times is what the stage takes.
 - `estimate`: analytic, from the same FLOP count and the bytes the op reads and writes,
   through the roofline of a hardware profile (`roofline.py`).  Deterministic, so golden
   tests and CI use it.  On the meta device (a model too large to run here) every tensor
@@ -24,16 +25,21 @@ Two sources, one result type:
 
 from __future__ import annotations
 
+import contextlib
 import math
-from typing import Any, Callable, Hashable, Iterable
+import sys
+from typing import Any, Callable, Generator, Hashable, Iterable
 
 import torch
 import torch.fx
 import torch.utils._pytree as pytree
 from torch.utils.flop_counter import FlopCounterMode
 
+from runtime.split_backward import weight_inputs
+
 from ..ir import NodeCost
 from .calibrate import calibrate_graph
+from .guard import Crashed, can_guard, guarded
 from .hardware import Hardware
 from .nodes import compute_dtype, compute_nodes, is_shape_only, nbytes, needs_grad, param_names, storage_key, tensors, total_bytes
 from .roofline import BACKWARD_FLOP_FACTOR, roofline_s
@@ -48,6 +54,10 @@ __all__ = ["PROFILE_VERSION", "annotate"]
 PROFILE_VERSION = 6  # 6: the weight gradient's part of each backward (NodeCost.weight_fraction)
 
 
+def _warn(line: str) -> None:
+    print(line, file=sys.stderr)
+
+
 def annotate(
     gm: torch.fx.GraphModule,
     values: dict[torch.fx.Node, Any],
@@ -57,42 +67,34 @@ def annotate(
     progress: Callable[[Iterable[torch.fx.Node]], Iterable[torch.fx.Node]] = iter,
     wait_s: float = 0.0,
     timer: DeviceTimer = CPU_TIMER,
+    say: Callable[[str], None] = _warn,
 ) -> dict[str, NodeCost]:
     """The cost of every compute node, by node name.
     `wait_s`: how long a pipeline stage idles before each forward and backward (waiting
     for its input), which the calibration reproduces; see [Note: compute after a wait] in calibrate.py.
-    `timer`: the timer of the device `values` live on, which times every measurement."""
+    `timer`: the timer of the device `values` live on, which times every measurement.
+    `say`: told, in one line each, of a node whose profiling crashed the process and
+    which is costed analytically instead ([Note: a profiled op that crashes] in guard.py)."""
     params = {name: p for name, p in gm.named_parameters(remove_duplicate=False)}
     param_storages = {storage_key(p) for p in params.values()}
+    nodes = list(compute_nodes(gm))
+    calls = [_bind(node, values) for node in nodes]
+    counts = _counts(nodes, calls, values, param_storages, iter if measure else progress)
+    roles = [_differentiable(args, kwargs, param_storages) for _, args, kwargs in calls]
+    timings: list[_Timing | Crashed | None] = ([*_timings(nodes, calls, roles, repeats, timer, progress)] if measure
+                                               else [None] * len(nodes))
     costs: dict[str, NodeCost] = {}
-    overhead = _backward_overhead(repeats, timer) if measure else 0.0
-    seen: dict[Hashable, tuple[int, int]] = {}
-    for node in progress(compute_nodes(gm)):
-        fn, args, kwargs = _bind(node, values)
-        key = _meta_signature(node, args, kwargs, param_storages)
-        if key is None or key not in seen:
-            found = _flops_and_saved(fn, args, kwargs, param_storages)
-            flash = _flash_saved(node, args, values.get(node))
-            found = found if flash is None else (found[0], flash)
-            if key is not None:
-                seen[key] = found
-        flops, activation = seen[key] if key is not None else found
-        moved = total_bytes(args) + total_bytes(kwargs) + total_bytes(values.get(node))
-        weights, inputs = _differentiable(args, kwargs, param_storages)
-        peak = None
-        if measure:
-            fwd, bwd, weight = _time(fn, args, kwargs, repeats, weights if inputs else [], timer)
-            bwd = max(0.0, bwd - overhead) if bwd else 0.0
-            fraction = _weight_fraction(weights, inputs, max(0.0, weight - overhead), bwd)
-            peak = _peak(fn, args, kwargs, timer) if timer.counts_memory else None
+    for node, (fn, args, kwargs), (flops, activation), (weights, inputs), timing in zip(nodes, calls, counts, roles,
+                                                                                         timings):
+        if isinstance(timing, Crashed):
+            say(f"warning: profiling node %{node.name} ({_what(node)}) crashed the process ({timing.how}); "
+                f"its cost is analytic (the roofline of {hardware.name})")
+        if isinstance(timing, tuple):
+            fwd, bwd, fraction, peak = timing
         else:
-            rate = hardware.peak_for(compute_dtype(values.get(node), (args, kwargs)))  # [Note: a peak per dtype]
-            if flops:  # [Note: waves of tiles]
-                rate *= node_fraction(output_shape(values.get(node)), bool(weights), hardware)
-            fwd = roofline_s(flops, moved, rate, hardware.memory_bandwidth, hardware.efficiency)
-            bwd = BACKWARD_FLOP_FACTOR * fwd if needs_grad(values.get(node)) else 0.0
+            (fwd, bwd), peak = _analytic(node, values, args, kwargs, flops, bool(weights), hardware), None
             fraction = _weight_fraction(weights, inputs, bwd / 2, bwd)  # dW and dX: a matmul each
-        cost = NodeCost(
+        costs[node.name] = NodeCost(
             name=node.name,
             forward_s=fwd,
             backward_s=bwd,
@@ -103,10 +105,71 @@ def annotate(
             weight_fraction=fraction,
             peak_bytes=peak,
         )
-        costs[node.name] = cost
     if measure:
         costs = calibrate_graph(gm, values, costs, repeats, wait_s, timer=timer)
     return costs
+
+
+#: one node's measurement: forward and backward seconds, the weights' part of the backward,
+#: and its peak bytes where the device counts them
+_Timing = tuple[float, float, float, "int | None"]
+
+
+def _counts(nodes: list[torch.fx.Node], calls: list[tuple[Callable[..., Any], tuple[Any, ...], dict[str, Any]]],
+            values: dict[torch.fx.Node, Any], param_storages: set[int],
+            progress: Callable[[Iterable[torch.fx.Node]], Iterable[torch.fx.Node]]) -> list[tuple[int, int]]:
+    """Each node's forward FLOPs and the bytes it saves for backward, equal calls on shape-only
+    tensors counted once (`_meta_signature`)."""
+    seen: dict[Hashable, tuple[int, int]] = {}
+    out = []
+    for node, (fn, args, kwargs) in zip(progress(nodes), calls):
+        key = _meta_signature(node, args, kwargs, param_storages)
+        if key is None or key not in seen:
+            found = _flops_and_saved(fn, args, kwargs, param_storages)
+            flash = _flash_saved(node, args, values.get(node))
+            found = found if flash is None else (found[0], flash)
+            if key is not None:
+                seen[key] = found
+        out.append(seen[key] if key is not None else found)
+    return out
+
+
+def _timings(nodes: list[torch.fx.Node], calls: list[tuple[Callable[..., Any], tuple[Any, ...], dict[str, Any]]],
+             roles: list[tuple[list[torch.Tensor], list[torch.Tensor]]], repeats: int, timer: DeviceTimer,
+             progress: Callable[[Iterable[torch.fx.Node]], Iterable[torch.fx.Node]]) -> list[_Timing | Crashed]:
+    """Each node timed in isolation (`_time`, `_peak`): on one CPU thread in a forked child,
+    where a node that crashes it is `Crashed` ([Note: a profiled op that crashes] in guard.py)."""
+    overhead = _backward_overhead(repeats, timer)
+
+    def work(i: int) -> _Timing:
+        (fn, args, kwargs), (weights, inputs) = calls[i], roles[i]
+        fwd, bwd, weight = _time(fn, args, kwargs, repeats, weights if inputs else [], timer)
+        bwd = max(0.0, bwd - overhead) if bwd else 0.0
+        fraction = _weight_fraction(weights, inputs, max(0.0, weight - overhead), bwd)
+        return fwd, bwd, fraction, _peak(fn, args, kwargs, timer) if timer.counts_memory else None
+
+    results: Generator[_Timing | Crashed, None, None] = (
+        guarded(len(calls), work) if not timer.is_cuda and torch.get_num_threads() == 1 and can_guard()
+        else (work(i) for i in range(len(calls))))
+    with contextlib.closing(results):
+        return [timing for _, timing in zip(progress(nodes), results)]
+
+
+def _analytic(node: torch.fx.Node, values: dict[torch.fx.Node, Any], args: tuple[Any, ...], kwargs: dict[str, Any],
+              flops: int, weighted: bool, hardware: Hardware) -> tuple[float, float]:
+    """A node's forward and backward seconds by the roofline of `hardware`."""
+    rate = hardware.peak_for(compute_dtype(values.get(node), (args, kwargs)))  # [Note: a peak per dtype]
+    if flops:  # [Note: waves of tiles]
+        rate *= node_fraction(output_shape(values.get(node)), weighted, hardware)
+    moved = total_bytes(args) + total_bytes(kwargs) + total_bytes(values.get(node))
+    fwd = roofline_s(flops, moved, rate, hardware.memory_bandwidth, hardware.efficiency)
+    return fwd, BACKWARD_FLOP_FACTOR * fwd if needs_grad(values.get(node)) else 0.0
+
+
+def _what(node: torch.fx.Node) -> str:
+    """The op a node calls, for a message."""
+    target = node.target
+    return str(target) if isinstance(target, str) else getattr(target, "__name__", None) or str(target)
 
 
 # -- running one node --------------------------------------------------------------------
@@ -264,7 +327,7 @@ def _weight_fraction(weights: list[torch.Tensor], inputs: list[torch.Tensor], we
 def _time(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], repeats: int,
           weights: list[torch.Tensor], timer: DeviceTimer) -> tuple[float, float, float]:
     """Median forward and backward seconds of one call, and with `weights`, the seconds of
-    the weights' gradient alone (a zero-bubble W).  The forward records autograd's graph
+    the weights' gradient alone (a zero-bubble W, as the runtime runs it).  The forward records autograd's graph
     when an input requires grad, as a training step's forward does (under no_grad it is
     10-20% faster on small ops, which the step never sees)."""
     leaves = [a for a in tensors((args, kwargs)) if a.requires_grad]
@@ -280,12 +343,15 @@ def _time(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any],
                 return forward, 0.0, 0.0
             grads = [torch.ones_like(t) for t in out]
 
-            def backward(of: list[torch.Tensor]) -> Callable[[], Any]:
+            def backward(of: list[Any]) -> Callable[[], Any]:
                 return lambda: torch.autograd.grad(out, of, grads, retain_graph=True, allow_unused=True)
 
             backward(leaves)()  # warm-up
             whole = _best(backward(leaves), repeats, timer)
-            return forward, whole, _best(backward(weights), repeats, timer) if weights else 0.0
+            if not weights:
+                return forward, whole, 0.0
+            # W as the runtime runs it: [Note: a weight-only group norm backward] in runtime/split_backward.py
+            return forward, whole, _best(backward(weight_inputs(out, weights)), repeats, timer)
     except RuntimeError:  # in-place ops on leaves and the like: use the usual 2x, half of it W
         return forward, BACKWARD_FLOP_FACTOR * forward, forward
 
