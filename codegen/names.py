@@ -35,7 +35,7 @@ from partitioner.trace.passes import node_module
 
 from .layout import StageLayout
 
-__all__ = ["attr_name", "attr_names", "group", "module_roots", "section", "value_names"]
+__all__ = ["attr_name", "attr_names", "group", "module_roots", "section", "spec_class", "value_names"]
 
 #: names the generated stage files use themselves
 _RESERVED = frozenset({"self", "torch", "F", "aten", "tp", "os", "Any", "annotations", "constants",
@@ -96,8 +96,20 @@ def attr_names(layout: StageLayout, aliases: dict[str, str]) -> dict[str, str]:
 def module_roots(spec: pytree.TreeSpec) -> set[str]:
     """The packages the last stage imports to rebuild the output (`transformers` for a
     ModelOutput): a value must not be named so."""
-    roots = {spec.type.__module__.split(".")[0]} if isinstance(spec.type, type) else set()
+    cls = spec_class(spec)
+    roots = {cls.__module__.split(".")[0]} if cls is not None else set()
     return roots.union(*(module_roots(c) for c in spec.children()))
+
+
+def spec_class(spec: pytree.TreeSpec) -> type | None:
+    """The class a node of an output's structure is an instance of: a NamedTuple's or
+    structseq's own (pytree's node type is then `namedtuple` or `structseq`, the class its
+    context), else the node type; None for a leaf."""
+    if spec.is_leaf():
+        return None
+    if spec.type in (pytree.namedtuple, pytree.structseq) and isinstance(spec.context, type):
+        return spec.context
+    return spec.type if isinstance(spec.type, type) else None
 
 
 def section(node: torch.fx.Node) -> str:

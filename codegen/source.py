@@ -9,6 +9,7 @@ are given by `codegen.names`.
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import math
 import operator
@@ -24,8 +25,9 @@ from partitioner.trace.batch import BatchInt
 from partitioner.trace.functions import function_of
 from partitioner.trace.kept import KeptModule
 from partitioner.trace.modes import ModeValue, draws_a_mask, with_mode
+from runtime import outputs
 
-from .names import attr_name, section
+from .names import attr_name, section, spec_class
 
 __all__ = ["BATCH", "MODEL_FILE", "StageSource", "attr_name", "batch_dim", "format_value", "shape_comment", "uses_batch"]
 
@@ -131,6 +133,9 @@ class StageSource:
     batch: str = BATCH  # the name of the microbatch's rows in this stage ([Note: free batch])
     #: attribute -> the user's module kept whole it holds (partitioner.trace.kept)
     kept: dict[str, KeptModule] = field(default_factory=dict)
+    #: the dataclasses the output is made of, as the stage names them, which it registers
+    #: as pytree nodes ([Note: output classes] in partitioner/trace/outputs.py)
+    outputs: list[str] = field(default_factory=list)
 
     def callee(self, target: Callable[..., Any]) -> str:
         """The shortest importable name for a call target."""
@@ -263,11 +268,15 @@ class StageSource:
             return f"[{', '.join(children)}]"
         if kind is dict:
             return "{" + ", ".join(f"{k!r}: {v}" for k, v in zip(spec.context, children)) + "}"
-        cls = f"{kind.__module__}.{kind.__qualname__}"
-        self.imports.add(f"import {kind.__module__}")
-        if isinstance(spec.context, (list, tuple)) and all(isinstance(k, str) for k in spec.context):
-            return f"{cls}(" + ", ".join(f"{k}={v}" for k, v in zip(spec.context, children)) + ")"
-        return f"{cls}({', '.join(children)})"
+        if kind is type(None):  # a NamedTuple's or a dataclass's field left None
+            return "None"
+        cls = spec_class(spec)
+        assert cls is not None, f"an output node of type {kind} names no class"
+        name = self.user_class(cls)  # [Note: output classes] in partitioner/trace/outputs.py
+        if cls in outputs.REGISTERED:  # a dataclass pytree knows only once registered
+            self.imports.add("from runtime.package import register_output")
+            self.outputs.append(name)
+        return f"{name}({_class_arguments(cls, spec.context, children)})"
 
 
 # [Note: buffers a kept module rebinds]
@@ -306,6 +315,31 @@ def _with_kept_state(line: str, node: torch.fx.Node, names: dict[torch.fx.Node, 
     local = f"{names[node]}_state"
     return [f"{local} = {format_value(node.args[0], names)}", line,
             *(f"{attr} = {local}[{name!r}]" for name, attr in held.items())]
+
+
+def _class_arguments(cls: type, context: Any, children: list[str]) -> str:
+    """The arguments that make an instance of `cls` from its children (source), as pytree's
+    own unflatten does from `context`: positions for a NamedTuple, one tuple for a structseq
+    (`torch.return_types.max`), keywords for a ModelOutput and a registered dataclass (its
+    fields that were None given as None), a dict for another dict."""
+    if pytree.is_namedtuple_class(cls):
+        return ", ".join(children)
+    if pytree.is_structseq_class(cls):
+        return f"({children[0]},)" if len(children) == 1 else f"({', '.join(children)})"
+    if _keys(context):
+        if all(k.isidentifier() for k in context):
+            return ", ".join(f"{k}={v}" for k, v in zip(context, children))
+        if issubclass(cls, dict):
+            return "{" + ", ".join(f"{k!r}: {v}" for k, v in zip(context, children)) + "}"
+    if dataclasses.is_dataclass(cls) and isinstance(context, list) and len(context) == 2 and all(map(_keys, context)):
+        given, none = context  # pytree.register_dataclass's context: the fields given, those None
+        return ", ".join([f"{k}={v}" for k, v in zip(given, children)] + [f"{k}=None" for k in none])
+    return ", ".join(children)
+
+
+def _keys(context: Any) -> bool:
+    """Whether a pytree context is a list of str (a dict's or a ModelOutput's keys)."""
+    return isinstance(context, (list, tuple)) and all(isinstance(k, str) for k in context)
 
 
 #: torch's factory functions: they make a tensor from sizes or data, on the CPU unless told

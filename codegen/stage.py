@@ -124,10 +124,14 @@ def _kept_lines(writer: StageSource) -> list[str]:
 
 
 def _model_file_line(writer: StageSource) -> list[str]:
-    """`model = model_file_of(__file__)` when the stage calls code of the model file itself."""
-    if MODEL_FILE not in writer.imports:
-        return []
-    return ["model = model_file_of(__file__)  # the model file this package was compiled from", ""]
+    """`model = model_file_of(__file__)` when the stage calls code of the model file itself;
+    `register_output(<class>)` for each dataclass of the output ([Note: output classes] in
+    partitioner/trace/outputs.py)."""
+    lines = ["model = model_file_of(__file__)  # the model file this package was compiled from", ""] \
+        if MODEL_FILE in writer.imports else []
+    registered = [f"register_output({name})  # a dataclass the model returns: joined across microbatches field by field"
+                  for name in dict.fromkeys(writer.outputs)]
+    return lines + (registered + [""] if registered else [])
 
 
 def _imports(writer: StageSource, constants: bool, last: bool) -> list[str]:

@@ -48,7 +48,7 @@ from typing import Any, Iterator
 import torch
 import torch.distributed as dist
 
-from . import checkpoint, clip, engines, faults, local_rows, modes, offload, optim, package, precision, tp, weights
+from . import checkpoint, clip, engines, faults, local_rows, modes, offload, optim, outputs, package, precision, tp, weights
 from .comm import guard, init_from_env, timeout_from_env, wait
 from .counts import Counts
 from .devices import CommStream
@@ -262,10 +262,16 @@ class DistributedPipeline(Pipeline[Rows]):
         self._p2p.wait_sends(step.sends)
         last = self.graph.rank_of(self.graph.num_stages - 1)
         mine = [to_device(o, torch.device("cpu")) for o in step.results] if self.position == last and self.tp_index == 0 else None
-        gathered: list[Any] = [None] * self.world
-        dist.all_gather_object(gathered, mine, group=self.groups.world)
+        gathered = self._gather_outputs(mine)
         replicas = [self.replica] if batch.local else range(self.dp)
         return [o for r in replicas for o in gathered[self.mesh.rank(r, last, 0)]]
+
+    def _gather_outputs(self, mine: list[Any] | None) -> list[Any]:
+        """Every rank's `mine` (its last stage's outputs, or None), a class of the model file
+        read from this rank's own import of it ([Note: output classes] in
+        partitioner/trace/outputs.py)."""
+        return outputs.all_gather(mine, self.world, self.groups.world,
+                                  lambda: package.load_model_file(self.manifest, self.directory))
 
     def _agree_rows(self, rows: int | None, missing: tuple[bool, bool]) -> list[int]:
         """Every replica's rows: one all-reduce (MAX) over the world ([Note: local rows] in local_rows.py)."""

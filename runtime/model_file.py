@@ -17,9 +17,13 @@ import torch
 from .errors import ManifestError
 from .manifest import Manifest
 
-__all__ = ["import_file", "model_file_path", "load_model_file", "load_loss_fn"]
+__all__ = ["MODULE_PREFIX", "import_file", "model_file_path", "load_model_file", "load_loss_fn", "share_running_script"]
 
 _counter = itertools.count()
+#: the name a package's model file is imported under, before its number (`import_file`)
+MODULE_PREFIX = "_pipeline_model"
+#: (model file, its sha256) -> the module imported from it (`load_model_file`)
+_imported: dict[tuple[Path, str], types.ModuleType] = {}
 
 
 def import_file(path: Path, prefix: str) -> types.ModuleType:
@@ -56,17 +60,61 @@ def model_file_path(manifest: Manifest, directory: str | Path) -> Path | None:
 
 
 def load_model_file(manifest: Manifest, directory: str | Path) -> types.ModuleType:
-    """Import the model file of package `directory` ([Note: the model file's copy])."""
+    """The model file of package `directory` ([Note: the model file's copy]), imported once
+    per process and file contents: the stages, `loss_fn` and the training script all see
+    one module, so a class it defines is one class ([Note: output classes] in
+    partitioner/trace/outputs.py: an output the last stage makes is an instance of the
+    class `loss_fn` knows)."""
     path = model_file_path(manifest, directory)
     if path is None:
         raise ManifestError(_missing(manifest, directory))
+    digest = hashlib.sha256(path.read_bytes()).hexdigest()
+    if manifest.source.copy:
+        _check_copy(path, digest, manifest.source.sha256, manifest.source.path)
+    key = (path.resolve(), digest)
+    if key not in _imported:
+        _imported[key] = _import(manifest, path)
+    return _imported[key]
+
+
+def _import(manifest: Manifest, path: Path) -> types.ModuleType:
     if not manifest.source.copy:
-        return import_file(path, "_pipeline_model")
-    _check_copy(path, manifest.source.sha256, manifest.source.path)
+        return import_file(path, MODULE_PREFIX)
+    share_running_script(manifest, path.parent)
     try:
-        return import_file(path, "_pipeline_model")  # the modules copied beside it import
+        return import_file(path, MODULE_PREFIX)  # the modules copied beside it import
     except ModuleNotFoundError as exc:
         raise ManifestError(_sibling(exc, manifest.source.path, path)) from exc
+
+
+def share_running_script(manifest: Manifest, directory: str | Path) -> None:
+    """A module the package copied beside its model file that is the script this process
+    runs (`__main__`, byte for byte: a model `partitioner.parallelize` recorded from the
+    script that calls it) is imported as that script's own module, so the package's classes
+    are the script's: the pipeline returns the script's output class, not a copy's
+    ([Note: output classes] in partitioner/trace/outputs.py)."""
+    main = sys.modules.get("__main__")
+    script = _file_of(main)
+    if main is None or script is None:
+        return
+    for name in manifest.source.modules:
+        held = sys.modules.get(Path(name).stem)
+        if _file_of(Path(directory) / name) == script and (held is None or _another_copy(held, script)):
+            sys.modules[Path(name).stem] = main
+
+
+def _file_of(module: types.ModuleType | Path | None) -> bytes | None:
+    """The bytes of a module's file (or of a path), None where there is none."""
+    path = Path(getattr(module, "__file__", None) or "") if isinstance(module, types.ModuleType) else module
+    return path.read_bytes() if path is not None and path.is_file() else None
+
+
+def _another_copy(module: types.ModuleType, script: bytes) -> bool:
+    """Whether `module` was imported from a copy of `script`: a file of the same bytes, or
+    one since removed (parallelize's compile imports the copy it records in a folder it
+    then deletes)."""
+    path = getattr(module, "__file__", None)
+    return path is not None and (not Path(path).exists() or _file_of(module) == script)
 
 
 def _missing(manifest: Manifest, directory: str | Path) -> str:
@@ -81,9 +129,8 @@ def _missing(manifest: Manifest, directory: str | Path) -> str:
             f"it again, or pass loss_fn= to train_step.")
 
 
-def _check_copy(path: Path, sha256: str, name: str) -> None:
-    """The copy is the file that was compiled: its sha256 is the manifest's."""
-    digest = hashlib.sha256(path.read_bytes()).hexdigest()
+def _check_copy(path: Path, digest: str, sha256: str, name: str) -> None:
+    """The copy is the file that was compiled: its sha256 `digest` is the manifest's."""
     if sha256 and digest != sha256:
         raise ManifestError(f"{path} (the package's copy of {name}) has sha256 {digest[:16]} but the package was "
                             f"compiled from sha256 {sha256[:16]}: the copy was edited; compile the model again "

@@ -5,7 +5,8 @@ files and the package's copy of the model file (runtime.model_file): a rank need
 The rest of reading a package has a module each, whose names this one re-exports:
 weights.py (a stage's tensors against the original state_dict; [Note: shards] is written
 there), edges.py (the values between stages) and microbatches.py (a batch cut into
-microbatches).  Generated stage files import `kept_module` and `model_file_of` from here.
+microbatches).  Generated stage files import `kept_module`, `model_file_of` and
+`register_output` (runtime/outputs.py) from here.
 """
 
 from __future__ import annotations
@@ -21,7 +22,8 @@ from .errors import ManifestError
 from .manifest import FORMAT_VERSION, Manifest, read_manifest
 from .microbatches import loss_scales, microbatch_rows, replica_rows, split_inputs, split_target
 from .model_file import import_file as _import_file
-from .model_file import load_loss_fn, load_model_file
+from .model_file import load_loss_fn, load_model_file, share_running_script
+from .outputs import register_output
 from .weights import (Held, KeyMismatch, assemble_state_dict, check_state_dict, few, key_mismatch,
                       load_stage_state, stage_tensors)
 
@@ -33,6 +35,7 @@ __all__ = [
     "load_loss_fn",
     "model_file_of",
     "kept_module",
+    "register_output",
     "stage_tensors",
     "check_state_dict",
     "KeyMismatch",
@@ -72,6 +75,7 @@ def import_stage(directory: str | Path, manifest: Manifest, index: int) -> torch
     path = Path(directory).resolve() / f"{entry.module}.py"
     if not path.is_file():
         raise ManifestError(f"stage {index}'s file {path} is missing: compile the model again.")
+    share_running_script(manifest, path.parent)  # before the stage imports the script's copy
     module = _import_file(path, f"_pipeline_{(manifest.hash or 'pkg')[:12]}_{entry.module}")
     cls = getattr(module, entry.class_name, None)
     if cls is None:

@@ -19,6 +19,7 @@ from .autocast import refuse_autocast
 from .functions import recorded_functions, short_name
 from .inputs import InputKey, leaves_of, path_entry, tops
 from .kept import rewrite_kept_export, stubbed_for_export
+from .outputs import registering_outputs
 from .passes import inline_higher_order
 from .traced import Traced
 
@@ -29,10 +30,11 @@ def _dynamic_shapes(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[
                     batch_dims: dict[InputKey, int] | None) -> dict[str, Any] | None:
     """export's `dynamic_shapes`: each tensor input's batch dimension left to export
     (`Dim.AUTO`: dynamic where the model allows it, else specialised, which the probes of
-    [Note: free batch] then find)."""
-    if batch_dims is None:
-        return None
+    [Note: free batch] then find).  None where forward's `**kwargs` takes a keyword: export
+    cannot match dynamic shapes to one (torch 2.x asserts), so the batch is the example's."""
     names = [p.name for p in inspect.signature(model.forward).parameters.values()]
+    if batch_dims is None or any(key not in names for key in kwargs):
+        return None
     spec: dict[str, Any] = {}
     for key, value in tops(args, kwargs):
         name = names[key] if isinstance(key, int) else str(key)
@@ -58,7 +60,8 @@ def trace_export(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str
     try:
         with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
             warnings.simplefilter("ignore")
-            with recorded_functions(called), stubbed_for_export(model, args, kwargs, list(kept or {})) as calls:
+            with recorded_functions(called), stubbed_for_export(model, args, kwargs, list(kept or {})) as calls, \
+                    registering_outputs(model):  # [Note: output classes] in outputs.py
                 ep = torch.export.export(model, args, kwargs, strict=False,
                                          dynamic_shapes=_dynamic_shapes(model, args, kwargs, batch_dims))
     finally:

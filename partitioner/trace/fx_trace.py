@@ -10,6 +10,7 @@ from typing import Any, Collection
 import torch
 import torch.fx
 import torch.utils._pytree as pytree
+from torch.fx._symbolic_trace import PH
 
 from ..errors import TraceError
 from .autocast import recording_autocast
@@ -17,6 +18,7 @@ from .functions import functions_as_leaves, short_name
 from .grad_mode import mark_grad_mode
 from .inputs import InputKey, fix_placeholder, flat_codegen, leaves_of, nested_placeholders
 from .kept import rewrite_kept
+from .outputs import output_tree
 from .state import watching_state
 from .traced import Traced, graph_module
 
@@ -37,12 +39,46 @@ class _ThroughTracer(torch.fx.Tracer):
     def __init__(self, leaves: Collection[str] = ()) -> None:
         super().__init__()
         self.leaves = set(leaves)  # submodules kept whole
+        #: the structure of what forward returned ([Note: output classes] in outputs.py)
+        self.out_spec: pytree.TreeSpec | None = None
     #: a buffer read in forward is a get_attr of its name, never a constant of its value at
     #: trace time (`self.cval.clone()` would be frozen into the stage's code)
     proxy_buffer_attributes = True
 
     def is_leaf_module(self, m: torch.nn.Module, module_qualified_name: str) -> bool:
         return module_qualified_name in self.leaves
+
+    def create_args_for_root(self, root_fn: Any, is_module: bool, concrete_args: Any = None) -> tuple[Any, list[Any]]:
+        """fx's root function, returning the leaves of what forward returns: its structure,
+        its own class kept (a NamedTuple, a dataclass, a ModelOutput), is `self.out_spec`
+        ([Note: output classes] in outputs.py)."""
+        fn, args = super().create_args_for_root(root_fn, is_module, concrete_args)
+
+        def flat(*inputs: Any) -> list[Any]:
+            out = fn(*inputs)
+            info = getattr(self.graph._codegen, "pytree_info", None)
+            if info is not None:  # fx flattened it already (nested inputs): the object again
+                out = pytree.tree_unflatten(out, info.out_spec)
+            leaves, self.out_spec = output_tree(out)
+            return leaves
+
+        return flat, args
+
+    def _proxy_placeholder(self, name: str, concrete_args: dict[str, Any] | None, sig: inspect.Signature,
+                           fn_for_analysis: Any) -> Any:
+        """fx's placeholder of a parameter; `**kwargs` given in `concrete_args` is the dict
+        of the keywords it holds, a placeholder at each of their tensor leaves."""
+        if name.startswith("**") and concrete_args is not None and name in concrete_args:
+            return {key: self._keyword(key, value) for key, value in concrete_args[name].items()}
+        return super()._proxy_placeholder(name, concrete_args, sig, fn_for_analysis)
+
+    def _keyword(self, key: str, value: Any) -> Any:
+        """A keyword of `**kwargs`: `value` with a placeholder for each PH in it."""
+        if value is PH:
+            return self.create_proxy("placeholder", key, (), {})
+        leaves, spec = pytree.tree_flatten(value)
+        return pytree.tree_unflatten([self.create_proxy("placeholder", f"{key}_{i}", (), {}) if leaf is PH else leaf
+                                      for i, leaf in enumerate(leaves)], spec)
 
     def create_node(self, *args: Any, **kwargs: Any) -> torch.fx.Node:
         """fx's node, marked when made under `torch.no_grad()` ([Note: no_grad regions])."""
@@ -91,19 +127,21 @@ def trace_fx(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, An
         and p.default is not inspect.Parameter.empty
         and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
     }
-    nested = nested_placeholders(given)  # [Note: input leaves] in inputs.py
+    named = [p for p in params if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+    extra = {k: v for k, v in kwargs.items() if k not in {p.name for p in named}}  # what **kwargs holds
+    nested = nested_placeholders({k: v for k, v in given.items() if k not in extra})  # [Note: input leaves] in inputs.py
+    concrete |= _keywords(params, extra)
     with recording_autocast() as regions:
-        graph = _traced_keeping_buffers(model, concrete | nested, kept or {})
-    out_spec = flat_codegen(graph)
+        tracer, graph = _traced_keeping_buffers(model, concrete | nested, kept or {})
+    flat_codegen(graph)
     for node in graph.nodes:  # a tensor default would be written as an unbound `_tensor_constant0`
         if node.op == "placeholder" and any(isinstance(a, (torch.Tensor, torch.fx.Node)) for a in node.args):
             node.args = ()
     gm = graph_module(model, graph)
     # fx makes a placeholder for every parameter of forward(), in signature order (one per
-    # leaf of a nested one); those fixed to their defaults are replaced by the default and
-    # their guards dropped, and so are the non-tensor leaves of nested ones
-    # ([Note: input leaves] in inputs.py).
-    named = [p for p in params if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+    # leaf of a nested one), then one per tensor leaf of the keywords `**kwargs` holds;
+    # those fixed to their defaults are replaced by the default and their guards dropped,
+    # and so are the non-tensor leaves of nested ones ([Note: input leaves] in inputs.py).
     placeholders = iter([n for n in gm.graph.nodes if n.op == "placeholder"])
     keys: list[tuple[str, InputKey]] = []
     for index, param in enumerate(named):
@@ -119,19 +157,30 @@ def trace_fx(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, An
                     fix_placeholder(gm, node, param.name, leaf, _default_value)
         else:
             keys.append((next(placeholders).name, top))
+    for name, value in extra.items():
+        keys += [(next(placeholders).name, key) for key, leaf in leaves_of(name, value) if isinstance(leaf, torch.Tensor)]
     gm.recompile()
     if kept:
         rewrite_kept(gm, kept)
     out = next(n for n in gm.graph.nodes if n.op == "output")
-    if out_spec is not None:
-        return Traced(gm, "fx", keys, out_spec, list(out.args[0]), tuple(regions), dict(kept or {}))
-    leaves, spec = pytree.tree_flatten(_plain(out.args[0]))
-    return Traced(gm, "fx", keys, spec, leaves, tuple(regions), dict(kept or {}))
+    assert tracer.out_spec is not None
+    return Traced(gm, "fx", keys, tracer.out_spec, list(out.args[0]), tuple(regions), dict(kept or {}))
 
 
+def _keywords(params: list[inspect.Parameter], extra: dict[str, Any]) -> dict[str, Any]:
+    """fx's `concrete_args` entry for forward's `**kwargs`: the keywords the example batch
+    gives it, PH at each tensor leaf (`_ThroughTracer._proxy_placeholder`); an empty dict
+    when it gives none, as a call without them passes."""
+    var = next((p for p in params if p.kind is p.VAR_KEYWORD), None)
+    if var is None:
+        return {}
+    return {f"**{var.name}": {k: pytree.tree_map(lambda v: PH if isinstance(v, torch.Tensor) else v, v)
+                              for k, v in extra.items()}}
 
-def _traced_keeping_buffers(model: torch.nn.Module, concrete: dict[str, Any], kept: dict[str, str]) -> torch.fx.Graph:
-    """The fx graph of `model`; a buffer the forward rebinds (`self.steps += 1` assigns the
+
+def _traced_keeping_buffers(model: torch.nn.Module, concrete: dict[str, Any],
+                            kept: dict[str, str]) -> tuple[_ThroughTracer, torch.fx.Graph]:
+    """The fx graph of `model` and the tracer that made it; a buffer the forward rebinds (`self.steps += 1` assigns the
     in-place result back, a Proxy while tracing) is put back as it was."""
     owners = [(path, m, name, b) for path, m in model.named_modules() for name, b in m._buffers.items()]
     tracer, inlined = _ThroughTracer(kept), list[str]()
@@ -150,7 +199,7 @@ def _traced_keeping_buffers(model: torch.nn.Module, concrete: dict[str, Any], ke
     if rebound:
         raise TraceError(f"forward() assigns to buffer {rebound[0]} (`self.{rebound[0].split('.')[-1]} = ...` or "
                          f"`+=` on it), which torch.fx cannot record; torch.export can (--tracer export or auto).")
-    return graph
+    return tracer, graph
 
 
 def _default_value(gm: torch.fx.GraphModule, node: torch.fx.Node, name: str, value: Any) -> Any:
@@ -163,14 +212,3 @@ def _default_value(gm: torch.fx.GraphModule, node: torch.fx.Node, name: str, val
     gm.register_buffer(attr, value, persistent=False)
     with gm.graph.inserting_before(node):
         return gm.graph.get_attr(attr)
-
-
-def _plain(value: Any) -> Any:
-    """fx's immutable_dict / immutable_list as the dict / list the model returned."""
-    if isinstance(value, dict):
-        return {k: _plain(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_plain(v) for v in value]
-    if type(value) is tuple:
-        return tuple(_plain(v) for v in value)
-    return value

@@ -198,14 +198,12 @@ def nested_placeholders(given: dict[str, Any]) -> dict[str, Any]:
             for name, value in given.items() if not pytree.tree_is_leaf(value)}
 
 
-def flat_codegen(graph: torch.fx.Graph) -> pytree.TreeSpec | None:
-    """The output's structure where fx traced nested inputs (its `_PyTreeCodeGen`: a flat
-    list returned, the structure kept aside), the graph's code made plain again; else None."""
-    info = getattr(graph._codegen, "pytree_info", None)
-    if info is None:
-        return None
-    graph._codegen = torch.fx.graph.CodeGen()
-    return info.out_spec  # type: ignore[no-any-return]
+def flat_codegen(graph: torch.fx.Graph) -> None:
+    """The graph's code made plain again where fx traced nested inputs (its `_PyTreeCodeGen`
+    takes and returns structures; the stages and the compiler call it with flat leaves, and
+    the output's structure is the tracer's: [Note: output classes] in outputs.py)."""
+    if getattr(graph._codegen, "pytree_info", None) is not None:
+        graph._codegen = torch.fx.graph.CodeGen()
 
 
 def fix_placeholder(gm: torch.fx.GraphModule, node: torch.fx.Node, name: str, value: Any,
@@ -225,22 +223,28 @@ def fix_placeholder(gm: torch.fx.GraphModule, node: torch.fx.Node, name: str, va
 def expand_outputs(traced: Traced, values: dict[torch.fx.Node, Any]) -> Traced:
     """An output leaf whose value is a tuple or list (a kept module's `(h, c)`) becomes one
     getitem node per element, so that each output leaf is one tensor with its own shape and
-    batch dim ([Note: input leaves] in inputs.py); the output's structure follows."""
+    batch dim ([Note: input leaves] in inputs.py); one whose value is None (a field of a
+    ModelOutput read from a kept module's output, unset) becomes None, as the model returns
+    it; the output's structure follows."""
     graph = traced.gm.graph
     out = next(n for n in graph.nodes if n.op == "output")
-    if not any(type(values.get(x)) in (tuple, list) for x in traced.output_leaves if isinstance(x, torch.fx.Node)):
+    if not any(type(values.get(x)) in (tuple, list) or (x in values and values[x] is None)
+               for x in traced.output_leaves if isinstance(x, torch.fx.Node)):
         return traced
     with graph.inserting_before(out):
         split = [_split_leaf(graph, x, values.get(x)) if isinstance(x, torch.fx.Node) else x
                  for x in traced.output_leaves]
     leaves, spec = pytree.tree_flatten(pytree.tree_unflatten(split, traced.out_spec))
-    out.args = (pytree.tree_unflatten(leaves, spec),)
+    out.args = (leaves,)  # the graph returns its leaves; the structure is `out_spec` ([Note: output classes])
     traced.gm.recompile()
     return dataclasses.replace(traced, out_spec=spec, output_leaves=leaves)
 
 
 def _split_leaf(graph: torch.fx.Graph, node: torch.fx.Node, value: Any) -> Any:
-    """`node` as a structure of getitem nodes shaped like its tuple or list `value`."""
+    """`node` as a structure of getitem nodes shaped like its tuple or list `value`; None
+    for None."""
+    if value is None:
+        return None
     if type(value) not in (tuple, list):  # a namedtuple keeps its type: one leaf
         return node
     return type(value)(_split_leaf(graph, graph.call_function(operator.getitem, (node, i)), v)

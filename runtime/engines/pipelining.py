@@ -181,8 +181,7 @@ class PipeliningPipeline(DistributedPipeline):
         last = self.graph.rank_of(self.graph.num_stages - 1)
         mine = ([to_device(o, torch.device("cpu")) for o in outputs]
                 if self.position == last and self.tp_index == 0 else None)
-        gathered: list[Any] = [None] * self.world
-        dist.all_gather_object(gathered, mine, group=self.groups.world)
+        gathered = self._gather_outputs(mine)
         replicas = [self.replica] if batch.local else range(self.dp)
         return [o for r in replicas for o in gathered[self.mesh.rank(r, last, 0)]]
 

@@ -141,6 +141,13 @@ class RaggedStage(pp.PipelineStage):
         super().__init__(module, index, count, device, input_args=shapes[0][0], output_args=shapes[0][1], group=group)
         self._shapes = shapes  # per microbatch: (received, sent) meta tensors (`stage_metas`)
 
+    def get_fwd_send_ops(self, fwd_chunk_id: int) -> list[Any]:
+        """None on the last stage, which sends nothing: torch looks a destination up for each
+        value it returns, and the model's output has a leaf for each field (a tuple, a
+        dataclass: [Note: output classes] in partitioner/trace/outputs.py) where the last
+        stage declares one placeholder (`stage_metas`)."""
+        return [] if self.is_last else super().get_fwd_send_ops(fwd_chunk_id)
+
     def _setup_forward_recv_info(self, num_microbatches: int, has_backward: bool) -> None:
         super()._setup_forward_recv_info(num_microbatches, has_backward)
         if not self.is_first:

@@ -54,7 +54,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 import runtime  # noqa: E402
-from runtime import package  # noqa: E402
+from runtime import outputs, package  # noqa: E402
 from runtime.errors import PipelineError  # noqa: E402
 
 RTOL, ATOL = 1e-5, 1e-6
@@ -183,8 +183,11 @@ def _check(pkg: str, model_path: str, rows: int | None = None) -> None:
                                    msg=lambda m: f"grad {spec.source_name} (tp index {tp_index}): {m}")
     # forward only, on every rank
     with torch.no_grad():
-        got_out, want_out = torch.utils._pytree.tree_leaves(pipe(inputs)), torch.utils._pytree.tree_leaves(_call(model, inputs))
-        torch.testing.assert_close(got_out, want_out, rtol=RTOL, atol=ATOL)
+        got_out, want_out = pipe(inputs), _call(model, inputs)
+        assert type(got_out).__qualname__ == type(want_out).__qualname__, (type(got_out), type(want_out))
+        outputs.register_classes(want_out)  # a dataclass of the reference's model file, flattened as the pipeline's
+        torch.testing.assert_close(torch.utils._pytree.tree_leaves(got_out), torch.utils._pytree.tree_leaves(want_out),
+                                   rtol=RTOL, atol=ATOL)
         torch.testing.assert_close(pipe.evaluate(inputs, target), mf.loss_fn(_call(model, inputs), target),
                                    rtol=RTOL, atol=ATOL)
     # three SGD steps, then the collective state_dict

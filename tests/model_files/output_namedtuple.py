@@ -1,0 +1,45 @@
+# A VALID model file whose forward returns a NamedTuple defined here, one field left None.
+"""A three-layer MLP returning `Out(logits, hidden, loss=None)`."""
+
+from typing import NamedTuple, Optional
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+BATCH, D = 8, 6
+
+
+class Out(NamedTuple):
+    logits: torch.Tensor
+    hidden: torch.Tensor
+    loss: Optional[torch.Tensor] = None
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(D, 16)
+        self.b = nn.Linear(16, 16)
+        self.head = nn.Linear(16, 3)
+
+    def forward(self, x):
+        h = torch.tanh(self.b(torch.tanh(self.a(x))))  # (B, 16)
+        return Out(self.head(h), h)
+
+
+def build_model():
+    return Net()
+
+
+def example_inputs():
+    return (torch.randn(BATCH, D, generator=torch.Generator().manual_seed(11)),)
+
+
+def example_target():
+    return torch.randint(0, 3, (BATCH,), generator=torch.Generator().manual_seed(12))
+
+
+def loss_fn(output, target):
+    assert isinstance(output, Out), f"loss_fn got {type(output)}"
+    return F.cross_entropy(output.logits, target) + 0.1 * output.hidden.pow(2).mean()
