@@ -297,7 +297,7 @@ def test_a_partial_sum_is_reduce_scattered_for_a_split_reader_and_stays_exact(bi
             piece = collectives.local_shard(whole, layout.dim, t, 2, layout.blocks).clone()
             setattr(local.get_submodule(module), name, torch.nn.Parameter(piece))
         with collectives.lane(lanes, t):
-            out = local(x)
+            (out,) = local(x)  # the graph returns the output's leaves
             out.pow(2).sum().backward()
         results[t] = (out.detach(), {n: p.grad for n, p in local.named_parameters()})
 
