@@ -27,7 +27,7 @@ import tempfile
 from pathlib import Path
 from typing import Callable
 
-__all__ = ["Owned", "in_the_way", "listing", "plain", "write"]
+__all__ = ["Owned", "in_the_way", "listing", "plain", "refusal", "write"]
 
 #: the names an earlier output in a folder wrote (plain file names), or None when it holds none
 Owned = Callable[[Path], set[str] | None]
@@ -70,6 +70,19 @@ def listing(names: list[str], most: int = 5) -> str:
     """`names` for a message: the first `most`, and how many more."""
     more = f" and {len(names) - most} more" if len(names) > most else ""
     return ", ".join(names[:most]) + more
+
+
+def refusal(where: str, blocking: list[str], force: bool, *, output: str, writer: str, flag: str) -> str:
+    """The error of an out folder `where` whose `blocking` entries (`in_the_way`) stop a
+    write of an `output` (a package, an export) by `writer` (the compiler, export); `flag`:
+    how the caller forces."""
+    shown = listing(blocking)
+    if force:
+        return (f"{where} holds {shown}, which the {output} would overwrite, and {writer} did not write them: move "
+                f"them away, or give another folder.")
+    return (f"{where} holds files that are not an earlier {output} ({shown}), and {writer} never deletes what it "
+            f"did not write: give a new or empty folder (or one holding an earlier {output}, which is replaced "
+            f"whole), or pass {flag} to write the {output}'s files beside them.")
 
 
 def write(folder: Path, produce: Callable[[Path], None], owned: Owned, *, force: bool, last: str) -> None:

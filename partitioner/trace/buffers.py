@@ -118,19 +118,14 @@ def warn_batch_statistics(gm: torch.fx.GraphModule, microbatches: int, say: Call
     modules = batch_statistics_modules(gm)
     if microbatches <= 1 or not modules:
         return None
-    shown = ", ".join(modules[:6]) + (f" and {len(modules) - 6} more" if len(modules) > 6 else "")
     message = (
-        f"{len(modules)} BatchNorm module(s) in train mode ({shown}) normalise each of the {microbatches} "
+        f"{len(modules)} BatchNorm module(s) in train mode ({_shown(modules)}) normalise each of the {microbatches} "
         f"microbatches by its own mean and variance, and update their running statistics once per "
         f"microbatch: training will differ from the original model's on the whole batch. Compile with "
         f"--microbatches 1, or replace BatchNorm with GroupNorm or LayerNorm (statistics per sample), or "
         f"call model.eval() on the BatchNorm modules in build_model() to use the running statistics."
     )
-    if say is None:
-        warnings.warn(message, BatchStatisticsWarning, stacklevel=3)
-    else:
-        say(f"warning: {message}")
-    return message
+    return _warn(message, BatchStatisticsWarning, say)
 
 
 def updated_state(gm: torch.fx.GraphModule) -> list[str]:
@@ -148,16 +143,25 @@ def warn_state_updates(gm: torch.fx.GraphModule, microbatches: int, say: Callabl
     names = updated_state(gm)
     if microbatches <= 1 or not names:
         return None
-    shown = ", ".join(names[:6]) + (f" and {len(names) - 6} more" if len(names) > 6 else "")
     message = (
-        f"forward() updates {len(names)} parameter(s) or buffer(s) in place on every call ({shown}), as a "
+        f"forward() updates {len(names)} parameter(s) or buffer(s) in place on every call ({_shown(names)}), as a "
         f"momentum teacher, spectral norm's power iteration or a counter does: with {microbatches} microbatches "
         f"the update runs once per microbatch, {microbatches} times per batch where the original model runs it "
         f"once, so training will differ from the original model's. Compile with --microbatches 1, or make the "
         f"update once per step outside forward() (after optimizer.step() in the training loop)."
     )
+    return _warn(message, StateUpdateWarning, say)
+
+
+def _shown(names: list[str]) -> str:
+    """The first six names, and how many more."""
+    return ", ".join(names[:6]) + (f" and {len(names) - 6} more" if len(names) > 6 else "")
+
+
+def _warn(message: str, category: type[Warning], say: Callable[[str], None] | None) -> str:
+    """`say("warning: ...")`, or without `say` a warning of `category` at the caller's caller."""
     if say is None:
-        warnings.warn(message, StateUpdateWarning, stacklevel=3)
+        warnings.warn(message, category, stacklevel=4)
     else:
         say(f"warning: {message}")
     return message

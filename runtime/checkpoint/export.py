@@ -125,15 +125,9 @@ def check_out(out: Path, force: bool) -> None:
         raise CheckpointError(f"export --out {out} is a file, not a folder: give a new folder.")
     stray = outdir.in_the_way(out, earlier_export, False)
     blocking = [n for n in stray if _WRITES.fullmatch(n)] if force else stray
-    if not blocking:
-        return
-    shown = outdir.listing(blocking)
-    if force:
-        raise CheckpointError(f"export --out {out} holds {shown}, which the export would overwrite, and export did not "
-                              f"write them: move them away, or give another folder.")
-    raise CheckpointError(f"export --out {out} holds files that are not an earlier export ({shown}), and export "
-                          f"never deletes what it did not write: give a new or empty folder (or an earlier export's, "
-                          f"which is replaced whole), or pass --force to write the export's files beside them.")
+    if blocking:
+        raise CheckpointError(outdir.refusal(f"export --out {out}", blocking, force, output="export", writer="export",
+                                             flag="--force"))
 
 
 def _build_meta(info: dict[str, Any], ckpt: Path) -> torch.nn.Module:
