@@ -55,7 +55,8 @@ from partitioner.trace import model_file
 from partitioner.trace.checkpointing import describe
 from partitioner.trace.fake import on_fake_cpu, to_meta
 from partitioner.trace.inputs import InputKey
-from partitioner.trace.buffers import BufferSnapshot, kept_buffers, warn_batch_statistics, warn_state_updates
+from partitioner.trace.buffers import (BufferSnapshot, kept_buffers, warn_batch_statistics, warn_state_updates,
+                                       warn_train_only_updates)
 from partitioner.trace.modes import check_modes, note_dropout
 from partitioner.trace.passes import probe, propagate, specialize
 from partitioner.trace.trace import Traced, by_input_key, check_autocast, copy_traced, trace
@@ -145,6 +146,7 @@ def prepare(opts: CompileOptions, say: Callable[[str], None] = lambda _m: None, 
         free_batch = specialize(traced.gm, values, free, rows)
         warn_batch_statistics(traced.gm, microbatches, None if opts.quiet else say)
         warn_state_updates(traced.gm, microbatches, None if opts.quiet else say)
+        warn_train_only_updates(traced.gm, model, margs, mkwargs, None if opts.quiet else say)
         check_modes(traced.gm)  # [Note: modes in generated code]
         note_dropout(traced.gm, None if opts.quiet else say)
         phase("trace")

@@ -10,6 +10,9 @@
 - `warn_state_updates`: any other parameter or buffer the forward writes in place (a
   momentum teacher, spectral norm's power iteration, a counter) is written once per call,
   so once per microbatch where the original writes it once per batch; the compile says so.
+- `warn_train_only_updates`: such an update the model makes in train mode only (spectral
+  norm's power iteration, behind a branch on `self.training`) is traced on its train-mode
+  side, so the stages make it after `pipe.eval()` too; the compile says so.
 - `mutated_buffers`: the nodes that touch each buffer the forward writes in place, which
   the solver keeps on one stage.
 
@@ -38,10 +41,13 @@ from typing import Any, Callable, Iterator
 import torch
 import torch.fx
 
+from .state import written_by
+
 from .passes import node_module
 
 __all__ = ["BatchStatisticsWarning", "BufferSnapshot", "StateUpdateWarning", "batch_statistics_modules", "kept_buffers",
-           "mutated_buffers", "updated_state", "warn_batch_statistics", "warn_state_updates"]
+           "mutated_buffers", "updated_state", "warn_batch_statistics", "warn_state_updates", "TrainOnlyUpdateWarning",
+           "warn_train_only_updates"]
 
 
 class BatchStatisticsWarning(UserWarning):
@@ -50,6 +56,10 @@ class BatchStatisticsWarning(UserWarning):
 
 class StateUpdateWarning(UserWarning):
     """A forward that updates parameters or buffers in place, compiled for more than one microbatch."""
+
+
+class TrainOnlyUpdateWarning(UserWarning):
+    """A forward that updates state in place in train mode only, which the stages update in eval mode too."""
 
 
 class BufferSnapshot:
@@ -151,6 +161,33 @@ def warn_state_updates(gm: torch.fx.GraphModule, microbatches: int, say: Callabl
         f"update once per step outside forward() (after optimizer.step() in the training loop)."
     )
     return _warn(message, StateUpdateWarning, say)
+
+
+def warn_train_only_updates(gm: torch.fx.GraphModule, model: torch.nn.Module, args: tuple[Any, ...],
+                            kwargs: dict[str, Any], say: Callable[[str], None] | None = None) -> str | None:
+    """When state the traced (train-mode) forward updates in place is not written by the
+    model's own eval-mode forward on `args, kwargs` (a Python branch on `self.training`,
+    which the trace took on its train side): `say("warning: ...")`, or without `say` a
+    `TrainOnlyUpdateWarning`; the message, or None.  The model's state is put back."""
+    updated = updated_state(gm)
+    if not updated or any(t.is_meta for t in [*model.parameters(), *model.buffers()]):
+        return None
+    was_training = model.training
+    try:
+        with torch.no_grad():
+            in_eval = set(written_by(model.eval(), lambda: model(*args, **kwargs)))
+    finally:
+        model.train(was_training)
+    still = [name for name in updated if name not in in_eval]
+    if not still:
+        return None
+    message = (
+        f"forward() updates {_shown(still)} in place in train mode only (a branch on self.training, as spectral "
+        f"norm's power iteration is): the stages follow the train-mode trace, so after pipe.eval() they still "
+        f"update it and compute with the updated values, where model.eval() leaves it as it is. Training is "
+        f"exact; evaluate such a model with its original module (load the pipeline's state_dict into it)."
+    )
+    return _warn(message, TrainOnlyUpdateWarning, say)
 
 
 def _shown(names: list[str]) -> str:

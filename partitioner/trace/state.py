@@ -23,7 +23,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import linecache
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -31,7 +31,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from ..cost.nodes import storage_key
 from ..errors import TraceError
 
-__all__ = ["StateUpdatedWhileTracing", "watching_state"]
+__all__ = ["StateUpdatedWhileTracing", "watching_state", "written_by"]
 
 
 class StateUpdatedWhileTracing(TraceError):
@@ -63,10 +63,8 @@ def watching_state(model: torch.nn.Module) -> Iterator[None]:
     """Run the body (an fx trace of `model`); raise `StateUpdatedWhileTracing` if it wrote
     into, or rebound, a parameter or buffer of `model`, after putting each back
     ([Note: state updated outside the graph])."""
-    named = [*model.named_parameters(), *model.named_buffers()]
-    owners = {storage_key(t): (n, t) for n, t in reversed(named)}  # a tied tensor by its first name
-    datas = [(n, t, t.data) for n, t in named]
-    mode = _Writes(owners, {id(m): path for path, m in model.named_modules()})
+    datas = [(n, t, t.data) for n, t in [*model.named_parameters(), *model.named_buffers()]]
+    mode = _writes_of(model)
     try:
         with mode:
             yield
@@ -74,9 +72,7 @@ def watching_state(model: torch.nn.Module) -> Iterator[None]:
         rebound = [(name, tensor, data) for name, tensor, data in datas if storage_key(tensor) != storage_key(data)]
         for _name, tensor, data in rebound:
             tensor.data = data
-        with torch.no_grad():
-            for tensor, value in mode.saved.values():
-                tensor.copy_(value)
+        _put_back(mode)
     changed = list(mode.saved) + [name for name, _t, _d in rebound if name not in mode.saved]
     if changed:
         shown = ", ".join(changed[:4]) + (f" and {len(changed) - 4} more" if len(changed) > 4 else "")
@@ -87,6 +83,32 @@ def watching_state(model: torch.nn.Module) -> Iterator[None]:
             f"written as in-place ops under torch.no_grad() (`t.mul_(m).add_(s, alpha=1 - m)`, `t.copy_(...)`), not "
             f"through `.data` (`t.data.mul_(m)`, `t.data = ...`): write it so and compile with --tracer export (or "
             f"auto, which falls back to it).")
+
+
+def written_by(model: torch.nn.Module, run: Callable[[], Any]) -> list[str]:
+    """The parameters and buffers of `model` that `run()` writes in place, each put back as
+    it was before."""
+    mode = _writes_of(model)
+    try:
+        with mode:
+            run()
+    finally:
+        _put_back(mode)
+    return list(mode.saved)
+
+
+def _writes_of(model: torch.nn.Module) -> _Writes:
+    """A `_Writes` over every parameter and buffer of `model` (a tied tensor by its first name)."""
+    named = [*model.named_parameters(), *model.named_buffers()]
+    owners = {storage_key(t): (n, t) for n, t in reversed(named)}
+    return _Writes(owners, {id(m): path for path, m in model.named_modules()})
+
+
+def _put_back(mode: _Writes) -> None:
+    """Each tensor `mode` saw written, as it was before its first write."""
+    with torch.no_grad():
+        for tensor, value in mode.saved.values():
+            tensor.copy_(value)
 
 
 def _written(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[torch.Tensor]:

@@ -14,7 +14,7 @@ import torch
 
 from partitioner.errors import TraceError
 from partitioner.trace import model_file
-from partitioner.trace.buffers import StateUpdateWarning
+from partitioner.trace.buffers import StateUpdateWarning, TrainOnlyUpdateWarning
 from partitioner.trace.state import StateUpdatedWhileTracing
 from partitioner.trace.trace import trace
 
@@ -90,3 +90,15 @@ def test_state_updates_with_several_microbatches_warn(name: str, written: str, t
     with warnings.catch_warnings():
         warnings.simplefilter("error", StateUpdateWarning)
         compile_example(path, tmp_path / "m1", stages=2, microbatches=1)
+
+
+def test_an_update_made_in_train_mode_only_warns(tmp_path: Path) -> None:
+    """Spectral norm runs its power iteration in train mode only; the stages, traced in train
+    mode, run it after `pipe.eval()` too, so the compile says so (and leaves the model's
+    buffers as they were); a momentum teacher updates in both modes and is not told."""
+    mf = model_file.load("tests/zoo/models/spectral_norm.py")
+    with pytest.warns(TrainOnlyUpdateWarning, match=r"updates fc1\.weight_v, fc1\.weight_u.*train mode only.*pipe\.eval"):
+        compile_example(mf.path, tmp_path / "spectral", stages=2, microbatches=1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", TrainOnlyUpdateWarning)
+        compile_example(TEACHER, tmp_path / "teacher", stages=2, microbatches=1)
