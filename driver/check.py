@@ -35,6 +35,8 @@ from partitioner.solve.problem import coarse_graph, make_plan, pose
 from partitioner.solve.solve import solve
 
 from .costs import calibrated_costs, calibrated_costs_in_turn
+from .memory import ranks_over
+from .offloading import offloaded
 from .prepared import Prepared
 
 __all__ = ["CHOOSE_ROUNDS", "RESOLVE_OFF", "calibration_block", "check_plan", "stage_compute_s"]
@@ -76,6 +78,9 @@ def check_plan(p: Prepared, plan: Plan) -> tuple[Prepared, Plan, bool, dict[str,
     other = make_plan(problem, coarse.blocks, assignment, report, p.mesh)
     if other.stage_of() == plan.stage_of():
         p.say("the measured times give the same plan")
+        return p, plan, False, calibrated
+    if ranks_over(again, offloaded(again, other)):  # the solver's bound fits it, the walk does not
+        p.say("the plan solved again exceeds the memory limit by the peak walked over its schedule: keeping the first")
         return p, plan, False, calibrated
     first, second = calibrated_costs_in_turn(p, [plan, other], CHOOSE_ROUNDS)
     rounds = [(_measured_slowest(p, plan, a), _measured_slowest(again, other, b), a, b) for a, b in zip(first, second)]

@@ -66,6 +66,7 @@ from . import offloading
 from .check import calibration_block, check_plan
 from .costs import loss_costs, node_costs, calibrated_costs, stage_peaks
 from .loss_check import loss_reduction
+from .memory import check_fits
 from .options import (CompileOptions, batch_size, check, default_microbatches, fixed_tp, mesh_of, rows_per_microbatch,
                       split_batch)
 from .package_info import model_flops, package_info
@@ -254,6 +255,7 @@ def finish(prepared: Prepared, assignment: tuple[int, ...], report: SolverReport
         plan = planned(p, assignment, report)  # [Note: recomputation chosen per rank]
         p, plan, resolved, calibrated = check_plan(p, plan)
     plan, offloaded = offloading.offload(p, plan)
+    check_fits(p, plan)  # never a package that exceeds the memory it was given
     return emit_plan(p, plan, {**offloaded, **recompute_block(p, plan), **(extra or {})}, resolved=resolved, calibrated=calibrated)
 
 

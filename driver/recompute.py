@@ -32,11 +32,10 @@ from typing import Any, Callable, Sequence
 
 from partitioner.errors import InfeasiblePlanError
 from partitioner.ir import Plan, SolverReport
-from partitioner.solve.model import rank_costs
 from partitioner.solve.policies import solve_policies
 from partitioner.solve.problem import make_plan, pose
 
-from .memory import rank_peaks, stage_parts
+from .memory import rank_peaks, stage_parts, undercount
 from .options import AUTO
 from .prepared import Prepared
 
@@ -88,11 +87,12 @@ def fit_jointly(p: Prepared) -> _Solved:
     InfeasiblePlanError where no mix fits, or none fits by the walk."""
     solved, limit = solve_jointly(p), p.problem.memory_limit_bytes
     for _ in range(WALK_ROUNDS):
-        over = 0 if limit is None else max(rank_peaks(solved[0], planned(*solved))) - limit
-        if over <= 0:
+        plan = planned(*solved)
+        lower = undercount(p, plan, rank_peaks(p, plan))
+        if lower <= 0:
             return solved
         assert limit is not None
-        limit -= over
+        limit -= lower
         solved = solve_jointly(p, limit)
     raise InfeasiblePlanError(f"no split and policies found within {WALK_ROUNDS} rounds fit by the walked peak")
 
@@ -107,6 +107,10 @@ def solve_cheapest_policy(p: Prepared, solve_one: _Solve) -> _Solved:
         none: _Solved | None = solve_one(with_policy(p, None))
     except InfeasiblePlanError:
         p.say("--recompute auto: no plan fits without recomputation; choosing the split and each stage's policy")
+        none = None
+    if none is not None and not none[0].problem.offload and _over_by_walk(none):
+        p.say("--recompute auto: the split without recomputation exceeds the limit by its walked peak; choosing the "
+              "split and each stage's policy")
         none = None
     if none is not None and (none[0].problem.offload or not joins(p)):
         return none  # offloading comes before recomputation, as in the search (`offloading.variants`)
@@ -147,6 +151,12 @@ def _uniform(p: Prepared, solve_one: _Solve) -> _Solved:
     raise AssertionError("unreachable: the last level raises")
 
 
+def _over_by_walk(solved: _Solved) -> bool:
+    """Whether a rank's walked peak of a solved plan exceeds the memory limit."""
+    limit = solved[0].problem.memory_limit_bytes
+    return limit is not None and max(rank_peaks(solved[0], planned(*solved))) > limit
+
+
 def _slowest_rank(solved: _Solved) -> float:
     """The slowest rank's time of a solved plan, each rank on its policy (`planned`)."""
     plan = planned(*solved)
@@ -175,7 +185,8 @@ def cheapest_per_rank(p: Prepared, plan: Plan, assignment: tuple[int, ...]) -> P
     if level == 0 or p.opts.recompute_policy != AUTO:
         return plan
     limit = p.problem.memory_limit_bytes
-    fits = [[limit is None or r.memory_bytes <= limit for r in rank_costs(with_policy(p, policy).problem, assignment)]
+    # by the walked peak the manifest reports, which a rank's own stages alone decide
+    fits = [[limit is None or peak <= limit for peak in rank_peaks(p, with_policies(p, plan, assignment, [policy] * plan.num_stages))]
             for policy in LEVELS[:level]]
     chosen = [next((i for i in range(level) if fits[i][r]), level) for r in range(plan.pp)]
     return with_policies(p, plan, assignment, [LEVELS[chosen[plan.rank_of(k)]] for k in range(plan.num_stages)])

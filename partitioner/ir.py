@@ -212,6 +212,18 @@ class PartitionProblem:
     a stage past the first also keeps its seeds from each I to its W:
         + seed_bytes * awaiting_w(stage)           gradients of its weighted ops' outputs
     ([Note: weight gradients awaited] in runtime/schedule/registry.py).
+    Beside these, what the walk of the schedule counts ([Note: the memory walk] in
+    partitioner/predict/memory.py) and a stage's own terms can carry:
+        + working_bytes                            a forward's working set, until it returns
+        + message_bytes * (microbatches + 2)       the sends, held until the step waits on
+                                                   them, a receive posted ahead and the
+                                                   backward's output gradient
+    where message_bytes is what the stage sends to and receives from other ranks per
+    microbatch, forward (with `holds_messages`; `problem.pose` sets it).  After the last backward, with every activation freed, a stage
+    holds instead
+        param_bytes * (2 + optimizer_factor) + message_bytes * microbatches
+        + max(step_bytes, param_bytes if buckets)  the optimizer step's temporaries, dp's buckets
+    and its memory is the larger of the two.
     With `recompute` (activation recomputation: a stage keeps only its inputs per
     microbatch in flight and runs its forward again in the backward), the activations
     term is instead
@@ -265,6 +277,17 @@ class PartitionProblem:
     #: the gradients of each block's weighted ops' outputs, kept from I to W per microbatch
     #: where the backward is split (see the memory model above); empty: none
     block_seed_bytes: tuple[int, ...] = ()
+    #: a forward's working set, what it makes and does not keep until it returns: at least
+    #: the graph's largest node output, on every stage (see the memory model above)
+    working_bytes: int = 0
+    #: the optimizer step's temporaries (the largest parameter twice), after the last backward
+    step_bytes: int = 0
+    #: data parallelism: after the last backward a stage's gradients are alive twice, beside
+    #: their copy in the all-reduce's buckets
+    buckets: bool = False
+    #: whether a stage holds its messages to and from other ranks (see the memory model
+    #: above): what the runtime does; off, a problem's memory is its blocks' alone
+    holds_messages: bool = False
 
     @property
     def num_blocks(self) -> int:

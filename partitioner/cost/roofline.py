@@ -39,8 +39,14 @@ def message_s(nbytes: float, alpha_s: float, beta_s_per_byte: float) -> float:
 
 
 def stage_memory_bytes(param_bytes: int, activation_bytes: int, inflight: int, optimizer_factor: float, *,
-                       recompute: bool = False, input_bytes: int = 0, kept_bytes: int = 0) -> int:
-    """Peak bytes of a stage: weights + gradients + optimizer state + activations in flight.
+                       recompute: bool = False, input_bytes: int = 0, kept_bytes: int = 0, working_bytes: int = 0,
+                       message_bytes: int = 0, microbatches: int = 0, after_bytes: int = 0) -> int:
+    """Peak bytes of a stage: weights + gradients + optimizer state + activations in flight,
+    with a forward's working set (`working_bytes`) and its messages to and from other
+    ranks (`message_bytes` per microbatch: the sends held until the step waits on them,
+    `microbatches` of them, a receive posted ahead and the backward's output gradient);
+    or, after the last backward, the weights' terms, the sends and `after_bytes` (the
+    optimizer step's temporaries or dp's buckets), where more.
 
     With activation recomputation (Chen et al., "Training deep nets with sublinear memory
     cost", 2016; Megatron-LM's full recomputation), a microbatch in flight keeps only the
@@ -48,9 +54,13 @@ def stage_memory_bytes(param_bytes: int, activation_bytes: int, inflight: int, o
     forward runs again in the backward.  Selective recomputation (Korthikanti et al., 2023)
     also keeps `kept_bytes` per microbatch in flight: the outputs of its matmuls.
     """
+    weights = round(param_bytes * (2 + optimizer_factor))
     if recompute:
-        return round(param_bytes * (2 + optimizer_factor)) + activation_bytes + (input_bytes + kept_bytes) * inflight
-    return round(param_bytes * (2 + optimizer_factor)) + activation_bytes * inflight
+        activations = activation_bytes + (input_bytes + kept_bytes) * inflight
+    else:
+        activations = activation_bytes * inflight
+    during = weights + activations + working_bytes + message_bytes * (microbatches + 2)
+    return max(during, weights + message_bytes * microbatches + after_bytes)
 
 
 def mfu(model_flops_per_step: float, step_time_s: float, devices: int, peak_flops: float) -> float:

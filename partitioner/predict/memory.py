@@ -29,17 +29,22 @@
     - between a split backward's I and its W, the gradients I keeps for W at each
       node that reads a weight ([Note: weight-gradient seeds] in
       runtime/split_backward.py): the outputs' size of those nodes;
-    - the transient of the action: a forward's working set (its largest node output);
-      a backward's output gradient received, its input gradient made, the gradients'
+    - the transient of the action: a forward's working set (what its nodes make and the
+      stage does not keep, alive until the generated forward returns, or its largest
+      node output where more); a backward's output gradient received, the gradients'
       first allocation beyond the activations it frees meanwhile (made node by node
-      as the saved tensors go), and the gradient flowing through the stage, counted
-      as its largest node output; under
+      as the saved tensors go), and its input gradient made or the gradient flowing
+      through the stage (its largest node output), whichever is more: the input
+      gradient is the last the backward makes, from the gradient flowing into the
+      stage's first nodes, once the nodes after them have freed what they saved; under
       --recompute the backward's second forward, at whose end every node output of the
       stage is alive (the generated forward keeps each in a local until it returns),
       or, where more, what the policy did not keep of one microbatch's activations with
       the flowing gradient; on the last stage the loss's logits gradient.
 
-    The optimizer's step runs after the last action, with every gradient alive; its
+    After the last action, with data parallelism, every gradient is alive beside its
+    copy in the all-reduce's flat buckets until the averages are written back.  The
+    optimizer's step runs after that, with every gradient alive; its
     temporaries are those of one parameter at a time (torch's per-parameter loop on the
     CPU) and are counted as the largest parameter twice.  Not predicted: the memory an
     operator uses inside itself, the allocator's fragmentation and caching on a GPU, and
@@ -82,7 +87,10 @@ class StageBytes:
     splits: bool = True
     sent_forward: int = 0  # what a forward sends, kept until the step waits on its sends
     sent_backward: int = 0  # what a backward (I) sends back, likewise
-    ahead: int = 0  # receive buffers posted ahead of the action that needs them
+    #: with data parallelism, the copy of the stage's gradients flattened into the
+    #: all-reduce's buckets (runtime/comm.GradBuckets), alive from the end of its last
+    #: backward until the averages are written back, before the optimizer step
+    reduced: int = 0
     #: of `held`, what lives on the host for each microbatch in flight beyond the
     #: `OFFLOAD_RESIDENT` on the device ([Note: offloaded activations] in solve/offload.py)
     offloaded: int = 0
@@ -115,6 +123,8 @@ class _Row(NamedTuple):
     before: np.ndarray
     first: np.ndarray
     mine: list[int]
+    next_stage: np.ndarray  # the stage and kind of the action after each (the last: its own stage, W)
+    next_kind: np.ndarray
 
 
 _F, _B, _I, _W = range(4)
@@ -145,9 +155,10 @@ def _row(actions: Sequence[Action]) -> _Row:
         if ends:
             graded.add(a.stage)
         inflight[a.stage] = before[-1] + (1 if a.kind == Kind.F else -1 if ends else 0)
-    return _Row(np.array([a.stage for a in actions], dtype=np.int64),
-                np.array([_KINDS[a.kind] for a in actions], dtype=np.int64), np.array(before, dtype=np.int64),
-                np.array(first, dtype=bool), sorted(inflight))
+    stage = np.array([a.stage for a in actions], dtype=np.int64)
+    kind = np.array([_KINDS[a.kind] for a in actions], dtype=np.int64)
+    return _Row(stage, kind, np.array(before, dtype=np.int64), np.array(first, dtype=bool), sorted(inflight),
+                np.append(stage[1:], stage[-1:]), np.append(kind[1:], [_W] * min(1, len(kind))))
 
 
 class _Table(NamedTuple):
@@ -162,7 +173,7 @@ class _Table(NamedTuple):
     splits: np.ndarray
     sent_forward: np.ndarray
     sent_backward: np.ndarray
-    ahead: np.ndarray
+    reduced: np.ndarray
     offloaded: np.ndarray
     passed: np.ndarray
     passed_grads: np.ndarray
@@ -199,14 +210,24 @@ def _walk(row: _Row, t: _Table, step_transient: int, copies: tuple[np.ndarray, n
     change = np.select([is_f, is_i & splits, is_w & splits], [holding(n + 1) - holding(n) + t.passed[k],
                                                               taken + t.seeds[k], ends - t.seeds[k]], taken + ends)
     sent = np.select([is_f, (is_b | is_i) & ~skipped], [t.sent_forward[k], t.sent_backward[k]], 0)
-    start = int((t.persistent + t.ahead)[row.mine].sum())
+    start = int(t.persistent[row.mine].sum())
     kept = np.cumsum(change + loads + drops) - (change + loads + drops)  # before each action
-    now = start + np.cumsum(sent) - sent + kept + loads
+    now = start + np.cumsum(sent) - sent + kept + loads + _posted_ahead(row, t)
     whole = is_b | is_i | (is_w & ~splits)
     peak = np.select([is_f, skipped], [now + held + t.forward[k] + t.passed[k], np.iinfo(np.int64).min],
                      now + taken + np.maximum(0, fresh - held) + np.where(whole, t.backward[k], 0))
     final = start + int(sent.sum()) + int(t.gradients[row.mine].sum())  # the sends waited on after the optimizer step
-    return max(start, int(peak.max(initial=start)), final + step_transient)
+    return max(start, int(peak.max(initial=start)), final + max(step_transient, int(t.reduced[row.mine].sum())))
+
+
+def _posted_ahead(row: _Row, t: _Table) -> np.ndarray:
+    """The receive buffers posted before each action for the compute after it ([Note:
+    receives posted ahead] in runtime/schedule/lowering.py): a forward's inputs from other
+    ranks (what its stage's I sends back, `sent_backward`), a backward's output gradients
+    (what its stage's forward sends, `sent_forward`); none before a W.  Counted on every
+    profile: the gloo the CPU runs posts them so, NCCL just before the compute (less)."""
+    k, kind = row.next_stage, row.next_kind
+    return np.select([kind == _F, (kind == _B) | (kind == _I)], [t.sent_backward[k], t.sent_forward[k]], 0)
 
 
 def _copies(row: Sequence[Action], t: _Table, ahead: int) -> tuple[np.ndarray, np.ndarray]:

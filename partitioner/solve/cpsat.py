@@ -68,6 +68,7 @@ class _CpModel:
         for r in range(problem.ranks):
             if problem.memory_limit_bytes is not None:
                 self.model.add(self._memory(r) <= problem.memory_limit_bytes)
+                self.model.add(self._memory_after(r) <= problem.memory_limit_bytes)
         self.model.minimize(self.slowest)
 
     def _add_placement(self) -> None:
@@ -107,6 +108,12 @@ class _CpModel:
                 if self.byte_units[j]:
                     later = sum(self.recv[j][b] for b in range(k + 1, S))
                     m.add(self.sent[j][k] >= self.byte_units[j] * later).only_enforce_if(self.at[v.producer][k])
+        # the bytes each stage sends other ranks, a value once per stage that receives it: what it holds
+        self.sent_bytes = [[m.new_int_var(0, v.bytes * S, f"b{j}_{k}") for k in range(S)] for j, v in enumerate(self.values)]
+        for j, v in enumerate(self.values):
+            for k in range(S - 1) if p.holds_messages and v.bytes else ():
+                later = sum(self.recv[j][b] for b in range(k + 1, S))
+                m.add(self.sent_bytes[j][k] >= v.bytes * later).only_enforce_if(self.at[v.producer][k])
         self.recv_any = self.recv  # what a recomputing stage keeps: its inputs, whoever made them
         if p.recompute and p.virtual_stages > 1:
             self.recv_any = [[m.new_bool_var(f"i{j}_{k}") for k in range(S)] for j in range(len(self.values))]
@@ -131,7 +138,8 @@ class _CpModel:
         return sum(compute) + sum(received) + latency * sum(pairs)
 
     def _memory(self, r: int) -> cp_model.LinearExprT:
-        """Rank r's memory: its stages' blocks (seeds included) and inputs, each shared parameter once."""
+        """Rank r's memory: its stages' blocks (seeds included), inputs, working sets and
+        the messages they exchange with other ranks, each shared parameter once."""
         p, per = self.problem, 2 + self.problem.optimizer_factor
         kept = p.block_kept_bytes or (0,) * p.num_blocks  # selective recomputation's, per microbatch in flight
         seeds = p.block_seed_bytes or (0,) * p.num_blocks  # a split backward's, per W awaited
@@ -141,7 +149,18 @@ class _CpModel:
                   for k in self.on[r]]
         inputs = [p.inflight(k) * v.bytes * self.recv_any[j][k] for j, v in enumerate(self.values)
                   for k in self.on[r]] if p.recompute else []
-        return sum(blocks) + sum(inputs) + sum(round(per * size) * self.held[j][r] for j, (size, _) in enumerate(self.shared))
+        messages = [(p.microbatches + 2) * (v.bytes * self.recv[j][k] + self.sent_bytes[j][k])
+                    for j, v in enumerate(self.values) for k in self.on[r]] if p.holds_messages else []
+        return (sum(blocks) + sum(inputs) + sum(messages) + p.working_bytes * len(self.on[r])
+                + sum(round(per * size) * self.held[j][r] for j, (size, _) in enumerate(self.shared)))
+
+    def _memory_after(self, r: int) -> cp_model.LinearExprT:
+        """Rank r's memory after its last backward: its weights' terms and the optimizer
+        step's temporaries, or dp's buckets, a copy of its gradients (`model.after_bytes`)."""
+        p, per = self.problem, 2 + self.problem.optimizer_factor + (1 if self.problem.buckets else 0)
+        weights = (sum(round(per * own) * self.at[i][k] for i, own in enumerate(self.own) for k in self.on[r])
+                   + sum(round(per * size) * self.held[j][r] for j, (size, _) in enumerate(self.shared)))
+        return weights + (0 if p.buckets else p.step_bytes)
 
     def hint(self, assignment: Sequence[int]) -> None:
         """Warm-start from `assignment`, auxiliary booleans included."""

@@ -196,6 +196,7 @@ class Intervals:
         self.held = _corners([r for size, blocks in self.shared for r in _first_reader_rects(0, blocks, n, size)],
                              np.int64)
         self.received = _corners([r for r in received if r[-1]], np.int64)
+        self._received: dict[int, tuple[np.ndarray, ...]] = {}  # `_received_corners`, by reach before
 
     def chunks(self) -> list[tuple[int, int, int]]:
         """(c0, c1, a0): ends b in [c0, c1) and the starts a in [a0, c1) worth a look, those
@@ -259,33 +260,55 @@ class Intervals:
 
     def memory(self, c0: int, c1: int, a0: int) -> _Cost:
         """Memory of each run as stage k, as a function of k (and a window of the chunk,
-        `_Cost`); inf where a >= b (the memory model of `PartitionProblem`)."""
+        `_Cost`); inf where a >= b (the memory model of `PartitionProblem`, its messages
+        those the run certainly sends and receives, `_reach`)."""
         b, a = np.arange(c0, c1)[:, None], np.arange(a0, c1)[None, :]
         p = self.problem
         held = _sum_corners(self.held, c0, c1, a0, np.int64)
-        fixed = np.where(a < b, (self.own[b] - self.own[a] + held) * (2 + p.optimizer_factor), np.inf)
+        weights = np.where(a < b, self.own[b] - self.own[a] + held, 0).astype(np.float64)
+        fixed = np.where(a < b, weights * (2 + p.optimizer_factor), np.inf)
+        after = np.maximum(p.step_bytes, weights * p.buckets)  # after the last backward
         acts = (self.acts[b] - self.acts[a]).astype(np.float64)
         inputs = None
         if p.recompute:  # one microbatch's activations, the inputs (and kept outputs) of those in flight
             inputs = _sum_corners(self.received, c0, c1, a0, np.int64).astype(np.float64)
             inputs += (self.kept[b] - self.kept[a]).astype(np.float64)
         seeds = (self.seeds[b] - self.seeds[a]).astype(np.float64)
-        by_count: dict[tuple[int, int], np.ndarray] = {}
+        sent = self.sent_bytes(c0, c1, a0)
+        received: dict[int, np.ndarray] = {}
+        by_count: dict[tuple[int, int, _Reach], np.ndarray] = {}
 
-        def of(count: int, awaiting: int, window: _Window) -> np.ndarray:
+        def messages_of(k: int) -> np.ndarray:  # certainly sent and received, forward
+            before = self.reach[k][0]
+            if before not in received:
+                received[before] = _sum_corners(self._received_corners(before), c0, c1, a0, np.float64)
+            return sent(k) + received[before]
+
+        def of(count: int, awaiting: int, reach: _Reach, k: int, window: _Window) -> np.ndarray:
             f, m = fixed[window], acts[window]
             held = f + m + inputs[window] * count if inputs is not None else f + m * count
+            messages = messages_of(k)[window] if p.holds_messages else 0.0
+            held = held + p.working_bytes + messages * (p.microbatches + 2)
+            held = np.maximum(held, f + messages * p.microbatches + after[window])
             return held + seeds[window] * awaiting if awaiting else held
 
         def memory(k: int, window: _Window = _WHOLE) -> np.ndarray:
-            count, awaiting = self._held(k), self.problem.awaiting_w(k)
+            count, awaiting, reach = self._held(k), self.problem.awaiting_w(k), self.reach[k]
             if window is not _WHOLE:
-                return of(count, awaiting, window)
-            if (count, awaiting) not in by_count:  # once per count of microbatches held, and of W awaited
-                by_count[(count, awaiting)] = of(count, awaiting, window)
-            return by_count[(count, awaiting)]
+                return of(count, awaiting, reach, k, window)
+            if (count, awaiting, reach) not in by_count:  # once per count of microbatches held, W awaited, reach
+                by_count[(count, awaiting, reach)] = of(count, awaiting, reach, k, window)
+            return by_count[(count, awaiting, reach)]
 
         return memory
+
+    def _received_corners(self, before: int) -> tuple[np.ndarray, ...]:
+        """The corners of the bytes a run certainly receives from another rank (each value
+        once) as a stage with `before` blocks right before it on other ranks (`_reach`)."""
+        if before not in self._received:
+            self._received[before] = _corners([r for v in values(self.problem)
+                                               for r in _received_rects(v, before, self.n, float(v.bytes))], np.float64)
+        return self._received[before]
 
     def _held(self, k: int) -> int:
         """The microbatches whose activations `memory` charges stage k for: under

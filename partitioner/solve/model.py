@@ -38,7 +38,7 @@ from ..cost.costmodel import boundary_s, computing_blocks, remote, shared_params
 from ..cost.roofline import stage_memory_bytes
 from ..ir import PartitionProblem
 
-__all__ = ["RankCost", "StageCost", "evaluate", "fills_with_compute", "interleaved", "interleaved_step_s", "key_below",
+__all__ = ["RankCost", "StageCost", "after_bytes", "evaluate", "fills_with_compute", "interleaved", "interleaved_step_s", "key_below",
            "memory_unit", "objective", "paces", "plan_key", "rank_costs", "stage_costs", "violations"]
 
 
@@ -102,11 +102,20 @@ def stage_costs(problem: PartitionProblem, assignment: Sequence[int]) -> tuple[S
         StageCost(compute[k], messages[k], traffic[k], weights[k], acts[k], problem.inflight(k),
                   compute[k] + comm_s[k],
                   stage_memory_bytes(weights[k], acts[k], problem.resident(k), problem.optimizer_factor,
-                                     recompute=problem.recompute, input_bytes=received[k], kept_bytes=kept[k])
+                                     recompute=problem.recompute, input_bytes=received[k], kept_bytes=kept[k],
+                                     working_bytes=problem.working_bytes, message_bytes=traffic[k] // 2 if problem.holds_messages else 0,
+                                     microbatches=problem.microbatches, after_bytes=after_bytes(problem, weights[k]))
                   + awaited[k],
                   received[k], over_links[k], awaited[k])
         for k in range(stages)
     )
+
+
+def after_bytes(problem: PartitionProblem, weight_bytes: int) -> int:
+    """What a stage holding `weight_bytes` of parameters holds after its last backward
+    beyond its weights' terms and its sends: the optimizer step's temporaries, or with
+    data parallelism its gradients' copy in the all-reduce's buckets, whichever is more."""
+    return max(problem.step_bytes, weight_bytes if problem.buckets else 0)
 
 
 def rank_costs(problem: PartitionProblem, assignment: Sequence[int],
@@ -243,6 +252,8 @@ _keys = _Keys()
 def key_below(a: tuple[float, float, int], b: tuple[float, float, int]) -> bool:
     """Whether plan key `a` (`plan_key`'s: slowest, excess, bytes) is lexicographically below
     `b`, times equal to a relative 1e-9."""
+    if math.isinf(b[0]) or math.isinf(a[0]):  # an invalid plan is below none
+        return a[0] < b[0]
     tol = 1e-9 * max(b[0], 1e-30)
     if abs(a[0] - b[0]) > tol:
         return a[0] < b[0]

@@ -66,6 +66,10 @@ class Coarse:
     param_bytes: dict[str, int]
     #: the parameters are mostly 16-bit: optimizer state is counted as mixed precision keeps it
     mixed_precision: bool
+    #: the largest node output (a forward's working set at least) and parameter (the
+    #: optimizer step's temporaries are two of it), each rank's shard
+    largest_output: int = 0
+    largest_param: int = 0
     #: the problem posed once (per recompute), that `pose` copies with other counts
     templates: dict[str | None, PartitionProblem] = field(default_factory=dict, compare=False, repr=False)
 
@@ -101,7 +105,8 @@ def coarse_graph(traced: Traced, costs: dict[str, NodeCost], sharded: Sharded | 
     nodes.append(GraphNode(name=output.name, inputs=tuple(a.name for a in output.all_input_nodes if a in compute),
                            cost=out_cost, module="", params=(), is_output=True, computes=False))
     blocks, edges = coarsen(nodes, max_blocks=MAX_BLOCKS, param_bytes=param_bytes)
-    return Coarse(blocks, edges, param_bytes, _mostly_16_bit(named))
+    largest = max((costs[n.name].output_bytes for n in compute), default=0)
+    return Coarse(blocks, edges, param_bytes, _mostly_16_bit(named), largest, max(param_bytes.values(), default=0))
 
 
 def _mostly_16_bit(named: Sequence[tuple[str, torch.Tensor]]) -> bool:
@@ -123,6 +128,10 @@ def pose(coarse: Coarse, mesh: Setting, hardware: Hardware) -> PartitionProblem:
         comm_beta_s_per_byte=beta,
         virtual_stages=mesh.virtual_stages,
         offload=mesh.offload,
+        working_bytes=coarse.largest_output,
+        step_bytes=2 * coarse.largest_param,
+        buckets=mesh.dp > 1,
+        holds_messages=True,
     )
 
 

@@ -206,7 +206,8 @@ def solve(problem: PartitionProblem, time_limit_s: float = 30.0, *, seed: int = 
     elif exact and settled:
         report = replace(report, status="FEASIBLE")  # [Note: CP-SAT not on interleaved chains]
     elif time_limit_s > 0:
-        upper = objective(problem, dp) if dp is not None else None
+        upper = objective(problem, dp) if dp is not None else None  # inf: the DP counts messages it is sure of alone
+        upper = upper if upper is not None and math.isfinite(upper) else None
         cp = solve_cpsat(problem, time_limit_s, hint=dp, upper_bound_s=upper, seed=seed, workers=workers)
         bound = max(bound, cp.lower_bound_s)
         report = replace(report, method="dp+cpsat", status=cp.status)

@@ -80,6 +80,15 @@ CASES: dict[str, tuple[list[tuple[int, int]], list[float], int, dict[str, Any]]]
     "zb-h2-seeds": (CHAIN, [3, 1, 4, 1, 5, 2], 3, {**SEEDS, "schedule": "zb-h2", "memory_limit_bytes": 24}),
     "zb-v-seeds": (CHAIN, [3, 1, 4, 1, 5, 9], 4, {**SEEDS, "schedule": "zb-v", "virtual_stages": 2,
                                                   "memory_limit_bytes": 14}),
+    # what the walk counts beside the blocks: messages held, a working set, the step after
+    "chain-held-messages": (CHAIN, [3, 1, 4, 1, 5, 9], 3, {"acts": (2, 1, 1, 1, 1, 2), "bytes": {1: 1, 3: 3},
+                                                          "holds_messages": True, "working_bytes": 2,
+                                                          "memory_limit_bytes": 34}),
+    "dag-held-messages-buckets": (SKIPS, [2, 2, 3, 1, 2], 3, {"acts": (1,) * 5, "bytes": {0: 1, 1: 2, 2: 1, 3: 1},
+                                                              "holds_messages": True, "working_bytes": 1,
+                                                              "step_bytes": 3, "buckets": True,
+                                                              "param_bytes": (1, 2, 1, 2, 1), "microbatches": 3,
+                                                              "memory_limit_bytes": 40}),
     "two-towers-zb-h2-seeds": (TWO_TOWERS, [1, 4, 4, 4, 4, 1], 3,  # CP-SAT's model charges them too
                                {"acts": (1,) * 6, "block_seed_bytes": (1, 2, 3, 4, 5, 6), "microbatches": 4,
                                 "schedule": "zb-h2", "memory_limit_bytes": 28}),

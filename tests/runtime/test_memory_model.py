@@ -1,6 +1,8 @@
 """The memory model against the measured peak of every rank ([Note: the memory walk] in
 partitioner/predict/memory.py, [Note: measured memory] in runtime/memory.py): each case
-is compiled (analytic costs), trained one tracked step on 2 or 4 gloo ranks
+is compiled (analytic costs, or measured ones for this CPU: the split they choose is
+another, often through an activation that only the next stage saves), trained one
+tracked step on 2 or 4 gloo ranks
 (memory_checks.tracked_step), and each rank's `memory_stats().total` must be within 5% of
 its prediction (the host buffers offloading fills are not in it, as they would not be in a
 GPU's memory)."""
@@ -22,6 +24,9 @@ from .test_distributed import _ok, launch, multiproc
 ROOT = Path(__file__).resolve().parents[2]
 GPT = "examples/gpt.py"  # its lm_head is tied to the token embedding
 LLAMA = "tests/zoo/models/hf_llama.py"
+GEMMA2 = "tests/zoo/models/hf_gemma2.py"  # eager attention, soft-capped: many scores its forward makes and drops
+HEAVY = "tests/model_files/two_heavy_blocks.py"
+MEASURED = {"analytic": False, "hardware": "cpu"}  # costs measured on this CPU, as `compile` does by default
 TOLERANCE = 0.05
 
 
@@ -43,6 +48,10 @@ CASES = [
     pytest.param(LLAMA, {"schedule": "1f1b", "recompute": "selective"}, 2, id="llama-selective"),
     pytest.param(GPT, {"schedule": "gpipe", "offload": "all", "microbatches": 8}, 2, id="gpt-gpipe-offload"),
     pytest.param(GPT, {"schedule": "1f1b", "offload": "all", "microbatches": 8}, 2, id="gpt-1f1b-offload"),
+    pytest.param(GPT, {"schedule": "1f1b", **MEASURED}, 2, id="gpt-1f1b-measured"),
+    pytest.param(HEAVY, {"schedule": "gpipe", "offload": "none", **MEASURED}, 2, id="heavy-gpipe-measured"),
+    pytest.param(GEMMA2, {"schedule": "1f1b"}, 2, id="gemma2-1f1b"),
+    pytest.param(GEMMA2, {"schedule": "1f1b", **MEASURED}, 2, id="gemma2-1f1b-measured"),
 ]
 
 
@@ -161,3 +170,88 @@ def test_the_solver_charges_the_seeds_the_walk_keeps(tmp_path: Path, schedule: s
     assert counts[0] == 0 and all(counts[1:])
     assert [c.seed_bytes for c in charged] == [s.seeds * n for s, n in zip(walked, counts)]
     assert all(s.seeds for s in walked[1:])
+
+
+def _heavy_split(first: int) -> tuple[Any, Any, dict[str, int]]:
+    """The two heavy blocks' graph, one microbatch's values (64 rows) and a split after
+    the first `first` compute nodes."""
+    from driver.options import CompileOptions
+    from driver.phases import prepare
+    from partitioner.cost.nodes import compute_nodes
+
+    p = prepare(CompileOptions(model=HEAVY, out="unused", analytic=True, hardware="cpu", quiet=True, stages=2,
+                               microbatches=4, schedule="gpipe"))
+    return p.traced.gm, p.values, {n.name: int(i >= first) for i, n in enumerate(compute_nodes(p.traced.gm))}
+
+
+def test_a_stage_holds_what_it_sends_and_the_message_it_receives() -> None:
+    """Split after the second block's up projection (the split measured costs choose): the
+    first stage keeps that projection's (64, 256) output, which none of its nodes saves,
+    until its backward (the pipeline holds a stage's outputs), beside what it saves; the
+    second keeps the message it received whole, the residual's rows too, since they
+    are views of one buffer ([Note: what the pipeline holds per microbatch] in
+    partitioner/cost/saved.py)."""
+    from partitioner.cost.saved import stage_saved_bytes
+
+    wide, narrow = 64 * 256 * 4, 64 * 16 * 4  # float32 (rows, HIDDEN) and (rows, WIDTH)
+    saved = stage_saved_bytes(*_heavy_split(5), 2)
+    first = narrow + 2 * wide + narrow  # the batch rows, up0 and gelu0's outputs, the residual
+    assert saved[0] == first + wide, saved
+    assert saved[1] == (wide + narrow) + wide + narrow, saved  # the message, gelu1's output, the residual sum
+
+
+def test_the_forward_holds_what_it_makes_until_it_returns() -> None:
+    """On one stage, the outputs no node saves (the second linear of each block, the
+    head's logits) are alive at the forward's end: the generated forward keeps each node's
+    output in a local until it returns."""
+    from partitioner.cost.saved import stage_unsaved_bytes
+
+    unsaved = stage_unsaved_bytes(*_heavy_split(9), 2)
+    assert unsaved[0] == 2 * 64 * 16 * 4 + 64 * 4 * 4, unsaved
+
+
+def test_a_rank_holds_the_batch_it_splits_and_reads_not() -> None:
+    """Every rank splits the whole batch into microbatches, views of the caller's
+    tensors: the second rank, which reads no batch input, holds the example batch's
+    storage (256 rows of 16 floats) through the step; the first counts it among what it
+    saves."""
+    from partitioner.cost.saved import stage_batch_bytes
+
+    assert stage_batch_bytes(*_heavy_split(4), 2, lambda k: k) == [0, 256 * 16 * 4]
+
+
+def test_data_parallel_buckets_hold_a_copy_of_the_gradients() -> None:
+    """With data parallelism the gradients are flattened into the all-reduce's buckets at
+    the end of the backward, a second copy until the averages are written back
+    (runtime/comm.GradBuckets): that, not the optimizer's temporaries, may set the peak."""
+    stage = StageBytes(persistent=100, gradients=1000, held=10, backward=0)
+    bucketed = StageBytes(persistent=100, gradients=1000, held=10, backward=0, reduced=1000)
+    plain = rank_peaks("1f1b", 1, 2, 1, [stage], step_transient=50)
+    assert plain[0] == 100 + 1000 + 50
+    assert rank_peaks("1f1b", 1, 2, 1, [bucketed], step_transient=50)[0] == 100 + 2 * 1000
+
+
+def test_a_package_never_exceeds_the_memory_it_was_given(tmp_path: Path) -> None:
+    """The solver bounds a stage's memory by its own terms, the manifest reports the peak
+    walked over the schedule: under each --memory, a compile either emits a package every
+    rank of which fits by the walk (solved again with the bound lowered where the first
+    split does not) or refuses, naming the ranks and the fixes; never a package that says
+    it exceeds the memory it was given."""
+    from partitioner.errors import InfeasiblePlanError
+    from runtime.manifest import read_manifest
+
+    emitted = 0
+    for kib in range(560, 1000, 40):
+        out = tmp_path / f"pkg{kib}"
+        try:
+            compile_example(HEAVY, out, stages=2, microbatches=4, schedule="gpipe", offload="none", hardware="cpu",
+                            memory=kib << 10)
+        except InfeasiblePlanError as exc:
+            assert "--memory" in str(exc), exc
+            continue
+        predicted = read_manifest(out).predicted
+        assert predicted is not None
+        peaks = [stage.memory_bytes for stage in predicted.stages]  # one stage per rank
+        assert max(peaks) <= kib << 10, (kib, peaks)
+        emitted += 1
+    assert emitted  # the largest limits fit
