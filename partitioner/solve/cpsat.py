@@ -108,12 +108,11 @@ class _CpModel:
                 if self.byte_units[j]:
                     later = sum(self.recv[j][b] for b in range(k + 1, S))
                     m.add(self.sent[j][k] >= self.byte_units[j] * later).only_enforce_if(self.at[v.producer][k])
-        # the bytes each stage sends other ranks, a value once per stage that receives it: what it holds
-        self.sent_bytes = [[m.new_int_var(0, v.bytes * S, f"b{j}_{k}") for k in range(S)] for j, v in enumerate(self.values)]
+        # the bytes each stage sends other ranks, each value once: what the memory model holds
+        self.sent_bytes = [[m.new_int_var(0, v.bytes, f"b{j}_{k}") for k in range(S)] for j, v in enumerate(self.values)]
         for j, v in enumerate(self.values):
-            for k in range(S - 1) if p.holds_messages and v.bytes else ():
-                later = sum(self.recv[j][b] for b in range(k + 1, S))
-                m.add(self.sent_bytes[j][k] >= v.bytes * later).only_enforce_if(self.at[v.producer][k])
+            for k, b in ((k, b) for k in range(S - 1) for b in range(k + 1, S)) if p.holds_messages and v.bytes else ():
+                m.add(self.sent_bytes[j][k] >= v.bytes * self.recv[j][b]).only_enforce_if(self.at[v.producer][k])
         self.recv_any = self.recv  # what a recomputing stage keeps: its inputs, whoever made them
         if p.recompute and p.virtual_stages > 1:
             self.recv_any = [[m.new_bool_var(f"i{j}_{k}") for k in range(S)] for j in range(len(self.values))]

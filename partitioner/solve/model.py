@@ -34,7 +34,7 @@ import math
 from dataclasses import dataclass
 from typing import Sequence
 
-from ..cost.costmodel import boundary_s, computing_blocks, remote, shared_params, stage_pairs
+from ..cost.costmodel import boundary_s, computing_blocks, remote, shared_params, stage_pairs, values
 from ..cost.roofline import stage_memory_bytes
 from ..ir import PartitionProblem
 
@@ -98,17 +98,30 @@ def stage_costs(problem: PartitionProblem, assignment: Sequence[int]) -> tuple[S
             traffic[k] += 2 * nbytes
         over_links[b] += nbytes
     awaited = [seeds[k] * problem.awaiting_w(k) for k in range(stages)]
+    held = _messages_held(problem, assignment, over_links) if problem.holds_messages else [0] * stages
     return tuple(
         StageCost(compute[k], messages[k], traffic[k], weights[k], acts[k], problem.inflight(k),
                   compute[k] + comm_s[k],
                   stage_memory_bytes(weights[k], acts[k], problem.resident(k), problem.optimizer_factor,
                                      recompute=problem.recompute, input_bytes=received[k], kept_bytes=kept[k],
-                                     working_bytes=problem.working_bytes, message_bytes=traffic[k] // 2 if problem.holds_messages else 0,
+                                     working_bytes=problem.working_bytes, message_bytes=held[k],
                                      microbatches=problem.microbatches, after_bytes=after_bytes(problem, weights[k]))
                   + awaited[k],
                   received[k], over_links[k], awaited[k])
         for k in range(stages)
     )
+
+
+def _messages_held(problem: PartitionProblem, assignment: Sequence[int], received: Sequence[int]) -> list[int]:
+    """Per stage, the bytes per microbatch of its messages with other ranks that the
+    memory model holds (`PartitionProblem`): what it receives (`received`) and each value
+    it sends once, however many stages read it (the DPs' count, `intervals`)."""
+    held, placed = list(received), problem.placement
+    for v in values(problem):
+        k = assignment[v.producer]
+        if any(placed[assignment[r]] != placed[k] for r in v.readers if assignment[r] > k):
+            held[k] += v.bytes
+    return held
 
 
 def after_bytes(problem: PartitionProblem, weight_bytes: int) -> int:

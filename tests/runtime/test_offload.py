@@ -126,11 +126,12 @@ def _fullest_rank(m: Any) -> int:
 def _binding(tmp_path: Path, path: str = GPT, **options: Any) -> tuple[Path, int]:
     """A package compiled with `--offload auto` and a --memory at which auto offloads a share
     (from midway between the fullest rank's need with every activation offloaded and
-    without, down to a little under the first), and that memory."""
+    without, down to under the first, where a rebalanced split that keeps every activation
+    no longer fits), and that memory."""
     need = _fullest_rank(read_manifest(_planned(tmp_path, "none", path, offload="none", **options)))
     least = _fullest_rank(read_manifest(_planned(tmp_path, "all", path, offload="all", **options)))
     assert least < need, "offloading all lowers the fullest stage's need"
-    for share in (0.5, 0.2, 0.05, 0.0, -0.1, -0.2):  # lower, until a plan that keeps every activation cannot fit by rebalancing
+    for share in (0.5, 0.2, 0.05, 0.0, -0.1, -0.2, -0.4, -0.6, -0.8, -1.0):  # lower, until no plan that keeps every activation fits
         limit = least + int(share * (need - least))
         pkg = _planned(tmp_path, f"auto{share}", path, memory=limit, **options)
         if any(s.offload > 0 for s in read_manifest(pkg).stages):
