@@ -252,5 +252,8 @@ def test_the_profile_splits_each_backward_into_its_weight_and_input_parts() -> N
     for measure in (True, False):
         costs = annotate(gm, values, load_hardware("cpu" if measure else "a100"), measure, repeats=3)
         assert costs["embedding"].weight_fraction == 1.0 and costs["relu"].weight_fraction == 0.0
-        assert 0.0 < costs["linear"].weight_fraction < 1.0, costs["linear"]
+        # measured, dW alone against dW and dX of a tiny matmul is a ratio of two timings: no
+        # bound but the clamp holds on a loaded machine; the roofline's is a true part
+        assert 0.0 < costs["linear"].weight_fraction <= 1.0 if measure else 0.0 < costs["linear"].weight_fraction < 1.0, \
+            costs["linear"]
         assert costs["linear"].weight_s == costs["linear"].backward_s * costs["linear"].weight_fraction
