@@ -220,8 +220,8 @@ class PartitionProblem:
                                                    backward's output gradient
     where message_bytes is what the stage receives from other ranks per microbatch and
     each value it sends them once (with `holds_messages`; `problem.pose` sets it; the
-    walk counts a value sent to two stages twice).  After the last backward, with every activation freed, a stage
-    holds instead
+    walk counts a value sent to two stages twice).  After the last backward, with every
+    activation freed, a stage holds instead
         param_bytes * (2 + optimizer_factor) + message_bytes * microbatches
         + max(step_bytes, param_bytes if buckets)  the optimizer step's temporaries, dp's buckets
     and its memory is the larger of the two.
