@@ -111,7 +111,10 @@ def test_a_bfloat16_model_is_planned_with_mixed_precision_state(tmp_path: Path) 
     half, full = compiled["bfloat16"], compiled["float32"]
     for plan, factor in ((half.plan, 6), (full.plan, 2)):
         last = plan.stages[1]  # 1F1B: the last stage keeps one microbatch in flight
-        assert last.memory_bytes == last.param_bytes * (2 + factor) + last.activation_bytes
+        # beside weights and activations, the working set and the messages: none of them
+        # parameter-sized, so an optimizer factor off by 4 would show here
+        extra = last.memory_bytes - last.param_bytes * (2 + factor) - last.activation_bytes
+        assert 0 <= extra < 4 * last.param_bytes, (extra, last)
     assert half.plan.stages[1].param_bytes * 2 == full.plan.stages[1].param_bytes
 
 
