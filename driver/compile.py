@@ -71,9 +71,9 @@ def _solve(prepared: Prepared) -> tuple[Prepared, tuple[int, ...], SolverReport]
 
 
 def _fit_by_walk(prepared: Prepared, solve_one: Callable[[Prepared], _Solved]) -> _Solved:
-    """`solve_one(prepared)`, solved again with the solver's memory limit lowered by what a
-    rank's peak walked over the schedule (with its offloading) exceeds the limit by, up to
-    WALK_ROUNDS times: the solver bounds a stage's memory by its terms, the walk, which
+    """`solve_one(prepared)`, solved again with the solver's memory limit lowered where a
+    rank's peak walked over the schedule (with its offloading) exceeds the limit
+    (`memory.undercount`), up to WALK_ROUNDS times: the solver bounds a stage's memory by its terms, the walk, which
     the manifest reports, follows what the runtime holds, and the two may differ
     ([Note: the memory walk] in partitioner/predict/memory.py).  The Prepared returned
     keeps the limit given; `phases.finish` refuses a plan that still exceeds it."""

@@ -35,7 +35,7 @@ from partitioner.ir import Plan, SolverReport
 from partitioner.solve.policies import solve_policies
 from partitioner.solve.problem import make_plan, pose
 
-from .memory import rank_peaks, stage_parts, undercount
+from .memory import rank_peaks, ranks_over, stage_parts, undercount
 from .options import AUTO
 from .prepared import Prepared
 
@@ -80,8 +80,8 @@ def solve_jointly(p: Prepared, limit: int | None = None, cap_s: float = math.inf
 
 
 def fit_jointly(p: Prepared) -> _Solved:
-    """`solve_jointly`, solved again with the limit lowered by what the walked peak
-    (driver/memory.py) exceeds it by, up to WALK_ROUNDS times, so that the plan fits by
+    """`solve_jointly`, solved again with the limit lowered where the walked peak
+    (driver/memory.py) exceeds it (`memory.undercount`), up to WALK_ROUNDS times, so that the plan fits by
     the walk the manifest reports as well as by the DP's cost model: each stage's
     policy is chosen as near the limit as the model allows, where the two may differ.
     InfeasiblePlanError where no mix fits, or none fits by the walk."""
@@ -108,7 +108,7 @@ def solve_cheapest_policy(p: Prepared, solve_one: _Solve) -> _Solved:
     except InfeasiblePlanError:
         p.say("--recompute auto: no plan fits without recomputation; choosing the split and each stage's policy")
         none = None
-    if none is not None and not none[0].problem.offload and _over_by_walk(none):
+    if none is not None and not none[0].problem.offload and ranks_over(none[0], planned(*none)):
         p.say("--recompute auto: the split without recomputation exceeds the limit by its walked peak; choosing the "
               "split and each stage's policy")
         none = None
@@ -149,12 +149,6 @@ def _uniform(p: Prepared, solve_one: _Solve) -> _Solved:
                 raise
             p.say(f"--recompute auto: no plan fits with recomputation {policy} on every stage; trying the next")
     raise AssertionError("unreachable: the last level raises")
-
-
-def _over_by_walk(solved: _Solved) -> bool:
-    """Whether a rank's walked peak of a solved plan exceeds the memory limit."""
-    limit = solved[0].problem.memory_limit_bytes
-    return limit is not None and max(rank_peaks(solved[0], planned(*solved))) > limit
 
 
 def _slowest_rank(solved: _Solved) -> float:
